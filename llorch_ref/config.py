@@ -1,0 +1,61 @@
+"""The one canonical model configuration. Loaders fill it; the model reads it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+
+from .errors import UnsupportedModelError
+
+ROPE_STYLES = ("adjacent", "neox")  # adjacent: pairs (2i, 2i+1) (GGUF llama); neox: (i, i + n/2) (HF)
+
+
+@dataclass(frozen=True)
+class Config:
+    arch: str                 # "llama"
+    n_vocab: int              # V
+    d_model: int              # D
+    n_layers: int             # L
+    n_heads: int              # H
+    n_kv_heads: int           # KV (H % KV == 0; KV == H is plain multi-head attention)
+    head_dim: int             # Hd
+    d_ff: int                 # F
+    context_length: int       # trained context (n_ctx_train)
+    rms_eps: float            # RMSNorm epsilon
+    rope_base: float          # RoPE frequency base (theta)
+    rope_dim: int             # number of rotated dims per head (<= Hd)
+    rope_style: str           # "adjacent" | "neox": how rotated pairs are laid out in Wq/Wk rows
+    tied_output: bool         # logits use the token embedding matrix
+    attention_scale: float | None = None  # None: 1/sqrt(Hd)
+    extra: dict = field(default_factory=dict, compare=False)  # informational metadata only
+
+    def __post_init__(self):
+        problems = []
+        for name in ("n_vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                     "context_length", "rope_dim"):
+            if int(getattr(self, name)) <= 0:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
+        if self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.rope_dim > self.head_dim or self.rope_dim % 2:
+            problems.append(f"rope_dim={self.rope_dim} must be even and <= head_dim={self.head_dim}")
+        if self.rope_style not in ROPE_STYLES:
+            problems.append(f"rope_style={self.rope_style!r} is not one of {ROPE_STYLES}")
+        if not (self.rms_eps > 0):
+            problems.append(f"rms_eps={self.rms_eps} must be > 0")
+        if not (self.rope_base > 0):
+            problems.append(f"rope_base={self.rope_base} must be > 0")
+        if problems:
+            raise UnsupportedModelError("invalid model configuration: " + "; ".join(problems))
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads per KV head."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra")
+        return d

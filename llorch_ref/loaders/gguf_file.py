@@ -1,0 +1,192 @@
+"""GGUF -> (Config, Weights, tokenizer metadata), through the `gguf` package.
+
+ggml order vs NumPy order: a GGUF tensor with ggml shape ne = [ne0, ne1] (ne0 fastest) is the NumPy array
+of shape (ne1, ne0). `gguf.GGUFReader` reports `.shape` in ggml order; we always store NumPy order.
+GGUF llama files hold Wq/Wk rows permuted by llama.cpp's converter so that RoPE rotates adjacent pairs
+(2i, 2i+1): Config.rope_style = "adjacent" records that.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import Config
+from ..errors import ModelFileError, UnsupportedModelError
+from ..model.weights import LayerWeights, Weights
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_ARCHS = ("llama",)
+
+
+@dataclass
+class GGUFModel:
+    path: Path
+    config: Config
+    weights: Weights
+    metadata: dict            # every key/value of the file (arrays of strings stay lists)
+    tensor_types: dict        # name -> ggml type name (e.g. "Q4_1")
+
+
+def _check_header(path: Path) -> int:
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelFileError(f"{path}: is a directory, expected a .gguf file")
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read: {e.strerror}") from None
+    if len(head) < 8 or head[:4] != GGUF_MAGIC:
+        raise ModelFileError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
+    version = int.from_bytes(head[4:8], "little")
+    if version not in (2, 3):
+        raise ModelFileError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
+    return size
+
+
+def open_reader(path) -> "gguf.GGUFReader":  # noqa: F821
+    """Open a GGUF file with gguf.GGUFReader, turning its failures into one-line ModelFileErrors."""
+    import gguf
+
+    path = Path(path)
+    size = _check_header(path)
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except (ValueError, IndexError, KeyError, OverflowError, MemoryError, TypeError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{path}: malformed GGUF header or metadata ({type(e).__name__}: {e})") from None
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != int(t.n_bytes):
+            raise ModelFileError(
+                f"{path}: truncated: tensor {t.name!r} ends at byte {end} but the file has {size} bytes")
+    return reader
+
+
+def read_metadata(reader) -> dict:
+    import gguf
+
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            if field.types and field.types[0] == gguf.GGUFValueType.ARRAY and \
+                    field.types[-1] != gguf.GGUFValueType.STRING:
+                meta[key] = np.array([field.parts[i][0] for i in field.data])
+            else:
+                meta[key] = field.contents()
+        except (ValueError, IndexError, UnicodeDecodeError) as e:
+            raise ModelFileError(f"{reader.data.filename}: metadata key {key!r} unreadable: {e}") from None
+    return meta
+
+
+def _get(meta, key, default=None, *, required=False, path=""):
+    if key in meta:
+        return meta[key]
+    if required:
+        raise ModelFileError(f"{path}: required metadata key {key!r} is missing")
+    return default
+
+
+def config_from_metadata(meta: dict, path, tensor_shapes: dict) -> Config:
+    arch = _get(meta, "general.architecture", required=True, path=path)
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedModelError(
+            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+    a = arch + "."
+    d_model = int(_get(meta, a + "embedding_length", required=True, path=path))
+    n_heads = int(_get(meta, a + "attention.head_count", required=True, path=path))
+    n_kv = int(_get(meta, a + "attention.head_count_kv", n_heads))       # default: MHA
+    head_dim = int(_get(meta, a + "attention.key_length", d_model // max(n_heads, 1)))
+    emb = tensor_shapes.get("token_embd.weight")
+    if emb is None:
+        raise ModelFileError(f"{path}: tensor 'token_embd.weight' is missing")
+    n_vocab = int(_get(meta, a + "vocab_size", emb[0]))
+    if n_vocab != emb[0]:
+        raise ModelFileError(f"{path}: {a}vocab_size={n_vocab} but token_embd.weight has {emb[0]} rows")
+    n_layers = int(_get(meta, a + "block_count", required=True, path=path))
+    return Config(
+        arch=arch,
+        n_vocab=n_vocab,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        d_ff=int(_get(meta, a + "feed_forward_length", required=True, path=path)),
+        context_length=int(_get(meta, a + "context_length", 2048)),        # llama.cpp's fallback
+        rms_eps=float(np.float32(_get(meta, a + "attention.layer_norm_rms_epsilon", 1e-5))),
+        rope_base=float(_get(meta, a + "rope.freq_base", 10000.0)),
+        rope_dim=int(_get(meta, a + "rope.dimension_count", head_dim)),
+        rope_style="adjacent",          # llama.cpp LLAMA_ROPE_TYPE_NORM; Wq/Wk rows permuted by the converter
+        tied_output="output.weight" not in tensor_shapes,
+        attention_scale=None,
+        extra={"general.name": meta.get("general.name"), "file_type": meta.get("general.file_type")},
+    )
+
+
+def dequantize(t) -> np.ndarray:
+    """One GGUF tensor -> float32 array in NumPy order."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    shape = tuple(int(n) for n in reversed([int(x) for x in t.shape]))
+    try:
+        if t.tensor_type == Q.F32:
+            arr = np.array(t.data, dtype=np.float32)
+        elif t.tensor_type == Q.F16:
+            arr = np.asarray(t.data).astype(np.float32)
+        else:
+            arr = quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise UnsupportedModelError(
+            f"tensor {t.name!r}: type {t.tensor_type.name} cannot be dequantized by the gguf package") from None
+    arr = np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
+    return arr
+
+
+LAYER_TENSORS = {  # GGUF name suffix -> LayerWeights field, expected NumPy shape (from cfg)
+    "attn_norm.weight": ("attn_norm", lambda c: (c.d_model,)),
+    "attn_q.weight": ("wq", lambda c: (c.n_heads * c.head_dim, c.d_model)),
+    "attn_k.weight": ("wk", lambda c: (c.n_kv_heads * c.head_dim, c.d_model)),
+    "attn_v.weight": ("wv", lambda c: (c.n_kv_heads * c.head_dim, c.d_model)),
+    "attn_output.weight": ("wo", lambda c: (c.d_model, c.n_heads * c.head_dim)),
+    "ffn_norm.weight": ("ffn_norm", lambda c: (c.d_model,)),
+    "ffn_gate.weight": ("w_gate", lambda c: (c.d_ff, c.d_model)),
+    "ffn_up.weight": ("w_up", lambda c: (c.d_ff, c.d_model)),
+    "ffn_down.weight": ("w_down", lambda c: (c.d_model, c.d_ff)),
+}
+
+
+def load_gguf(path) -> GGUFModel:
+    path = Path(path)
+    reader = open_reader(path)
+    meta = read_metadata(reader)
+    by_name = {t.name: t for t in reader.tensors}
+    shapes = {t.name: tuple(int(x) for x in reversed([int(s) for s in t.shape])) for t in reader.tensors}
+    cfg = config_from_metadata(meta, path, shapes)
+
+    def tensor(name, shape):
+        t = by_name.get(name)
+        if t is None:
+            raise ModelFileError(f"{path}: tensor {name!r} is missing")
+        if shapes[name] != shape:
+            raise ModelFileError(f"{path}: tensor {name!r} has shape {shapes[name]} (NumPy order), "
+                                 f"expected {shape} from the metadata")
+        return dequantize(t)
+
+    layers = []
+    for i in range(cfg.n_layers):
+        fields = {fld: tensor(f"blk.{i}.{suffix}", shp(cfg)) for suffix, (fld, shp) in LAYER_TENSORS.items()}
+        layers.append(LayerWeights(**fields))
+    tok = tensor("token_embd.weight", (cfg.n_vocab, cfg.d_model))
+    out = tok if cfg.tied_output else tensor("output.weight", (cfg.n_vocab, cfg.d_model))
+    weights = Weights(tok_embd=tok, layers=layers, out_norm=tensor("output_norm.weight", (cfg.d_model,)),
+                      output=out)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types)

@@ -1,0 +1,60 @@
+"""One unified cache per sequence: K/V for every layer, the RoPE tables and the causal mask."""
+from __future__ import annotations
+
+from ..errors import PromptError
+from . import layers
+
+
+class Cache:
+    """K/V preallocated as [L, n_ctx, KV, Hd] of `kv_dtype`; RoPE cos/sin [n_ctx, R/2] built once.
+
+    `pos` is the number of positions already written. reset() starts a new sequence: it zeroes pos
+    (and the stored K/V, so no stale entry can ever be read by a bug elsewhere).
+    """
+
+    def __init__(self, xp, cfg, n_ctx: int, kv_dtype="float32"):
+        self.xp, self.cfg, self.n_ctx = xp, cfg, int(n_ctx)
+        self.kv_dtype = xp.dtype(kv_dtype)
+        shape = (cfg.n_layers, self.n_ctx, cfg.n_kv_heads, cfg.head_dim)
+        self.k = xp.zeros(shape, dtype=self.kv_dtype)
+        self.v = xp.zeros(shape, dtype=self.kv_dtype)
+        self.cos, self.sin = layers.rope_angles(xp, self.n_ctx, cfg.rope_dim, cfg.rope_base)
+        self.pos = 0
+
+    def reset(self):
+        self.k[...] = 0
+        self.v[...] = 0
+        self.pos = 0
+
+    def check_room(self, n_new: int):
+        if self.pos + n_new > self.n_ctx:
+            raise PromptError(f"context full: {self.pos} positions used + {n_new} new > n_ctx={self.n_ctx}")
+
+    def positions(self, n_new: int):
+        """-> [T] int positions of the next n_new tokens."""
+        return self.xp.arange(self.pos, self.pos + n_new)
+
+    def rope_rows(self, n_new: int):
+        """-> cos, sin: [T, R/2] f32 for the next n_new positions."""
+        p = self.positions(n_new)
+        return self.cos[p], self.sin[p]
+
+    def store(self, layer: int, k, v):
+        """k, v: [T, KV, Hd] -> the cached [S, KV, Hd] keys and values of this layer (S = pos + T)."""
+        t = k.shape[0]
+        self.k[layer, self.pos:self.pos + t] = k
+        self.v[layer, self.pos:self.pos + t] = v
+        end = self.pos + t
+        return (self.k[layer, :end].astype(self.xp.float32, copy=False),
+                self.v[layer, :end].astype(self.xp.float32, copy=False))
+
+    def mask(self, n_new: int):
+        """-> [T, S] f32: 0 where token i (at pos+i) may see position j (j <= pos+i), else -inf."""
+        xp = self.xp
+        s = self.pos + n_new
+        q_pos = self.positions(n_new)[:, None]                          # [T, 1]
+        k_pos = xp.arange(s)[None, :]                                   # [1, S]
+        return xp.where(k_pos <= q_pos, xp.float32(0.0), xp.float32(-xp.inf)).astype(xp.float32)
+
+    def advance(self, n_new: int):
+        self.pos += n_new

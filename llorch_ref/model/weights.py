@@ -1,0 +1,38 @@
+"""The canonical weight layout: NumPy order, float32, [out_features, in_features] like nn.Linear."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray   # [D]
+    wq: np.ndarray          # [H*Hd, D]   rows laid out for Config.rope_style
+    wk: np.ndarray          # [KV*Hd, D]  rows laid out for Config.rope_style
+    wv: np.ndarray          # [KV*Hd, D]
+    wo: np.ndarray          # [D, H*Hd]
+    ffn_norm: np.ndarray    # [D]
+    w_gate: np.ndarray      # [F, D]
+    w_up: np.ndarray        # [F, D]
+    w_down: np.ndarray      # [D, F]
+
+
+@dataclass
+class Weights:
+    tok_embd: np.ndarray    # [V, D]
+    layers: list[LayerWeights]
+    out_norm: np.ndarray    # [D]
+    output: np.ndarray      # [V, D] (the same array as tok_embd when the output is tied)
+
+    def map(self, fn) -> "Weights":
+        """Apply fn to every array (e.g. upload to a GPU), keeping tied arrays tied."""
+        tied = self.output is self.tok_embd
+        tok = fn(self.tok_embd)
+        return Weights(
+            tok_embd=tok,
+            layers=[LayerWeights(**{k: fn(v) for k, v in vars(lw).items()}) for lw in self.layers],
+            out_norm=fn(self.out_norm),
+            output=tok if tied else fn(self.output),
+        )

@@ -1,0 +1,1 @@
+"""Independent references the reference is checked against (llama.cpp; transformers later)."""

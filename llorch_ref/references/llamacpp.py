@@ -1,0 +1,266 @@
+"""llama.cpp through llama-cpp-python 0.3.36's low-level API, with intermediate tensors captured
+by the eval callback (`llama_context_params.cb_eval`).
+
+Settings that keep tensors visible and exact are forced: flash attention off (else kq/kq_soft_max/kqv
+do not exist), K/V cache type as asked (F32 for exact work), logits for every token (a batch from
+llama_batch_init), no weight repacking (use_extra_bufts=False), prompts shorter than n_ubatch.
+Tensor names are not unique in the llama graph, so captures are keyed by (name, op, occurrence).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import PromptError, ReferenceError_
+
+EXPECTED_VERSION = "0.3.36"
+GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+KV_TYPES = {"f32": GGML_TYPE_F32, "f16": GGML_TYPE_F16}
+
+
+class GGMLTensorPrefix(ctypes.Structure):
+    """The leading fields of ggml.h's `struct ggml_tensor` (GGML_MAX_DIMS=4, GGML_MAX_SRC=10,
+    GGML_MAX_OP_PARAMS=64 bytes, GGML_MAX_NAME=64). Checked at run time against ggml's own accessors."""
+    _fields_ = [
+        ("type", ctypes.c_int32),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int32),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+    ]
+
+
+def _import():
+    try:
+        import llama_cpp
+        import llama_cpp._ggml as _ggml
+    except ImportError as e:
+        raise ReferenceError_(f"llama-cpp-python is not installed ({e}); install llorch-ref[llamacpp]") from None
+    if llama_cpp.__version__ != EXPECTED_VERSION:
+        raise ReferenceError_(f"llama-cpp-python {llama_cpp.__version__} found, but the capture is written "
+                              f"for {EXPECTED_VERSION}: its ggml_tensor layout may differ")
+    return llama_cpp, _ggml.libggml
+
+
+_GGML = None
+
+
+def _ggml_funcs():
+    global _GGML
+    if _GGML is None:
+        _, lib = _import()
+        f = {}
+        for name, res, args in [
+            ("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
+            ("ggml_op_desc", ctypes.c_char_p, [ctypes.c_void_p]),
+            ("ggml_nbytes", ctypes.c_size_t, [ctypes.c_void_p]),
+            ("ggml_type_size", ctypes.c_size_t, [ctypes.c_int]),
+            ("ggml_blck_size", ctypes.c_int64, [ctypes.c_int]),
+            ("ggml_backend_tensor_get", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]),
+        ]:
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+            f[name] = fn
+        _GGML = f
+    return _GGML
+
+
+@dataclass
+class Capture:
+    """Which graph nodes to copy out: a set of base names (e.g. {"Qcur", "kq"}) or None for all."""
+    names: set | None = None
+    tensors: dict = field(default_factory=dict)   # (name, op, occurrence) -> np.ndarray (NumPy order)
+    nodes: list = field(default_factory=list)     # (name, op, ggml ne) of every captured node, in order
+    _seen: dict = field(default_factory=dict)
+    checked: bool = False
+
+    def wants(self, name: str) -> bool:
+        if self.names is None:
+            return True
+        return name.rsplit("-", 1)[0] in self.names or name in self.names
+
+
+def _read_tensor(ptr) -> tuple[str, str, tuple, np.ndarray | None]:
+    g = _ggml_funcs()
+    t = GGMLTensorPrefix.from_address(ptr)
+    name = g["ggml_get_name"](ptr).decode()
+    op = g["ggml_op_desc"](ptr).decode()
+    ne = tuple(int(n) for n in t.ne)
+    if t.type not in (GGML_TYPE_F32, GGML_TYPE_F16):
+        return name, op, ne, None
+    nbytes = g["ggml_nbytes"](ptr)
+    esize = g["ggml_type_size"](t.type)
+    # layout check: the struct must agree with ggml's own accessors, or we would read garbage
+    if t.name.decode(errors="replace") != name:
+        raise ReferenceError_(f"ggml_tensor layout mismatch: struct name {t.name!r} != ggml_get_name {name!r}")
+    span = esize + sum((n - 1) * s for n, s in zip(ne, t.nb))
+    if span != nbytes:
+        raise ReferenceError_(f"ggml_tensor layout mismatch for {name}: ne/nb span {span} != ggml_nbytes {nbytes}")
+    buf = np.empty(nbytes, dtype=np.uint8)
+    g["ggml_backend_tensor_get"](ptr, buf.ctypes.data, 0, nbytes)
+    dt = np.float32 if t.type == GGML_TYPE_F32 else np.float16
+    shape = tuple(reversed(ne))
+    strides = tuple(reversed([int(s) for s in t.nb]))
+    arr = np.lib.stride_tricks.as_strided(buf.view(np.uint8), shape=shape, strides=strides)
+    arr = np.lib.stride_tricks.as_strided(buf.view(dt)[:1], shape=shape, strides=strides).astype(np.float32)
+    return name, op, ne, arr
+
+
+class LlamaCpp:
+    """One llama.cpp model + context. eval(tokens) runs a fresh sequence and returns logits [T, V]."""
+
+    def __init__(self, path, n_ctx=512, kv_type="f32", n_threads=2, n_ubatch=512, seed=0):
+        llama_cpp, _ = _import()
+        self.llama_cpp = llama_cpp
+        if kv_type not in KV_TYPES:
+            raise ReferenceError_(f"kv_type {kv_type!r} must be one of {list(KV_TYPES)}")
+        llama_cpp.llama_backend_init()
+        self._quiet()
+        mp = llama_cpp.llama_model_default_params()
+        mp.use_extra_bufts = False
+        mp.n_gpu_layers = 0
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise ReferenceError_(f"{path}: llama.cpp could not load the model")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_ubatch
+        cp.n_ubatch = n_ubatch
+        cp.n_threads = cp.n_threads_batch = n_threads
+        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.type_k = cp.type_v = KV_TYPES[kv_type]
+        cp.offload_kqv = False
+        self._capture: Capture | None = None
+        self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval_cb)   # kept alive on self
+        cp.cb_eval = self._cb
+        cp.cb_eval_user_data = None
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise ReferenceError_("llama.cpp could not create a context")
+        self.settings = {"n_ctx": n_ctx, "n_batch": n_ubatch, "n_ubatch": n_ubatch, "n_threads": n_threads,
+                         "flash_attn": False, "type_k": kv_type, "type_v": kv_type, "use_extra_bufts": False,
+                         "logits": "all tokens (llama_batch_init)", "llama_cpp_python": llama_cpp.__version__}
+        self.n_ctx, self.n_ubatch = n_ctx, n_ubatch
+
+    @staticmethod
+    def _quiet():
+        import llama_cpp
+
+        @llama_cpp.llama_log_callback
+        def _log(level, text, user_data):
+            pass
+        LlamaCpp._log_cb = _log          # keep alive
+        llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
+
+    def _eval_cb(self, t, ask, user_data):
+        cap = self._capture
+        if cap is None:
+            return False if ask else True
+        try:
+            if ask:
+                name = _ggml_funcs()["ggml_get_name"](t).decode()
+                return cap.wants(name)
+            name, op, ne, arr = _read_tensor(t)
+            key = (name, op)
+            occ = cap._seen.get(key, 0)
+            cap._seen[key] = occ + 1
+            cap.nodes.append((name, op, ne))
+            if arr is not None:
+                cap.tensors[(name, op, occ)] = arr
+            cap.checked = True
+        except Exception as e:  # never let an exception cross the C boundary
+            cap.error = e
+        return True
+
+    def eval(self, tokens, capture: Capture | None = None) -> np.ndarray:
+        """tokens: [T] -> logits [T, V] float32 of a fresh sequence (KV memory cleared first)."""
+        lc = self.llama_cpp
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise PromptError("empty token list")
+        if len(tokens) > min(self.n_ctx, self.n_ubatch):
+            raise PromptError(f"{len(tokens)} tokens exceed llama.cpp's n_ctx/n_ubatch "
+                              f"({self.n_ctx}/{self.n_ubatch})")
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        return self._decode(tokens, 0, capture, all_logits=True)
+
+    def _decode(self, tokens, pos0, capture, all_logits):
+        lc = self.llama_cpp
+        n = len(tokens)
+        batch = lc.llama_batch_init(n, 0, 1)
+        try:
+            for i, tok in enumerate(tokens):
+                batch.token[i] = tok
+                batch.pos[i] = pos0 + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1 if (all_logits or i == n - 1) else 0
+            batch.n_tokens = n
+            self._capture = capture
+            if capture is not None:
+                capture.error = None
+            rc = lc.llama_decode(self.ctx, batch)
+            self._capture = None
+            if capture is not None and capture.error is not None:
+                raise ReferenceError_(f"llama.cpp capture failed: {capture.error}")
+            if rc != 0:
+                raise ReferenceError_(f"llama_decode returned {rc}")
+            rows = range(n) if all_logits else [n - 1]
+            out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+            for j, i in enumerate(rows):
+                p = lc.llama_get_logits_ith(self.ctx, i)
+                out[j] = np.ctypeslib.as_array(p, shape=(self.n_vocab,))
+            return out
+        finally:
+            lc.llama_batch_free(batch)
+
+    def greedy(self, tokens, max_tokens: int, stop_ids=()) -> list[int]:
+        """Greedy continuation (argmax of llama.cpp's logits = its temperature-0 sampler), token by token."""
+        lc = self.llama_cpp
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        tokens = [int(t) for t in tokens]
+        logits = self._decode(tokens, 0, None, all_logits=False)
+        out, pos = [], len(tokens)
+        for _ in range(max_tokens):
+            nxt = int(np.argmax(logits[-1]))
+            if nxt in stop_ids:
+                break
+            out.append(nxt)
+            if pos + 1 > self.n_ctx:
+                break
+            logits = self._decode([nxt], pos, None, all_logits=False)
+            pos += 1
+        return out
+
+    def close(self):
+        lc = self.llama_cpp
+        if getattr(self, "ctx", None):
+            lc.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            lc.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def tokenize(path, text: str) -> list[int]:
+    """llama_tokenize(text, add_special=True, parse_special=True) on the file's vocabulary."""
+    llama_cpp, _ = _import()
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    return llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
