@@ -63,6 +63,7 @@ def _ggml_funcs():
             ("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
             ("ggml_op_desc", ctypes.c_char_p, [ctypes.c_void_p]),
             ("ggml_nbytes", ctypes.c_size_t, [ctypes.c_void_p]),
+            ("ggml_n_dims", ctypes.c_int, [ctypes.c_void_p]),
             ("ggml_type_size", ctypes.c_size_t, [ctypes.c_int]),
             ("ggml_blck_size", ctypes.c_int64, [ctypes.c_int]),
             ("ggml_backend_tensor_get", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]),
@@ -76,7 +77,7 @@ def _ggml_funcs():
 
 @dataclass
 class Capture:
-    """Which graph nodes to copy out: a set of base names (e.g. {"Qcur", "kq"}) or None for all."""
+    """Which graph nodes to copy out: a set of exact node names (e.g. {"Qcur-0", "kq-3"}) or None for all."""
     names: set | None = None
     tensors: dict = field(default_factory=dict)   # (name, op, occurrence) -> np.ndarray (NumPy order)
     nodes: list = field(default_factory=list)     # (name, op, ggml ne) of every captured node, in order
@@ -84,9 +85,7 @@ class Capture:
     checked: bool = False
 
     def wants(self, name: str) -> bool:
-        if self.names is None:
-            return True
-        return name.rsplit("-", 1)[0] in self.names or name in self.names
+        return self.names is None or name in self.names
 
 
 def _read_tensor(ptr) -> tuple[str, str, tuple, np.ndarray | None]:
@@ -110,9 +109,9 @@ def _read_tensor(ptr) -> tuple[str, str, tuple, np.ndarray | None]:
     dt = np.float32 if t.type == GGML_TYPE_F32 else np.float16
     shape = tuple(reversed(ne))
     strides = tuple(reversed([int(s) for s in t.nb]))
-    arr = np.lib.stride_tricks.as_strided(buf.view(np.uint8), shape=shape, strides=strides)
-    arr = np.lib.stride_tricks.as_strided(buf.view(dt)[:1], shape=shape, strides=strides).astype(np.float32)
-    return name, op, ne, arr
+    arr = np.lib.stride_tricks.as_strided(buf.view(dt), shape=shape, strides=strides).astype(np.float32)
+    nd = max(int(g["ggml_n_dims"](ptr)), 1)
+    return name, op, ne, arr.reshape(arr.shape[4 - nd:])     # drop ggml's trailing size-1 dims
 
 
 class LlamaCpp:

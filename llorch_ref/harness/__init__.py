@@ -1,0 +1,1 @@
+"""The checkpoint harness: specs (data in checkpoints/), metrics, comparison runs, proof bundles."""

@@ -1,0 +1,66 @@
+"""Raw figures for every comparison. Nothing here decides 'identical': a band does, and both are printed."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def compare(ours, ref) -> dict:
+    """ours, ref: arrays of the same intended shape -> {shape, max_abs, max_rel, nmse, cosine}.
+
+    max_rel uses a floored denominator: |a-b| / max(|b|, 1e-3 * max|b|, 1e-12), so near-zero entries of the
+    reference do not blow it up. NMSE = sum((a-b)^2) / sum(b^2), the convention of llama.cpp's
+    test-backend-ops. All sums in float64.
+    """
+    a = np.asarray(ours, dtype=np.float64)
+    b = np.asarray(ref, dtype=np.float64)
+    if a.shape != b.shape:
+        return {"shape": list(a.shape), "ref_shape": list(b.shape), "max_abs": math.inf, "max_rel": math.inf,
+                "nmse": math.inf, "cosine": float("nan"), "error": f"shape {a.shape} != reference {b.shape}"}
+    finite = np.isfinite(a) & np.isfinite(b)
+    if not finite.all():
+        same_nonfinite = np.array_equal(a[~finite], b[~finite], equal_nan=True)
+        if not same_nonfinite:
+            return {"shape": list(a.shape), "max_abs": math.inf, "max_rel": math.inf, "nmse": math.inf,
+                    "cosine": float("nan"), "error": "non-finite values differ"}
+        a, b = a[finite], b[finite]
+    d = a - b
+    absd = np.abs(d)
+    floor = max(1e-3 * float(np.max(np.abs(b))) if b.size else 0.0, 1e-12)
+    den = float(np.sum(b * b))
+    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    return {
+        "shape": list(np.shape(ours)),
+        "max_abs": float(absd.max()) if d.size else 0.0,
+        "max_rel": float((absd / np.maximum(np.abs(b), floor)).max()) if d.size else 0.0,
+        "nmse": float(np.sum(d * d) / den) if den > 0 else (0.0 if not d.any() else math.inf),
+        "cosine": float(np.dot(a.ravel(), b.ravel()) / (na * nb)) if na > 0 and nb > 0 else
+        (1.0 if na == nb else 0.0),
+    }
+
+
+def within(m: dict, band: dict) -> bool:
+    """A band is a dict of upper limits (nmse, max_abs) and lower limits (cosine, agreement)."""
+    if m.get("error"):
+        return False
+    for k, lim in band.items():
+        v = m.get(k)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return False
+        if k in ("cosine", "agreement"):
+            if v < lim:
+                return False
+        elif v > lim:
+            return False
+    return True
+
+
+def fmt(x) -> str:
+    if isinstance(x, float):
+        if math.isinf(x) or math.isnan(x):
+            return str(x)
+        if x == 0:
+            return "0"
+        return f"{x:.3e}" if abs(x) < 1e-3 or abs(x) >= 1e4 else f"{x:.6g}"
+    return str(x)

@@ -1,0 +1,248 @@
+"""One comparison run: our forward (recorded) against llama.cpp (captured), checkpoint by checkpoint.
+
+Our side runs a warm-up sequence through the same cache first and resets it, so a cache that leaks
+state between sequences shows up as a divergence. Layer checkpoints run on every layer.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import HarnessError, PromptError
+from .metrics import compare, within
+from .specs import band_class_of, coarser, load_specs
+
+DEFAULT_PROMPT = "Once upon a time, there was a little"
+WARMUP_PROMPT = "The quick brown fox jumps over the lazy dog, again and again and again."
+
+
+# layout name -> fn(llama.cpp array in NumPy order, our array) -> array shaped like ours (or not, if wrong)
+LAYOUTS = {
+    "same": lambda a, o: a.reshape(o.shape) if a.size == o.size else a,
+    "kq": lambda a, o: a[..., : o.shape[-1]],                                # (H, T, n_kv) -> [H, T, S]
+    "k_cache": lambda a, o: a[: o.shape[0]],                                # (n_kv, KV, Hd) -> [S, KV, Hd]
+    "v_cache": lambda a, o: a.transpose(2, 1, 0)[: o.shape[0]],             # (Hd, KV, n_kv) -> [S, KV, Hd]
+}
+
+
+@dataclass
+class Row:
+    checkpoint: str
+    name: str
+    layer: int | None
+    tensor: str
+    metrics: dict
+    band: dict
+    passed: bool
+    order: tuple
+
+
+@dataclass
+class DiffResult:
+    model: str
+    reference_model: str
+    prompt: str
+    token_ids: list
+    band_class: str
+    rows: list = field(default_factory=list)
+    captures_ours: dict = field(default_factory=dict)
+    captures_ref: dict = field(default_factory=dict)
+    llamacpp_settings: dict = field(default_factory=dict)
+    greedy: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    specs: list = field(default_factory=list)
+
+    @property
+    def first_divergence(self):
+        bad = [r for r in self.rows if not r.passed]
+        if not bad:
+            return None
+        r = min(bad, key=lambda r: r.order)
+        return {"checkpoint": r.checkpoint, "layer": r.layer, "tensor": r.tensor}
+
+    def passed(self, checkpoint=None) -> bool:
+        return all(r.passed for r in self.rows if checkpoint is None or r.checkpoint == checkpoint)
+
+    def summary(self) -> list[dict]:
+        """One line per checkpoint: worst figures over its tensors and layers."""
+        out = []
+        for spec in self.specs:
+            rows = [r for r in self.rows if r.checkpoint == spec.id]
+            if not rows:
+                continue
+            worst = max(rows, key=lambda r: (not r.passed, r.metrics.get("nmse", 0.0)))
+            out.append({
+                "checkpoint": spec.id, "name": spec.name, "rows": len(rows),
+                "failed": sum(not r.passed for r in rows),
+                "worst_nmse": max(r.metrics.get("nmse", 0.0) for r in rows),
+                "worst_max_abs": max(r.metrics.get("max_abs", 0.0) for r in rows),
+                "min_cosine": min(r.metrics.get("cosine", 1.0) for r in rows),
+                "worst_at": {"layer": worst.layer, "tensor": worst.tensor},
+                "band": rows[0].band, "passed": all(r.passed for r in rows),
+            })
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model, "reference_model": self.reference_model, "prompt": self.prompt,
+            "token_ids": self.token_ids, "band_class": self.band_class,
+            "first_divergence": self.first_divergence, "passed": self.passed(),
+            "summary": self.summary(), "greedy": self.greedy, "timings": self.timings,
+            "llamacpp_settings": self.llamacpp_settings,
+            "rows": [{"checkpoint": r.checkpoint, "name": r.name, "layer": r.layer, "tensor": r.tensor,
+                      **r.metrics, "band": r.band, "passed": r.passed} for r in self.rows],
+        }
+
+
+def _llama_names(specs, n_layers):
+    """Exact llama.cpp node names the specs need, for every layer."""
+    names = set()
+    for s in specs:
+        for t in s.tensors:
+            names |= {t.llamacpp["name"].replace("{L}", str(i)) for i in range(n_layers)}
+    return names
+
+
+def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=None, n_greedy=32,
+             band_class=None, ref=None) -> DiffResult:
+    """engine: llorch_ref Engine; reference_model: the GGUF llama.cpp runs (default: the engine's file)."""
+    from ..references.llamacpp import Capture, LlamaCpp, tokenize
+
+    specs = load_specs(checkpoints)
+    cfg = engine.config
+    ref_path = str(reference_model or engine.path)
+    if engine.tokenizer is None:
+        raise HarnessError("this model has no vocabulary: the harness needs a text prompt")
+    if not prompt:
+        raise PromptError("empty prompt")
+    ids = engine.tokenizer.encode(prompt)
+    if band_class is None:
+        band_class = band_class_of(engine.tensor_types)
+        if reference_model is not None:
+            from ..loaders.gguf_file import open_reader
+            r = open_reader(ref_path)
+            band_class = coarser(band_class, band_class_of({t.name: t.tensor_type.name for t in r.tensors}))
+    res = DiffResult(model=str(engine.path), reference_model=ref_path, prompt=prompt, token_ids=ids,
+                     band_class=band_class, specs=specs)
+    n_ctx = max(256, 64 * ((len(ids) + n_greedy + 63) // 64))
+    t0 = time.perf_counter()
+    own_ref = ref is None
+    if own_ref:
+        ref = LlamaCpp(ref_path, n_ctx=n_ctx, kv_type="f32")
+    res.llamacpp_settings = ref.settings
+    try:
+        by_id = {s.id: s for s in specs}
+        # -- 0: tokenizer --------------------------------------------------------------------------
+        if "0" in by_id:
+            ref_ids = tokenize(ref_path, prompt)
+            agree = ref_ids == ids
+            m = {"shape": [len(ids)], "ref_shape": [len(ref_ids)], "agreement": 1.0 if agree else 0.0,
+                 "ours": ids, "reference": ref_ids}
+            res.rows.append(Row("0", by_id["0"].name, None, "token_ids", m, by_id["0"].band(band_class),
+                                within(m, by_id["0"].band(band_class)), (0, 0, 0)))
+        # -- llama.cpp forward with capture --------------------------------------------------------
+        cap = Capture(names=_llama_names(specs, cfg.n_layers) | {"result_output"})
+        t1 = time.perf_counter()
+        ref_logits = ref.eval(ids, cap)
+        res.timings["llamacpp_eval_s"] = time.perf_counter() - t1
+        if not cap.checked and any(s.scope == "layer" for s in specs):
+            raise HarnessError("llama.cpp's eval callback captured nothing: is the capture wired?")
+        # -- our forward, after a warm-up sequence through the same cache --------------------------
+        from ..model.forward import forward
+
+        rec = {}
+
+        def record(name, layer, arr):
+            rec[(name, layer)] = np.array(engine.backend.to_numpy(arr), dtype=np.float32, copy=True)
+
+        cache = engine.new_cache()
+        warm = engine.tokenizer.encode(WARMUP_PROMPT)
+        forward(engine.xp, cfg, engine.weights, warm, cache, rows=[len(warm) - 1])
+        cache.reset()
+        t1 = time.perf_counter()
+        ours_logits = engine.backend.to_numpy(forward(engine.xp, cfg, engine.weights, ids, cache, record=record))
+        res.timings["ours_forward_s"] = time.perf_counter() - t1
+        # -- layer and model tensors ---------------------------------------------------------------
+        for s in specs:
+            band = s.band(band_class)
+            if s.scope == "layer":
+                for layer in range(cfg.n_layers):
+                    for t in s.tensors:
+                        _compare_tensor(res, s, t, layer, rec, cap, band)
+            elif s.scope == "model":
+                _model_checkpoint(res, s, band, ours_logits, ref_logits, rec, cap)
+        # -- 12: end-to-end greedy text ------------------------------------------------------------
+        if "12" in by_id and n_greedy > 0:
+            s = by_id["12"]
+            t1 = time.perf_counter()
+            ours_gen = list(engine.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True))
+            t2 = time.perf_counter()
+            ref_gen = ref.greedy(ids, n_greedy)
+            res.timings["ours_greedy_s"] = t2 - t1
+            res.timings["llamacpp_greedy_s"] = time.perf_counter() - t2
+            n_same = next((i for i, (a, b) in enumerate(zip(ours_gen, ref_gen)) if a != b),
+                          min(len(ours_gen), len(ref_gen)))
+            m = {"shape": [len(ours_gen)], "ref_shape": [len(ref_gen)], "agreement": n_same / max(n_greedy, 1),
+                 "equal_prefix": n_same, "n": n_greedy}
+            res.greedy = {"n": n_greedy, "equal_prefix": n_same, "ours": ours_gen, "reference": ref_gen,
+                          "ours_text": engine.tokenizer.decode(ours_gen),
+                          "reference_text": engine.tokenizer.decode(ref_gen)}
+            res.rows.append(Row("12", s.name, None, "greedy_tokens", m, band, within(m, band), (3, 99, 0)))
+    finally:
+        if own_ref:
+            ref.close()
+    res.captures_ours = {f"{n}.layer{l}" if l is not None else n: a for (n, l), a in rec.items()}
+    res.captures_ref = {f"{n}#{op}#{occ}": a for (n, op, occ), a in cap.tensors.items()}
+    res.timings["total_s"] = time.perf_counter() - t0
+    return res
+
+
+def _compare_tensor(res, spec, t, layer, rec, cap, band):
+    key_ours = (t.ours, layer)
+    lc = t.llamacpp
+    key_ref = (lc["name"].replace("{L}", str(layer)), lc["op"], int(lc.get("occurrence", 0)))
+    if key_ours not in rec:
+        raise HarnessError(f"checkpoint {spec.id}: our forward recorded no {t.ours!r} for layer {layer}")
+    if key_ref not in cap.tensors:
+        raise HarnessError(f"checkpoint {spec.id}: llama.cpp produced no node {key_ref} (this llama.cpp build "
+                           f"names its graph differently; captured {len(cap.tensors)} nodes)")
+    ours = rec[key_ours]
+    theirs = LAYOUTS[t.layout](cap.tensors[key_ref], ours)
+    m = compare(ours, theirs)
+    res.rows.append(Row(spec.id, spec.name, layer, t.ours, m, band, within(m, band), (1, layer, t.order)))
+
+
+def _softmax64(x):
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _model_checkpoint(res, spec, band, ours_logits, ref_logits, rec, cap):
+    order = (2, 0, int("".join(c for c in spec.id if c.isdigit()) or 0))
+    if spec.name == "logits":
+        m = compare(ours_logits, ref_logits)
+        res.rows.append(Row(spec.id, spec.name, None, "result_output", m, band, within(m, band), order))
+        for t in spec.tensors:            # final norm too
+            ours = rec[(t.ours, None)]
+            key = (t.llamacpp["name"], t.llamacpp["op"], int(t.llamacpp.get("occurrence", 0)))
+            m = compare(ours, LAYOUTS[t.layout](cap.tensors[key], ours))
+            res.rows.append(Row(spec.id, spec.name, None, t.ours, m, band, within(m, band),
+                                (2, 0, int(spec.id) - 0.5)))
+    elif spec.name == "last_token_logits":
+        m = compare(ours_logits[-1], ref_logits[-1])
+        res.rows.append(Row(spec.id, spec.name, None, "result_output[-1]", m, band, within(m, band), order))
+    elif spec.name == "greedy_argmax":
+        a, b = ours_logits.argmax(-1), ref_logits.argmax(-1)
+        m = {"shape": list(a.shape), "agreement": float((a == b).mean()), "ours": a.tolist(),
+             "reference": b.tolist()}
+        res.rows.append(Row(spec.id, spec.name, None, "argmax", m, band, within(m, band), order))
+    elif spec.name == "softmax_probs":
+        m = compare(_softmax64(ours_logits), _softmax64(ref_logits))
+        res.rows.append(Row(spec.id, spec.name, None, "softmax(logits)", m, band, within(m, band), order))
+    elif spec.name == "greedy_text":
+        pass                                   # handled by run_diff (needs generation on both sides)
+    else:
+        raise HarnessError(f"{spec.path}: unknown model-scope checkpoint name {spec.name!r}")

@@ -1,0 +1,99 @@
+"""Checkpoint specs: JSON files in checkpoints/ (data, not code). See checkpoints/README.md."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import HarnessError
+
+# Where the specs live: the repository's checkpoints/ folder (or LLORCH_CHECKPOINTS).
+SPEC_DIR = Path(__file__).resolve().parents[2] / "checkpoints"
+
+# Band class of a GGUF weight type: which band in each spec applies.
+BAND_CLASS = {"F32": "F32", "F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0",
+              "Q4_0": "Q4_x", "Q4_1": "Q4_x", "Q5_0": "Q4_x", "Q5_1": "Q4_x",
+              "Q2_K": "K", "Q3_K": "K", "Q4_K": "K", "Q5_K": "K", "Q6_K": "K"}
+CLASS_ORDER = ["F32", "F16", "BF16", "Q8_0", "K", "Q4_x"]       # coarser to the right
+
+
+@dataclass
+class TensorSpec:
+    ours: str                 # name our forward records (llorch_ref.model.forward)
+    llamacpp: dict            # {"name": "Qcur-{L}", "op": "ROPE", "occurrence": 0}
+    layout: str               # how to bring llama.cpp's tensor to our shape (harness.run.LAYOUTS)
+    order: int                # position in the forward pass within its scope (for first divergence)
+
+
+@dataclass
+class Spec:
+    id: str
+    name: str
+    title: str
+    checks: str
+    scope: str                # "layer" | "model" | "tokens"
+    tensors: list
+    bands: dict               # band class -> {"nmse": ..., ...}
+    measured: dict
+    path: Path
+
+    def band(self, band_class: str) -> dict:
+        if band_class not in self.bands:
+            raise HarnessError(f"checkpoint {self.id} ({self.path.name}) has no band for weight class "
+                               f"{band_class!r} (it has: {', '.join(self.bands)})")
+        return {k: v for k, v in self.bands[band_class].items() if not k.startswith("_")}
+
+
+def _spec_dir() -> Path:
+    import os
+
+    d = Path(os.environ.get("LLORCH_CHECKPOINTS") or SPEC_DIR)
+    if not d.is_dir():
+        raise HarnessError(f"checkpoint specs not found at {d} (set LLORCH_CHECKPOINTS)")
+    return d
+
+
+def load_specs(ids=None) -> list[Spec]:
+    specs = []
+    for p in sorted(_spec_dir().glob("cp*.json")):
+        try:
+            d = json.loads(p.read_text())
+            specs.append(Spec(
+                id=str(d["id"]), name=d["name"], title=d["title"], checks=d["checks"], scope=d["scope"],
+                tensors=[TensorSpec(**t) for t in d.get("tensors", [])], bands=d["bands"],
+                measured=d.get("measured", {}), path=p))
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise HarnessError(f"{p}: malformed checkpoint spec ({type(e).__name__}: {e})") from None
+    specs.sort(key=lambda s: _id_key(s.id))
+    if ids:
+        want = [str(i) for i in ids]
+        known = {s.id for s in specs} | {s.name for s in specs}
+        unknown = [i for i in want if i not in known]
+        if unknown:
+            raise HarnessError(f"unknown checkpoint(s) {', '.join(unknown)}; known: "
+                               + ", ".join(f"{s.id} ({s.name})" for s in specs))
+        specs = [s for s in specs if s.id in want or s.name in want]
+    return specs
+
+
+def _id_key(i: str):
+    num = "".join(c for c in i if c.isdigit())
+    return (int(num) if num else 0, i)
+
+
+def band_class_of(tensor_types: dict) -> str:
+    """The band class of a model: the type of its 2-D weights (the coarsest, if mixed)."""
+    seen = set()
+    for name, t in tensor_types.items():
+        if name.endswith("_norm.weight") or name.endswith("norm.weight"):
+            continue
+        if t not in BAND_CLASS:
+            raise HarnessError(f"weight type {t} of tensor {name} has no band class (known: {', '.join(BAND_CLASS)})")
+        seen.add(BAND_CLASS[t])
+    if not seen:
+        return "F32"
+    return max(seen, key=CLASS_ORDER.index)
+
+
+def coarser(a: str, b: str) -> str:
+    return max(a, b, key=CLASS_ORDER.index)
