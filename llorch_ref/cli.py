@@ -1,0 +1,228 @@
+"""llorch-ref command line: generate, inspect, convert, diff, prove.
+
+Only the continuation (generate) or the report (diff, prove) goes to stdout; logs go to stderr.
+User errors print one line `error: ...` and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+
+from .errors import LlorchError, ParameterError
+
+
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _load(args):
+    import llorch_ref
+
+    t0 = time.perf_counter()
+    eng = llorch_ref.load(args.model, backend=getattr(args, "backend", None) or "numpy",
+                          n_ctx=getattr(args, "ctx", None))
+    _log(f"llorch-ref: loaded {eng.path.name} ({eng.config.arch}, {eng.config.n_layers} layers) "
+         f"in {time.perf_counter() - t0:.2f} s, backend {eng.backend.name}")
+    return eng
+
+
+def cmd_generate(args):
+    eng = _load(args)
+    from .engine import GenerationResult
+
+    res = GenerationResult()
+    out = sys.stdout
+    for piece in eng.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                              chat=args.chat, ignore_eos=args.ignore_eos, result=res):
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    n = len(res.token_ids)
+    rate = f", {n / res.decode_s:.1f} tokens/s" if res.decode_s > 0 and n else ""
+    _log(f"llorch-ref: {len(res.prompt_ids)} prompt tokens in {res.prefill_s:.2f} s; {n} generated{rate}; "
+         f"stop: {res.stop_reason}")
+    return 0
+
+
+def cmd_inspect(args):
+    eng = _load(args)
+    c = eng.config
+    tok = eng.tokenizer
+    print(f"file:            {eng.path}")
+    print(f"architecture:    {c.arch}  ({c.extra.get('general.name')})")
+    for k, v in c.to_dict().items():
+        print(f"  {k:<18} {v}")
+    print(f"  {'n_rep (GQA)':<18} {c.n_rep}")
+    print("tensors by type: " + ", ".join(f"{t}: {n}" for t, n in sorted(Counter(eng.tensor_types.values()).items())))
+    print(f"tensor count:    {len(eng.tensor_types)}")
+    if tok is None:
+        print("vocabulary:      none (no_vocab): token ids only")
+        return 0
+    print(f"vocabulary:      {tok.n_vocab} tokens, model {tok.kind!r}, pre-tokenizer {tok.pre!r}")
+    def name(i):
+        return "none" if i is None else f"{i} {tok.tokens[i]!r}"
+    print(f"BOS:             {name(tok.bos_id)} (add_bos={tok.add_bos})")
+    print(f"EOS:             {name(tok.eos_id)} (add_eos={tok.add_eos})")
+    print("end of generation: " + ", ".join(name(i) for i in sorted(tok.eog_ids)))
+    specials = [i for i, t in enumerate(tok.token_types) if t in (3, 4)]
+    print(f"special/control tokens ({len(specials)}): " + " ".join(tok.tokens[i] for i in specials[:40])
+          + (" ..." if len(specials) > 40 else ""))
+    print(f"chat template:   {'yes' if tok.chat_template else 'no'}")
+    return 0
+
+
+def cmd_convert(args):
+    from .convert import convert_gguf
+
+    if args.to != "gguf":
+        raise ParameterError(f"--to {args.to}: only 'gguf' is implemented")
+    t0 = time.perf_counter()
+    out = convert_gguf(args.input, args.output, dtype=args.dtype, overwrite=args.overwrite)
+    _log(f"llorch-ref: wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
+    print(out)
+    return 0
+
+
+def _print_result(res, verbose, file=sys.stdout):
+    from rich.console import Console
+    from rich.table import Table
+
+    from .harness.metrics import fmt
+
+    con = Console(file=file, width=160)
+    t = Table(title=f"llorch-ref vs llama.cpp: {len(res.token_ids)} tokens, band class {res.band_class}")
+    for col in ("checkpoint", "name", "comparisons", "failed", "worst NMSE", "worst max abs", "min cosine",
+                "worst at", "band", "verdict"):
+        t.add_column(col)
+    for s in res.summary():
+        at = s["worst_at"]
+        t.add_row(s["checkpoint"], s["name"], str(s["rows"]), str(s["failed"]), fmt(s["worst_nmse"]),
+                  fmt(s["worst_max_abs"]), fmt(s["min_cosine"]),
+                  f"L{at['layer']} {at['tensor']}" if at["layer"] is not None else at["tensor"],
+                  json.dumps(s["band"]), "pass" if s["passed"] else "FAIL")
+    con.print(t)
+    if verbose:
+        d = Table(title="every comparison")
+        for col in ("cp", "layer", "tensor", "shape", "max abs", "max rel", "NMSE", "cosine", "pass"):
+            d.add_column(col)
+        for r in res.rows:
+            m = r.metrics
+            d.add_row(r.checkpoint, "" if r.layer is None else str(r.layer), r.tensor, str(m.get("shape")),
+                      fmt(m.get("max_abs", "")), fmt(m.get("max_rel", "")), fmt(m.get("nmse", "")),
+                      fmt(m.get("cosine", m.get("agreement", ""))), "yes" if r.passed else "NO")
+        con.print(d)
+    if res.greedy:
+        g = res.greedy
+        con.print(f"greedy: {g['equal_prefix']}/{g['n']} tokens equal to llama.cpp (EOS ignored)")
+    fd = res.first_divergence
+    con.print("first divergence: " + ("none (every comparison inside its band)" if fd is None else
+                                      f"checkpoint {fd['checkpoint']}, layer {fd['layer']}, tensor {fd['tensor']}"))
+
+
+def _run(args):
+    from .harness.run import run_diff
+
+    eng = _load(args)
+    _log("llorch-ref: running llama.cpp and the reference, capturing every checkpoint ...")
+    return eng, run_diff(eng, prompt=args.prompt, reference_model=args.reference_model,
+                         checkpoints=args.checkpoint, n_greedy=args.greedy)
+
+
+def cmd_diff(args):
+    eng, res = _run(args)
+    if args.json:
+        out = res.to_json()
+        print(json.dumps(out, indent=2))
+    else:
+        _print_result(res, args.verbose)
+    return 0 if res.first_divergence is None else 1
+
+
+def cmd_prove(args):
+    from .harness.bundle import write_bundles
+
+    t0 = time.perf_counter()
+    eng, res = _run(args)
+    paths = write_bundles(res, eng, out_dir=args.out, run_id=args.run_id, argv=["llorch-ref"] + sys.argv[1:])
+    _print_result(res, False)
+    print(f"proof bundles: {len(paths['bundles'])} checkpoints under {paths['index'].parent}/cp*/"
+          f"{paths['index'].stem}/")
+    print(f"index: {paths['index']}")
+    _log(f"llorch-ref: prove took {time.perf_counter() - t0:.1f} s")
+    return 0 if res.first_divergence is None else 1
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="llorch-ref", description="NumPy reference for Llama-family inference")
+    from . import __version__
+    p.add_argument("--version", action="version", version=f"llorch-ref {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def model_args(sp):
+        sp.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched and cached)")
+        sp.add_argument("--backend", choices=["numpy"], default=None, help="array backend (default numpy)")
+
+    g = sub.add_parser("generate", help="stream a continuation of PROMPT to stdout")
+    g.add_argument("prompt")
+    model_args(g)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the only mode so far)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
+    g.add_argument("--ctx", type=int, default=None, help="context size (default: the model's)")
+    g.set_defaults(fn=cmd_generate)
+
+    i = sub.add_parser("inspect", help="print architecture, hyper-parameters, tensor types and vocabulary")
+    model_args(i)
+    i.set_defaults(fn=cmd_inspect)
+
+    c = sub.add_parser("convert", help="write a dequantized copy of a GGUF file")
+    c.add_argument("--to", default="gguf", help="output format (gguf)")
+    c.add_argument("--dtype", default="f32", choices=["f32", "f16"])
+    c.add_argument("--overwrite", action="store_true")
+    c.add_argument("input")
+    c.add_argument("output")
+    c.set_defaults(fn=cmd_convert)
+
+    def harness_args(sp):
+        model_args(sp)
+        from .harness.run import DEFAULT_PROMPT
+        sp.add_argument("--prompt", default=DEFAULT_PROMPT)
+        sp.add_argument("--reference-model", help="GGUF file llama.cpp runs (default: the same file)")
+        sp.add_argument("--checkpoint", action="append", help="checkpoint id or name (repeatable; default all)")
+        sp.add_argument("--greedy", type=int, default=128, help="tokens for the end-to-end greedy checkpoint")
+
+    d = sub.add_parser("diff", help="compare every checkpoint with llama.cpp and name the first divergence")
+    harness_args(d)
+    d.add_argument("--json", action="store_true", help="print the result as JSON")
+    d.add_argument("-v", "--verbose", action="store_true", help="print every layer's comparison")
+    d.set_defaults(fn=cmd_diff)
+
+    pr = sub.add_parser("prove", help="run the checkpoints and write proof bundles")
+    harness_args(pr)
+    pr.add_argument("--out", help="bundle folder (default proof_bundle/ or $LLORCH_PROOF_DIR)")
+    pr.add_argument("--run-id", help="run id (default: UTC timestamp or $LLORCH_RUN_ID)")
+    pr.set_defaults(fn=cmd_prove)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except LlorchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Proof bundles: proof_bundle/<checkpoint>/<run_id>/ {manifest.json, ours.npz, llamacpp.npz, report.json,
+report.md}, an index proof_bundle/<run_id>.md, and a PNG of error by layer.
+
+Atomic: everything is written under proof_bundle/.incomplete-<run_id>-<pid>/ and moved into place only
+when complete; an interrupted run leaves only that hidden folder. An existing run id is never overwritten.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import HarnessError
+from .metrics import fmt
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get("LLORCH_PROOF_DIR") or "proof_bundle")
+
+
+def default_run_id() -> str:
+    return os.environ.get("LLORCH_RUN_ID") or _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _git_commit() -> str | None:
+    try:
+        here = Path(__file__).resolve().parents[2]
+        r = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        if r.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            return r.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                keep = ["sse3", "ssse3", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                        "avx512_vnni", "avx_vnni", "amx_tile"]
+                return " ".join(f for f in keep if f in flags)
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def manifest(result, engine, argv, seed=0) -> dict:
+    import gguf
+    import llorch_ref
+    from ..loaders.default_model import sha256_file
+
+    try:
+        import llama_cpp
+        lcp = llama_cpp.__version__
+        sysinfo = llama_cpp.llama_print_system_info().decode()
+    except ImportError:
+        lcp, sysinfo = None, None
+    ref_sha = sha256_file(result.reference_model)
+    model_sha = sha256_file(result.model) if result.model != result.reference_model else ref_sha
+    return {
+        "llorch_ref_version": llorch_ref.__version__,
+        "git_commit": _git_commit(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "gguf": getattr(gguf, "__version__", None) or _dist_version("gguf"),
+        "llama_cpp_python": lcp,
+        "llama_cpp_system_info": sysinfo,
+        "cpu_flags": _cpu_flags(),
+        "machine": platform.machine(),
+        "model": result.model,
+        "model_sha256": model_sha,
+        "reference_model": result.reference_model,
+        "reference_model_sha256": ref_sha,
+        "band_class": result.band_class,
+        "backend": engine.backend.name,
+        "device": engine.backend.device,
+        "prompt": result.prompt,
+        "token_ids": result.token_ids,
+        "llamacpp_settings": result.llamacpp_settings,
+        "seed": seed,
+        "command": " ".join(argv),
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+    }
+
+
+def _dist_version(name):
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _spec_captures(result, spec):
+    """The tensors of both sides that this checkpoint compared (our names; llama.cpp node keys)."""
+    ours, ref = {}, {}
+    for t in spec.tensors:
+        for k, a in result.captures_ours.items():
+            if k == t.ours or k.startswith(t.ours + ".layer"):
+                ours[k] = a
+        pat = t.llamacpp["name"]
+        for k, a in result.captures_ref.items():
+            name, op, _ = k.split("#")
+            if op == t.llamacpp["op"] and _matches(pat, name):
+                ref[k] = a
+    if spec.scope == "model" and spec.name in ("logits", "last_token_logits", "greedy_argmax", "softmax_probs"):
+        ours["result_output"] = result.captures_ours.get("result_output")
+        ref["result_output#MUL_MAT#0"] = result.captures_ref.get("result_output#MUL_MAT#0")
+    if spec.name == "greedy_text" and result.greedy:
+        ours["greedy_tokens"] = np.array(result.greedy["ours"], dtype=np.int64)
+        ref["greedy_tokens"] = np.array(result.greedy["reference"], dtype=np.int64)
+    if spec.name == "tokenizer":
+        row = next(r for r in result.rows if r.checkpoint == "0")
+        ours["token_ids"] = np.array(row.metrics["ours"], dtype=np.int64)
+        ref["token_ids"] = np.array(row.metrics["reference"], dtype=np.int64)
+    return ({k: v for k, v in ours.items() if v is not None}, {k: v for k, v in ref.items() if v is not None})
+
+
+def _matches(pattern, name):
+    if "{L}" not in pattern:
+        return pattern == name
+    pre, post = pattern.split("{L}")
+    mid = name[len(pre): len(name) - len(post) if post else None]
+    return name.startswith(pre) and name.endswith(post) and mid.isdigit()
+
+
+def _row_json(r):
+    m = {k: v for k, v in r.metrics.items() if k not in ("ours", "reference")}
+    return {"layer": r.layer, "tensor": r.tensor, **m, "band": r.band, "passed": r.passed}
+
+
+def _report_md(spec, rows, man, run_id, passed, rerun):
+    lines = [f"# Checkpoint {spec.id}: {spec.title}", "",
+             f"**Verdict: {'PASS' if passed else 'FAIL'}** ({sum(r.passed for r in rows)}/{len(rows)} comparisons "
+             f"inside the band for weight class `{man['band_class']}`)", "",
+             f"What is compared: {spec.checks}", "",
+             f"- model: `{man['model']}` (sha256 `{man['model_sha256']}`)",
+             f"- reference: llama.cpp (llama-cpp-python {man['llama_cpp_python']}) on `{man['reference_model']}`",
+             f"- prompt: {json.dumps(man['prompt'])} -> {len(man['token_ids'])} tokens",
+             f"- backend: {man['backend']} ({man['device']}); llorch-ref {man['llorch_ref_version']} "
+             f"at {man['git_commit']}",
+             f"- band: `{json.dumps(rows[0].band)}` (raw figures below; inside the band is not 'identical')", "",
+             "| layer | tensor | shape | max abs | max rel | NMSE | cosine | pass |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r.metrics
+        lines.append(f"| {'' if r.layer is None else r.layer} | {r.tensor} | {m.get('shape')} | "
+                     f"{fmt(m.get('max_abs', ''))} | {fmt(m.get('max_rel', ''))} | {fmt(m.get('nmse', ''))} | "
+                     f"{fmt(m.get('cosine', m.get('agreement', '')))} | {'yes' if r.passed else '**NO**'} |")
+    lines += ["", "Captured tensors: `ours.npz` (llorch-ref names, `<tensor>.layer<L>`) and `llamacpp.npz`",
+              "(llama.cpp node `name#op#occurrence`, ggml order already reversed to NumPy order).", "",
+              "Re-run:", "", "```", rerun, "```", ""]
+    return "\n".join(lines)
+
+
+def write_bundles(result, engine, out_dir=None, run_id=None, argv=None, seed=0, plot=True) -> dict:
+    """-> {"index": path, "bundles": {checkpoint_id: path}}."""
+    out_dir = Path(out_dir or default_dir())
+    run_id = run_id or default_run_id()
+    if not run_id or "/" in run_id or run_id.startswith("."):
+        raise HarnessError(f"invalid run id {run_id!r}")
+    argv = argv or sys.argv
+    specs = [s for s in result.specs if any(r.checkpoint == s.id for r in result.rows)]
+    finals = {s.id: out_dir / f"cp{s.id}_{s.name}" / run_id for s in specs}
+    index = out_dir / f"{run_id}.md"
+    taken = [p for p in list(finals.values()) + [index] if p.exists()]
+    if taken:
+        raise HarnessError(f"run id {run_id!r} already exists ({taken[0]}); bundles are never overwritten: "
+                           f"pick another --run-id or LLORCH_RUN_ID")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = out_dir / f".incomplete-{run_id}-{os.getpid()}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir()
+    man = manifest(result, engine, argv, seed)
+    rerun = " ".join(argv) if argv else "llorch-ref prove"
+    written = {}
+    try:
+        for s in specs:
+            rows = [r for r in result.rows if r.checkpoint == s.id]
+            d = staging / f"cp{s.id}_{s.name}"
+            d.mkdir()
+            ours, ref = _spec_captures(result, s)
+            np.savez_compressed(d / "ours.npz", **ours)
+            np.savez_compressed(d / "llamacpp.npz", **ref)
+            passed = all(r.passed for r in rows)
+            (d / "manifest.json").write_text(json.dumps({**man, "checkpoint": s.id, "spec": s.path.name},
+                                                        indent=2) + "\n")
+            (d / "report.json").write_text(json.dumps(
+                {"checkpoint": s.id, "name": s.name, "title": s.title, "passed": passed,
+                 "band_class": result.band_class, "rows": [_row_json(r) for r in rows],
+                 "first_divergence": result.first_divergence}, indent=2) + "\n")
+            (d / "report.md").write_text(_report_md(s, rows, man, run_id, passed, rerun))
+            if plot and s.scope == "layer":
+                _plot(d / "error_by_layer.png", s, rows)
+        idx = staging / "index.md"
+        idx.write_text(_index_md(result, man, run_id, rerun))
+        (staging / "result.json").write_text(json.dumps(result.to_json(), indent=2, default=_json_default) + "\n")
+        # move into place: every bundle, then the index last (its presence means the run completed)
+        for s in specs:
+            finals[s.id].parent.mkdir(parents=True, exist_ok=True)
+            os.rename(staging / f"cp{s.id}_{s.name}", finals[s.id])
+            written[s.id] = finals[s.id]
+        json_path = out_dir / f"{run_id}.json"
+        os.rename(staging / "result.json", json_path)
+        os.rename(idx, index)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"index": index, "bundles": written}
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(type(o).__name__)
+
+
+def _index_md(result, man, run_id, rerun):
+    fd = result.first_divergence
+    lines = [f"# Proof run {run_id}", "",
+             f"Verdict: **{'all checkpoints inside their bands' if fd is None else 'DIVERGED'}**; first divergence: "
+             f"{'none' if fd is None else json.dumps(fd)}", "",
+             f"- model `{man['model']}` (sha256 `{man['model_sha256']}`), band class `{result.band_class}`",
+             f"- reference: llama.cpp {man['llama_cpp_python']} on `{man['reference_model']}`; "
+             f"settings `{json.dumps(man['llamacpp_settings'])}`",
+             f"- prompt {json.dumps(result.prompt)}: {len(result.token_ids)} tokens",
+             f"- llorch-ref {man['llorch_ref_version']} at {man['git_commit']}, numpy {man['numpy']}, "
+             f"backend {man['backend']}, CPU flags: {man['cpu_flags']}", "",
+             "| checkpoint | name | comparisons | failed | worst NMSE | worst max abs | min cosine/agreement | band | bundle |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for s in result.summary():
+        lines.append(f"| {s['checkpoint']} | {s['name']} | {s['rows']} | {s['failed']} | {fmt(s['worst_nmse'])} | "
+                     f"{fmt(s['worst_max_abs'])} | {fmt(s['min_cosine'])} | `{json.dumps(s['band'])}` | "
+                     f"[cp{s['checkpoint']}_{s['name']}/{run_id}](cp{s['checkpoint']}_{s['name']}/{run_id}/report.md) |")
+    if result.greedy:
+        g = result.greedy
+        lines += ["", f"Greedy: {g['equal_prefix']}/{g['n']} tokens equal to llama.cpp (EOS ignored).", "",
+                  "Ours: " + json.dumps(g["ours_text"]), "", "llama.cpp: " + json.dumps(g["reference_text"])]
+    lines += ["", "Re-run: `" + rerun + "`", ""]
+    return "\n".join(lines)
+
+
+def _plot(path, spec, rows):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for tensor in dict.fromkeys(r.tensor for r in rows):
+        rs = [r for r in rows if r.tensor == tensor]
+        ax.semilogy([r.layer for r in rs], [max(r.metrics.get("nmse", 0.0), 1e-20) for r in rs], marker="o",
+                    ms=3, label=tensor)
+    if "nmse" in rows[0].band:
+        ax.axhline(rows[0].band["nmse"], color="red", ls="--", label="band")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("NMSE vs llama.cpp")
+    ax.set_title(f"checkpoint {spec.id}: {spec.title}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
