@@ -19,18 +19,22 @@ _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# tokenizer.ggml.pre -> (regexes applied in order, ignore_merges)
+_DEFAULT = ([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"], False)
+# tokenizer.ggml.pre -> (regexes applied in order, ignore_merges), as llama.cpp's llama-vocab.cpp maps them
 PRE_TOKENIZERS = {
-    "default": ([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"], False),
-    "gpt2": ([_GPT2], False),
-    "smollm": ([r"\p{N}", _GPT2], False),
-    "starcoder": ([r"\p{N}", _GPT2], False),
-    "refact": ([r"\p{N}", _GPT2], False),
-    "llama-bpe": ([_LLAMA3], True),
-    "llama3": ([_LLAMA3], True),
-    "qwen2": ([_QWEN2], False),
-    "stablelm2": ([_QWEN2], False),
+    "default": _DEFAULT,
+    **{n: ([_GPT2], False) for n in ("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4")},
+    **{n: ([r"\p{N}", _GPT2], False) for n in ("smollm", "starcoder", "refact", "command-r", "codeshell",
+                                                "exaone", "minerva-7b")},
+    **{n: ([_LLAMA3], True) for n in ("llama-bpe", "llama3", "llama-v3", "falcon3")},
+    **{n: ([_LLAMA3], False) for n in ("dbrx", "smaug-bpe")},
+    **{n: ([_QWEN2], False) for n in ("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2")},
 }
+# Names llama.cpp knows with pre-tokenizers llorch-ref does not implement: refused, never approximated.
+UNSUPPORTED_PRE = {"deepseek-llm", "deepseek-coder", "deepseek-v3", "falcon", "poro-chat", "glm4", "chatglm-bpe",
+                   "viking", "tekken", "bloom", "gpt3-finnish", "chameleon", "gpt-4o", "llama4", "superbpe",
+                   "trillion", "bailingmoe", "seed-coder", "hunyuan", "kimi-k2", "grok-2", "afmoe", "minimax-m2",
+                   "falcon-h1", "pixtral", "lfm2", "midm-2.0", "kormo", "granite-docling"}
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 # Token texts llama.cpp treats as end-of-generation besides the declared EOS/EOT ids.
@@ -101,8 +105,14 @@ class Tokenizer:
     def token_bytes(self, i: int) -> bytes:
         return self._bytes[i]
 
-    def decode(self, ids) -> str:
-        data = b"".join(self._bytes[int(i)] for i in ids)
+    def decode(self, ids, remove_special: bool = True) -> str:
+        """ids -> text. remove_special drops the BOS/EOS that encode() adds, so decode(encode(s)) == s."""
+        ids = [int(i) for i in ids]
+        if remove_special and self.add_bos and ids and ids[0] == self.bos_id:
+            ids = ids[1:]
+        if remove_special and self.add_eos and ids and ids[-1] == self.eos_id:
+            ids = ids[:-1]
+        data = b"".join(self._bytes[i] for i in ids)
         text = data.decode("utf-8", errors="replace")
         if self.kind == "llama" and self.add_space_prefix and text.startswith(" "):
             text = text[1:]
@@ -155,10 +165,14 @@ def _special_added_tokens(tokens, types):
 def _build_gpt2(tokens, types, merges, pre):
     from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-    if pre not in PRE_TOKENIZERS:
-        raise TokenizerError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
-                             f"supported: {', '.join(sorted(PRE_TOKENIZERS))}")
-    regexes, ignore_merges = PRE_TOKENIZERS[pre]
+    if pre in UNSUPPORTED_PRE or pre not in PRE_TOKENIZERS and pre.startswith("jina"):
+        raise TokenizerError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not implemented; "
+                             f"implemented: {', '.join(sorted(PRE_TOKENIZERS))}")
+    if pre not in PRE_TOKENIZERS:   # llama.cpp falls back to 'default' for names it does not know; so do we
+        import sys
+        print(f"llorch-ref: warning: unknown pre-tokenizer {pre!r}, using 'default' as llama.cpp does",
+              file=sys.stderr)
+    regexes, ignore_merges = PRE_TOKENIZERS.get(pre, PRE_TOKENIZERS["default"])
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
@@ -234,7 +248,7 @@ def from_gguf_metadata(meta: dict, source="") -> Tokenizer | None:
         hf = _build_gpt2(tokens, types, merges, pre)
         bos, eos = opt_id("tokenizer.ggml.bos_token_id", 11), opt_id("tokenizer.ggml.eos_token_id", 11)
         add_space_prefix = False
-        add_bos_default = pre in ("llama-bpe", "llama3")
+        add_bos_default = pre in ("llama-bpe", "llama3", "llama-v3", "falcon3")
     elif kind == "llama":
         pre = None
         scores = meta.get("tokenizer.ggml.scores")

@@ -1,0 +1,1 @@
+"""Helpers for tests and tools: tiny deterministic random models written as real GGUF files."""

@@ -1,0 +1,65 @@
+"""Shared fixtures: the default model (fetched once, cached in $LLORCH_HOME), its F32 copy, tiny models."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def pytest_configure(config):
+    os.environ.setdefault("LLORCH_RUN_ID", "")
+
+
+@pytest.fixture(scope="session")
+def llamacpp():
+    """Skips (with the reason) where llama-cpp-python is missing, unless LLORCH_REQUIRE_LLAMACPP=1."""
+    if os.environ.get("LLORCH_REQUIRE_LLAMACPP") == "1":
+        import llama_cpp
+        return llama_cpp
+    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install .[llamacpp])")
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    from llorch_ref.loaders.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_f32() -> Path:
+    from llorch_ref.loaders.default_model import default_model_copy
+
+    return default_model_copy("f32")
+
+
+@pytest.fixture(scope="session")
+def engine_f32(default_f32):
+    import llorch_ref
+
+    return llorch_ref.load(default_f32)
+
+
+@pytest.fixture(scope="session")
+def engine_q41(default_model):
+    import llorch_ref
+
+    return llorch_ref.load(default_model)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """tiny(**kw) -> path of a tiny random GGUF model (cached per keyword set for the session)."""
+    from llorch_ref.testing.tiny import write_tiny_model
+
+    d = tmp_path_factory.mktemp("tiny")
+    made = {}
+
+    def make(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            name = "_".join(f"{k}-{v}" for k, v in key) or "default"
+            made[key] = write_tiny_model(d / f"{name}.gguf", **kw)
+        return made[key]
+    return make

@@ -1,0 +1,100 @@
+"""The command line as a user runs it: streamed output, one-line errors, exit codes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, env=None):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "llorch_ref.cli", *map(str, args)], capture_output=True,
+                          text=True, env=e, timeout=600)
+
+
+def assert_one_line_error(r, *fragments):
+    assert r.returncode == 2, r
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_generate_streams_only_the_continuation(tiny):
+    path = tiny(vocab="bpe")
+    r = run("generate", "Once upon", "--model", path, "--max-tokens", "5", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() != "" and "loaded" not in r.stdout
+    assert "loaded" in r.stderr and "stop: max_tokens" in r.stderr
+
+
+def test_generate_default_model_matches_api(default_model, engine_q41):
+    r = run("generate", "Once upon a time, there was a little", "--max-tokens", "16")
+    assert r.returncode == 0, r.stderr
+    api = "".join(engine_q41.generate("Once upon a time, there was a little", max_tokens=16))
+    assert r.stdout == api + "\n"
+
+
+def test_inspect(tiny):
+    r = run("inspect", "--model", tiny(vocab="bpe", n_kv_heads=2))
+    assert r.returncode == 0, r.stderr
+    assert "n_kv_heads         2" in r.stdout and "rope_style         adjacent" in r.stdout
+    assert "<|im_end|>" in r.stdout
+
+
+def test_missing_file(tmp_path):
+    assert_one_line_error(run("generate", "hi", "--model", tmp_path / "missing.gguf"), "no such file")
+
+
+def test_not_gguf(tmp_path):
+    p = tmp_path / "notes.gguf"
+    p.write_text("hello, I am a text file\n" * 20)
+    assert_one_line_error(run("inspect", "--model", p), "not a GGUF file")
+
+
+def test_truncated(tiny, tmp_path):
+    p = tmp_path / "half.gguf"
+    data = tiny().read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    assert_one_line_error(run("generate", "hi", "--model", p), "truncated")
+
+
+def test_unsupported_architecture(tiny, tmp_path):
+    p = tmp_path / "arch.gguf"
+    data = tiny().read_bytes()
+    p.write_bytes(data.replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00gptjx", 1))
+    assert_one_line_error(run("generate", "hi", "--model", p), "architecture 'gptjx'")
+
+
+def test_empty_prompt(tiny):
+    assert_one_line_error(run("generate", "", "--model", tiny()), "empty prompt")
+
+
+def test_prompt_longer_than_context(tiny):
+    assert_one_line_error(run("generate", "word " * 400, "--model", tiny(context_length=128)), "context holds 128")
+
+
+def test_temperature_is_rejected_not_ignored(tiny):
+    assert_one_line_error(run("generate", "hi", "--model", tiny(), "--temperature", "0.8"), "temperature")
+
+
+def test_no_vocab_model_needs_token_ids(tiny):
+    assert_one_line_error(run("generate", "hi", "--model", tiny(vocab="none")), "no vocabulary")
+
+
+def test_convert_f32_roundtrip(tiny, tmp_path):
+    import numpy as np
+    import llorch_ref
+
+    src = tiny(weight_type="Q8_0")
+    out = tmp_path / "f32.gguf"
+    r = run("convert", "--to", "gguf", "--dtype", "f32", src, out)
+    assert r.returncode == 0, r.stderr
+    a, b = llorch_ref.load(src), llorch_ref.load(out)
+    assert set(b.tensor_types.values()) == {"F32"}
+    assert a.tokenizer.tokens == b.tokenizer.tokens and a.tokenizer.chat_template == b.tokenizer.chat_template
+    np.testing.assert_array_equal(a.logits([1, 2, 3]), b.logits([1, 2, 3]))
+    assert_one_line_error(run("convert", src, out), "already exists")
