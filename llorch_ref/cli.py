@@ -91,17 +91,17 @@ def _print_result(res, verbose, file=sys.stdout):
     from rich.console import Console
     from rich.table import Table
 
-    from .harness.metrics import fmt
+    from .harness.metrics import fmt, fmt_cos, fmt_match
 
     con = Console(file=file, width=160)
     t = Table(title=f"llorch-ref vs llama.cpp: {len(res.token_ids)} tokens, band class {res.band_class}")
-    for col in ("checkpoint", "name", "comparisons", "failed", "worst NMSE", "worst max abs", "min cosine",
+    for col in ("checkpoint", "name", "comparisons", "failed", "worst NMSE", "worst max abs", "min cosine / agreement",
                 "worst at", "band", "verdict"):
         t.add_column(col)
     for s in res.summary():
         at = s["worst_at"]
         t.add_row(s["checkpoint"], s["name"], str(s["rows"]), str(s["failed"]), fmt(s["worst_nmse"]),
-                  fmt(s["worst_max_abs"]), fmt(s["min_cosine"]),
+                  fmt(s["worst_max_abs"]), fmt_match(s),
                   f"L{at['layer']} {at['tensor']}" if at["layer"] is not None else at["tensor"],
                   json.dumps(s["band"]), "pass" if s["passed"] else "FAIL")
     con.print(t)
@@ -113,7 +113,7 @@ def _print_result(res, verbose, file=sys.stdout):
             m = r.metrics
             d.add_row(r.checkpoint, "" if r.layer is None else str(r.layer), r.tensor, str(m.get("shape")),
                       fmt(m.get("max_abs", "")), fmt(m.get("max_rel", "")), fmt(m.get("nmse", "")),
-                      fmt(m.get("cosine", m.get("agreement", ""))), "yes" if r.passed else "NO")
+                      fmt_cos(m.get("cosine", m.get("agreement", m.get("equal_prefix", "")))), "yes" if r.passed else "NO")
         con.print(d)
     if res.greedy:
         g = res.greedy

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ParameterError, PromptError, TokenizerError
+from .generate import sampling
 from .model.cache import Cache
 from .model.forward import forward
 
@@ -90,7 +91,7 @@ class Engine:
         eog = self.tokenizer.eog_ids if self.tokenizer is not None else frozenset()
         t0 = time.perf_counter()
         for _ in range(max_tokens):
-            nxt = int(self.backend.to_numpy(self.xp.argmax(logits[-1])))
+            nxt = sampling.greedy(self.backend.to_numpy(logits[-1]))
             if nxt in eog and not ignore_eos:
                 res.stop_reason = "eos"
                 break

@@ -54,17 +54,21 @@ def main():
             for s in r.summary():
                 w = worst.setdefault(s["checkpoint"], {"nmse": 0.0, "max_abs": 0.0, "cosine": 1.0,
                                                         "agreement": 1.0})
-                w["nmse"] = max(w["nmse"], s["worst_nmse"])
-                w["max_abs"] = max(w["max_abs"], s["worst_max_abs"])
-                w["cosine"] = min(w["cosine"], s["min_cosine"])
+                w["nmse"] = max(w["nmse"], s["worst_nmse"] or 0.0)
+                w["max_abs"] = max(w["max_abs"], s["worst_max_abs"] or 0.0)
+                w["cosine"] = min(w["cosine"], 1.0 if s["min_cosine"] is None else s["min_cosine"])
             for row in r.rows:
                 if "agreement" in row.metrics:
                     w = worst[row.checkpoint]
                     w["agreement"] = min(w["agreement"], row.metrics["agreement"])
+                if "equal_prefix" in row.metrics:
+                    w = worst[row.checkpoint]
+                    w["equal_prefix"] = min(w.get("equal_prefix", 10**9), row.metrics["equal_prefix"])
             print(f"{cls:5s} {time.perf_counter() - t0:5.1f}s {p[:40]!r}", file=sys.stderr)
         for cp, w in worst.items():
             measured[cp][cls] = {"worst_nmse": w["nmse"], "worst_max_abs": w["max_abs"], "min_cosine": w["cosine"],
-                                 "min_agreement": w["agreement"], "model": path.name, "prompts": len(PROMPTS)}
+                                 "min_agreement": w["agreement"], "model": path.name, "prompts": len(PROMPTS),
+                                 **({"min_equal_prefix": w["equal_prefix"]} if "equal_prefix" in w else {})}
             print(f"{cls:5s} cp{cp:3s} nmse {w['nmse']:.3e} max_abs {w['max_abs']:.3e} "
                   f"cos {w['cosine']:.9f} agree {w['agreement']:.3f}")
     if not a.write:
@@ -76,9 +80,14 @@ def main():
         for cls, m in measured[s.id].items():
             if s.id in ("0",):
                 bands[cls] = {"agreement": 1.0}
-            elif s.id in ("10", "12"):
+            elif s.id == "10":
                 exact = cls in ("F32", "F16")
                 bands[cls] = {"agreement": 1.0 if exact else math.floor(m["min_agreement"] / 2 * 100) / 100}
+            elif s.id == "12":
+                # exact classes: every token equal; quantized ones: half the shortest equal prefix measured
+                exact = cls in ("F32", "F16")
+                bands[cls] = ({"agreement": 1.0} if exact else
+                              {"equal_prefix": int(m["min_equal_prefix"] // 2)})
             else:
                 nm = m["worst_nmse"]
                 bands[cls] = {"nmse": float(f"{max(nm, 1e-15) * a.margin:.1e}")}

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import HarnessError
-from .metrics import fmt
+from .metrics import fmt, fmt_cos, fmt_match
 
 
 def default_dir() -> Path:
@@ -157,7 +157,7 @@ def _report_md(spec, rows, man, run_id, passed, rerun):
         m = r.metrics
         lines.append(f"| {'' if r.layer is None else r.layer} | {r.tensor} | {m.get('shape')} | "
                      f"{fmt(m.get('max_abs', ''))} | {fmt(m.get('max_rel', ''))} | {fmt(m.get('nmse', ''))} | "
-                     f"{fmt(m.get('cosine', m.get('agreement', '')))} | {'yes' if r.passed else '**NO**'} |")
+                     f"{fmt_cos(m.get('cosine', m.get('agreement', m.get('equal_prefix', ''))))} | {'yes' if r.passed else '**NO**'} |")
     lines += ["", "Captured tensors: `ours.npz` (llorch-ref names, `<tensor>.layer<L>`) and `llamacpp.npz`",
               "(llama.cpp node `name#op#occurrence`, ggml order already reversed to NumPy order).", "",
               "Re-run:", "", "```", rerun, "```", ""]
@@ -241,11 +241,11 @@ def _index_md(result, man, run_id, rerun):
              f"- prompt {json.dumps(result.prompt)}: {len(result.token_ids)} tokens",
              f"- llorch-ref {man['llorch_ref_version']} at {man['git_commit']}, numpy {man['numpy']}, "
              f"backend {man['backend']}, CPU flags: {man['cpu_flags']}", "",
-             "| checkpoint | name | comparisons | failed | worst NMSE | worst max abs | min cosine/agreement | band | bundle |",
+             "| checkpoint | name | comparisons | failed | worst NMSE | worst max abs | min cosine / agreement | band | bundle |",
              "|---|---|---|---|---|---|---|---|---|"]
     for s in result.summary():
         lines.append(f"| {s['checkpoint']} | {s['name']} | {s['rows']} | {s['failed']} | {fmt(s['worst_nmse'])} | "
-                     f"{fmt(s['worst_max_abs'])} | {fmt(s['min_cosine'])} | `{json.dumps(s['band'])}` | "
+                     f"{fmt(s['worst_max_abs'])} | {fmt_match(s)} | `{json.dumps(s['band'])}` | "
                      f"[cp{s['checkpoint']}_{s['name']}/{run_id}](cp{s['checkpoint']}_{s['name']}/{run_id}/report.md) |")
     if result.greedy:
         g = result.greedy

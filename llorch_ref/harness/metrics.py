@@ -41,14 +41,14 @@ def compare(ours, ref) -> dict:
 
 
 def within(m: dict, band: dict) -> bool:
-    """A band is a dict of upper limits (nmse, max_abs) and lower limits (cosine, agreement)."""
+    """A band is a dict of upper limits (nmse, max_abs) and lower limits (cosine, agreement, equal_prefix)."""
     if m.get("error"):
         return False
     for k, lim in band.items():
         v = m.get(k)
         if v is None or (isinstance(v, float) and math.isnan(v)):
             return False
-        if k in ("cosine", "agreement"):
+        if k in ("cosine", "agreement", "equal_prefix"):
             if v < lim:
                 return False
         elif v > lim:
@@ -57,6 +57,8 @@ def within(m: dict, band: dict) -> bool:
 
 
 def fmt(x) -> str:
+    if x is None:
+        return "-"
     if isinstance(x, float):
         if math.isinf(x) or math.isnan(x):
             return str(x)
@@ -64,3 +66,21 @@ def fmt(x) -> str:
             return "0"
         return f"{x:.3e}" if abs(x) < 1e-3 or abs(x) >= 1e4 else f"{x:.6g}"
     return str(x)
+
+
+def fmt_cos(x) -> str:
+    """Cosine similarity near 1 printed as 1-d, so 0.999999999997 does not read as 1."""
+    if isinstance(x, float) and 0.99 < x < 1.0:
+        return f"1-{1.0 - x:.2e}"
+    return fmt(x)
+
+
+def fmt_match(summary: dict) -> str:
+    """The similarity column of a checkpoint summary: cosine, or agreement / equal prefix for token checks."""
+    if summary.get("min_cosine") is not None:
+        return fmt_cos(summary["min_cosine"])
+    if summary.get("equal_prefix") is not None:
+        return f"{summary['equal_prefix']} tokens equal"
+    if summary.get("min_agreement") is not None:
+        return f"agreement {summary['min_agreement']:.3f}"
+    return "-"

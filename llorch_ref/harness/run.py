@@ -73,12 +73,17 @@ class DiffResult:
             if not rows:
                 continue
             worst = max(rows, key=lambda r: (not r.passed, r.metrics.get("nmse", 0.0)))
+            # token checkpoints have agreement figures instead of tensor metrics
             out.append({
                 "checkpoint": spec.id, "name": spec.name, "rows": len(rows),
                 "failed": sum(not r.passed for r in rows),
-                "worst_nmse": max(r.metrics.get("nmse", 0.0) for r in rows),
-                "worst_max_abs": max(r.metrics.get("max_abs", 0.0) for r in rows),
-                "min_cosine": min(r.metrics.get("cosine", 1.0) for r in rows),
+                "worst_nmse": max((r.metrics["nmse"] for r in rows if "nmse" in r.metrics), default=None),
+                "worst_max_abs": max((r.metrics["max_abs"] for r in rows if "max_abs" in r.metrics), default=None),
+                "min_cosine": min((r.metrics["cosine"] for r in rows if "cosine" in r.metrics), default=None),
+                "min_agreement": min((r.metrics["agreement"] for r in rows if "agreement" in r.metrics),
+                                     default=None),
+                "equal_prefix": min((r.metrics["equal_prefix"] for r in rows if "equal_prefix" in r.metrics),
+                                    default=None),
                 "worst_at": {"layer": worst.layer, "tensor": worst.tensor},
                 "band": rows[0].band, "passed": all(r.passed for r in rows),
             })
@@ -129,6 +134,9 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     n_ctx = max(256, 64 * ((len(ids) + n_greedy + 63) // 64))
     t0 = time.perf_counter()
     own_ref = ref is None
+    if not own_ref and ref.n_ctx < len(ids) + n_greedy:
+        raise HarnessError(f"the llama.cpp context given holds {ref.n_ctx} positions; this run needs "
+                           f"{len(ids) + n_greedy}")
     if own_ref:
         ref = LlamaCpp(ref_path, n_ctx=n_ctx, kv_type="f32")
     res.llamacpp_settings = ref.settings
@@ -164,6 +172,9 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
         t1 = time.perf_counter()
         ours_logits = engine.backend.to_numpy(forward(engine.xp, cfg, engine.weights, ids, cache, record=record))
         res.timings["ours_forward_s"] = time.perf_counter() - t1
+        # the last row alone, as generation asks for it (rows=[T-1]) on a fresh cache
+        ours_last = engine.backend.to_numpy(forward(engine.xp, cfg, engine.weights, ids, engine.new_cache(),
+                                                    rows=[len(ids) - 1]))[-1]
         # -- layer and model tensors ---------------------------------------------------------------
         for s in specs:
             band = s.band(band_class)
@@ -172,7 +183,7 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
                     for t in s.tensors:
                         _compare_tensor(res, s, t, layer, rec, cap, band)
             elif s.scope == "model":
-                _model_checkpoint(res, s, band, ours_logits, ref_logits, rec, cap)
+                _model_checkpoint(res, s, band, ours_logits, ours_last, ref_logits, rec, cap)
         # -- 12: end-to-end greedy text ------------------------------------------------------------
         if "12" in by_id and n_greedy > 0:
             s = by_id["12"]
@@ -215,12 +226,15 @@ def _compare_tensor(res, spec, t, layer, rec, cap, band):
 
 
 def _softmax64(x):
+    """Independent float64 softmax of the reference's logits (not the function under test)."""
     x = np.asarray(x, dtype=np.float64)
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def _model_checkpoint(res, spec, band, ours_logits, ref_logits, rec, cap):
+def _model_checkpoint(res, spec, band, ours_logits, ours_last, ref_logits, rec, cap):
+    from ..generate import sampling
+
     order = (2, 0, int("".join(c for c in spec.id if c.isdigit()) or 0))
     if spec.name == "logits":
         m = compare(ours_logits, ref_logits)
@@ -232,15 +246,16 @@ def _model_checkpoint(res, spec, band, ours_logits, ref_logits, rec, cap):
             res.rows.append(Row(spec.id, spec.name, None, t.ours, m, band, within(m, band),
                                 (2, 0, int(spec.id) - 0.5)))
     elif spec.name == "last_token_logits":
-        m = compare(ours_logits[-1], ref_logits[-1])
+        m = compare(ours_last, ref_logits[-1])
         res.rows.append(Row(spec.id, spec.name, None, "result_output[-1]", m, band, within(m, band), order))
     elif spec.name == "greedy_argmax":
-        a, b = ours_logits.argmax(-1), ref_logits.argmax(-1)
+        a = np.array([sampling.greedy(row) for row in ours_logits])      # the pick generation uses
+        b = ref_logits.argmax(-1)
         m = {"shape": list(a.shape), "agreement": float((a == b).mean()), "ours": a.tolist(),
              "reference": b.tolist()}
         res.rows.append(Row(spec.id, spec.name, None, "argmax", m, band, within(m, band), order))
     elif spec.name == "softmax_probs":
-        m = compare(_softmax64(ours_logits), _softmax64(ref_logits))
+        m = compare(sampling.softmax(ours_logits), _softmax64(ref_logits))
         res.rows.append(Row(spec.id, spec.name, None, "softmax(logits)", m, band, within(m, band), order))
     elif spec.name == "greedy_text":
         pass                                   # handled by run_diff (needs generation on both sides)

@@ -1,0 +1,1 @@
+"""Generation: token selection (sampling) as small pure functions."""

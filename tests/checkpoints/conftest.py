@@ -1,0 +1,41 @@
+"""Checkpoint runs against llama.cpp, live, on the default model: F32 copy (tight bands) and Q4_1 original."""
+from __future__ import annotations
+
+import pytest
+
+from checkpoint_asserts import N_LAYERS
+
+
+@pytest.fixture(scope="session")
+def llama_f32(default_f32, llamacpp):
+    from llorch_ref.references.llamacpp import LlamaCpp
+
+    ref = LlamaCpp(default_f32, n_ctx=512, kv_type="f32")
+    yield ref
+    ref.close()
+
+
+@pytest.fixture(scope="session")
+def diff_f32(engine_f32, llama_f32):
+    from llorch_ref.harness.run import run_diff
+
+    assert engine_f32.config.n_layers == N_LAYERS
+    return run_diff(engine_f32, n_greedy=128, ref=llama_f32)
+
+
+@pytest.fixture(scope="session")
+def diff_q41(engine_q41, llamacpp):
+    from llorch_ref.harness.run import run_diff
+
+    return run_diff(engine_q41, n_greedy=64)
+
+
+@pytest.fixture
+def planted(engine_f32, llama_f32, monkeypatch):
+    """planted(bug) -> DiffResult of the F32 run with `bug(monkeypatch, engine)` applied (undone afterwards)."""
+    from llorch_ref.harness.run import run_diff
+
+    def run(bug, n_greedy=8):
+        bug(monkeypatch, engine_f32)
+        return run_diff(engine_f32, n_greedy=n_greedy, ref=llama_f32)
+    return run

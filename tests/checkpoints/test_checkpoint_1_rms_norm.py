@@ -1,0 +1,20 @@
+"""Checkpoint 1 (rms_norm) against llama.cpp, live. Spec: checkpoints/cp01_rms_norm.json"""
+import pytest
+
+import planted_bugs
+from checkpoint_asserts import N_LAYERS, assert_first_divergence, assert_in_band
+
+CP = "1"
+
+
+@pytest.mark.parametrize("layer", range(N_LAYERS))
+def test_f32_copy(diff_f32, layer):
+    assert_in_band(diff_f32, CP, layer)
+
+
+def test_q4_1_original(diff_q41):
+    assert_in_band(diff_q41, CP)
+
+
+def test_planted_wrong_rms_epsilon_is_caught(planted):
+    assert_first_divergence(planted(planted_bugs.wrong_rms_epsilon), "1", 0)
