@@ -7,10 +7,6 @@ from pathlib import Path
 import pytest
 
 
-def pytest_configure(config):
-    os.environ.setdefault("LLORCH_RUN_ID", "")
-
-
 @pytest.fixture(scope="session")
 def llamacpp():
     """Skips (with the reason) where llama-cpp-python is missing, unless LLORCH_REQUIRE_LLAMACPP=1."""
