@@ -4,15 +4,18 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
-def load(path=None, backend="numpy", n_ctx=None):
-    """Load a GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched and cached) -> Engine."""
+def load(path=None, backend="numpy", n_ctx=None, numerics="exact", kv_dtype="f32"):
+    """Load a GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched and cached) -> Engine.
+
+    numerics: "exact" (float32 math) or "ggml" (llama.cpp's CPU arithmetic: quantized activations,
+    block dot products); kv_dtype: "f32" or "f16" (the K/V cache type; llama.cpp's default is f16)."""
     from .engine import Engine
     from .loaders.default_model import default_model_path
     from .loaders.gguf_file import load_gguf
     from .tokenizer import from_gguf_metadata
 
     path = default_model_path() if path is None else path
-    m = load_gguf(path)
+    m = load_gguf(path, numerics=numerics)
     tok = from_gguf_metadata(m.metadata, source=str(m.path))
     return Engine(m.config, m.weights, tok, path=m.path, metadata=m.metadata, tensor_types=m.tensor_types,
-                  backend=backend, n_ctx=n_ctx)
+                  backend=backend, n_ctx=n_ctx, numerics=numerics, kv_dtype=kv_dtype)

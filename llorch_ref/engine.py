@@ -25,7 +25,7 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, config, weights, tokenizer, *, path=None, metadata=None, tensor_types=None,
-                 backend="numpy", n_ctx=None):
+                 backend="numpy", n_ctx=None, numerics="exact", kv_dtype="f32"):
         from .backends import get_backend
 
         self.config = config
@@ -39,10 +39,13 @@ class Engine:
         if n_ctx is not None and not (0 < int(n_ctx) <= config.context_length):
             raise ParameterError(f"n_ctx={n_ctx} must be in 1..{config.context_length} (the model's context)")
         self.n_ctx = int(n_ctx or config.context_length)
+        if kv_dtype not in ("f32", "f16"):
+            raise ParameterError(f"kv_dtype {kv_dtype!r} must be 'f32' or 'f16'")
+        self.numerics, self.kv_dtype = numerics, kv_dtype
 
     # -- sequences -----------------------------------------------------------------------------------
     def new_cache(self) -> Cache:
-        return Cache(self.xp, self.config, self.n_ctx)
+        return Cache(self.xp, self.config, self.n_ctx, kv_dtype={"f32": "float32", "f16": "float16"}[self.kv_dtype])
 
     def _check_ids(self, token_ids):
         ids = [int(t) for t in token_ids]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import Config
-from ..errors import ModelFileError, UnsupportedModelError
+from ..errors import ModelFileError, ParameterError, UnsupportedModelError
 from ..model.weights import LayerWeights, Weights
 
 GGUF_MAGIC = b"GGUF"
@@ -163,7 +163,24 @@ LAYER_TENSORS = {  # GGUF name suffix -> LayerWeights field, expected NumPy shap
 }
 
 
-def load_gguf(path) -> GGUFModel:
+def ggml_matrix(t, shape):
+    """numerics="ggml": the weight as ggml blocks whose matmul reproduces llama.cpp's CPU arithmetic."""
+    from ..numerics.ggml_cpu import ACT_TYPE, FloatMatrix, QuantMatrix
+
+    name = t.tensor_type.name
+    if name in ACT_TYPE:
+        return QuantMatrix(np.asarray(t.data), name, shape)
+    if name in ("F32", "F16"):
+        return FloatMatrix(dequantize(t), name)
+    raise UnsupportedModelError(f"tensor {t.name!r}: numerics='ggml' does not implement {name} products yet "
+                                f"(implemented: F32, F16, {', '.join(ACT_TYPE)}); use numerics='exact'")
+
+
+def load_gguf(path, numerics: str = "exact") -> GGUFModel:
+    from ..numerics import NUMERICS
+
+    if numerics not in NUMERICS:
+        raise ParameterError(f"numerics {numerics!r} must be one of {', '.join(NUMERICS)}")
     path = Path(path)
     reader = open_reader(path)
     meta = read_metadata(reader)
@@ -171,21 +188,27 @@ def load_gguf(path) -> GGUFModel:
     shapes = {t.name: tuple(int(x) for x in reversed([int(s) for s in t.shape])) for t in reader.tensors}
     cfg = config_from_metadata(meta, path, shapes)
 
-    def tensor(name, shape):
+    def tensor(name, shape, matrix=False):
         t = by_name.get(name)
         if t is None:
             raise ModelFileError(f"{path}: tensor {name!r} is missing")
         if shapes[name] != shape:
             raise ModelFileError(f"{path}: tensor {name!r} has shape {shapes[name]} (NumPy order), "
                                  f"expected {shape} from the metadata")
+        if matrix and numerics == "ggml":
+            return ggml_matrix(t, shape)
         return dequantize(t)
 
     layers = []
     for i in range(cfg.n_layers):
-        fields = {fld: tensor(f"blk.{i}.{suffix}", shp(cfg)) for suffix, (fld, shp) in LAYER_TENSORS.items()}
+        fields = {fld: tensor(f"blk.{i}.{suffix}", shp(cfg), matrix=len(shp(cfg)) == 2)
+                  for suffix, (fld, shp) in LAYER_TENSORS.items()}
         layers.append(LayerWeights(**fields))
     tok = tensor("token_embd.weight", (cfg.n_vocab, cfg.d_model))
-    out = tok if cfg.tied_output else tensor("output.weight", (cfg.n_vocab, cfg.d_model))
+    if cfg.tied_output:
+        out = tensor("token_embd.weight", (cfg.n_vocab, cfg.d_model), matrix=True) if numerics == "ggml" else tok
+    else:
+        out = tensor("output.weight", (cfg.n_vocab, cfg.d_model), matrix=True)
     weights = Weights(tok_embd=tok, layers=layers, out_norm=tensor("output_norm.weight", (cfg.d_model,)),
                       output=out)
     types = {t.name: t.tensor_type.name for t in reader.tensors}

@@ -19,7 +19,11 @@ def rms_norm(xp, x, w, eps: float):
 
 
 def linear(xp, x, w):
-    """x: [T, in] f32, w: [out, in] f32 -> [T, out] f32."""
+    """x: [T, in] f32, w: [out, in] f32 -> [T, out] f32.
+
+    w may instead be a matrix object with .matmul(x) (numerics="ggml": ggml's quantized CPU product)."""
+    if not isinstance(w, xp.ndarray):
+        return w.matmul(x)
     return x @ w.T
 
 

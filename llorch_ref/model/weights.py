@@ -30,9 +30,10 @@ class Weights:
         """Apply fn to every array (e.g. upload to a GPU), keeping tied arrays tied."""
         tied = self.output is self.tok_embd
         tok = fn(self.tok_embd)
+        keep = lambda a: fn(a) if isinstance(a, np.ndarray) else a      # matrix objects (ggml numerics) stay
         return Weights(
             tok_embd=tok,
-            layers=[LayerWeights(**{k: fn(v) for k, v in vars(lw).items()}) for lw in self.layers],
+            layers=[LayerWeights(**{k: keep(v) for k, v in vars(lw).items()}) for lw in self.layers],
             out_norm=fn(self.out_norm),
-            output=tok if tied else fn(self.output),
+            output=tok if tied else keep(self.output),
         )
