@@ -9,8 +9,9 @@ import numpy as np
 
 from .errors import ParameterError, PromptError, TokenizerError
 from .generate import sampling
+from .model import forward as forward_mod
+from .model import layers
 from .model.cache import Cache
-from .model.forward import forward
 
 
 @dataclass
@@ -42,10 +43,22 @@ class Engine:
         if kv_dtype not in ("f32", "f16"):
             raise ParameterError(f"kv_dtype {kv_dtype!r} must be 'f32' or 'f16'")
         self.numerics, self.kv_dtype = numerics, kv_dtype
+        if numerics == "ggml":
+            from .numerics.ggml_cpu import make_ops
+            self.ops = make_ops(kv_dtype)
+        else:
+            self.ops = layers
 
     # -- sequences -----------------------------------------------------------------------------------
     def new_cache(self) -> Cache:
-        return Cache(self.xp, self.config, self.n_ctx, kv_dtype={"f32": "float32", "f16": "float16"}[self.kv_dtype])
+        return Cache(self.xp, self.config, self.n_ctx, kv_dtype={"f32": "float32", "f16": "float16"}[self.kv_dtype],
+                     ops=self.ops)
+
+    def forward(self, token_ids, cache, rows=None, record=None):
+        """Append token_ids to the sequence in `cache` -> logits [R, V] for `rows` (None: all)."""
+        kw = {"record": record} if record is not None else {}
+        return forward_mod.forward(self.xp, self.config, self.weights, token_ids, cache, rows=rows, ops=self.ops,
+                                   **kw)
 
     def _check_ids(self, token_ids):
         ids = [int(t) for t in token_ids]
@@ -61,10 +74,7 @@ class Engine:
     def logits(self, token_ids, record=None) -> np.ndarray:
         """token_ids: [T] -> float32 logits [T, V] for every position of a fresh sequence."""
         ids = self._check_ids(token_ids)
-        cache = self.new_cache()
-        kw = {"record": record} if record is not None else {}
-        out = forward(self.xp, self.config, self.weights, ids, cache, rows=None, **kw)
-        return self.backend.to_numpy(out)
+        return self.backend.to_numpy(self.forward(ids, self.new_cache(), record=record))
 
     def encode_prompt(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         if self.tokenizer is None:
@@ -89,7 +99,7 @@ class Engine:
         res.prompt_ids = ids
         cache = self.new_cache()                     # per-request state: a fresh cache every time
         t0 = time.perf_counter()
-        logits = forward(self.xp, self.config, self.weights, ids, cache, rows=[len(ids) - 1])
+        logits = self.forward(ids, cache, rows=[len(ids) - 1])
         res.prefill_s = time.perf_counter() - t0
         eog = self.tokenizer.eog_ids if self.tokenizer is not None else frozenset()
         t0 = time.perf_counter()
@@ -103,7 +113,7 @@ class Engine:
             if cache.pos >= self.n_ctx:
                 res.stop_reason = "context_full"
                 break
-            logits = forward(self.xp, self.config, self.weights, [nxt], cache, rows=[0])
+            logits = self.forward([nxt], cache, rows=[0])
         else:
             res.stop_reason = "max_tokens"
         res.decode_s = time.perf_counter() - t0

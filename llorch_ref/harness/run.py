@@ -158,8 +158,6 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
         if not cap.checked and any(s.scope == "layer" for s in specs):
             raise HarnessError("llama.cpp's eval callback captured nothing: is the capture wired?")
         # -- our forward, after a warm-up sequence through the same cache --------------------------
-        from ..model.forward import forward
-
         rec = {}
 
         def record(name, layer, arr):
@@ -167,14 +165,13 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
 
         cache = engine.new_cache()
         warm = engine.tokenizer.encode(WARMUP_PROMPT)
-        forward(engine.xp, cfg, engine.weights, warm, cache, rows=[len(warm) - 1])
+        engine.forward(warm, cache, rows=[len(warm) - 1])
         cache.reset()
         t1 = time.perf_counter()
-        ours_logits = engine.backend.to_numpy(forward(engine.xp, cfg, engine.weights, ids, cache, record=record))
+        ours_logits = engine.backend.to_numpy(engine.forward(ids, cache, record=record))
         res.timings["ours_forward_s"] = time.perf_counter() - t1
         # the last row alone, as generation asks for it (rows=[T-1]) on a fresh cache
-        ours_last = engine.backend.to_numpy(forward(engine.xp, cfg, engine.weights, ids, engine.new_cache(),
-                                                    rows=[len(ids) - 1]))[-1]
+        ours_last = engine.backend.to_numpy(engine.forward(ids, engine.new_cache(), rows=[len(ids) - 1]))[-1]
         # -- layer and model tensors ---------------------------------------------------------------
         for s in specs:
             band = s.band(band_class)

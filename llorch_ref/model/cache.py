@@ -12,13 +12,13 @@ class Cache:
     (and the stored K/V, so no stale entry can ever be read by a bug elsewhere).
     """
 
-    def __init__(self, xp, cfg, n_ctx: int, kv_dtype="float32"):
+    def __init__(self, xp, cfg, n_ctx: int, kv_dtype="float32", ops=layers):
         self.xp, self.cfg, self.n_ctx = xp, cfg, int(n_ctx)
         self.kv_dtype = xp.dtype(kv_dtype)
         shape = (cfg.n_layers, self.n_ctx, cfg.n_kv_heads, cfg.head_dim)
         self.k = xp.zeros(shape, dtype=self.kv_dtype)
         self.v = xp.zeros(shape, dtype=self.kv_dtype)
-        self.cos, self.sin = layers.rope_angles(xp, self.n_ctx, cfg.rope_dim, cfg.rope_base)
+        self.cos, self.sin = ops.rope_angles(xp, self.n_ctx, cfg.rope_dim, cfg.rope_base)
         self.pos = 0
 
     def reset(self):

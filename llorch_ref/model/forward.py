@@ -12,36 +12,39 @@ def _noop(name, layer, arr):
     pass
 
 
-def block(xp, cfg, lw, x, cache, layer: int, record=_noop):
-    """x: [T, D] f32 -> [T, D] f32 (one transformer block; writes this layer's K/V into the cache)."""
+def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L):
+    """x: [T, D] f32 -> [T, D] f32 (one transformer block; writes this layer's K/V into the cache).
+
+    ops: the namespace of layer functions (default: model.layers, the reference; numerics="ggml" passes
+    llama.cpp's CPU kernels)."""
     t = x.shape[0]
-    h = L.rms_norm(xp, x, lw.attn_norm, cfg.rms_eps)                                   # [T, D]
+    h = ops.rms_norm(xp, x, lw.attn_norm, cfg.rms_eps)                                   # [T, D]
     record("attn_norm", layer, h)
-    q, k, v = L.qkv(xp, h, lw.wq, lw.wk, lw.wv, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+    q, k, v = ops.qkv(xp, h, lw.wq, lw.wk, lw.wv, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
     record("q_proj", layer, q); record("k_proj", layer, k); record("v", layer, v)
     cos, sin = cache.rope_rows(t)                                                      # [T, R/2]
-    q = L.rope(xp, q, cos, sin, cfg.rope_style)                                        # [T, H, Hd]
-    k = L.rope(xp, k, cos, sin, cfg.rope_style)                                        # [T, KV, Hd]
+    q = ops.rope(xp, q, cos, sin, cfg.rope_style)                                        # [T, H, Hd]
+    k = ops.rope(xp, k, cos, sin, cfg.rope_style)                                        # [T, KV, Hd]
     record("q", layer, q); record("k", layer, k)
     k_all, v_all = cache.store(layer, k, v)                                            # [S, KV, Hd]
     record("k_cache", layer, k_all); record("v_cache", layer, v_all)
-    kv_head = L.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
-    att, kq, probs = L.attention(xp, q, k_all, v_all, cache.mask(t), cfg.scale, kv_head)  # [T, H*Hd]
+    kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
+    att, kq, probs = ops.attention(xp, q, k_all, v_all, cache.mask(t), cfg.scale, kv_head)  # [T, H*Hd]
     record("kq", layer, kq); record("kq_soft_max", layer, probs); record("kqv_out", layer, att)
-    att = L.linear(xp, att, lw.wo)                                                     # [T, D]
+    att = ops.linear(xp, att, lw.wo)                                                     # [T, D]
     record("attn_out", layer, att)
     x = x + att
     record("ffn_inp", layer, x)
-    h = L.rms_norm(xp, x, lw.ffn_norm, cfg.rms_eps)
+    h = ops.rms_norm(xp, x, lw.ffn_norm, cfg.rms_eps)
     record("ffn_norm", layer, h)
-    ffn, hidden = L.swiglu(xp, h, lw.w_gate, lw.w_up, lw.w_down)                      # [T, D], [T, F]
+    ffn, hidden = ops.swiglu(xp, h, lw.w_gate, lw.w_up, lw.w_down)                      # [T, D], [T, F]
     record("ffn_swiglu", layer, hidden); record("ffn_out", layer, ffn)
     x = x + ffn
     record("l_out", layer, x)
     return x
 
 
-def forward(xp, cfg, w, tokens, cache, rows=None, record=_noop):
+def forward(xp, cfg, w, tokens, cache, rows=None, record=_noop, ops=L):
     """tokens: [T] int -> logits [R, V] f32 for `rows` (indices into the T new tokens; None = all).
 
     Appends the T tokens to the sequence held by `cache` (positions cache.pos .. cache.pos+T-1).
@@ -51,12 +54,12 @@ def forward(xp, cfg, w, tokens, cache, rows=None, record=_noop):
     x = w.tok_embd[xp.asarray(tokens)]                                                 # [T, D]
     record("embd", None, x)
     for i, lw in enumerate(w.layers):
-        x = block(xp, cfg, lw, x, cache, i, record)
+        x = block(xp, cfg, lw, x, cache, i, record, ops)
     cache.advance(t)
     if rows is not None:
         x = x[xp.asarray(rows)]                                                        # [R, D]
-    x = L.rms_norm(xp, x, w.out_norm, cfg.rms_eps)
+    x = ops.rms_norm(xp, x, w.out_norm, cfg.rms_eps)
     record("result_norm", None, x)
-    logits = L.linear(xp, x, w.output)                                                 # [R, V]
+    logits = ops.linear(xp, x, w.output)                                                 # [R, V]
     record("result_output", None, logits)
     return logits

@@ -154,3 +154,162 @@ class FloatMatrix:
                 acc = fma(xl[:, None, c, :], wl[None, :, c, :], acc)
             out[i:i + rows_per_chunk] = hsum8(acc)
         return out
+
+
+# -- elementwise and attention kernels ------------------------------------------------------------------
+def _hexf(s):
+    return F32(float.fromhex(s))
+
+
+_EXP = {k: _hexf(v) for k, v in dict(r="0x1.8p23", log2e="0x1.715476p+0", ln2hi="0x1.62e4p-1",
+                                     ln2lo="0x1.7f7d1cp-20", c0="0x1.0e4020p-7", c1="0x1.573e2ep-5",
+                                     c2="0x1.555e66p-3", c3="0x1.fffdb6p-2", c4="0x1.ffffecp-1").items()}
+
+
+def v_expf(x):
+    """ggml_v_expf (AVX2+FMA): exp with max error 1.45 + 0.5 ulp, the one ggml's softmax and SiLU use."""
+    c = _EXP
+    x = np.asarray(x, dtype=F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = fma(x, c["log2e"], c["r"])
+        n = (z - c["r"]).astype(F32)
+        b = fma(-n, c["ln2lo"], fma(-n, c["ln2hi"], x))
+        e = z.view(np.int32) << 23
+        k = (e + np.array(1.0, F32).view(np.int32)).view(F32)
+        big = np.abs(n) > F32(126)
+        u = (b * b).astype(F32)
+        j = fma(fma(fma(c["c0"], b, c["c1"]), u, fma(c["c2"], b, c["c3"])), u, (c["c4"] * b).astype(F32))
+        res = fma(j, k, k)
+        if big.any():
+            g = np.where(n <= 0, np.int32(-0x7E000000), np.int32(0))                # 0x82000000
+            s1 = (g + np.int32(0x7F000000)).view(F32)
+            s2 = (e - g).view(F32)
+            alt = np.where(np.abs(n) > F32(192), (s1 * s1).astype(F32), (fma(s2, j, s2) * s1).astype(F32))
+            res = np.where(big, alt, res)
+    return res
+
+
+def silu(xp, x):
+    """ggml_v_silu: x / (1 + v_expf(-x)), float32."""
+    return (x / (F32(1) + v_expf((F32(0) - x).astype(F32)))).astype(F32)
+
+
+def softmax(xp, s):
+    """ggml_vec_soft_max_f32 + scale: s [..., S] (masked with -inf) -> probabilities [..., S] f32.
+
+    exp by v_expf in chunks of 8 from column 0, chunk sums (hsum order) accumulated in float64,
+    then multiplied by (float)(1/sum)."""
+    s = np.asarray(s, dtype=F32)
+    n = s.shape[-1]
+    n8 = -(-n // 8) * 8
+    m = s.max(axis=-1, keepdims=True)
+    w = np.full(s.shape[:-1] + (n8,), -np.inf, dtype=F32)
+    w[..., :n] = s
+    with np.errstate(invalid="ignore"):
+        e = v_expf((w - m).astype(F32))
+    chunks = hsum8(e.reshape(e.shape[:-1] + (n8 // 8, 8)))                 # [..., n8/8] f32
+    total = np.zeros(s.shape[:-1], dtype=F64)
+    for i in range(chunks.shape[-1]):
+        total = total + chunks[..., i].astype(F64)
+    return (e[..., :n] * (1.0 / total).astype(F32)[..., None]).astype(F32)
+
+
+def rope_angles(xp, n_pos: int, rope_dim: int, base: float):
+    """ggml_rope_cache_init: theta *= theta_scale in float32, cos/sin from the C library's cosf/sinf."""
+    import ctypes
+    import ctypes.util
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+    cosf, sinf = libm.cosf, libm.sinf
+    for f in (cosf, sinf):
+        f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]
+    theta_scale = F32(base ** (-2.0 / rope_dim))
+    theta = np.arange(n_pos, dtype=F32)
+    cols = []
+    for _ in range(rope_dim // 2):
+        cols.append(theta)
+        theta = (theta * theta_scale).astype(F32)
+    ang = np.stack(cols, axis=1)
+    uniq, inv = np.unique(ang, return_inverse=True)
+    c = np.array([cosf(float(v)) for v in uniq], dtype=F32)[inv].reshape(ang.shape)
+    s = np.array([sinf(float(v)) for v in uniq], dtype=F32)[inv].reshape(ang.shape)
+    return c, s
+
+
+def rope(xp, x, cos, sin, style: str):
+    """ggml's rotate_pairs as compiled (FMA-contracted): y0 = fma(x0, c, -(x1*s)), y1 = fma(x0, s, x1*c)."""
+    r = 2 * cos.shape[-1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = x.copy()
+    i0, i1 = (np.s_[..., 0:r:2], np.s_[..., 1:r:2]) if style == "adjacent" else \
+        (np.s_[..., : r // 2], np.s_[..., r // 2: r])
+    x0, x1 = x[i0], x[i1]
+    out[i0] = fma(x0, c, -(x1 * s))
+    out[i1] = fma(x0, s, x1 * c)
+    return out
+
+
+def _lanes8(a, b):
+    """sum_k a[..., k] * b[..., k] as tinyBLAS computes it: 8-lane FMA over k (k % 8 == 0), then hsum."""
+    k = a.shape[-1]
+    acc = np.zeros(np.broadcast_shapes(a.shape[:-1], b.shape[:-1]) + (8,), dtype=F32)
+    for c in range(k // 8):
+        acc = fma(a[..., c * 8:(c + 1) * 8], b[..., c * 8:(c + 1) * 8], acc)
+    return hsum8(acc)
+
+
+def _vec_dot_f32(a, b):
+    """ggml_vec_dot_f32 (AVX2): 4 accumulators of 8 lanes over steps of 32, reduced with hadd, then leftovers."""
+    k = a.shape[-1]
+    np_ = k & ~31
+    acc = np.zeros(np.broadcast_shapes(a.shape[:-1], b.shape[:-1]) + (4, 8), dtype=F32)
+    for i in range(0, np_, 32):
+        acc = fma(a[..., i:i + 32].reshape(a.shape[:-1] + (4, 8)), b[..., i:i + 32].reshape(b.shape[:-1] + (4, 8)), acc)
+    x0 = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])
+    t0 = x0[..., :4] + x0[..., 4:]
+    res = ((t0[..., 0] + t0[..., 1]) + (t0[..., 2] + t0[..., 3])).astype(F64)
+    for i in range(np_, k):
+        res = res + (a[..., i] * b[..., i]).astype(F64)
+    return res.astype(F32)
+
+
+def make_attention(kv_dtype: str):
+    """-> attention(xp, q, k, v, mask, scale, kv_head) reproducing llama.cpp's non-flash CPU attention for a
+    K/V cache of kv_dtype ('f32': kq by ggml_vec_dot_f32, P.V by tinyBLAS f32; 'f16': both by tinyBLAS
+    f16 on f16-rounded Q and P)."""
+
+    def attention(xp, q, k, v, mask, scale, kv_head):
+        t, h, hd = q.shape
+        s = k.shape[0]
+        qh = q.transpose(1, 0, 2)[:, :, None, :]                                  # [H, T, 1, Hd]
+        kh = k[:, kv_head, :].transpose(1, 0, 2)[:, None, :, :]                  # [H, 1, S, Hd]
+        if kv_dtype == "f16":
+            kq = _lanes8(qh.astype(F16).astype(F32), kh)                           # [H, T, S]
+        else:
+            kq = _vec_dot_f32(qh, kh)
+        probs = softmax(xp, (kq * F32(scale)).astype(F32) + mask)
+        s8 = -(-s // 8) * 8
+        p = np.zeros((h, t, s8), dtype=F32)
+        p[..., :s] = probs.astype(F16).astype(F32) if kv_dtype == "f16" else probs
+        vt = np.zeros((h, hd, s8), dtype=F32)
+        vt[..., :s] = v[:, kv_head, :].transpose(1, 2, 0)                          # [H, Hd, S]
+        out = _lanes8(p[:, :, None, :], vt[:, None, :, :])                         # [H, T, Hd]
+        return out.transpose(1, 0, 2).reshape(t, h * hd), kq, probs
+    return attention
+
+
+def make_ops(kv_dtype: str = "f32"):
+    """The layer-function namespace for numerics='ggml': the reference layers with ggml's kernels swapped in."""
+    import types
+
+    from ..model import layers
+
+    def swiglu(xp, x, w_gate, w_up, w_down):
+        h = (silu(xp, layers.linear(xp, x, w_gate)) * layers.linear(xp, x, w_up)).astype(F32)
+        return layers.linear(xp, h, w_down), h
+
+    ops = types.SimpleNamespace(**{n: getattr(layers, n) for n in dir(layers) if not n.startswith("_")})
+    ops.rope_angles, ops.rope, ops.softmax, ops.silu = rope_angles, rope, softmax, silu
+    ops.attention, ops.swiglu = make_attention(kv_dtype), swiglu
+    ops.name = f"ggml (kv {kv_dtype})"
+    return ops
