@@ -23,9 +23,10 @@ def _load(args):
 
     t0 = time.perf_counter()
     eng = llorch_ref.load(args.model, backend=getattr(args, "backend", None) or "numpy",
-                          n_ctx=getattr(args, "ctx", None))
+                          n_ctx=getattr(args, "ctx", None), numerics=args.numerics, kv_dtype=args.kv_dtype)
     _log(f"llorch-ref: loaded {eng.path.name} ({eng.config.arch}, {eng.config.n_layers} layers) "
-         f"in {time.perf_counter() - t0:.2f} s, backend {eng.backend.name}")
+         f"in {time.perf_counter() - t0:.2f} s, backend {eng.backend.name}, numerics {eng.numerics}, "
+         f"K/V cache {eng.kv_dtype}")
     return eng
 
 
@@ -165,6 +166,11 @@ def build_parser():
     def model_args(sp):
         sp.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched and cached)")
         sp.add_argument("--backend", choices=["numpy"], default=None, help="array backend (default numpy)")
+        sp.add_argument("--numerics", choices=["exact", "ggml"], default="exact",
+                        help="exact: float32 math (default); ggml: llama.cpp's CPU arithmetic (quantized "
+                             "activations, its dot-product order, its exp), bit for bit")
+        sp.add_argument("--kv-dtype", choices=["f32", "f16"], default="f32",
+                        help="K/V cache type (default f32; llama.cpp's own default is f16)")
 
     g = sub.add_parser("generate", help="stream a continuation of PROMPT to stdout")
     g.add_argument("prompt")

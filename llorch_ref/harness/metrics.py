@@ -27,6 +27,7 @@ def compare(ours, ref) -> dict:
         a, b = a[finite], b[finite]
     d = a - b
     absd = np.abs(d)
+    identical = not d.any()
     floor = max(1e-3 * float(np.max(np.abs(b))) if b.size else 0.0, 1e-12)
     den = float(np.sum(b * b))
     na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
@@ -35,8 +36,8 @@ def compare(ours, ref) -> dict:
         "max_abs": float(absd.max()) if d.size else 0.0,
         "max_rel": float((absd / np.maximum(np.abs(b), floor)).max()) if d.size else 0.0,
         "nmse": float(np.sum(d * d) / den) if den > 0 else (0.0 if not d.any() else math.inf),
-        "cosine": float(np.dot(a.ravel(), b.ravel()) / (na * nb)) if na > 0 and nb > 0 else
-        (1.0 if na == nb else 0.0),
+        "cosine": 1.0 if identical else (float(np.dot(a.ravel(), b.ravel()) / (na * nb)) if na > 0 and nb > 0
+                                         else 0.0),
     }
 
 

@@ -123,6 +123,11 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     if not prompt:
         raise PromptError("empty prompt")
     ids = engine.tokenizer.encode(prompt)
+    if engine.numerics == "exact" and engine.kv_dtype != "f32":
+        raise HarnessError("the exact-numerics bands are measured with an F32 K/V cache; use --kv-dtype f32, "
+                           "or --numerics ggml to compare against llama.cpp with an f16 cache")
+    if band_class is None and engine.numerics == "ggml":
+        band_class = "ggml"
     if band_class is None:
         band_class = band_class_of(engine.tensor_types)
         if reference_model is not None:
@@ -134,11 +139,14 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     n_ctx = max(256, 64 * ((len(ids) + n_greedy + 63) // 64))
     t0 = time.perf_counter()
     own_ref = ref is None
+    if not own_ref and ref.settings["type_k"] != engine.kv_dtype:
+        raise HarnessError(f"the llama.cpp context given has a {ref.settings['type_k']} K/V cache; the engine "
+                           f"uses {engine.kv_dtype}")
     if not own_ref and ref.n_ctx < len(ids) + n_greedy:
         raise HarnessError(f"the llama.cpp context given holds {ref.n_ctx} positions; this run needs "
                            f"{len(ids) + n_greedy}")
     if own_ref:
-        ref = LlamaCpp(ref_path, n_ctx=n_ctx, kv_type="f32")
+        ref = LlamaCpp(ref_path, n_ctx=n_ctx, kv_type=engine.kv_dtype)
     res.llamacpp_settings = ref.settings
     try:
         by_id = {s.id: s for s in specs}

@@ -12,11 +12,12 @@ def _noop(name, layer, arr):
     pass
 
 
-def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L):
-    """x: [T, D] f32 -> [T, D] f32 (one transformer block; writes this layer's K/V into the cache).
+def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None):
+    """x: [T, D] f32 -> [T, D] f32, or [R, D] with out_rows (one block; writes this layer's K/V).
 
     ops: the namespace of layer functions (default: model.layers, the reference; numerics="ggml" passes
-    llama.cpp's CPU kernels)."""
+    llama.cpp's CPU kernels). out_rows: keep only these rows after attention, as llama.cpp does in
+    its last layer (the FFN then runs on the rows whose logits are wanted)."""
     t = x.shape[0]
     h = ops.rms_norm(xp, x, lw.attn_norm, cfg.rms_eps)                                   # [T, D]
     record("attn_norm", layer, h)
@@ -33,6 +34,8 @@ def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L):
     record("kq", layer, kq); record("kq_soft_max", layer, probs); record("kqv_out", layer, att)
     att = ops.linear(xp, att, lw.wo)                                                     # [T, D]
     record("attn_out", layer, att)
+    if out_rows is not None:
+        att, x = att[out_rows], x[out_rows]                                              # [R, D]
     x = x + att
     record("ffn_inp", layer, x)
     h = ops.rms_norm(xp, x, lw.ffn_norm, cfg.rms_eps)
@@ -53,11 +56,11 @@ def forward(xp, cfg, w, tokens, cache, rows=None, record=_noop, ops=L):
     cache.check_room(t)
     x = w.tok_embd[xp.asarray(tokens)]                                                 # [T, D]
     record("embd", None, x)
+    last = len(w.layers) - 1
+    out_rows = None if rows is None else xp.asarray(rows)
     for i, lw in enumerate(w.layers):
-        x = block(xp, cfg, lw, x, cache, i, record, ops)
+        x = block(xp, cfg, lw, x, cache, i, record, ops, out_rows if i == last else None)
     cache.advance(t)
-    if rows is not None:
-        x = x[xp.asarray(rows)]                                                        # [R, D]
     x = ops.rms_norm(xp, x, w.out_norm, cfg.rms_eps)
     record("result_norm", None, x)
     logits = ops.linear(xp, x, w.output)                                                 # [R, V]

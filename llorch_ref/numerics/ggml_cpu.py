@@ -128,7 +128,8 @@ class QuantMatrix:
 
 
 class FloatMatrix:
-    """An F32 or F16 weight [N, K]; matmul(x) reproduces llamafile's tinyBLAS product (8-lane FMA over K)."""
+    """An F32 or F16 weight [N, K]; matmul(x) reproduces llamafile's tinyBLAS product (8-lane FMA over K),
+    or ggml_vec_dot_f32/f16 when x has a single row (llama.cpp does not use tinyBLAS for one row)."""
 
     def __init__(self, w, qtype: str):
         self.qtype, self.shape = qtype, w.shape
@@ -143,6 +144,8 @@ class FloatMatrix:
         if self.qtype == "F16":
             x = x.astype(F16).astype(F32)                                # activations rounded to f16
         n, k = self.shape
+        if x.shape[0] == 1:                        # one row: ggml's own vec_dot, not llamafile's tinyBLAS
+            return _vec_dot_f32(x[:, None, :], self.w[None, :, :], leftovers_f64=self.qtype == "F16")
         if k % 8:
             return x @ self.w.T                                          # tinyBLAS needs k % 8 == 0
         out = np.empty((x.shape[0], n), dtype=F32)
@@ -258,8 +261,10 @@ def _lanes8(a, b):
     return hsum8(acc)
 
 
-def _vec_dot_f32(a, b):
-    """ggml_vec_dot_f32 (AVX2): 4 accumulators of 8 lanes over steps of 32, reduced with hadd, then leftovers."""
+def _vec_dot_f32(a, b, leftovers_f64=False):
+    """ggml_vec_dot_f32 (AVX2): 4 accumulators of 8 lanes over steps of 32, reduced with hadd, then the
+    leftovers added one by one in float32 (product rounded, no FMA), as measured against this build.
+    ggml_vec_dot_f16 is the same on f16 values, except that its leftovers accumulate in double."""
     k = a.shape[-1]
     np_ = k & ~31
     acc = np.zeros(np.broadcast_shapes(a.shape[:-1], b.shape[:-1]) + (4, 8), dtype=F32)
@@ -267,33 +272,48 @@ def _vec_dot_f32(a, b):
         acc = fma(a[..., i:i + 32].reshape(a.shape[:-1] + (4, 8)), b[..., i:i + 32].reshape(b.shape[:-1] + (4, 8)), acc)
     x0 = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])
     t0 = x0[..., :4] + x0[..., 4:]
-    res = ((t0[..., 0] + t0[..., 1]) + (t0[..., 2] + t0[..., 3])).astype(F64)
+    res = ((t0[..., 0] + t0[..., 1]) + (t0[..., 2] + t0[..., 3])).astype(F64 if leftovers_f64 else F32)
     for i in range(np_, k):
-        res = res + (a[..., i] * b[..., i]).astype(F64)
+        res = (res + (a[..., i] * b[..., i]).astype(res.dtype)).astype(res.dtype)
     return res.astype(F32)
 
 
+def _pad(a, n):
+    """Zero-pad the last axis to n (ggml pads the KV length; the zeros add nothing to any FMA lane)."""
+    if a.shape[-1] == n:
+        return a
+    out = np.zeros(a.shape[:-1] + (n,), dtype=a.dtype)
+    out[..., : a.shape[-1]] = a
+    return out
+
+
 def make_attention(kv_dtype: str):
-    """-> attention(xp, q, k, v, mask, scale, kv_head) reproducing llama.cpp's non-flash CPU attention for a
-    K/V cache of kv_dtype ('f32': kq by ggml_vec_dot_f32, P.V by tinyBLAS f32; 'f16': both by tinyBLAS
-    f16 on f16-rounded Q and P)."""
+    """-> attention(xp, q, k, v, mask, scale, kv_head) reproducing llama.cpp's non-flash CPU attention.
+
+    kv_dtype 'f32': Q.K^T by ggml_vec_dot_f32 (the permuted Q is not contiguous), P.V by tinyBLAS f32.
+    kv_dtype 'f16': Q and P rounded to f16; both products by tinyBLAS f16. With one new token, llama.cpp
+    uses its own vec_dot (f32 or f16) instead of tinyBLAS for every product; so do we."""
 
     def attention(xp, q, k, v, mask, scale, kv_head):
         t, h, hd = q.shape
         s = k.shape[0]
-        qh = q.transpose(1, 0, 2)[:, :, None, :]                                  # [H, T, 1, Hd]
+        f16 = kv_dtype == "f16"
+        rnd = (lambda a: a.astype(F16).astype(F32)) if f16 else (lambda a: a)
+        qh = rnd(q).transpose(1, 0, 2)[:, :, None, :]                             # [H, T, 1, Hd]
         kh = k[:, kv_head, :].transpose(1, 0, 2)[:, None, :, :]                  # [H, 1, S, Hd]
-        if kv_dtype == "f16":
-            kq = _lanes8(qh.astype(F16).astype(F32), kh)                           # [H, T, S]
+        if f16 and t > 1:
+            kq = _lanes8(qh, kh)                                                   # tinyBLAS f16
         else:
-            kq = _vec_dot_f32(qh, kh)
-        probs = softmax(xp, (kq * F32(scale)).astype(F32) + mask)
-        s8 = -(-s // 8) * 8
-        p = np.zeros((h, t, s8), dtype=F32)
-        p[..., :s] = probs.astype(F16).astype(F32) if kv_dtype == "f16" else probs
-        vt = np.zeros((h, hd, s8), dtype=F32)
-        vt[..., :s] = v[:, kv_head, :].transpose(1, 2, 0)                          # [H, Hd, S]
-        out = _lanes8(p[:, :, None, :], vt[:, None, :, :])                         # [H, T, Hd]
+            kq = _vec_dot_f32(qh, kh, leftovers_f64=f16)                           # ggml_vec_dot_f32/f16
+        probs = softmax(xp, (kq * F32(scale)).astype(F32) + mask)                  # [H, T, S]
+        vt = v[:, kv_head, :].transpose(1, 2, 0)                                   # [H, Hd, S]
+        if t > 1:
+            s8 = -(-s // 8) * 8
+            out = _lanes8(_pad(rnd(probs), s8)[:, :, None, :], _pad(vt, s8)[:, None, :, :])   # tinyBLAS
+        else:
+            s32 = -(-s // 32) * 32
+            out = _vec_dot_f32(_pad(rnd(probs), s32)[:, :, None, :], _pad(vt, s32)[:, None, :, :],
+                               leftovers_f64=f16)
         return out.transpose(1, 0, 2).reshape(t, h * hd), kq, probs
     return attention
 

@@ -74,7 +74,8 @@ def _rand(name, shape, seed, scale=0.02):
 def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                      d_ff=96, context_length=128, weight_type="F32", tied=False, seed=0, rms_eps=1e-5,
                      rope_base=10000.0, n_vocab_none=128, add_bos=None) -> Path:
-    """Write a tiny random llama GGUF. vocab: 'bpe' | 'spm' | 'none'; weight_type: F32 | F16 | Q8_0 | mixed."""
+    """Write a tiny random llama GGUF. vocab: 'bpe' | 'spm' | 'none';
+    weight_type: F32 | F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | mixed (Q8_0 embeddings and FFN, F16 attention)."""
     import gguf
 
     path = Path(path)
@@ -100,7 +101,8 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
     w.add_rope_freq_base(rope_base)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(n_vocab)
-    w.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7, "mixed": 7}[weight_type])
+    w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
+                     "mixed": 7}[weight_type])
     if vocab == "none":
         w.add_tokenizer_model("no_vocab")
     elif vocab == "bpe":
@@ -123,7 +125,7 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
         w.add_unk_token_id(0)
         w.add_add_bos_token(True if add_bos is None else bool(add_bos))
     def put(name, arr, kind):
-        t = {"F32": "F32", "F16": "F16", "Q8_0": "Q8_0"}.get(weight_type)
+        t = weight_type
         if weight_type == "mixed":
             t = {"embd": "Q8_0", "attn": "F16", "ffn": "Q8_0", "out": "F32"}[kind]
         if arr.ndim == 1 or t == "F32":
@@ -131,8 +133,8 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
         elif t == "F16":
             w.add_tensor(name, arr.astype(np.float16))
         else:
-            q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            qt = gguf.GGMLQuantizationType[t]
+            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
 
     put("token_embd.weight", _rand("token_embd", (n_vocab, d_model), seed, 0.5), "embd")
     for i in range(n_layers):

@@ -93,14 +93,14 @@ def gate_up_swapped(mp, eng):                # cp6: silu applied to the up proje
 def missing_ffn_residual(mp, eng):           # cp7: the block returns the FFN output without the residual
     orig = forward_mod.block
 
-    def block(xp, cfg, lw, x, cache, layer, record=forward_mod._noop):
+    def block(xp, cfg, lw, x, cache, layer, record=forward_mod._noop, ops=layers, out_rows=None):
         seen = {}
 
         def rec(name, l, a):
             seen[name] = a
             if name != "l_out":
                 record(name, l, a)
-        orig(xp, cfg, lw, x, cache, layer, rec)
+        orig(xp, cfg, lw, x, cache, layer, rec, ops, out_rows)
         out = seen["ffn_out"]                      # should be seen["ffn_inp"] + seen["ffn_out"]
         record("l_out", layer, out)
         return out
@@ -114,10 +114,10 @@ def final_norm_without_weight(mp, eng):      # cp8: output_norm weight not appli
 def last_row_off_by_one(mp, eng):            # cp9: rows=[T-1] selects T-2
     orig = forward_mod.forward
 
-    def forward(xp, cfg, w, tokens, cache, rows=None, record=forward_mod._noop):
+    def forward(xp, cfg, w, tokens, cache, rows=None, record=forward_mod._noop, ops=layers):
         if rows is not None:
             rows = [max(r - 1, 0) for r in rows]
-        return orig(xp, cfg, w, tokens, cache, rows=rows, record=record)
+        return orig(xp, cfg, w, tokens, cache, rows=rows, record=record, ops=ops)
     mp.setattr(forward_mod, "forward", forward)
 
 
