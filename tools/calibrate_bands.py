@@ -31,7 +31,11 @@ def main():
     ap.add_argument("--write", action="store_true", help="write bands and measurements into checkpoints/*.json")
     ap.add_argument("--margin", type=float, default=10.0)
     ap.add_argument("--greedy", type=int, default=64)
+    ap.add_argument("--ggml", action="store_true",
+                    help="measure numerics='ggml' (F32/F16 K/V) instead and write the 'ggml' band class")
     a = ap.parse_args()
+    if a.ggml:
+        return calibrate_ggml(a)
     sys.path.insert(0, str(Path(__file__).parent))
     import llorch_ref
     from llorch_ref.harness.run import run_diff
@@ -96,6 +100,57 @@ def main():
                          "by_class": measured[s.id]}
         s.path.write_text(json.dumps(d, indent=2) + "\n")
     print("bands written to", specs[0].path.parent, file=sys.stderr)
+    return 0
+
+
+def calibrate_ggml(a):
+    """numerics='ggml' reproduces llama.cpp's arithmetic: the band is bit-identity (max abs 0) when every
+    measurement is 0, else margin x the worst NMSE measured (reported loudly)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import llorch_ref
+    from llorch_ref.harness.run import run_diff
+    from llorch_ref.harness.specs import load_specs
+    from llorch_ref.loaders.default_model import default_model_path, home
+    from make_quant_copies import make_copies
+
+    orig = default_model_path()
+    copies = make_copies(orig, home() / "models", ["f32", "f16", "q8_0"])
+    specs = load_specs()
+    worst = {s.id: {"max_abs": 0.0, "nmse": 0.0, "min_agreement": 1.0, "runs": 0} for s in specs}
+    models = {"F32": copies["f32"], "F16": copies["f16"], "Q8_0": copies["q8_0"], "Q4_1": orig}
+    for cls, path in models.items():
+        for kv in ("f32", "f16"):
+            eng = llorch_ref.load(path, numerics="ggml", kv_dtype=kv)
+            for p in PROMPTS:
+                t0 = time.perf_counter()
+                r = run_diff(eng, prompt=p, n_greedy=a.greedy)
+                for row in r.rows:
+                    w = worst[row.checkpoint]
+                    w["runs"] += 1
+                    w["max_abs"] = max(w["max_abs"], row.metrics.get("max_abs", 0.0))
+                    w["nmse"] = max(w["nmse"], row.metrics.get("nmse", 0.0))
+                    w["min_agreement"] = min(w["min_agreement"], row.metrics.get("agreement", 1.0))
+                print(f"ggml {cls} {kv} {time.perf_counter() - t0:5.1f}s {p[:40]!r} "
+                      f"first divergence {r.first_divergence}", file=sys.stderr)
+    cmd = "python tools/calibrate_bands.py --ggml --write --greedy %d" % a.greedy
+    for s in specs:
+        w = worst[s.id]
+        print(f"ggml cp{s.id:3s} worst max_abs {w['max_abs']:.3e} nmse {w['nmse']:.3e} "
+              f"min agreement {w['min_agreement']:.3f} over {w['runs']} comparisons")
+        if not a.write:
+            continue
+        d = json.loads(s.path.read_text())
+        if s.id in ("0", "10", "12"):
+            d["bands"]["ggml"] = {"agreement": 1.0}
+        elif w["max_abs"] == 0.0:
+            d["bands"]["ggml"] = {"max_abs": 0.0}
+        else:
+            d["bands"]["ggml"] = {"nmse": float(f"{w['nmse'] * a.margin:.1e}")}
+        d.setdefault("measured", {})["ggml"] = {
+            "command": cmd, "models": [p.name for p in models.values()], "kv_dtypes": ["f32", "f16"],
+            "prompts": len(PROMPTS), "worst_max_abs": w["max_abs"], "worst_nmse": w["nmse"],
+            "min_agreement": w["min_agreement"], "comparisons": w["runs"]}
+        s.path.write_text(json.dumps(d, indent=2) + "\n")
     return 0
 
 

@@ -84,6 +84,8 @@ def manifest(result, engine, argv, seed=0) -> dict:
         "reference_model_sha256": ref_sha,
         "band_class": result.band_class,
         "backend": engine.backend.name,
+        "numerics": engine.numerics,
+        "kv_dtype": engine.kv_dtype,
         "device": engine.backend.device,
         "prompt": result.prompt,
         "token_ids": result.token_ids,
@@ -148,7 +150,8 @@ def _report_md(spec, rows, man, run_id, passed, rerun):
              f"- model: `{man['model']}` (sha256 `{man['model_sha256']}`)",
              f"- reference: llama.cpp (llama-cpp-python {man['llama_cpp_python']}) on `{man['reference_model']}`",
              f"- prompt: {json.dumps(man['prompt'])} -> {len(man['token_ids'])} tokens",
-             f"- backend: {man['backend']} ({man['device']}); llorch-ref {man['llorch_ref_version']} "
+             f"- numerics: {man['numerics']}, K/V cache {man['kv_dtype']}; "
+             f"backend: {man['backend']} ({man['device']}); llorch-ref {man['llorch_ref_version']} "
              f"at {man['git_commit']}",
              f"- band: `{json.dumps(rows[0].band)}` (raw figures below; inside the band is not 'identical')", "",
              "| layer | tensor | shape | max abs | max rel | NMSE | cosine | pass |",
@@ -240,7 +243,8 @@ def _index_md(result, man, run_id, rerun):
              f"settings `{json.dumps(man['llamacpp_settings'])}`",
              f"- prompt {json.dumps(result.prompt)}: {len(result.token_ids)} tokens",
              f"- llorch-ref {man['llorch_ref_version']} at {man['git_commit']}, numpy {man['numpy']}, "
-             f"backend {man['backend']}, CPU flags: {man['cpu_flags']}", "",
+             f"backend {man['backend']}, numerics {man['numerics']}, K/V cache {man['kv_dtype']}, "
+             f"CPU flags: {man['cpu_flags']}", "",
              "| checkpoint | name | comparisons | failed | worst NMSE | worst max abs | min cosine / agreement | band | bundle |",
              "|---|---|---|---|---|---|---|---|---|"]
     for s in result.summary():

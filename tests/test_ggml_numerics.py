@@ -1,0 +1,107 @@
+"""numerics='ggml': llama.cpp's CPU arithmetic reproduced in NumPy, checked bit for bit against llama.cpp."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llorch_ref
+from llorch_ref.harness.metrics import compare
+from llorch_ref.numerics import ggml_cpu
+
+PROMPT = "Once upon a time, there was a little"
+IDS = [1, 17, 5, 99, 42, 7, 64, 3, 120, 11]
+
+
+def test_q8_0_activation_quantization_matches_gguf_quantizer():
+    import gguf
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((4, 256)) * rng.uniform(0.01, 10, (4, 1))).astype(np.float32)
+    q, d, _ = ggml_cpu.quantize_q8(x, with_sum=False)
+    ref = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(4, 8, 34)
+    np.testing.assert_array_equal(d, ref[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    np.testing.assert_array_equal(q.astype(np.int8), ref[..., 2:].view(np.int8))
+
+
+def test_q8_1_sum_field():
+    x = np.linspace(-3, 5, 64, dtype=np.float32)[None]
+    q, d, s = ggml_cpu.quantize_q8(x, with_sum=True)
+    np.testing.assert_allclose(s, (d * q.sum(-1)).astype(np.float16).astype(np.float32), rtol=1e-3)
+
+
+def test_v_expf_is_within_two_ulp_of_exp():
+    x = np.linspace(-87, 88, 100001, dtype=np.float32)
+    got, want = ggml_cpu.v_expf(x), np.exp(x.astype(np.float64))
+    ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
+    assert (np.abs(got - want) / ulp).max() < 2.0
+    assert ggml_cpu.v_expf(np.array([-np.inf], np.float32))[0] == 0.0
+
+
+@pytest.mark.parametrize("wt", ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "mixed"])
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_tiny_models_bit_identical_to_llamacpp(tiny, llamacpp, wt, kv):
+    """Prefill (every row), then single-token decode steps: every logit equal to llama.cpp's, bit for bit."""
+    from llorch_ref.references.llamacpp import LlamaCpp
+
+    path = tiny(vocab="none", weight_type=wt)
+    eng = llorch_ref.load(path, numerics="ggml", kv_dtype=kv)
+    ref = LlamaCpp(path, n_ctx=128, kv_type=kv)
+    m = compare(eng.logits(IDS), ref.eval(IDS))
+    assert m["max_abs"] == 0.0, m
+    cache = eng.new_cache()
+    eng.forward(IDS, cache, rows=[len(IDS) - 1])
+    lc = ref.llama_cpp
+    lc.llama_memory_clear(lc.llama_get_memory(ref.ctx), True)
+    ref._decode(IDS, 0, None, all_logits=False)
+    for i, tok in enumerate([5, 9, 33, 2, 77]):
+        ours = eng.forward([tok], cache, rows=[0])
+        theirs = ref._decode([tok], len(IDS) + i, None, all_logits=False)
+        assert np.array_equal(ours, theirs), f"decode step {i}"
+    ref.close()
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_default_model_logits_identical_and_exact_mode_is_not(default_model, llamacpp, kv):
+    from llorch_ref.references.llamacpp import LlamaCpp
+
+    ref = LlamaCpp(default_model, n_ctx=256, kv_type=kv)
+    exact = llorch_ref.load(default_model, numerics="exact", kv_dtype=kv)
+    ggml = llorch_ref.load(default_model, numerics="ggml", kv_dtype=kv)
+    ids = exact.tokenizer.encode(PROMPT)
+    lg = ref.eval(ids)
+    m_exact, m_ggml = compare(exact.logits(ids), lg), compare(ggml.logits(ids), lg)
+    print(f"Q4_1, {kv} K/V: exact NMSE {m_exact['nmse']:.3e} max abs {m_exact['max_abs']:.3e}; "
+          f"ggml NMSE {m_ggml['nmse']:.3e} max abs {m_ggml['max_abs']:.3e}")
+    assert m_ggml["max_abs"] == 0.0 and m_ggml["nmse"] == 0.0
+    assert m_exact["nmse"] > 1e-4                  # the gap the ggml mode closes is real
+
+
+def test_default_model_greedy_256_identical(default_model, llamacpp):
+    from llorch_ref.references.llamacpp import LlamaCpp
+
+    eng = llorch_ref.load(default_model, numerics="ggml", kv_dtype="f16")
+    ids = eng.tokenizer.encode(PROMPT)
+    ours = list(eng.generate_ids(ids, max_tokens=256, ignore_eos=True))
+    assert ours == LlamaCpp(default_model, n_ctx=512, kv_type="f16").greedy(ids, 256)
+
+
+def test_diff_in_ggml_mode_passes_with_zero_band(default_model, llamacpp):
+    from llorch_ref.harness.run import run_diff
+
+    eng = llorch_ref.load(default_model, numerics="ggml", kv_dtype="f32")
+    res = run_diff(eng, n_greedy=16)
+    assert res.band_class == "ggml" and res.first_divergence is None
+    assert all(r.metrics.get("max_abs", 0.0) == 0.0 for r in res.rows)
+
+
+def test_unimplemented_quant_type_is_a_clear_error(tmp_path, default_f32, llamacpp):
+    from llorch_ref.errors import UnsupportedModelError
+    import ctypes
+
+    dst = tmp_path / "q4k.gguf"
+    p = llamacpp.llama_model_quantize_default_params()
+    p.ftype = llamacpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert llamacpp.llama_model_quantize(str(default_f32).encode(), str(dst).encode(), ctypes.byref(p)) == 0
+    with pytest.raises(UnsupportedModelError, match="numerics='ggml' does not implement Q._K"):
+        llorch_ref.load(dst, numerics="ggml")
+    llorch_ref.load(dst, numerics="exact")          # the exact mode dequantizes every type gguf knows
