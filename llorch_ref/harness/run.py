@@ -163,6 +163,7 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
         t1 = time.perf_counter()
         ref_logits = ref.eval(ids, cap)
         res.timings["llamacpp_eval_s"] = time.perf_counter() - t1
+        ref_last = ref.eval_last(ids)          # as generation asks for it: one output row
         if not cap.checked and any(s.scope == "layer" for s in specs):
             raise HarnessError("llama.cpp's eval callback captured nothing: is the capture wired?")
         # -- our forward, after a warm-up sequence through the same cache --------------------------
@@ -188,7 +189,7 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
                     for t in s.tensors:
                         _compare_tensor(res, s, t, layer, rec, cap, band)
             elif s.scope == "model":
-                _model_checkpoint(res, s, band, ours_logits, ours_last, ref_logits, rec, cap)
+                _model_checkpoint(res, s, band, ours_logits, ours_last, ref_logits, ref_last, rec, cap)
         # -- 12: end-to-end greedy text ------------------------------------------------------------
         if "12" in by_id and n_greedy > 0:
             s = by_id["12"]
@@ -237,7 +238,7 @@ def _softmax64(x):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def _model_checkpoint(res, spec, band, ours_logits, ours_last, ref_logits, rec, cap):
+def _model_checkpoint(res, spec, band, ours_logits, ours_last, ref_logits, ref_last, rec, cap):
     from ..generate import sampling
 
     order = (2, 0, int("".join(c for c in spec.id if c.isdigit()) or 0))
@@ -251,7 +252,7 @@ def _model_checkpoint(res, spec, band, ours_logits, ours_last, ref_logits, rec, 
             res.rows.append(Row(spec.id, spec.name, None, t.ours, m, band, within(m, band),
                                 (2, 0, int(spec.id) - 0.5)))
     elif spec.name == "last_token_logits":
-        m = compare(ours_last, ref_logits[-1])
+        m = compare(ours_last, ref_last)
         res.rows.append(Row(spec.id, spec.name, None, "result_output[-1]", m, band, within(m, band), order))
     elif spec.name == "greedy_argmax":
         a = np.array([sampling.greedy(row) for row in ours_logits])      # the pick generation uses

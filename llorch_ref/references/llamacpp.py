@@ -224,6 +224,12 @@ class LlamaCpp:
         finally:
             lc.llama_batch_free(batch)
 
+    def eval_last(self, tokens) -> np.ndarray:
+        """tokens: [T] -> logits [V] of the last position only (llama.cpp then computes one output row)."""
+        lc = self.llama_cpp
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        return self._decode([int(t) for t in tokens], 0, None, all_logits=False)[-1]
+
     def greedy(self, tokens, max_tokens: int, stop_ids=()) -> list[int]:
         """Greedy continuation (argmax of llama.cpp's logits = its temperature-0 sampler), token by token."""
         lc = self.llama_cpp
