@@ -36,17 +36,54 @@ def cmd_generate(args):
 
     res = GenerationResult()
     out = sys.stdout
-    for piece in eng.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                              chat=args.chat, ignore_eos=args.ignore_eos, result=res):
+    for piece in eng.generate(args.prompt, max_tokens=args.max_tokens, chat=args.chat, system=args.system,
+                              ignore_eos=args.ignore_eos, stop=args.stop, result=res, **_sampling(args)):
         out.write(piece)
         out.flush()
     out.write("\n")
     out.flush()
+    _report(res)
+    return 0
+
+
+def _sampling(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, penalty_last_n=args.penalty_last_n, seed=args.seed)
+
+
+def _report(res):
     n = len(res.token_ids)
     rate = f", {n / res.decode_s:.1f} tokens/s" if res.decode_s > 0 and n else ""
+    stop = res.stop_reason + (f" {res.stop_sequence!r}" if res.stop_sequence else "")
     _log(f"llorch-ref: {len(res.prompt_ids)} prompt tokens in {res.prefill_s:.2f} s; {n} generated{rate}; "
-         f"stop: {res.stop_reason}")
-    return 0
+         f"stop: {stop}; seed {res.seed}")
+
+
+def cmd_chat(args):
+    """Interactive multi-turn chat with the model's template; the whole conversation is re-encoded each turn."""
+    eng = _load(args)
+    from .engine import GenerationResult
+
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    _log("llorch-ref chat: type a message and press Enter; an empty line or Ctrl-D ends the chat")
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        res = GenerationResult()
+        for piece in eng.generate(messages=messages, max_tokens=args.max_tokens, stop=args.stop, result=res,
+                                  **_sampling(args)):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": res.text})
+        _report(res)
 
 
 def cmd_inspect(args):
@@ -172,15 +209,33 @@ def build_parser():
         sp.add_argument("--kv-dtype", choices=["f32", "f16"], default="f32",
                         help="K/V cache type (default f32; llama.cpp's own default is f16)")
 
+    def sampling_args(sp):
+        sp.add_argument("--max-tokens", type=int, default=128)
+        sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+        sp.add_argument("--top-k", type=int, default=0, help="0 = off")
+        sp.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+        sp.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+        sp.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+        sp.add_argument("--presence-penalty", type=float, default=0.0)
+        sp.add_argument("--frequency-penalty", type=float, default=0.0)
+        sp.add_argument("--penalty-last-n", type=int, default=64, help="tokens the penalties look back (-1: all)")
+        sp.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn and printed)")
+        sp.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+        sp.add_argument("--system", default=None, help="system message for the chat template")
+        sp.add_argument("--ctx", type=int, default=None, help="context size (default: the model's)")
+
     g = sub.add_parser("generate", help="stream a continuation of PROMPT to stdout")
     g.add_argument("prompt")
     model_args(g)
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the only mode so far)")
+    sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
-    g.add_argument("--ctx", type=int, default=None, help="context size (default: the model's)")
     g.set_defaults(fn=cmd_generate)
+
+    ch = sub.add_parser("chat", help="interactive multi-turn chat on stdin/stdout")
+    model_args(ch)
+    sampling_args(ch)
+    ch.set_defaults(fn=cmd_chat)
 
     i = sub.add_parser("inspect", help="print architecture, hyper-parameters, tensor types and vocabulary")
     model_args(i)

@@ -19,7 +19,10 @@ class GenerationResult:
     """Filled in by Engine.generate as it runs; read it after the generator is exhausted."""
     prompt_ids: list = field(default_factory=list)
     token_ids: list = field(default_factory=list)
-    stop_reason: str | None = None      # "eos" | "max_tokens" | "context_full"
+    text: str = ""
+    stop_reason: str | None = None      # "eos" | "max_tokens" | "stop_sequence" | "context_full" | "cancelled"
+    stop_sequence: str | None = None    # the stop string matched (its text is not emitted)
+    seed: int | None = None             # the seed actually used (drawn when none was given)
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -76,10 +79,16 @@ class Engine:
         ids = self._check_ids(token_ids)
         return self.backend.to_numpy(self.forward(ids, self.new_cache(), record=record))
 
-    def encode_prompt(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+    def encode_prompt(self, prompt=None, chat: bool = False, system: str | None = None, messages=None) -> list[int]:
+        """Text (optionally wrapped in the chat template) or chat messages -> token ids."""
         if self.tokenizer is None:
             raise TokenizerError("this model has no vocabulary (tokenizer.ggml.model = no_vocab); "
                                  "pass token ids instead of text")
+        if messages is not None:
+            if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                       and isinstance(m.get("content"), str) for m in messages):
+                raise PromptError("messages must be a non-empty list of {role, content} strings")
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(messages)))
         if not isinstance(prompt, str) or prompt == "":
             raise PromptError("empty prompt: give some text to continue")
         if chat:
@@ -88,46 +97,72 @@ class Engine:
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(msgs))
         return self.tokenizer.encode(prompt)
 
-    def generate_ids(self, prompt_ids, max_tokens=128, temperature=0.0, ignore_eos=False, result=None):
-        """Yields generated token ids: prefill, then one token at a time through the cache (greedy)."""
-        if temperature != 0.0:
-            raise ParameterError("temperature must be 0 (greedy): sampling is not implemented yet")
-        if not isinstance(max_tokens, int) or max_tokens < 0:
+    def generate_ids(self, prompt_ids, max_tokens=128, ignore_eos=False, result=None, cancel=None, **sampling):
+        """Yields generated token ids: prefill, then one token at a time through a fresh cache.
+
+        sampling: SamplingParams fields (temperature 0 = greedy, the default); unknown names are an error.
+        cancel: a threading.Event; when set, generation stops with stop_reason "cancelled"."""
+        from .generate.sampling import Sampler, SamplingParams
+
+        params = SamplingParams.from_kwargs(**sampling)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ParameterError(f"max_tokens={max_tokens!r} must be an integer >= 0")
         ids = self._check_ids(prompt_ids)
         res = result if result is not None else GenerationResult()
         res.prompt_ids = ids
-        cache = self.new_cache()                     # per-request state: a fresh cache every time
+        sampler = Sampler(params, history=ids)          # per-request state: its own RNG and history
+        res.seed = sampler.seed
+        cache = self.new_cache()                        # per-request state: a fresh cache every time
         t0 = time.perf_counter()
         logits = self.forward(ids, cache, rows=[len(ids) - 1])
         res.prefill_s = time.perf_counter() - t0
         eog = self.tokenizer.eog_ids if self.tokenizer is not None else frozenset()
         t0 = time.perf_counter()
+        res.stop_reason = "max_tokens"
         for _ in range(max_tokens):
-            nxt = sampling.greedy(self.backend.to_numpy(logits[-1]))
+            if cancel is not None and cancel.is_set():
+                res.stop_reason = "cancelled"
+                break
+            nxt = sampler(self.backend.to_numpy(logits[-1]))
             if nxt in eog and not ignore_eos:
                 res.stop_reason = "eos"
                 break
             res.token_ids.append(nxt)
             yield nxt
+            if res.stop_reason != "max_tokens":        # set by the consumer (a stop string matched)
+                break
             if cache.pos >= self.n_ctx:
                 res.stop_reason = "context_full"
                 break
             logits = self.forward([nxt], cache, rows=[0])
-        else:
-            res.stop_reason = "max_tokens"
         res.decode_s = time.perf_counter() - t0
 
-    def generate(self, prompt: str, max_tokens=128, temperature=0.0, chat=False, ignore_eos=False,
-                 result=None):
-        """Yields text pieces as they are decoded (a UTF-8 character split across tokens comes out whole)."""
-        ids = self.encode_prompt(prompt, chat=chat)
+    def generate(self, prompt=None, max_tokens=128, chat=False, ignore_eos=False, result=None, stop=None,
+                 messages=None, system=None, cancel=None, **sampling):
+        """Yields text pieces as they are decoded (a UTF-8 character split across tokens comes out whole).
+
+        stop: strings that end generation; they may span tokens, and their text is not emitted."""
+        from .generate.stopping import StopMatcher
+
+        if stop is not None and (isinstance(stop, str) or not all(isinstance(x, str) for x in stop)):
+            raise ParameterError("stop must be a list of strings")
+        ids = self.encode_prompt(prompt, chat=chat, system=system, messages=messages)
+        res = result if result is not None else GenerationResult()
         dec = self.tokenizer.stream_decoder()
-        for t in self.generate_ids(ids, max_tokens=max_tokens, temperature=temperature,
-                                   ignore_eos=ignore_eos, result=result):
-            piece = dec.push(t)
+        stops = StopMatcher(stop)
+        for t in self.generate_ids(ids, max_tokens=max_tokens, ignore_eos=ignore_eos, result=res,
+                                   cancel=cancel, **sampling):
+            piece = stops.push(dec.push(t))
+            if stops.matched is not None:
+                res.stop_reason, res.stop_sequence = "stop_sequence", stops.matched
             if piece:
+                res.text += piece
                 yield piece
-        tail = dec.flush()
-        if tail:
-            yield tail
+        if stops.matched is None:
+            tail = stops.push(dec.flush())
+            if stops.matched is not None:
+                res.stop_reason, res.stop_sequence = "stop_sequence", stops.matched
+            tail += stops.flush()
+            if tail:
+                res.text += tail
+                yield tail
