@@ -194,6 +194,19 @@ def cmd_prove(args):
     return 0 if res.first_divergence is None else 1
 
 
+def cmd_serve(args):
+    import uvicorn
+
+    from .server.app import create_app
+
+    eng = _load(args)
+    app = create_app(eng, api_token=args.api_token, max_queue=args.max_queue)
+    _log(f"llorch-ref: serving on http://{args.host}:{args.port} (POST /execute, /v1/completions, "
+         f"/v1/chat/completions; GET /health, /v1/models){'; bearer token required' if args.api_token else ''}")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=5)
+    return 0
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="llorch-ref", description="NumPy reference for Llama-family inference")
     from . import __version__
@@ -236,6 +249,15 @@ def build_parser():
     model_args(ch)
     sampling_args(ch)
     ch.set_defaults(fn=cmd_chat)
+
+    sv = sub.add_parser("serve", help="HTTP worker: /execute (SSE) and OpenAI-compatible routes")
+    model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8080)
+    sv.add_argument("--api-token", default=None, help="require Authorization: Bearer TOKEN")
+    sv.add_argument("--max-queue", type=int, default=16, help="requests queued or running before 503")
+    sv.add_argument("--ctx", type=int, default=None, help="context size (default: the model's)")
+    sv.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("inspect", help="print architecture, hyper-parameters, tensor types and vocabulary")
     model_args(i)
