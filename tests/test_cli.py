@@ -77,8 +77,16 @@ def test_prompt_longer_than_context(tiny):
     assert_one_line_error(run("generate", "word " * 400, "--model", tiny(context_length=128)), "context holds 128")
 
 
-def test_temperature_is_rejected_not_ignored(tiny):
-    assert_one_line_error(run("generate", "hi", "--model", tiny(), "--temperature", "0.8"), "temperature")
+def test_out_of_range_sampling_parameters_are_rejected(tiny):
+    assert_one_line_error(run("generate", "hi", "--model", tiny(), "--temperature", "-0.8"), "temperature")
+    assert_one_line_error(run("generate", "hi", "--model", tiny(), "--top-p", "1.5"), "top_p")
+
+
+def test_sampling_with_a_seed_is_reproducible(tiny):
+    args = ("generate", "Once upon", "--model", tiny(), "--temperature", "1.0", "--top-k", "20", "--seed", "9",
+            "--max-tokens", "12", "--ignore-eos")
+    a, b = run(*args), run(*args)
+    assert a.returncode == 0 and a.stdout == b.stdout and "seed 9" in a.stderr
 
 
 def test_no_vocab_model_needs_token_ids(tiny):

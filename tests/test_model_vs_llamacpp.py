@@ -95,7 +95,9 @@ def test_generate_rejects_unsupported_parameters(engine_q41):
     from llorch_ref.errors import ParameterError, PromptError
 
     with pytest.raises(ParameterError, match="temperature"):
-        list(engine_q41.generate("hi", temperature=0.7))
+        list(engine_q41.generate("hi", temperature=-0.7))
+    with pytest.raises(ParameterError, match="unknown sampling parameter"):
+        list(engine_q41.generate("hi", temprature=0.7))
     with pytest.raises(ParameterError, match="max_tokens"):
         list(engine_q41.generate("hi", max_tokens=-1))
     with pytest.raises(PromptError, match="empty prompt"):

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from conftest import LiveServer
+from live_server import LiveServer
 
 
 def sse_events(resp):
