@@ -4,11 +4,12 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
-def load(path=None, backend="numpy", n_ctx=None, numerics="exact", kv_dtype="f32"):
+def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", dtype="float32", threads=None):
     """Load a GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched and cached) -> Engine.
 
-    numerics: "exact" (float32 math) or "ggml" (llama.cpp's CPU arithmetic: quantized activations,
-    block dot products); kv_dtype: "f32" or "f16" (the K/V cache type; llama.cpp's default is f16)."""
+    backend: "numpy" (default, or $LLORCH_BACKEND), "numba" or "cupy"; dtype: weight storage on the
+    backend ("float16" for cupy only); numerics: "exact" (float32 math) or "ggml" (llama.cpp's CPU
+    arithmetic, numpy backend); kv_dtype: "f32" or "f16" (the K/V cache type; llama.cpp's default is f16)."""
     from .engine import Engine
     from .loaders.default_model import default_model_path
     from .loaders.gguf_file import load_gguf
@@ -18,4 +19,5 @@ def load(path=None, backend="numpy", n_ctx=None, numerics="exact", kv_dtype="f32
     m = load_gguf(path, numerics=numerics)
     tok = from_gguf_metadata(m.metadata, source=str(m.path))
     return Engine(m.config, m.weights, tok, path=m.path, metadata=m.metadata, tensor_types=m.tensor_types,
-                  backend=backend, n_ctx=n_ctx, numerics=numerics, kv_dtype=kv_dtype)
+                  backend=backend, n_ctx=n_ctx, numerics=numerics, kv_dtype=kv_dtype, dtype=dtype, threads=threads,
+                  raw_blocks=m.raw_blocks)

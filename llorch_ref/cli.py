@@ -22,7 +22,7 @@ def _load(args):
     import llorch_ref
 
     t0 = time.perf_counter()
-    eng = llorch_ref.load(args.model, backend=getattr(args, "backend", None) or "numpy",
+    eng = llorch_ref.load(args.model, backend=getattr(args, "backend", None), dtype=args.dtype,
                           n_ctx=getattr(args, "ctx", None), numerics=args.numerics, kv_dtype=args.kv_dtype)
     _log(f"llorch-ref: loaded {eng.path.name} ({eng.config.arch}, {eng.config.n_layers} layers) "
          f"in {time.perf_counter() - t0:.2f} s, backend {eng.backend.name}, numerics {eng.numerics}, "
@@ -207,6 +207,30 @@ def cmd_serve(args):
     return 0
 
 
+def cmd_bench(args):
+    from pathlib import Path
+
+    from .bench import markdown, run_bench
+    from .loaders.default_model import default_model_path
+
+    path = Path(args.model) if args.model else default_model_path()
+    if not path.exists():
+        raise ParameterError(f"{path}: no such file")
+    engines = [e for e in args.engines.split(",") if e]
+    known = {"numpy", "numpy-ggml", "numba", "cupy", "cupy:float16", "llamacpp", "transformers"}
+    bad = [e for e in engines if e not in known]
+    if bad:
+        raise ParameterError(f"unknown engine(s) {', '.join(bad)}; known: {', '.join(sorted(known))}")
+    report = run_bench(path, engines, prefill=args.prefill, decode=args.decode, repeats=args.repeats,
+                       threads=args.threads)
+    md = markdown(report)
+    print(md)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        _log(f"llorch-ref: wrote {args.json}")
+    return 0 if all("error" not in r for r in report["results"]) else 1
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="llorch-ref", description="NumPy reference for Llama-family inference")
     from . import __version__
@@ -215,7 +239,10 @@ def build_parser():
 
     def model_args(sp):
         sp.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched and cached)")
-        sp.add_argument("--backend", choices=["numpy"], default=None, help="array backend (default numpy)")
+        sp.add_argument("--backend", choices=["numpy", "numba", "cupy"], default=None,
+                        help="array backend (default numpy, or $LLORCH_BACKEND)")
+        sp.add_argument("--dtype", choices=["float32", "float16"], default="float32",
+                        help="weight storage on the backend (float16: cupy only)")
         sp.add_argument("--numerics", choices=["exact", "ggml"], default="exact",
                         help="exact: float32 math (default); ggml: llama.cpp's CPU arithmetic (quantized "
                              "activations, its dot-product order, its exp), bit for bit")
@@ -258,6 +285,17 @@ def build_parser():
     sv.add_argument("--max-queue", type=int, default=16, help="requests queued or running before 503")
     sv.add_argument("--ctx", type=int, default=None, help="context size (default: the model's)")
     sv.set_defaults(fn=cmd_serve)
+
+    b = sub.add_parser("bench", help="load time, prefill/decode tokens/s and peak memory per engine")
+    b.add_argument("--model", help="GGUF file (default: the default model)")
+    b.add_argument("--engines", default="numpy,numba,llamacpp",
+                   help="comma list of numpy, numpy-ggml, numba, cupy, cupy:float16, llamacpp, transformers")
+    b.add_argument("--prefill", type=int, default=128)
+    b.add_argument("--decode", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--threads", type=int, default=None, help="threads for every engine (default: all cores)")
+    b.add_argument("--json", help="write the full report here")
+    b.set_defaults(fn=cmd_bench)
 
     i = sub.add_parser("inspect", help="print architecture, hyper-parameters, tensor types and vocabulary")
     model_args(i)

@@ -29,7 +29,8 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, config, weights, tokenizer, *, path=None, metadata=None, tensor_types=None,
-                 backend="numpy", n_ctx=None, numerics="exact", kv_dtype="f32"):
+                 backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", dtype="float32", threads=None,
+                 raw_blocks=None):
         from .backends import get_backend
 
         self.config = config
@@ -37,9 +38,11 @@ class Engine:
         self.path = Path(path) if path else None
         self.metadata = metadata or {}
         self.tensor_types = tensor_types or {}
-        self.backend = get_backend(backend)
+        self.backend = get_backend(backend, dtype=dtype, threads=threads)
+        if numerics == "ggml" and self.backend.name != "numpy":
+            raise ParameterError("numerics='ggml' runs on the numpy backend only")
         self.xp = self.backend.xp
-        self.weights = weights.map(self.backend.asarray)
+        self.weights = self.backend.prepare_weights(weights, raw_blocks)
         if n_ctx is not None and not (0 < int(n_ctx) <= config.context_length):
             raise ParameterError(f"n_ctx={n_ctx} must be in 1..{config.context_length} (the model's context)")
         self.n_ctx = int(n_ctx or config.context_length)
@@ -50,7 +53,7 @@ class Engine:
             from .numerics.ggml_cpu import make_ops
             self.ops = make_ops(kv_dtype)
         else:
-            self.ops = layers
+            self.ops = self.backend.make_ops(layers)
 
     # -- sequences -----------------------------------------------------------------------------------
     def new_cache(self) -> Cache:

@@ -1,28 +1,78 @@
-"""Backends: an array module `xp` plus conversions. NumPy is the oracle."""
+"""Backends: an array module `xp`, conversions, and the few kernels a backend overrides.
+
+numpy  the oracle: the layer functions of llorch_ref.model.layers as they are.
+numba  CPU kernels on the GGUF quantized blocks for matrix-vector products (decode), compiled with
+       fastmath off, a fixed thread count and the compile cache on (llorch_ref.backends.numba_kernels).
+cupy   the whole forward on an NVIDIA GPU: weights uploaded once, float32 (TF32 off) or float16 weights.
+"""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import ParameterError
 
-BACKENDS = ("numpy",)
+BACKENDS = ("numpy", "numba", "cupy")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Backend:
     name: str
     xp: Any
     asarray: Callable
     to_numpy: Callable
     device: str
+    dtype: str = "float32"               # storage type of the 2-D weights on this backend
+    info: dict = field(default_factory=dict)
+
+    def make_ops(self, base_ops):
+        """-> the layer-function namespace for this backend (base_ops with hot kernels overridden)."""
+        return base_ops
+
+    def prepare_weights(self, weights, raw_tensors=None):
+        return weights.map(self.asarray)
+
+    def synchronize(self):
+        pass
 
 
-def get_backend(name=None) -> Backend:
+def available() -> dict:
+    """name -> None if usable here, else the reason it is not."""
+    out = {"numpy": None}
+    try:
+        import numba  # noqa: F401
+        out["numba"] = None
+    except ImportError as e:
+        out["numba"] = f"numba is not installed ({e}); pip install 'llorch-ref[numba]'"
+    try:
+        import cupy
+        n = cupy.cuda.runtime.getDeviceCount()
+        out["cupy"] = None if n > 0 else "no CUDA device"
+    except Exception as e:  # ImportError, CUDARuntimeError, ...
+        out["cupy"] = f"cupy unusable here ({type(e).__name__}: {e})".splitlines()[0]
+    return out
+
+
+def get_backend(name=None, dtype: str = "float32", threads: int | None = None) -> Backend:
     name = name or os.environ.get("LLORCH_BACKEND") or "numpy"
+    if name not in BACKENDS:
+        raise ParameterError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
+    if dtype not in ("float32", "float16"):
+        raise ParameterError(f"dtype {dtype!r} must be float32 or float16")
     if name == "numpy":
+        if dtype != "float32":
+            raise ParameterError("the numpy backend computes in float32 only (it is the oracle)")
         import numpy as np
 
         return Backend("numpy", np, lambda a: a, lambda a: a, "cpu")
-    raise ParameterError(f"backend {name!r} is not available (available: {', '.join(BACKENDS)})")
+    reason = available()[name]
+    if reason:
+        raise ParameterError(f"backend {name!r} is not available: {reason}")
+    if name == "numba":
+        from .numba_backend import NumbaBackend
+        if dtype != "float32":
+            raise ParameterError("the numba backend computes in float32 only")
+        return NumbaBackend(threads)
+    from .cupy_backend import CupyBackend
+    return CupyBackend(dtype)

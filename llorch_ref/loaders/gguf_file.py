@@ -28,6 +28,8 @@ class GGUFModel:
     weights: Weights
     metadata: dict            # every key/value of the file (arrays of strings stay lists)
     tensor_types: dict        # name -> ggml type name (e.g. "Q4_1")
+    raw_blocks: dict = None   # id(float32 weight) -> (ggml type name, raw uint8 blocks): for backends whose
+                              # kernels read the quantized bytes directly (numba)
 
 
 def _check_header(path: Path) -> int:
@@ -188,6 +190,8 @@ def load_gguf(path, numerics: str = "exact") -> GGUFModel:
     shapes = {t.name: tuple(int(x) for x in reversed([int(s) for s in t.shape])) for t in reader.tensors}
     cfg = config_from_metadata(meta, path, shapes)
 
+    raw_blocks = {}
+
     def tensor(name, shape, matrix=False):
         t = by_name.get(name)
         if t is None:
@@ -197,14 +201,17 @@ def load_gguf(path, numerics: str = "exact") -> GGUFModel:
                                  f"expected {shape} from the metadata")
         if matrix and numerics == "ggml":
             return ggml_matrix(t, shape)
-        return dequantize(t)
+        arr = dequantize(t)
+        if matrix and t.tensor_type.name not in ("F32", "F16"):
+            raw_blocks[id(arr)] = (t.tensor_type.name, t.data)
+        return arr
 
     layers = []
     for i in range(cfg.n_layers):
         fields = {fld: tensor(f"blk.{i}.{suffix}", shp(cfg), matrix=len(shp(cfg)) == 2)
                   for suffix, (fld, shp) in LAYER_TENSORS.items()}
         layers.append(LayerWeights(**fields))
-    tok = tensor("token_embd.weight", (cfg.n_vocab, cfg.d_model))
+    tok = tensor("token_embd.weight", (cfg.n_vocab, cfg.d_model), matrix=cfg.tied_output and numerics != "ggml")
     if cfg.tied_output:
         out = tensor("token_embd.weight", (cfg.n_vocab, cfg.d_model), matrix=True) if numerics == "ggml" else tok
     else:
@@ -212,4 +219,5 @@ def load_gguf(path, numerics: str = "exact") -> GGUFModel:
     weights = Weights(tok_embd=tok, layers=layers, out_norm=tensor("output_norm.weight", (cfg.d_model,)),
                       output=out)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types)
+    return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types,
+                     raw_blocks=raw_blocks)

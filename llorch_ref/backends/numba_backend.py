@@ -1,0 +1,114 @@
+"""The Numba backend: NumPy arrays, with decode-time matrix-vector products computed from the quantized
+GGUF blocks by Numba kernels (prefill keeps BLAS on the dequantized weights), and Numba RMSNorm/SwiGLU."""
+from __future__ import annotations
+
+import os
+import time
+import types
+
+import numpy as np
+
+from . import Backend
+
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+class QuantBlocks:
+    """The GGUF blocks of one weight, unpacked once into what the kernels read."""
+
+    def __init__(self, raw, qtype):
+        from ..numerics.ggml_cpu import _f16
+
+        n = raw.shape[0]
+        size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
+        blk = np.asarray(raw).reshape(n, -1, size)
+        self.qtype = qtype
+        # block-major, row-minor layouts (see numba_kernels): qs [B, 16|32, N], d and m [B, N]
+        self.d = np.ascontiguousarray(_f16(blk, 0).T)
+        if qtype == "Q4_0":
+            qs, self.m = blk[..., 2:18], None
+        elif qtype == "Q4_1":
+            qs, self.m = blk[..., 4:20], np.ascontiguousarray(_f16(blk, 2).T)
+        else:
+            qs, self.m = blk[..., 2:34].view(np.int8), None
+        self.qs = np.ascontiguousarray(qs.transpose(1, 2, 0))
+        self.n = n
+        self.chunks = 8 if n >= 1024 else 2
+
+    def matvec(self, x):
+        from . import numba_kernels as K
+
+        out = np.empty(self.n, dtype=np.float32)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if self.qtype == "Q4_0":
+            K.matvec_q4_0(self.qs, self.d, x, out, self.chunks)
+        elif self.qtype == "Q4_1":
+            K.matvec_q4_1(self.qs, self.d, self.m, x, out, self.chunks)
+        else:
+            K.matvec_q8_0(self.qs, self.d, x, out, self.chunks)
+        return out
+
+
+class NumbaBackend(Backend):
+    def __init__(self, threads=None):
+        import numba
+
+        threads = int(threads or os.environ.get("LLORCH_THREADS") or os.cpu_count() or 1)
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        super().__init__(name="numba", xp=np, asarray=lambda a: a, to_numpy=lambda a: a, device="cpu",
+                         info={"numba": numba.__version__, "threads": numba.get_num_threads(), "fastmath": False})
+        self.blocks = {}
+        t0 = time.perf_counter()
+        self._warm_up()
+        self.info["compile_or_cache_load_s"] = round(time.perf_counter() - t0, 3)
+
+    def _warm_up(self):
+        """Compile (or load from the on-disk cache) every kernel once, outside any timed region."""
+        from . import numba_kernels as K
+
+        x = np.ones(32, np.float32)
+        out = np.empty(1, np.float32)
+        d = np.ones((1, 1), np.float32)
+        K.matvec_q4_0(np.zeros((1, 16, 1), np.uint8), d, x, out, 1)
+        K.matvec_q4_1(np.zeros((1, 16, 1), np.uint8), d, d, x, out, 1)
+        K.matvec_q8_0(np.zeros((1, 32, 1), np.int8), d, x, out, 1)
+        K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))
+        K.silu_mul(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32), np.empty((1, 4), np.float32))
+
+    def prepare_weights(self, weights, raw_tensors=None):
+        """raw_tensors: {id(float32 weight): (ggml type name, raw uint8 blocks)} from the GGUF loader."""
+        for key, (qtype, raw) in (raw_tensors or {}).items():
+            if qtype in KERNEL_TYPES:
+                self.blocks[key] = QuantBlocks(raw, qtype)
+        return weights
+
+    def make_ops(self, base_ops):
+        from . import numba_kernels as K
+
+        blocks = self.blocks
+        ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})
+
+        def linear(xp, x, w):
+            q = blocks.get(id(w))
+            if q is not None and x.shape[0] == 1:
+                return q.matvec(x[0])[None, :]
+            return x @ w.T
+
+        def rms_norm(xp, x, w, eps):
+            out = np.empty_like(x)
+            K.rms_norm_rows(np.ascontiguousarray(x), w, eps, out)
+            return out
+
+        def swiglu(xp, x, w_gate, w_up, w_down):
+            g, u = linear(xp, x, w_gate), linear(xp, x, w_up)
+            h = np.empty_like(g)
+            K.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u), h)
+            return linear(xp, h, w_down), h
+
+        def qkv(xp, x, wq, wk, wv, h, kv, hd):
+            t = x.shape[0]
+            return (linear(xp, x, wq).reshape(t, h, hd), linear(xp, x, wk).reshape(t, kv, hd),
+                    linear(xp, x, wv).reshape(t, kv, hd))
+
+        ops.linear, ops.rms_norm, ops.swiglu, ops.qkv = linear, rms_norm, swiglu, qkv
+        return ops

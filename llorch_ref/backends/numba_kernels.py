@@ -1,0 +1,109 @@
+"""Numba kernels: matrix-vector products straight from GGUF blocks (decode reads the quantized bytes).
+
+Each output row is computed by one thread (prange over rows), so results do not depend on the thread
+count; fastmath is off; every kernel is compiled once and cached on disk (cache=True). Block sums are
+float32 (32 products in order), accumulated over blocks in float64.
+"""
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+
+# Layout: the quantized values are stored block-major and row-minor, qs[b, j, n], so the innermost loop
+# runs over output rows n: independent sums that the compiler vectorizes with fastmath off (a reduction
+# over j would not be reordered, hence not vectorized). Rows are split into chunks, one chunk a thread.
+
+@nb.njit(parallel=True, cache=True, fastmath=False)
+def matvec_q4_0(qs, d, x, out, n_chunks):
+    """qs: [B, 16, N] uint8, d: [B, N] f32, x: [B*32] f32 -> out: [N] f32 (w = d * (nibble - 8))."""
+    n_blocks, _, n_rows = qs.shape
+    for c in nb.prange(n_chunks):
+        lo, hi = c * n_rows // n_chunks, (c + 1) * n_rows // n_chunks
+        acc = np.zeros(hi - lo, dtype=np.float64)
+        s = np.empty(hi - lo, dtype=np.float32)
+        for b in range(n_blocks):
+            s[:] = 0
+            for j in range(16):
+                x0, x1 = x[b * 32 + j], x[b * 32 + j + 16]
+                row = qs[b, j]
+                for n in range(lo, hi):
+                    q = row[n]
+                    s[n - lo] += np.float32(np.int32(q & 15) - 8) * x0 + np.float32(np.int32(q >> 4) - 8) * x1
+            for n in range(lo, hi):
+                acc[n - lo] += d[b, n] * s[n - lo]
+        for n in range(lo, hi):
+            out[n] = acc[n - lo]
+
+
+@nb.njit(parallel=True, cache=True, fastmath=False)
+def matvec_q4_1(qs, d, m, x, out, n_chunks):
+    """qs: [B, 16, N] uint8, d, m: [B, N] f32, x: [B*32] f32 -> out: [N] f32 (w = d * nibble + m)."""
+    n_blocks, _, n_rows = qs.shape
+    xsum = np.empty(n_blocks, dtype=np.float32)
+    for b in range(n_blocks):
+        t = np.float32(0.0)
+        for j in range(32):
+            t += x[b * 32 + j]
+        xsum[b] = t
+    for c in nb.prange(n_chunks):
+        lo, hi = c * n_rows // n_chunks, (c + 1) * n_rows // n_chunks
+        acc = np.zeros(hi - lo, dtype=np.float64)
+        s = np.empty(hi - lo, dtype=np.float32)
+        for b in range(n_blocks):
+            s[:] = 0
+            for j in range(16):
+                x0, x1 = x[b * 32 + j], x[b * 32 + j + 16]
+                row = qs[b, j]
+                for n in range(lo, hi):
+                    q = row[n]
+                    s[n - lo] += np.float32(q & 15) * x0 + np.float32(q >> 4) * x1
+            for n in range(lo, hi):
+                acc[n - lo] += d[b, n] * s[n - lo] + m[b, n] * xsum[b]
+        for n in range(lo, hi):
+            out[n] = acc[n - lo]
+
+
+@nb.njit(parallel=True, cache=True, fastmath=False)
+def matvec_q8_0(qs, d, x, out, n_chunks):
+    """qs: [B, 32, N] int8, d: [B, N] f32, x: [B*32] f32 -> out: [N] f32 (w = d * q)."""
+    n_blocks, _, n_rows = qs.shape
+    for c in nb.prange(n_chunks):
+        lo, hi = c * n_rows // n_chunks, (c + 1) * n_rows // n_chunks
+        acc = np.zeros(hi - lo, dtype=np.float64)
+        s = np.empty(hi - lo, dtype=np.float32)
+        for b in range(n_blocks):
+            s[:] = 0
+            for j in range(32):
+                xj = x[b * 32 + j]
+                row = qs[b, j]
+                for n in range(lo, hi):
+                    s[n - lo] += np.float32(row[n]) * xj
+            for n in range(lo, hi):
+                acc[n - lo] += d[b, n] * s[n - lo]
+        for n in range(lo, hi):
+            out[n] = acc[n - lo]
+
+
+@nb.njit(parallel=True, cache=True, fastmath=False)
+def rms_norm_rows(x, w, eps, out):
+    """x: [T, D] f32, w: [D] -> out: [T, D]; sum of squares in float64 (as the NumPy reference)."""
+    t, dim = x.shape
+    for i in nb.prange(t):
+        ss = 0.0
+        for j in range(dim):
+            v = x[i, j] * x[i, j]
+            ss += v
+        scale = np.float32(1.0) / np.sqrt(np.float32(ss / dim) + np.float32(eps))
+        for j in range(dim):
+            out[i, j] = (x[i, j] * scale) * w[j]
+
+
+@nb.njit(parallel=True, cache=True, fastmath=False)
+def silu_mul(g, u, out):
+    """out = g / (1 + exp(-g)) * u, elementwise over [T, F] f32."""
+    t, f = g.shape
+    for i in nb.prange(t):
+        for j in range(f):
+            v = g[i, j]
+            out[i, j] = v / (np.float32(1.0) + np.exp(-v)) * u[i, j]

@@ -1,0 +1,175 @@
+"""`llorch-ref bench`: load time, prefill and decode speed, peak memory, for each engine on one file.
+
+Each engine runs in its own process (so peak resident memory is its own), with the same thread count:
+llorch-ref backends (numpy, numba, cupy), llama.cpp (llama-cpp-python, low-level API), and transformers
+on the CPU when asked. Prefill: one forward over a PREFILL-token prompt (logits of the last row).
+Decode: DECODE greedy tokens after an 8-token prompt, EOS ignored. Medians of REPEATS runs after one
+warm-up; GPU work is synchronized before each clock read. Output: a JSON file and a Markdown table with
+ratios to llama.cpp.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+PROMPT = ("The history of the world is long and full of surprises. Rivers change their course, cities rise "
+          "and fall, and people keep telling stories about all of it. ") * 12
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _median_runs(fn, repeats):
+    fn()                                   # warm-up (compilation, caches, allocator)
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def measure_llorch(path, backend, prefill, decode, repeats, threads, dtype="float32", numerics="exact"):
+    import llorch_ref
+
+    t0 = time.perf_counter()
+    eng = llorch_ref.load(path, backend=backend, threads=threads, dtype=dtype, numerics=numerics)
+    eng.backend.synchronize()
+    load_s = time.perf_counter() - t0
+    ids = eng.tokenizer.encode(PROMPT)[:prefill] if eng.tokenizer else list(range(1, prefill + 1))
+    if len(ids) < prefill:
+        raise SystemExit(f"prompt too short: {len(ids)} tokens")
+
+    def one_prefill():
+        t = time.perf_counter()
+        eng.forward(ids, eng.new_cache(), rows=[len(ids) - 1])
+        eng.backend.synchronize()
+        return prefill / (time.perf_counter() - t)
+
+    def one_decode():
+        from llorch_ref.engine import GenerationResult
+        res = GenerationResult()
+        for _ in eng.generate_ids(ids[:8], max_tokens=decode, ignore_eos=True, result=res):
+            pass
+        eng.backend.synchronize()
+        return decode / res.decode_s
+
+    return {"engine": f"llorch-ref {backend}" + (f" {dtype}" if dtype != "float32" else "")
+            + (" ggml" if numerics == "ggml" else ""), "device": eng.backend.device,
+            "load_s": load_s, "prefill_tok_s": _median_runs(one_prefill, repeats),
+            "decode_tok_s": _median_runs(one_decode, repeats), "peak_mb": _peak_mb(), "info": eng.backend.info}
+
+
+def measure_llamacpp(path, prefill, decode, repeats, threads):
+    import llorch_ref
+    from llorch_ref.references.llamacpp import LlamaCpp
+
+    tok = llorch_ref.load(path).tokenizer
+    ids = tok.encode(PROMPT)[:prefill]
+    import gc
+    gc.collect()
+    t0 = time.perf_counter()
+    ref = LlamaCpp(path, n_ctx=max(512, prefill + decode + 16), kv_type="f16", n_threads=threads)
+    load_s = time.perf_counter() - t0
+
+    def one_prefill():
+        t = time.perf_counter()
+        ref.eval_last(ids)
+        return prefill / (time.perf_counter() - t)
+
+    def one_decode():
+        t = time.perf_counter()
+        ref.greedy(ids[:8], decode)
+        return decode / (time.perf_counter() - t)
+
+    return {"engine": "llama.cpp", "device": "cpu", "load_s": load_s,
+            "prefill_tok_s": _median_runs(one_prefill, repeats), "decode_tok_s": _median_runs(one_decode, repeats),
+            "peak_mb": _peak_mb(), "info": {"settings": ref.settings, "note": "includes the llorch-ref tokenizer load"}}
+
+
+def measure_transformers(path, prefill, decode, repeats, threads):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                 gguf_file=os.path.basename(path), torch_dtype=torch.float32)
+    model.eval()
+    load_s = time.perf_counter() - t0
+    ids = torch.arange(1, prefill + 1)[None]
+
+    def one_prefill():
+        t = time.perf_counter()
+        with torch.no_grad():
+            model(ids)
+        return prefill / (time.perf_counter() - t)
+
+    def one_decode():
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids[:, :8], max_new_tokens=decode, min_new_tokens=decode, do_sample=False)
+        return decode / (time.perf_counter() - t)
+
+    return {"engine": "transformers (CPU, float32)", "device": "cpu", "load_s": load_s,
+            "prefill_tok_s": _median_runs(one_prefill, repeats), "decode_tok_s": _median_runs(one_decode, repeats),
+            "peak_mb": _peak_mb(), "info": {"torch": torch.__version__}}
+
+
+def worker_main(argv):
+    """python -m llorch_ref.bench ENGINE PATH PREFILL DECODE REPEATS THREADS -> one JSON line."""
+    engine, path, prefill, decode, repeats, threads = argv[0], argv[1], *map(int, argv[2:6])
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if engine == "llamacpp":
+        out = measure_llamacpp(path, prefill, decode, repeats, threads)
+    elif engine == "transformers":
+        out = measure_transformers(path, prefill, decode, repeats, threads)
+    else:
+        backend, _, dtype = engine.partition(":")
+        numerics = "ggml" if backend == "numpy-ggml" else "exact"
+        backend = "numpy" if backend == "numpy-ggml" else backend
+        out = measure_llorch(path, backend, prefill, decode, repeats, threads, dtype or "float32", numerics)
+    print("BENCH " + json.dumps(out), flush=True)
+
+
+def run_bench(path, engines, prefill=128, decode=128, repeats=3, threads=None, timeout=1800):
+    threads = threads or os.cpu_count() or 1
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
+    results = []
+    for e in engines:
+        print(f"llorch-ref bench: {e} ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, "-m", "llorch_ref.bench", e, str(path), str(prefill), str(decode), str(repeats),
+               str(threads)]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("BENCH ")), None)
+        if r.returncode != 0 or line is None:
+            tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            results.append({"engine": e, "error": tail})
+            continue
+        results.append(json.loads(line[6:]))
+    return {"model": str(path), "prefill_tokens": prefill, "decode_tokens": decode, "repeats": repeats,
+            "threads": threads, "results": results}
+
+
+def markdown(report) -> str:
+    base = next((r for r in report["results"] if r.get("engine") == "llama.cpp" and "error" not in r), None)
+    lines = [f"model `{os.path.basename(report['model'])}`, {report['threads']} threads, prefill "
+             f"{report['prefill_tokens']} tokens, decode {report['decode_tokens']} tokens (EOS ignored), "
+             f"medians of {report['repeats']}", "",
+             "| engine | device | load s | prefill tok/s | decode tok/s | peak MB | prefill vs llama.cpp | "
+             "decode vs llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        if "error" in r:
+            lines.append(f"| {r['engine']} | - | - | - | - | - | error: {r['error']} | |")
+            continue
+        rp = f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x" if base else "-"
+        rd = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
+        lines.append(f"| {r['engine']} | {r['device']} | {r['load_s']:.2f} | {r['prefill_tok_s']:.1f} | "
+                     f"{r['decode_tok_s']:.1f} | {r['peak_mb']:.0f} | {rp} | {rd} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1:])
