@@ -132,7 +132,8 @@ def _print_result(res, verbose, file=sys.stdout):
     from .harness.metrics import fmt, fmt_cos, fmt_match
 
     con = Console(file=file, width=160)
-    t = Table(title=f"llorch-ref vs llama.cpp: {len(res.token_ids)} tokens, band class {res.band_class}")
+    ref_name = "the numpy backend" if res.band_class.startswith("backend:") else "llama.cpp"
+    t = Table(title=f"llorch-ref vs {ref_name}: {len(res.token_ids)} tokens, band class {res.band_class}")
     for col in ("checkpoint", "name", "comparisons", "failed", "worst NMSE", "worst max abs", "min cosine / agreement",
                 "worst at", "band", "verdict"):
         t.add_column(col)
@@ -155,16 +156,24 @@ def _print_result(res, verbose, file=sys.stdout):
         con.print(d)
     if res.greedy:
         g = res.greedy
-        con.print(f"greedy: {g['equal_prefix']}/{g['n']} tokens equal to llama.cpp (EOS ignored)")
+        con.print(f"greedy: {g['equal_prefix']}/{g['n']} tokens equal to {ref_name} (EOS ignored)")
     fd = res.first_divergence
     con.print("first divergence: " + ("none (every comparison inside its band)" if fd is None else
                                       f"checkpoint {fd['checkpoint']}, layer {fd['layer']}, tensor {fd['tensor']}"))
 
 
 def _run(args):
-    from .harness.run import run_diff
+    from .harness.run import run_backend_diff, run_diff
 
     eng = _load(args)
+    if getattr(args, "reference", "llamacpp") == "numpy":
+        import llorch_ref
+        if eng.backend.name == "numpy":
+            raise ParameterError("--reference numpy compares another backend with numpy: pass --backend numba|cupy")
+        _log("llorch-ref: running the numpy oracle and this backend, capturing every checkpoint ...")
+        ref = llorch_ref.load(args.model, backend="numpy", n_ctx=getattr(args, "ctx", None))
+        return eng, run_backend_diff(eng, ref, prompt=args.prompt, checkpoints=args.checkpoint,
+                                     n_greedy=args.greedy)
     _log("llorch-ref: running llama.cpp and the reference, capturing every checkpoint ...")
     return eng, run_diff(eng, prompt=args.prompt, reference_model=args.reference_model,
                          checkpoints=args.checkpoint, n_greedy=args.greedy)
@@ -316,6 +325,9 @@ def build_parser():
         sp.add_argument("--reference-model", help="GGUF file llama.cpp runs (default: the same file)")
         sp.add_argument("--checkpoint", action="append", help="checkpoint id or name (repeatable; default all)")
         sp.add_argument("--greedy", type=int, default=128, help="tokens for the end-to-end greedy checkpoint")
+        sp.add_argument("--reference", choices=["llamacpp", "numpy"], default="llamacpp",
+                        help="llamacpp (default): llama.cpp on --reference-model; numpy: the numpy backend, "
+                             "to validate --backend numba|cupy")
 
     d = sub.add_parser("diff", help="compare every checkpoint with llama.cpp and name the first divergence")
     harness_args(d)

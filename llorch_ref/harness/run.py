@@ -267,3 +267,69 @@ def _model_checkpoint(res, spec, band, ours_logits, ours_last, ref_logits, ref_l
         pass                                   # handled by run_diff (needs generation on both sides)
     else:
         raise HarnessError(f"{spec.path}: unknown model-scope checkpoint name {spec.name!r}")
+
+
+def run_backend_diff(engine, reference, prompt=DEFAULT_PROMPT, checkpoints=None, n_greedy=32,
+                     band=None) -> DiffResult:
+    """Every checkpoint of `engine` (numba, cupy, ...) against `reference` (the numpy oracle), on the same
+    file and tokens. Bands: checkpoints/backend_bands.json, per backend and dtype."""
+    import json
+
+    from .specs import _spec_dir
+
+    specs = [s for s in load_specs(checkpoints) if s.id != "0"]          # same tokenizer object: nothing to compare
+    cfg = engine.config
+    key = engine.backend.name + ("" if engine.backend.dtype == "float32" else ":" + engine.backend.dtype)
+    if band is None:
+        bands = json.loads((_spec_dir() / "backend_bands.json").read_text())["bands"]
+        if key not in bands:
+            raise HarnessError(f"no band for backend {key!r} in backend_bands.json (known: {', '.join(bands)})")
+        band = {k: v for k, v in bands[key].items() if not k.startswith("_")}
+    ids = engine.tokenizer.encode(prompt) if engine.tokenizer else list(range(1, 10))
+    res = DiffResult(model=str(engine.path), reference_model=f"llorch-ref {reference.backend.name} "
+                     f"({reference.backend.device})", prompt=prompt, token_ids=ids, band_class=f"backend:{key}",
+                     specs=specs)
+    res.llamacpp_settings = {"reference": "llorch-ref numpy backend", "backend": key, "device": engine.backend.device}
+
+    def recorded(eng):
+        rec = {}
+
+        def record(name, layer, arr):
+            rec[(name, layer)] = np.array(eng.backend.to_numpy(arr), dtype=np.float32, copy=True)
+        logits = eng.backend.to_numpy(eng.forward(ids, eng.new_cache(), record=record))
+        last = eng.backend.to_numpy(eng.forward(ids, eng.new_cache(), rows=[len(ids) - 1]))[-1]
+        return rec, logits, last
+
+    t0 = time.perf_counter()
+    rec, ours_logits, ours_last = recorded(engine)
+    ref_rec, ref_logits, ref_last = recorded(reference)
+    for s in specs:
+        bandc = {"agreement": 1.0} if s.id in ("10", "12") else band
+        if s.scope == "layer":
+            for layer in range(cfg.n_layers):
+                for t in s.tensors:
+                    m = compare(rec[(t.ours, layer)], ref_rec[(t.ours, layer)])
+                    res.rows.append(Row(s.id, s.name, layer, t.ours, m, bandc, within(m, bandc), (1, layer, t.order)))
+        elif s.name == "greedy_text":
+            if n_greedy > 0:
+                a = list(engine.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True))
+                b = list(reference.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True))
+                n_same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                m = {"shape": [len(a)], "agreement": n_same / n_greedy, "equal_prefix": n_same, "n": n_greedy}
+                res.greedy = {"n": n_greedy, "equal_prefix": n_same, "ours": a, "reference": b,
+                              "ours_text": engine.tokenizer.decode(a) if engine.tokenizer else "",
+                              "reference_text": engine.tokenizer.decode(b) if engine.tokenizer else ""}
+                res.rows.append(Row(s.id, s.name, None, "greedy_tokens", m, bandc, within(m, bandc), (3, 99, 0)))
+        else:
+            cap = types_ns(tensors={(t.llamacpp["name"], t.llamacpp["op"], int(t.llamacpp.get("occurrence", 0))):
+                                    ref_rec[(t.ours, None)] for t in s.tensors})
+            _model_checkpoint(res, s, bandc, ours_logits, ours_last, ref_logits, ref_last, rec, cap)
+    res.captures_ours = {f"{n}.layer{l}" if l is not None else n: a for (n, l), a in rec.items()}
+    res.captures_ref = {f"{n}.layer{l}#ref#0" if l is not None else f"{n}#ref#0": a for (n, l), a in ref_rec.items()}
+    res.timings["total_s"] = time.perf_counter() - t0
+    return res
+
+
+def types_ns(**kw):
+    import types
+    return types.SimpleNamespace(**kw)
