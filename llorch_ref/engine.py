@@ -57,8 +57,9 @@ class Engine:
 
     # -- sequences -----------------------------------------------------------------------------------
     def new_cache(self) -> Cache:
-        return Cache(self.xp, self.config, self.n_ctx, kv_dtype={"f32": "float32", "f16": "float16"}[self.kv_dtype],
-                     ops=self.ops)
+        cls = self.backend.cache_class(Cache)
+        return cls(self.xp, self.config, self.n_ctx, kv_dtype={"f32": "float32", "f16": "float16"}[self.kv_dtype],
+                   ops=self.ops)
 
     def forward(self, token_ids, cache, rows=None, record=None):
         """Append token_ids to the sequence in `cache` -> logits [R, V] for `rows` (None: all)."""
@@ -118,6 +119,7 @@ class Engine:
         cache = self.new_cache()                        # per-request state: a fresh cache every time
         t0 = time.perf_counter()
         logits = self.forward(ids, cache, rows=[len(ids) - 1])
+        decode = self.backend.make_decoder(self, cache)
         res.prefill_s = time.perf_counter() - t0
         eog = self.tokenizer.eog_ids if self.tokenizer is not None else frozenset()
         t0 = time.perf_counter()
@@ -137,7 +139,7 @@ class Engine:
             if cache.pos >= self.n_ctx:
                 res.stop_reason = "context_full"
                 break
-            logits = self.forward([nxt], cache, rows=[0])
+            logits = decode(nxt)
         res.decode_s = time.perf_counter() - t0
 
     def generate(self, prompt=None, max_tokens=128, chat=False, ignore_eos=False, result=None, stop=None,

@@ -36,6 +36,14 @@ class Backend:
     def synchronize(self):
         pass
 
+    def cache_class(self, base_cls):
+        """The Cache class this backend uses (cupy: device-side positions for captured decode steps)."""
+        return base_cls
+
+    def make_decoder(self, engine, cache):
+        """-> decode(token_id) -> logits [1, V]: one single-token step (cupy: a replayed CUDA graph)."""
+        return lambda token: engine.forward([token], cache, rows=[0])
+
 
 def available() -> dict:
     """name -> None if usable here, else the reason it is not."""

@@ -19,9 +19,20 @@ class CupyBackend(Backend):
 
         dev = cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        graphs = os.environ.get("LLORCH_CUDA_GRAPHS", "1") != "0"
+        if graphs:
+            # stream-ordered allocations (cudaMallocAsync) are what makes allocating inside a captured graph safe
+            cupy.cuda.set_allocator(cupy.cuda.MemoryAsyncPool().malloc)
         super().__init__(name="cupy", xp=cupy, asarray=cupy.asarray, to_numpy=cupy.asnumpy,
                          device=f"cuda:{dev.id} {props['name'].decode()}", dtype=dtype,
-                         info={"tf32": os.environ.get("CUPY_TF32"), "cupy": cupy.__version__})
+                         info={"tf32": os.environ.get("CUPY_TF32"), "cupy": cupy.__version__,
+                               "cuda_graphs": graphs})
+
+    def cache_class(self, base_cls):
+        return DeviceCache.make(base_cls)
+
+    def make_decoder(self, engine, cache):
+        return GraphDecoder(engine, cache)
 
     def prepare_weights(self, weights, raw_tensors=None):
         cp = self.xp
@@ -58,3 +69,104 @@ class CupyBackend(Backend):
 
     def synchronize(self):
         self.xp.cuda.get_current_stream().synchronize()
+
+
+class DeviceCache:
+    """A Cache whose decode steps read the position from device memory, so one decode step has static
+    shapes (attention over all n_ctx slots, later ones masked) and can be captured as a CUDA graph.
+    Prefill (several tokens) uses the ordinary host-indexed path."""
+
+    @staticmethod
+    def make(base_cls):
+        class _DeviceCache(base_cls):
+            def __init__(self, xp, cfg, n_ctx, kv_dtype="float32", ops=None):
+                super().__init__(xp, cfg, n_ctx, kv_dtype=kv_dtype, **({"ops": ops} if ops is not None else {}))
+                self.pos_dev = xp.zeros(1, dtype=xp.int64)
+                self.k_pos = xp.arange(self.n_ctx)
+                self.static = False          # True while a decode step runs on device-side positions
+
+            def reset(self):
+                super().reset()
+                self.pos_dev[...] = 0
+
+            def rope_rows(self, n_new):
+                if not self.static:
+                    return super().rope_rows(n_new)
+                return self.cos[self.pos_dev], self.sin[self.pos_dev]
+
+            def store(self, layer, k, v):
+                if not self.static:
+                    return super().store(layer, k, v)
+                self.k[layer, self.pos_dev] = k.astype(self.kv_dtype)
+                self.v[layer, self.pos_dev] = v.astype(self.kv_dtype)
+                return (self.k[layer].astype(self.xp.float32, copy=False),
+                        self.v[layer].astype(self.xp.float32, copy=False))
+
+            def mask(self, n_new):
+                if not self.static:
+                    return super().mask(n_new)
+                xp = self.xp
+                return xp.where(self.k_pos[None, :] <= self.pos_dev[:, None], xp.float32(0.0),
+                                xp.float32(-xp.inf)).astype(xp.float32)
+
+            def advance(self, n_new):
+                super().advance(n_new)
+                if not self.static:
+                    self.pos_dev[...] = self.pos
+        return _DeviceCache
+
+
+class GraphDecoder:
+    """decode(token) -> logits [1, V] on the device: the first call captures one whole decode step as a
+    CUDA graph; later calls only copy the token in, replay the graph, and bump the device position."""
+
+    def __init__(self, engine, cache):
+        self.engine, self.cache = engine, cache
+        xp = engine.xp
+        self.xp = xp
+        self.tok = xp.zeros(1, dtype=xp.int64)
+        self.graph, self.out = None, None
+        self.stream = xp.cuda.Stream(non_blocking=True)
+        self.use_graph = engine.backend.info.get("cuda_graphs", False)
+
+    def _step(self):
+        from ..model import forward as forward_mod
+
+        c = self.cache
+        c.static = True
+        try:
+            return forward_mod.forward(self.xp, self.engine.config, self.engine.weights, self.tok, c, rows=None,
+                                       ops=self.engine.ops)
+        finally:
+            c.static = False
+
+    def __call__(self, token):
+        xp, c = self.xp, self.cache
+        c.check_room(1)
+        with self.stream:
+            self.tok[...] = int(token)
+            if not self.use_graph:
+                out = self._step()
+            else:
+                if self.graph is None:
+                    try:
+                        self.stream.begin_capture()
+                        self.out = self._step()
+                        self.graph = self.stream.end_capture()
+                    except Exception as e:   # capture unsupported here: run eagerly from now on
+                        try:
+                            self.stream.end_capture()
+                        except Exception:
+                            pass
+                        self.engine.backend.info["cuda_graphs"] = False
+                        self.engine.backend.info["cuda_graphs_error"] = f"{type(e).__name__}: {e}"[:200]
+                        self.use_graph = False
+                        c.pos -= 1           # the failed capture advanced the host position
+                        return self(token)
+                    c.pos -= 1               # capture only recorded the step; replay it now
+                self.graph.launch(self.stream)
+                c.pos += 1
+                out = self.out
+            c.pos_dev += 1
+        self.stream.synchronize()
+        return out
