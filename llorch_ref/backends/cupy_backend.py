@@ -15,14 +15,12 @@ from . import Backend
 class CupyBackend(Backend):
     def __init__(self, dtype="float32"):
         os.environ.setdefault("CUPY_TF32", "0")
+        os.environ.setdefault("CUPY_ACCELERATORS", "")     # plain reduction kernels: capturable in a CUDA graph
         import cupy
 
         dev = cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(dev.id)
         graphs = os.environ.get("LLORCH_CUDA_GRAPHS", "1") != "0"
-        if graphs:
-            # stream-ordered allocations (cudaMallocAsync) are what makes allocating inside a captured graph safe
-            cupy.cuda.set_allocator(cupy.cuda.MemoryAsyncPool().malloc)
         super().__init__(name="cupy", xp=cupy, asarray=cupy.asarray, to_numpy=cupy.asnumpy,
                          device=f"cuda:{dev.id} {props['name'].decode()}", dtype=dtype,
                          info={"tf32": os.environ.get("CUPY_TF32"), "cupy": cupy.__version__,
@@ -47,24 +45,45 @@ class CupyBackend(Backend):
                        out_norm=cp.asarray(weights.out_norm), output=up(weights.output))
 
     def make_ops(self, base_ops):
-        if self.dtype == "float32":
-            return base_ops
+        """Hot kernels for one-token steps, written without cuBLAS so that a decode step can be captured as a
+        CUDA graph (CuPy refuses cuBLAS calls during capture): a warp-per-row GEMV for the linear layers,
+        and attention as elementwise products and reductions. Several tokens (prefill) use cuBLAS."""
         cp = self.xp
         ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})
+        gemv = _gemv_kernels(cp)
 
         def linear(xp, x, w):
+            if x.shape[0] == 1 and w.ndim == 2:
+                y = cp.empty((1, w.shape[0]), dtype=cp.float32)
+                k = gemv["f16" if w.dtype == cp.float16 else "f32"]
+                n, kdim = w.shape
+                k(((n + 7) // 8,), (256,), (w, cp.ascontiguousarray(x[0], dtype=cp.float32), y, cp.int32(n),
+                                             cp.int32(kdim)))
+                return y
             if w.dtype == cp.float16:
                 return (x.astype(cp.float16) @ w.T).astype(cp.float32)
             return x @ w.T
-        ops.linear = linear
-        ops.qkv = lambda xp, x, wq, wk, wv, h, kv, hd: (
-            linear(xp, x, wq).reshape(x.shape[0], h, hd), linear(xp, x, wk).reshape(x.shape[0], kv, hd),
-            linear(xp, x, wv).reshape(x.shape[0], kv, hd))
+
+        def qkv(xp, x, wq, wk, wv, h, kv, hd):
+            t = x.shape[0]
+            return (linear(xp, x, wq).reshape(t, h, hd), linear(xp, x, wk).reshape(t, kv, hd),
+                    linear(xp, x, wv).reshape(t, kv, hd))
 
         def swiglu(xp, x, w_gate, w_up, w_down):
             h = base_ops.silu(xp, linear(xp, x, w_gate)) * linear(xp, x, w_up)
             return linear(xp, h, w_down), h
-        ops.swiglu = swiglu
+
+        def attention(xp, q, k, v, mask, scale, kv_head):
+            if q.shape[0] != 1:
+                return base_ops.attention(xp, q, k, v, mask, scale, kv_head)
+            kh = k[:, kv_head, :]                                                # [S, H, Hd]
+            kq = (kh * q[0][None, :, :]).sum(axis=-1).T[:, None, :]             # [H, 1, S]
+            probs = base_ops.softmax(xp, kq * xp.float32(scale) + mask)          # [H, 1, S]
+            vh = v[:, kv_head, :]                                                # [S, H, Hd]
+            out = (probs[:, 0, :].T[:, :, None] * vh).sum(axis=0)               # [H, Hd]
+            return out.reshape(1, -1), kq, probs
+
+        ops.linear, ops.qkv, ops.swiglu, ops.attention = linear, qkv, swiglu, attention
         return ops
 
     def synchronize(self):
@@ -117,15 +136,17 @@ class DeviceCache:
 
 
 class GraphDecoder:
-    """decode(token) -> logits [1, V] on the device: the first call captures one whole decode step as a
-    CUDA graph; later calls only copy the token in, replay the graph, and bump the device position."""
+    """decode(token) -> logits [1, V] on the device. The first step runs eagerly (it also fills CuPy's memory
+    pool with every buffer a step needs, so that capturing allocates nothing new); the second captures one
+    whole decode step as a CUDA graph; later steps only copy the token in, replay the graph and bump the
+    device position. Nothing else allocates device memory between replays."""
 
     def __init__(self, engine, cache):
         self.engine, self.cache = engine, cache
         xp = engine.xp
         self.xp = xp
         self.tok = xp.zeros(1, dtype=xp.int64)
-        self.graph, self.out = None, None
+        self.graph, self.out, self.steps = None, None, 0
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = engine.backend.info.get("cuda_graphs", False)
 
@@ -145,12 +166,16 @@ class GraphDecoder:
         c.check_room(1)
         with self.stream:
             self.tok[...] = int(token)
-            if not self.use_graph:
+            self.steps += 1
+            if not self.use_graph or self.steps == 1:
                 out = self._step()
             else:
                 if self.graph is None:
+                    p0 = c.pos
                     try:
-                        self.stream.begin_capture()
+                        rt = xp.cuda.runtime
+                        mode = getattr(rt, "streamCaptureModeRelaxed", None)
+                        self.stream.begin_capture(*(() if mode is None else (mode,)))
                         self.out = self._step()
                         self.graph = self.stream.end_capture()
                     except Exception as e:   # capture unsupported here: run eagerly from now on
@@ -161,12 +186,40 @@ class GraphDecoder:
                         self.engine.backend.info["cuda_graphs"] = False
                         self.engine.backend.info["cuda_graphs_error"] = f"{type(e).__name__}: {e}"[:200]
                         self.use_graph = False
-                        c.pos -= 1           # the failed capture advanced the host position
+                        c.pos = p0
+                        self.steps -= 1
                         return self(token)
-                    c.pos -= 1               # capture only recorded the step; replay it now
+                    c.pos = p0               # capture only recorded the step; replay it now
                 self.graph.launch(self.stream)
                 c.pos += 1
                 out = self.out
             c.pos_dev += 1
         self.stream.synchronize()
         return out
+
+
+_GEMV_SRC = r"""
+#include <cuda_fp16.h>
+template <typename T>
+__device__ void gemv(const T* W, const float* x, float* y, int n, int k) {
+    int row = blockIdx.x * 8 + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= n) return;
+    const T* w = W + (size_t)row * k;
+    float acc = 0.f;
+    for (int i = lane; i < k; i += 32) acc += (float)w[i] * x[i];
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if (lane == 0) y[row] = acc;
+}
+extern "C" __global__ void gemv_f32(const float* W, const float* x, float* y, int n, int k) { gemv<float>(W, x, y, n, k); }
+extern "C" __global__ void gemv_f16(const __half* W, const float* x, float* y, int n, int k) { gemv<__half>(W, x, y, n, k); }
+"""
+_GEMV = {}
+
+
+def _gemv_kernels(cp):
+    """y[n] = sum_k W[n, k] x[k], one warp per row (float32 accumulation), for float32 or float16 W."""
+    if not _GEMV:
+        mod = cp.RawModule(code=_GEMV_SRC, options=("-std=c++17",))
+        _GEMV["f32"], _GEMV["f16"] = mod.get_function("gemv_f32"), mod.get_function("gemv_f16")
+    return _GEMV
