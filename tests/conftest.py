@@ -6,11 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from llorch_test_helpers import machine_config
+
 
 @pytest.fixture(scope="session")
 def llamacpp():
-    """Skips (with the reason) where llama-cpp-python is missing, unless LLORCH_REQUIRE_LLAMACPP=1."""
-    if os.environ.get("LLORCH_REQUIRE_LLAMACPP") == "1":
+    """Skips (with the reason) where llama-cpp-python is missing, unless LLORCH_REQUIRE_LLAMACPP=1 or the
+    machine config says require_llamacpp = true."""
+    if os.environ.get("LLORCH_REQUIRE_LLAMACPP") == "1" or machine_config().get("require_llamacpp"):
         import llama_cpp
         return llama_cpp
     return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install .[llamacpp])")

@@ -1,0 +1,25 @@
+"""Helpers shared by the tests (a module, not conftest.py, so that tests can import it by name)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def machine_config() -> dict:
+    """.llorch-test.toml at the repository root (ignored by git; see .llorch-test.toml.example)."""
+    import tomllib
+
+    p = Path(__file__).resolve().parents[1] / ".llorch-test.toml"
+    return tomllib.loads(p.read_text()) if p.exists() else {}
+
+
+def need_backend(name):
+    """Skip with the reason where a backend is unavailable, or fail if this machine's config requires it."""
+    from llorch_ref.backends import available
+
+    reason = available().get(name)
+    if reason:
+        if name in machine_config().get("require_backends", []):
+            pytest.fail(f"backend {name} is required by .llorch-test.toml but unavailable: {reason}")
+        pytest.skip(f"backend {name} unavailable: {reason}")

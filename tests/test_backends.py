@@ -1,0 +1,73 @@
+"""Backends against the numpy oracle: every checkpoint, with the bands of checkpoints/backend_bands.json."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llorch_ref
+from llorch_ref.errors import ParameterError
+
+from llorch_test_helpers import need_backend
+
+
+@pytest.mark.parametrize("kw", [dict(vocab="bpe", weight_type="Q8_0"), dict(vocab="bpe", weight_type="Q4_1"),
+                                dict(vocab="bpe", weight_type="Q4_0", n_kv_heads=4), dict(vocab="bpe")],
+                         ids=["q8_0", "q4_1", "q4_0-mha", "f32"])
+def test_numba_checkpoints_against_numpy_tiny(tiny, kw):
+    need_backend("numba")
+    from llorch_ref.harness.run import run_backend_diff
+
+    path = tiny(**kw)
+    res = run_backend_diff(llorch_ref.load(path, backend="numba"), llorch_ref.load(path), n_greedy=16)
+    assert res.first_divergence is None, res.first_divergence
+    assert res.greedy["equal_prefix"] == 16
+
+
+def test_numba_checkpoints_against_numpy_default_model(default_model):
+    need_backend("numba")
+    from llorch_ref.harness.run import run_backend_diff
+
+    eng = llorch_ref.load(default_model, backend="numba")
+    assert len(eng.backend.blocks) == 211             # every Q4_1 matrix and the tied Q8_0 output
+    res = run_backend_diff(eng, llorch_ref.load(default_model), n_greedy=32)
+    for s in res.summary():
+        print(s["checkpoint"], s["name"], s["worst_nmse"], s["worst_max_abs"])
+    assert res.first_divergence is None
+
+
+def test_numba_kernel_matches_dequantized_product():
+    need_backend("numba")
+    import gguf
+
+    from llorch_ref.backends.numba_backend import QuantBlocks
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 128)).astype(np.float32)
+    x = rng.standard_normal(128).astype(np.float32)
+    for qt in ("Q4_0", "Q4_1", "Q8_0"):
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt])
+        deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qt])
+        got = QuantBlocks(raw, qt).matvec(x)
+        np.testing.assert_allclose(got, deq @ x, rtol=1e-5, atol=1e-5)
+
+
+def test_cupy_checkpoints_against_numpy(tiny):
+    need_backend("cupy")
+    from llorch_ref.harness.run import run_backend_diff
+
+    path = tiny(vocab="bpe")
+    for dtype in ("float32", "float16"):
+        res = run_backend_diff(llorch_ref.load(path, backend="cupy", dtype=dtype), llorch_ref.load(path), n_greedy=16)
+        assert res.first_divergence is None, (dtype, res.first_divergence)
+
+
+def test_unavailable_or_unknown_backend_is_a_clear_error(tiny, monkeypatch):
+    with pytest.raises(ParameterError, match="not one of"):
+        llorch_ref.load(tiny(), backend="tpu")
+    with pytest.raises(ParameterError, match="float32 only"):
+        llorch_ref.load(tiny(), backend="numpy", dtype="float16")
+    monkeypatch.setenv("LLORCH_BACKEND", "numba")
+    try:
+        assert llorch_ref.load(tiny()).backend.name == "numba"
+    except ParameterError as e:
+        assert "numba" in str(e)
