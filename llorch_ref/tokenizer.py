@@ -95,6 +95,11 @@ class Tokenizer:
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TokenizerError(f"text must be str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TokenizerError(f"text is not valid UTF-8: character {e.start} is {text[e.start]!r} "
+                                 f"(a lone surrogate, e.g. from undecodable bytes)") from None
         ids = self.hf.encode(text, add_special_tokens=False).ids if text else []
         if add_special and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id] + ids
@@ -221,7 +226,17 @@ def _build_spm(tokens, types, scores, add_space_prefix, unk_id):
 
 
 def from_gguf_metadata(meta: dict, source="") -> Tokenizer | None:
-    """-> Tokenizer, or None for `no_vocab` models (token ids only)."""
+    """-> Tokenizer, or None for `no_vocab` models (token ids only). Any failure is one TokenizerError."""
+    try:
+        return _from_gguf_metadata(meta, source)
+    except TokenizerError:
+        raise
+    except Exception as e:  # the tokenizers library rejects inconsistent vocabularies with plain Exceptions
+        msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise TokenizerError(f"{source}: the vocabulary cannot be turned into a tokenizer: {msg}") from None
+
+
+def _from_gguf_metadata(meta: dict, source="") -> Tokenizer | None:
     kind = meta.get("tokenizer.ggml.model")
     if kind is None or kind == "no_vocab" or kind == "none":
         return None

@@ -94,12 +94,18 @@ class NumbaBackend(Backend):
                 return q.matvec(x[0])[None, :]
             return x @ w.T
 
+        # Numba kernels serve single-token steps only: for several rows the work goes to BLAS, and Numba's
+        # worker threads would compete with BLAS's for the same cores.
         def rms_norm(xp, x, w, eps):
+            if x.shape[0] != 1:
+                return base_ops.rms_norm(xp, x, w, eps)
             out = np.empty_like(x)
             K.rms_norm_rows(np.ascontiguousarray(x), w, eps, out)
             return out
 
         def swiglu(xp, x, w_gate, w_up, w_down):
+            if x.shape[0] != 1:
+                return base_ops.swiglu(xp, x, w_gate, w_up, w_down)
             g, u = linear(xp, x, w_gate), linear(xp, x, w_up)
             h = np.empty_like(g)
             K.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u), h)

@@ -1,8 +1,11 @@
 """Proof bundles: proof_bundle/<checkpoint>/<run_id>/ {manifest.json, ours.npz, llamacpp.npz, report.json,
 report.md}, an index proof_bundle/<run_id>.md, and a PNG of error by layer.
 
-Atomic: everything is written under proof_bundle/.incomplete-<run_id>-<pid>/ and moved into place only
-when complete; an interrupted run leaves only that hidden folder. An existing run id is never overwritten.
+Atomic: everything is written under proof_bundle/.incomplete-<run_id>-<pid>/; each bundle carries an
+INCOMPLETE marker while it is moved into place; the index is moved in last, and only then are the markers
+removed. A run is complete exactly when its index exists; a run killed at any point (kill -9 included)
+leaves nothing without a marker and no index. A complete run id is never overwritten; the leftovers of a
+killed run (marked, no index) are removed when the same run id is used again.
 """
 from __future__ import annotations
 
@@ -177,10 +180,16 @@ def write_bundles(result, engine, out_dir=None, run_id=None, argv=None, seed=0, 
     specs = [s for s in result.specs if any(r.checkpoint == s.id for r in result.rows)]
     finals = {s.id: out_dir / f"cp{s.id}_{s.name}" / run_id for s in specs}
     index = out_dir / f"{run_id}.md"
-    taken = [p for p in list(finals.values()) + [index] if p.exists()]
-    if taken:
-        raise HarnessError(f"run id {run_id!r} already exists ({taken[0]}); bundles are never overwritten: "
+    if index.exists():
+        raise HarnessError(f"run id {run_id!r} already exists ({index}); bundles are never overwritten: "
                            f"pick another --run-id or LLORCH_RUN_ID")
+    for p in finals.values():
+        if p.exists():
+            if (p / "INCOMPLETE").exists():
+                shutil.rmtree(p)                  # left by a killed run of this id: never complete
+            else:
+                raise HarnessError(f"run id {run_id!r} already exists ({p}); bundles are never overwritten: "
+                                   f"pick another --run-id or LLORCH_RUN_ID")
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = out_dir / f".incomplete-{run_id}-{os.getpid()}"
     if staging.exists():
@@ -194,6 +203,7 @@ def write_bundles(result, engine, out_dir=None, run_id=None, argv=None, seed=0, 
             rows = [r for r in result.rows if r.checkpoint == s.id]
             d = staging / f"cp{s.id}_{s.name}"
             d.mkdir()
+            (d / "INCOMPLETE").write_text(f"run {run_id} has not finished; its index {index.name} does not exist yet\n")
             ours, ref = _spec_captures(result, s)
             np.savez_compressed(d / "ours.npz", **ours)
             np.savez_compressed(d / "llamacpp.npz", **ref)
@@ -217,7 +227,9 @@ def write_bundles(result, engine, out_dir=None, run_id=None, argv=None, seed=0, 
             written[s.id] = finals[s.id]
         json_path = out_dir / f"{run_id}.json"
         os.rename(staging / "result.json", json_path)
-        os.rename(idx, index)
+        os.rename(idx, index)                     # the run is complete from here on
+        for p in written.values():
+            (p / "INCOMPLETE").unlink()
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"index": index, "bundles": written}

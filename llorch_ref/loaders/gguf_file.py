@@ -32,6 +32,10 @@ class GGUFModel:
                               # kernels read the quantized bytes directly (numba)
 
 
+MIN_KV_BYTES = 8 + 1 + 4            # key length, at least one key byte, value type
+MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8   # name length, 1 byte, n_dims, one dim, type, offset
+
+
 def _check_header(path: Path) -> int:
     if not path.exists():
         raise ModelFileError(f"{path}: no such file")
@@ -48,6 +52,17 @@ def _check_header(path: Path) -> int:
     version = int.from_bytes(head[4:8], "little")
     if version not in (2, 3):
         raise ModelFileError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
+    with open(path, "rb") as f:
+        f.seek(8)
+        counts = f.read(16)
+    if len(counts) < 16:
+        raise ModelFileError(f"{path}: truncated: the header ends before its tensor and key counts")
+    n_tensors, n_kv = int.from_bytes(counts[:8], "little"), int.from_bytes(counts[8:], "little")
+    # counts are checked against the file size before anything is allocated or looped over
+    if n_kv * MIN_KV_BYTES > size:
+        raise ModelFileError(f"{path}: header claims {n_kv} metadata keys, more than a {size}-byte file can hold")
+    if n_tensors * MIN_TENSOR_INFO_BYTES > size:
+        raise ModelFileError(f"{path}: header claims {n_tensors} tensors, more than a {size}-byte file can hold")
     return size
 
 
@@ -59,13 +74,18 @@ def open_reader(path) -> "gguf.GGUFReader":  # noqa: F821
     size = _check_header(path)
     try:
         reader = gguf.GGUFReader(str(path), "r")
-    except (ValueError, IndexError, KeyError, OverflowError, MemoryError, TypeError, UnicodeDecodeError) as e:
-        raise ModelFileError(f"{path}: malformed GGUF header or metadata ({type(e).__name__}: {e})") from None
+    except (ValueError, IndexError, KeyError, OverflowError, MemoryError, TypeError, UnicodeDecodeError,
+            AttributeError, AssertionError) as e:
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        raise ModelFileError(f"{path}: malformed GGUF header or metadata ({type(e).__name__}: {msg})") from None
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size or t.data.nbytes != int(t.n_bytes):
             raise ModelFileError(
                 f"{path}: truncated: tensor {t.name!r} ends at byte {end} but the file has {size} bytes")
+        if int(t.data_offset) % reader.alignment:
+            raise ModelFileError(f"{path}: tensor {t.name!r} data at byte {int(t.data_offset)} is not aligned to "
+                                 f"{reader.alignment}")
     return reader
 
 
@@ -138,6 +158,8 @@ def dequantize(t) -> np.ndarray:
     from gguf import quants
 
     shape = tuple(int(n) for n in reversed([int(x) for x in t.shape]))
+    if t.tensor_type.name not in ("F32", "F16") and not hasattr(t.data, "shape"):
+        raise ModelFileError(f"tensor {t.name!r}: no data")
     try:
         if t.tensor_type == Q.F32:
             arr = np.array(t.data, dtype=np.float32)
@@ -149,6 +171,10 @@ def dequantize(t) -> np.ndarray:
         raise UnsupportedModelError(
             f"tensor {t.name!r}: type {t.tensor_type.name} cannot be dequantized by the gguf package") from None
     arr = np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
+    if not np.isfinite(arr).all():
+        bad = int((~np.isfinite(arr)).sum())
+        raise ModelFileError(f"tensor {t.name!r} ({t.tensor_type.name}) holds {bad} NaN or Inf values after "
+                             f"dequantization (corrupt weights or scales)")
     return arr
 
 
@@ -201,7 +227,12 @@ def load_gguf(path, numerics: str = "exact") -> GGUFModel:
                                  f"expected {shape} from the metadata")
         if matrix and numerics == "ggml":
             return ggml_matrix(t, shape)
-        arr = dequantize(t)
+        try:
+            arr = dequantize(t)
+        except ModelFileError as e:
+            raise ModelFileError(f"{path}: {e}") from None
+        except (ValueError, TypeError, IndexError) as e:
+            raise ModelFileError(f"{path}: tensor {name!r} cannot be read ({type(e).__name__}: {e})") from None
         if matrix and t.tensor_type.name not in ("F32", "F16"):
             raw_blocks[id(arr)] = (t.tensor_type.name, t.data)
         return arr

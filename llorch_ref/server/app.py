@@ -78,9 +78,60 @@ def _error(status, code, message, fields=None, headers=None):
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+class GuardMiddleware:
+    """Pure ASGI guard in front of the app: POST bodies must be JSON (415), at most max_body bytes (413),
+    and arrive within body_timeout seconds (408), so a slow or endless client cannot pin the server."""
+
+    def __init__(self, app, max_body: int, body_timeout: float):
+        self.app, self.max_body, self.body_timeout = app, max_body, body_timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if ctype != b"application/json":
+            return await _send_error(send, 415, "UNSUPPORTED_MEDIA_TYPE",
+                                     f"Content-Type must be application/json, got {ctype.decode(errors='replace')!r}")
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await _send_error(send, 413, "BODY_TOO_LARGE", f"request body over {self.max_body} bytes")
+        body, more = b"", True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
+        while more:
+            try:
+                msg = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return await _send_error(send, 408, "REQUEST_TIMEOUT", f"body not received within {self.body_timeout} s")
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.max_body:
+                return await _send_error(send, 413, "BODY_TOO_LARGE", f"request body over {self.max_body} bytes")
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        return await self.app(scope, replay, send)
+
+
+async def _send_error(send, status, code, message):
+    data = json.dumps({"error": {"code": code, "message": message}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
 def create_app(engine, api_token: str | None = None, max_queue: int = 16, model_name: str | None = None,
-               default_temperature_openai: float = 1.0) -> FastAPI:
+               default_temperature_openai: float = 1.0, max_body: int = 1 << 20, body_timeout: float = 10.0) -> FastAPI:
     app = FastAPI(title="llorch-ref worker", version=__import__("llorch_ref").__version__)
+    app.add_middleware(GuardMiddleware, max_body=max_body, body_timeout=body_timeout)
     worker = Worker(engine, max_queue=max_queue)
     app.state.worker = worker
     name = model_name or (engine.path.name if engine.path else "llorch-ref")
