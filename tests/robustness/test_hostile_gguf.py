@@ -123,3 +123,42 @@ def test_fuzzed_files_fail_cleanly(tiny, tmp_path, seed):
         p.unlink()
     print(f"seed {seed}: {outcomes}")
     assert outcomes["clear error"] > 0
+
+
+def _tensor_type_field(data: bytes, name: bytes) -> int:
+    i = data.index(struct.pack("<Q", len(name)) + name)
+    j = i + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, j)[0]
+    return j + 4 + 8 * n_dims
+
+
+def test_unknown_tensor_type(tiny, tmp_path):
+    data = bytearray(tiny(vocab="none").read_bytes())
+    struct.pack_into("<I", data, _tensor_type_field(bytes(data), b"blk.0.attn_q.weight"), 250)
+    with pytest.raises(ModelFileError):
+        llorch_ref.load(write(tmp_path, "ttype.gguf", bytes(data)))
+
+
+def test_shape_product_overflow(tiny, tmp_path):
+    data = bytearray(tiny(vocab="none").read_bytes())
+    name = b"blk.0.attn_q.weight"
+    i = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, i)[0]
+    for d in range(n_dims):                            # every dimension 2^62: the product overflows int64
+        struct.pack_into("<Q", data, i + 4 + 8 * d, 2 ** 62)
+    t0 = time.perf_counter()
+    with pytest.raises(ModelFileError):
+        llorch_ref.load(write(tmp_path, "shape.gguf", bytes(data)))
+    assert time.perf_counter() - t0 < 5
+
+
+def test_regression_inconsistent_bpe_vocabulary(tiny, tmp_path):
+    """Found by the fuzz test: a merge naming a token absent from the vocabulary made `tokenizers` raise a
+    bare Exception ("Token `The` out of vocabulary"). Now one TokenizerError naming the file."""
+    from llorch_ref.errors import TokenizerError
+    from llorch_ref.tokenizer import from_gguf_metadata
+
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": ["T", "h"],
+            "tokenizer.ggml.merges": ["Th e"]}
+    with pytest.raises(TokenizerError, match="cannot be turned into a tokenizer"):
+        from_gguf_metadata(meta, source="fuzzed.gguf")
