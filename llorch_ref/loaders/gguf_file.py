@@ -193,15 +193,17 @@ LAYER_TENSORS = {  # GGUF name suffix -> LayerWeights field, expected NumPy shap
 
 def ggml_matrix(t, shape):
     """numerics="ggml": the weight as ggml blocks whose matmul reproduces llama.cpp's CPU arithmetic."""
-    from ..numerics.ggml_cpu import ACT_TYPE, FloatMatrix, QuantMatrix
+    from ..numerics.ggml_cpu import ACT_TYPE, FloatMatrix, KQuantMatrix, QuantMatrix
 
     name = t.tensor_type.name
     if name in ACT_TYPE:
         return QuantMatrix(np.asarray(t.data), name, shape)
+    if name in ("Q4_K", "Q6_K"):
+        return KQuantMatrix(np.asarray(t.data), name, shape)
     if name in ("F32", "F16"):
         return FloatMatrix(dequantize(t), name)
     raise UnsupportedModelError(f"tensor {t.name!r}: numerics='ggml' does not implement {name} products yet "
-                                f"(implemented: F32, F16, {', '.join(ACT_TYPE)}); use numerics='exact'")
+                                f"(implemented: F32, F16, {', '.join(ACT_TYPE)}, Q4_K, Q6_K); use numerics='exact'")
 
 
 def load_gguf(path, numerics: str = "exact") -> GGUFModel:

@@ -333,3 +333,115 @@ def make_ops(kv_dtype: str = "f32"):
     ops.attention, ops.swiglu = make_attention(kv_dtype), swiglu
     ops.name = f"ggml (kv {kv_dtype})"
     return ops
+
+
+# -- K-quants (super-blocks of 256) against Q8_K activations -------------------------------------------
+QK_K = 256
+
+
+def quantize_q8_k(x):
+    """quantize_row_q8_K_ref: x [T, K] -> q [T, NB, 256] (f32 integers), d [T, NB] f32, bsums [T, NB, 16].
+
+    iscale = -127 / (the value of largest magnitude, sign kept); q = nearest_int(iscale * x) capped at 127;
+    d = 1 / iscale (a float32, not rounded to f16)."""
+    t, k = x.shape
+    xb = x.reshape(t, k // QK_K, QK_K).astype(F32)
+    idx = np.abs(xb).argmax(axis=-1)                                       # first index of the largest |x|
+    mx = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = np.where(mx != 0, F32(-127) / mx, F32(0)).astype(F32)
+        q = np.minimum(np.rint((xb * iscale[..., None]).astype(F32)), F32(127)).astype(F32)
+        d = np.where(mx != 0, F32(1) / iscale, F32(0)).astype(F32)
+    q[mx == 0] = 0
+    bsums = q.reshape(t, k // QK_K, 16, 16).sum(-1)
+    return q, d, bsums
+
+
+def _k4_scales(sc):
+    """get_scale_min_k4 for the 12 scale bytes of a Q4_K block -> scales [.., 8], mins [.., 8] (6-bit)."""
+    sc = sc.astype(np.int32)
+    s = np.empty(sc.shape[:-1] + (8,), np.int32)
+    m = np.empty_like(s)
+    s[..., :4], m[..., :4] = sc[..., 0:4] & 63, sc[..., 4:8] & 63
+    s[..., 4:] = (sc[..., 8:12] & 0xF) | ((sc[..., 0:4] >> 6) << 4)
+    m[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+    return s, m
+
+
+class KQuantMatrix:
+    """A Q4_K or Q6_K weight [N, K]; matmul(x) reproduces ggml_vec_dot_q4_K_q8_K / q6_K_q8_K (AVX2): per
+    super-block, 8 int32 lanes (lane l = elements 4l..4l+3 of each 32-element group, times that group's
+    scale), one FMA per super-block, hsum; Q4_K adds its mins through 4 FMA lanes on Q8_K's block sums."""
+
+    def __init__(self, raw, qtype, shape):
+        self.qtype, self.shape = qtype, tuple(shape)
+        n = raw.shape[0]
+        if qtype == "Q4_K":
+            blk = np.asarray(raw).reshape(n, -1, 144)
+            self.d, self.dmin = _f16(blk, 0), _f16(blk, 2)
+            self.sc, self.mins = _k4_scales(blk[..., 4:16])                    # [N, NB, 8]
+            qs = blk[..., 16:144].reshape(n, -1, 4, 32)
+            q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, QK_K)     # [N, NB, 256]: 64 per chunk
+            # per element: the scale of its 32-group
+            self.group_scale = self.sc                                          # [N, NB, 8]
+        elif qtype == "Q6_K":
+            blk = np.asarray(raw).reshape(n, -1, 210)
+            ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
+            self.scales16 = blk[..., 192:208].view(np.int8).astype(np.int32)    # [N, NB, 16]
+            self.d = _f16(blk, 208)
+            parts = []
+            for j in range(2):
+                l0, l1, h = ql[..., 64 * j:64 * j + 32], ql[..., 64 * j + 32:64 * j + 64], qh[..., 32 * j:32 * j + 32]
+                parts += [(l0 & 15) | ((h & 3) << 4), (l1 & 15) | (((h >> 2) & 3) << 4),
+                          (l0 >> 4) | (((h >> 4) & 3) << 4), (l1 >> 4) | (((h >> 6) & 3) << 4)]
+            q = np.concatenate(parts, axis=-1)                                   # [N, NB, 256] in 0..63; the
+            # -32 offset is applied at the end through Q8_K's block sums, as ggml's AVX2 kernel does
+        else:
+            raise NotImplementedError(qtype)
+        nb = q.shape[1]
+        # [NB, 8 groups, 8 lanes, 4, N] for batched integer products
+        self.q_lanes = np.ascontiguousarray(q.reshape(n, nb, 8, 8, 4).transpose(1, 2, 3, 4, 0).astype(F32))
+        self.nb = nb
+
+    @property
+    def dtype(self):
+        return np.dtype(F32)
+
+    def matmul(self, x, rows_per_chunk=16):
+        out = np.empty((x.shape[0], self.shape[0]), dtype=F32)
+        for i in range(0, x.shape[0], rows_per_chunk):
+            out[i:i + rows_per_chunk] = self._matmul(np.asarray(x[i:i + rows_per_chunk], dtype=F32))
+        return out
+
+    def _matmul(self, x):
+        qa, da, bsums = quantize_q8_k(x)
+        t, n = x.shape[0], self.shape[0]
+        qa_l = qa.reshape(t, self.nb, 8, 8, 4)
+        acc = np.zeros((t, n, 8), dtype=F32)
+        acc_m = np.zeros((t, n, 4), dtype=F32)
+        for b in range(self.nb):
+            # P[g, l, t, n] = sum_k q[n, 32g + 4l + k] * q8[t, 32g + 4l + k]   (exact integers)
+            p = np.matmul(qa_l[:, b].transpose(1, 2, 0, 3), self.q_lanes[b]).astype(F64)   # [8, 8, T, N]
+            if self.qtype == "Q4_K":
+                sc = self.sc[:, b].astype(F64)                                       # [N, 8]
+                sumi = np.einsum("gltn,ng->tnl", p, sc)
+                d = (da[:, b, None] * self.d[None, :, b]).astype(F32)              # [T, N]
+                dmin = ((-da[:, b, None]) * self.dmin[None, :, b]).astype(F32)
+                q8s = bsums[:, b].reshape(t, 8, 2).sum(-1).astype(F64)             # [T, 8] sums per 32-group
+                prod = np.einsum("ng,tg->tng", self.mins[:, b].astype(F64), q8s).reshape(t, n, 4, 2).sum(-1)
+                acc_m = fma(dmin[..., None], prod.astype(F32), acc_m)
+            else:
+                sc16 = self.scales16[:, b].astype(F64).reshape(n, 8, 2)            # [N, group, half]
+                lane_half = (np.arange(8) >= 4).astype(int)                          # lanes 4..7: second half
+                sc = sc16[:, :, lane_half]                                           # [N, 8 groups, 8 lanes]
+                sumi = np.einsum("gltn,ngl->tnl", p, sc)
+                # q8sclsub: lane l -= 32 * (bsums[2l] * scale[2l] + bsums[2l+1] * scale[2l+1])
+                bs = bsums[:, b].astype(F64).reshape(t, 8, 2)                       # [T, lane, 2]
+                s16 = self.scales16[:, b].astype(F64).reshape(n, 8, 2)              # [N, lane, 2]
+                sumi = sumi - 32 * np.einsum("tlk,nlk->tnl", bs, s16)
+                d = (da[:, b, None] * self.d[None, :, b]).astype(F32)
+            acc = fma(d[..., None], sumi.astype(F32), acc)
+        y = hsum8(acc)
+        if self.qtype == "Q4_K":
+            y = y + ((acc_m[..., 0] + acc_m[..., 2]) + (acc_m[..., 1] + acc_m[..., 3]))
+        return y.astype(F32)

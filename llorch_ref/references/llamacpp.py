@@ -9,6 +9,7 @@ Tensor names are not unique in the llama graph, so captures are keyed by (name, 
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,6 +123,10 @@ class LlamaCpp:
         self.llama_cpp = llama_cpp
         if kv_type not in KV_TYPES:
             raise ReferenceError_(f"kv_type {kv_type!r} must be one of {list(KV_TYPES)}")
+        # ggml's tiled K-quant matmul (used for batches of >= 8 rows) has its own summation order, which
+        # numerics="ggml" does not reproduce; the stock vec_dot path is kept unless the caller set this
+        # variable. It is read once per process, before the first matrix product.
+        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
         llama_cpp.llama_backend_init()
         self._quiet()
         mp = llama_cpp.llama_model_default_params()
@@ -149,7 +154,8 @@ class LlamaCpp:
             raise ReferenceError_("llama.cpp could not create a context")
         self.settings = {"n_ctx": n_ctx, "n_batch": n_ubatch, "n_ubatch": n_ubatch, "n_threads": n_threads,
                          "flash_attn": False, "type_k": kv_type, "type_v": kv_type, "use_extra_bufts": False,
-                         "logits": "all tokens (llama_batch_init)", "llama_cpp_python": llama_cpp.__version__}
+                         "logits": "all tokens (llama_batch_init)", "llama_cpp_python": llama_cpp.__version__,
+                         "GGML_CPU_TILED_MM": os.environ.get("GGML_CPU_TILED_MM")}
         self.n_ctx, self.n_ubatch = n_ctx, n_ubatch
 
     @staticmethod
