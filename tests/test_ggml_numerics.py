@@ -104,32 +104,33 @@ def _llamacpp_quantize(llamacpp, src, dst, ftype):
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16"])
-def test_q4_k_m_copy_bit_identical(tmp_path_factory, default_f32, llamacpp, kv):
-    """A Q4_K_M copy made by llama.cpp's own quantizer (Q4_K and Q6_K for ffn_down, Q5_0 and Q8_0 elsewhere):
-    prefill logits and single-token decode steps bit-identical, greedy 32 tokens equal."""
+@pytest.mark.parametrize("ftype, ktypes", [("Q4_K_M", {"Q4_K", "Q6_K"}), ("Q5_K_M", {"Q5_K", "Q6_K"})])
+def test_k_quant_copies_bit_identical(tmp_path_factory, default_f32, llamacpp, kv, ftype, ktypes):
+    """Q4_K_M and Q5_K_M copies made by llama.cpp's own quantizer (K-quants for ffn_down, whose rows are
+    multiples of 256; Q5_0/Q5_1/Q8_0 fallbacks elsewhere): logits bit-identical, greedy 32 tokens equal."""
     from llorch_ref.references.llamacpp import LlamaCpp
 
-    d = tmp_path_factory.getbasetemp() / "q4km"
+    d = tmp_path_factory.getbasetemp() / "kquants"
     d.mkdir(exist_ok=True)
-    path = d / "q4km.gguf"
+    path = d / f"{ftype}.gguf"
     if not path.exists():
-        _llamacpp_quantize(llamacpp, default_f32, path, llamacpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)
+        _llamacpp_quantize(llamacpp, default_f32, path, getattr(llamacpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"))
     eng = llorch_ref.load(path, numerics="ggml", kv_dtype=kv)
-    assert {"Q4_K", "Q6_K"} <= set(eng.tensor_types.values())
+    assert ktypes <= set(eng.tensor_types.values())
     ref = LlamaCpp(path, n_ctx=256, kv_type=kv)
     ids = eng.tokenizer.encode(PROMPT)
     m = compare(eng.logits(ids), ref.eval(ids))
     assert m["max_abs"] == 0.0, m
     exact = compare(llorch_ref.load(path).logits(ids), ref.eval(ids)) if kv == "f32" else None
     if exact:
-        print(f"Q4_K_M copy: exact-mode NMSE {exact['nmse']:.3e}, ggml mode 0")
+        print(f"{ftype} copy: exact-mode NMSE {exact['nmse']:.3e}, ggml mode 0")
     assert list(eng.generate_ids(ids, max_tokens=32, ignore_eos=True)) == ref.greedy(ids, 32)
 
 
 def test_unimplemented_quant_type_is_a_clear_error(tmp_path, default_f32, llamacpp):
     from llorch_ref.errors import UnsupportedModelError
 
-    dst = _llamacpp_quantize(llamacpp, default_f32, tmp_path / "q5km.gguf", llamacpp.LLAMA_FTYPE_MOSTLY_Q5_K_M)
-    with pytest.raises(UnsupportedModelError, match="numerics='ggml' does not implement Q5_K"):
+    dst = _llamacpp_quantize(llamacpp, default_f32, tmp_path / "q2k.gguf", llamacpp.LLAMA_FTYPE_MOSTLY_Q2_K)
+    with pytest.raises(UnsupportedModelError, match="numerics='ggml' does not implement Q3_K"):
         llorch_ref.load(dst, numerics="ggml")
     llorch_ref.load(dst, numerics="exact")          # the exact mode dequantizes every type gguf knows

@@ -384,6 +384,18 @@ class KQuantMatrix:
             q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, QK_K)     # [N, NB, 256]: 64 per chunk
             # per element: the scale of its 32-group
             self.group_scale = self.sc                                          # [N, NB, 8]
+        elif qtype == "Q5_K":
+            blk = np.asarray(raw).reshape(n, -1, 176)
+            self.d, self.dmin = _f16(blk, 0), _f16(blk, 2)
+            self.sc, self.mins = _k4_scales(blk[..., 4:16])
+            qh = blk[..., 16:48].astype(np.int32)                                  # [N, NB, 32]
+            qs = blk[..., 48:176].reshape(n, -1, 4, 32).astype(np.int32)
+            chunks = []
+            for j in range(4):
+                lo = (qs[:, :, j] & 15) + (((qh >> (2 * j)) & 1) << 4)
+                hi = (qs[:, :, j] >> 4) + (((qh >> (2 * j + 1)) & 1) << 4)
+                chunks += [lo, hi]
+            q = np.concatenate(chunks, axis=-1)                                     # [N, NB, 256]
         elif qtype == "Q6_K":
             blk = np.asarray(raw).reshape(n, -1, 210)
             ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
@@ -419,10 +431,18 @@ class KQuantMatrix:
         qa_l = qa.reshape(t, self.nb, 8, 8, 4)
         acc = np.zeros((t, n, 8), dtype=F32)
         acc_m = np.zeros((t, n, 4), dtype=F32)
+        summs = np.zeros((t, n), dtype=F32)
         for b in range(self.nb):
             # P[g, l, t, n] = sum_k q[n, 32g + 4l + k] * q8[t, 32g + 4l + k]   (exact integers)
             p = np.matmul(qa_l[:, b].transpose(1, 2, 0, 3), self.q_lanes[b]).astype(F64)   # [8, 8, T, N]
-            if self.qtype == "Q4_K":
+            if self.qtype == "Q5_K":
+                sumi = np.einsum("gltn,ng->tnl", p, self.sc[:, b].astype(F64))
+                d = (da[:, b, None] * self.d[None, :, b]).astype(F32)
+                dmin = ((-da[:, b, None]) * self.dmin[None, :, b]).astype(F32)
+                q8s = bsums[:, b].reshape(t, 8, 2).sum(-1).astype(F64)
+                mins_dot = (self.mins[:, b].astype(F64)[None] * q8s[:, None, :]).sum(-1).astype(F32)   # exact int
+                summs = fma(dmin, mins_dot, summs)                 # summs += dmin * (float)sum, contracted
+            elif self.qtype == "Q4_K":
                 sc = self.sc[:, b].astype(F64)                                       # [N, 8]
                 sumi = np.einsum("gltn,ng->tnl", p, sc)
                 d = (da[:, b, None] * self.d[None, :, b]).astype(F32)              # [T, N]
@@ -444,4 +464,6 @@ class KQuantMatrix:
         y = hsum8(acc)
         if self.qtype == "Q4_K":
             y = y + ((acc_m[..., 0] + acc_m[..., 2]) + (acc_m[..., 1] + acc_m[..., 3]))
+        elif self.qtype == "Q5_K":
+            y = y + summs
         return y.astype(F32)
