@@ -94,27 +94,30 @@ def test_diff_in_ggml_mode_passes_with_zero_band(default_model, llamacpp):
     assert all(r.metrics.get("max_abs", 0.0) == 0.0 for r in res.rows)
 
 
-def _llamacpp_quantize(llamacpp, src, dst, ftype):
+def _llamacpp_quantize(llamacpp, src, dst, ftype, pure=False):
     import ctypes
 
     p = llamacpp.llama_model_quantize_default_params()
     p.ftype = ftype
+    p.pure = pure
     assert llamacpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p)) == 0
     return dst
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16"])
-@pytest.mark.parametrize("ftype, ktypes", [("Q4_K_M", {"Q4_K", "Q6_K"}), ("Q5_K_M", {"Q5_K", "Q6_K"})])
+@pytest.mark.parametrize("ftype, ktypes", [("Q4_K_M", {"Q4_K", "Q6_K"}), ("Q5_K_M", {"Q5_K", "Q6_K"}),
+                                           ("Q2_K", {"Q3_K"}), ("Q2_K-pure", {"Q2_K"})])
 def test_k_quant_copies_bit_identical(tmp_path_factory, default_f32, llamacpp, kv, ftype, ktypes):
-    """Q4_K_M and Q5_K_M copies made by llama.cpp's own quantizer (K-quants for ffn_down, whose rows are
-    multiples of 256; Q5_0/Q5_1/Q8_0 fallbacks elsewhere): logits bit-identical, greedy 32 tokens equal."""
+    """Copies made by llama.cpp's own quantizer (K-quants where rows are multiples of 256, i.e. ffn_down
+    here, Q4_0/Q5_0/Q5_1/Q8_0 fallbacks elsewhere; "pure" keeps Q2_K): logits bit-identical, greedy equal."""
     from llorch_ref.references.llamacpp import LlamaCpp
 
     d = tmp_path_factory.getbasetemp() / "kquants"
     d.mkdir(exist_ok=True)
     path = d / f"{ftype}.gguf"
     if not path.exists():
-        _llamacpp_quantize(llamacpp, default_f32, path, getattr(llamacpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"))
+        _llamacpp_quantize(llamacpp, default_f32, path, getattr(llamacpp, f"LLAMA_FTYPE_MOSTLY_{ftype.split('-')[0]}"),
+                           pure=ftype.endswith("pure"))
     eng = llorch_ref.load(path, numerics="ggml", kv_dtype=kv)
     assert ktypes <= set(eng.tensor_types.values())
     ref = LlamaCpp(path, n_ctx=256, kv_type=kv)
@@ -127,10 +130,10 @@ def test_k_quant_copies_bit_identical(tmp_path_factory, default_f32, llamacpp, k
     assert list(eng.generate_ids(ids, max_tokens=32, ignore_eos=True)) == ref.greedy(ids, 32)
 
 
-def test_unimplemented_quant_type_is_a_clear_error(tmp_path, default_f32, llamacpp):
+def test_unimplemented_type_is_a_clear_error(tiny):
     from llorch_ref.errors import UnsupportedModelError
 
-    dst = _llamacpp_quantize(llamacpp, default_f32, tmp_path / "q2k.gguf", llamacpp.LLAMA_FTYPE_MOSTLY_Q2_K)
-    with pytest.raises(UnsupportedModelError, match="numerics='ggml' does not implement Q3_K"):
-        llorch_ref.load(dst, numerics="ggml")
-    llorch_ref.load(dst, numerics="exact")          # the exact mode dequantizes every type gguf knows
+    path = tiny(vocab="none", weight_type="BF16")
+    with pytest.raises(UnsupportedModelError, match="numerics='ggml' does not implement BF16"):
+        llorch_ref.load(path, numerics="ggml")
+    llorch_ref.load(path, numerics="exact")          # the exact mode dequantizes every type gguf knows

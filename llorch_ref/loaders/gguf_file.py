@@ -198,12 +198,12 @@ def ggml_matrix(t, shape):
     name = t.tensor_type.name
     if name in ACT_TYPE:
         return QuantMatrix(np.asarray(t.data), name, shape)
-    if name in ("Q4_K", "Q5_K", "Q6_K"):
+    if name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
         return KQuantMatrix(np.asarray(t.data), name, shape)
     if name in ("F32", "F16"):
         return FloatMatrix(dequantize(t), name)
     raise UnsupportedModelError(f"tensor {t.name!r}: numerics='ggml' does not implement {name} products yet "
-                                f"(implemented: F32, F16, {', '.join(ACT_TYPE)}, Q4_K, Q5_K, Q6_K); use numerics='exact'")
+                                f"(implemented: F32, F16, {', '.join(ACT_TYPE)}, Q2_K..Q6_K); use numerics='exact'")
 
 
 def load_gguf(path, numerics: str = "exact") -> GGUFModel:

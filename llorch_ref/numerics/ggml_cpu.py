@@ -369,7 +369,7 @@ def _k4_scales(sc):
 
 
 class KQuantMatrix:
-    """A Q4_K or Q6_K weight [N, K]; matmul(x) reproduces ggml_vec_dot_q4_K_q8_K / q6_K_q8_K (AVX2): per
+    """A Q2_K..Q6_K weight [N, K]; matmul(x) reproduces ggml_vec_dot_qN_K_q8_K (AVX2 kernels): per
     super-block, 8 int32 lanes (lane l = elements 4l..4l+3 of each 32-element group, times that group's
     scale), one FMA per super-block, hsum; Q4_K adds its mins through 4 FMA lanes on Q8_K's block sums."""
 
@@ -396,6 +396,28 @@ class KQuantMatrix:
                 hi = (qs[:, :, j] >> 4) + (((qh >> (2 * j + 1)) & 1) << 4)
                 chunks += [lo, hi]
             q = np.concatenate(chunks, axis=-1)                                     # [N, NB, 256]
+        elif qtype == "Q2_K":
+            blk = np.asarray(raw).reshape(n, -1, 84)
+            sc = blk[..., 0:16].astype(np.int32)
+            self.scales16, self.mins16 = sc & 15, sc >> 4                         # per 16 elements
+            self.d, self.dmin = _f16(blk, 80), _f16(blk, 82)
+            qs = blk[..., 16:80].astype(np.int32)
+            q = np.concatenate([(qs[..., 32 * j:32 * j + 32] >> (2 * k)) & 3 for j in range(2) for k in range(4)], -1)
+        elif qtype == "Q3_K":
+            blk = np.asarray(raw).reshape(n, -1, 110)
+            hm = blk[..., 0:32].astype(np.int32)
+            qs = blk[..., 32:96].astype(np.int32)
+            aux = np.ascontiguousarray(blk[..., 96:108]).view("<u4").astype(np.int64)   # [N, NB, 3]
+            k1, k2 = 0x03030303, 0x0F0F0F0F
+            words = [(aux[..., 0] & k2) | (((aux[..., 2] >> 0) & k1) << 4),
+                     (aux[..., 1] & k2) | (((aux[..., 2] >> 2) & k1) << 4),
+                     ((aux[..., 0] >> 4) & k2) | (((aux[..., 2] >> 4) & k1) << 4),
+                     ((aux[..., 1] >> 4) & k2) | (((aux[..., 2] >> 6) & k1) << 4)]
+            sb = np.stack(words, -1).astype("<u4").view(np.uint8).astype(np.int32)          # [N, NB, 16]
+            self.scales16 = sb - 32
+            self.d = _f16(blk, 108)
+            q = np.concatenate([((qs[..., 32 * j:32 * j + 32] >> (2 * k)) & 3)
+                                - 4 * (1 - ((hm >> (4 * j + k)) & 1)) for j in range(2) for k in range(4)], -1)
         elif qtype == "Q6_K":
             blk = np.asarray(raw).reshape(n, -1, 210)
             ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
@@ -450,15 +472,22 @@ class KQuantMatrix:
                 q8s = bsums[:, b].reshape(t, 8, 2).sum(-1).astype(F64)             # [T, 8] sums per 32-group
                 prod = np.einsum("ng,tg->tng", self.mins[:, b].astype(F64), q8s).reshape(t, n, 4, 2).sum(-1)
                 acc_m = fma(dmin[..., None], prod.astype(F32), acc_m)
-            else:
+            else:                                                                    # Q2_K, Q3_K, Q6_K
+                if self.qtype == "Q2_K":
+                    # the mins first, into the same accumulator: lane l = m[2l] bsum[2l] + m[2l+1] bsum[2l+1]
+                    prod = np.einsum("tlk,nlk->tnl", bsums[:, b].astype(F64).reshape(t, 8, 2),
+                                     self.mins16[:, b].astype(F64).reshape(n, 8, 2))
+                    dmin = ((-da[:, b, None]) * self.dmin[None, :, b]).astype(F32)
+                    acc = fma(dmin[..., None], prod.astype(F32), acc)
                 sc16 = self.scales16[:, b].astype(F64).reshape(n, 8, 2)            # [N, group, half]
                 lane_half = (np.arange(8) >= 4).astype(int)                          # lanes 4..7: second half
                 sc = sc16[:, :, lane_half]                                           # [N, 8 groups, 8 lanes]
                 sumi = np.einsum("gltn,ngl->tnl", p, sc)
-                # q8sclsub: lane l -= 32 * (bsums[2l] * scale[2l] + bsums[2l+1] * scale[2l+1])
-                bs = bsums[:, b].astype(F64).reshape(t, 8, 2)                       # [T, lane, 2]
-                s16 = self.scales16[:, b].astype(F64).reshape(n, 8, 2)              # [N, lane, 2]
-                sumi = sumi - 32 * np.einsum("tlk,nlk->tnl", bs, s16)
+                if self.qtype == "Q6_K":
+                    # q8sclsub: lane l -= 32 * (bsums[2l] * scale[2l] + bsums[2l+1] * scale[2l+1])
+                    bs = bsums[:, b].astype(F64).reshape(t, 8, 2)                   # [T, lane, 2]
+                    s16 = self.scales16[:, b].astype(F64).reshape(n, 8, 2)          # [N, lane, 2]
+                    sumi = sumi - 32 * np.einsum("tlk,nlk->tnl", bs, s16)
                 d = (da[:, b, None] * self.d[None, :, b]).astype(F32)
             acc = fma(d[..., None], sumi.astype(F32), acc)
         y = hsum8(acc)

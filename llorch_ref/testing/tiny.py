@@ -101,7 +101,7 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
     w.add_rope_freq_base(rope_base)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(n_vocab)
-    w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
+    w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32,
                      "mixed": 7}[weight_type])
     if vocab == "none":
         w.add_tokenizer_model("no_vocab")
