@@ -57,10 +57,8 @@ class CupyBackend(Backend):
                 y = cp.empty((1, w.shape[0]), dtype=cp.float32)
                 k = gemv["f16" if w.dtype == cp.float16 else "f32"]
                 n, kdim = w.shape
-                xv = cp.ascontiguousarray(x[0], dtype=cp.float32)
-                if xv.data.ptr % 16:                                             # the kernel loads 16 bytes
-                    xv = xv.copy()
-                k(((n + 7) // 8,), (256,), (w, xv, y, cp.int32(n), cp.int32(kdim)))
+                k(((n + 7) // 8,), (256,), (w, cp.ascontiguousarray(x[0], dtype=cp.float32), y, cp.int32(n),
+                                             cp.int32(kdim)))
                 return y
             if w.dtype == cp.float16:
                 return (x.astype(cp.float16) @ w.T).astype(cp.float32)
@@ -202,53 +200,19 @@ class GraphDecoder:
 
 _GEMV_SRC = r"""
 #include <cuda_fp16.h>
-// One warp per output row; 16-byte loads (4 floats or 8 halves) when the row length allows it.
-__device__ __forceinline__ float warp_sum(float acc) {
+template <typename T>
+__device__ void gemv(const T* W, const float* x, float* y, int n, int k) {
+    int row = blockIdx.x * 8 + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= n) return;
+    const T* w = W + (size_t)row * k;
+    float acc = 0.f;
+    for (int i = lane; i < k; i += 32) acc += (float)w[i] * x[i];
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
-    return acc;
-}
-extern "C" __global__ void gemv_f32(const float* W, const float* x, float* y, int n, int k) {
-    int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= n) return;
-    const float* w = W + (size_t)row * k;
-    float acc = 0.f;
-    if ((k & 3) == 0) {
-        const float4* w4 = (const float4*)w; const float4* x4 = (const float4*)x;
-        #pragma unroll 4
-        for (int i = lane; i < k / 4; i += 32) {
-            float4 a = w4[i], b = x4[i];
-            acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-        }
-    } else {
-        for (int i = lane; i < k; i += 32) acc += w[i] * x[i];
-    }
-    acc = warp_sum(acc);
     if (lane == 0) y[row] = acc;
 }
-extern "C" __global__ void gemv_f16(const __half* W, const float* x, float* y, int n, int k) {
-    int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= n) return;
-    const __half* w = W + (size_t)row * k;
-    float acc = 0.f;
-    if ((k & 7) == 0) {
-        const uint4* w8 = (const uint4*)w;
-        #pragma unroll 2
-        for (int i = lane; i < k / 8; i += 32) {
-            uint4 raw = w8[i];
-            const __half2* h = (const __half2*)&raw;
-            const float* xb = x + i * 8;
-            #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                float2 f = __half22float2(h[j]);
-                acc += f.x * xb[2 * j] + f.y * xb[2 * j + 1];
-            }
-        }
-    } else {
-        for (int i = lane; i < k; i += 32) acc += __half2float(w[i]) * x[i];
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) y[row] = acc;
-}
+extern "C" __global__ void gemv_f32(const float* W, const float* x, float* y, int n, int k) { gemv<float>(W, x, y, n, k); }
+extern "C" __global__ void gemv_f16(const __half* W, const float* x, float* y, int n, int k) { gemv<__half>(W, x, y, n, k); }
 """
 _GEMV = {}
 
