@@ -95,9 +95,13 @@ def main():
             else:
                 nm = m["worst_nmse"]
                 bands[cls] = {"nmse": float(f"{max(nm, 1e-15) * a.margin:.1e}")}
+        keep_ggml = {k: d.get(k, {}).get("ggml") for k in ("bands", "measured")}    # set by --ggml, kept
         d["bands"] = bands
         d["measured"] = {"command": cmd, "margin": a.margin, "prompts": PROMPTS, "greedy_tokens": a.greedy,
                          "by_class": measured[s.id]}
+        for k, v in keep_ggml.items():
+            if v is not None:
+                d[k]["ggml"] = v
         s.path.write_text(json.dumps(d, indent=2) + "\n")
     print("bands written to", specs[0].path.parent, file=sys.stderr)
     return 0
