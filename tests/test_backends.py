@@ -51,6 +51,28 @@ def test_numba_kernel_matches_dequantized_product():
         np.testing.assert_allclose(got, deq @ x, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qt", ["Q4_K", "Q6_K"])
+def test_numba_k_quant_kernels_match_dequantized_product(qt):
+    """K-quant blocks (no quantizer in gguf-py: random codes with finite f16 scales, as tinygrad's tests do)."""
+    need_backend("numba")
+    import gguf
+
+    from llorch_ref.backends.numba_backend import QuantBlocks
+
+    rng = np.random.default_rng(1)
+    size = {"Q4_K": 144, "Q6_K": 210}[qt]
+    raw = rng.integers(0, 256, (64, 2 * size), dtype=np.uint8).reshape(64, 2, size)
+    scale = np.array([0.01], np.float16).view(np.uint8)
+    if qt == "Q4_K":
+        raw[..., 0:2], raw[..., 2:4] = scale, scale               # d, dmin
+    else:
+        raw[..., 208:210] = scale                                 # d
+    raw = raw.reshape(64, 2 * size)
+    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qt])
+    x = rng.standard_normal(512).astype(np.float32)
+    np.testing.assert_allclose(QuantBlocks(raw, qt).matvec(x), deq @ x, rtol=1e-4, atol=1e-4)
+
+
 def test_cupy_checkpoints_against_numpy(tiny):
     need_backend("cupy")
     from llorch_ref.harness.run import run_backend_diff

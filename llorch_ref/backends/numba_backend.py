@@ -10,7 +10,7 @@ import numpy as np
 
 from . import Backend
 
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
 
 class QuantBlocks:
@@ -20,9 +20,13 @@ class QuantBlocks:
         from ..numerics.ggml_cpu import _f16
 
         n = raw.shape[0]
+        self.qtype, self.n = qtype, n
+        self.chunks = 8 if n >= 1024 else 2
+        if qtype in ("Q4_K", "Q6_K"):
+            self._init_k(np.asarray(raw), qtype)
+            return
         size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
         blk = np.asarray(raw).reshape(n, -1, size)
-        self.qtype = qtype
         # block-major, row-minor layouts (see numba_kernels): qs [B, 16|32, N], d and m [B, N]
         self.d = np.ascontiguousarray(_f16(blk, 0).T)
         if qtype == "Q4_0":
@@ -32,11 +36,47 @@ class QuantBlocks:
         else:
             qs, self.m = blk[..., 2:34].view(np.int8), None
         self.qs = np.ascontiguousarray(qs.transpose(1, 2, 0))
-        self.n = n
-        self.chunks = 8 if n >= 1024 else 2
+
+    def _init_k(self, raw, qtype):
+        """K-quants as affine groups: w = a * q + c, codes block-major and row-minor ([G, S, N])."""
+        from ..numerics.ggml_cpu import _f16, _k4_scales
+
+        n = self.n
+        if qtype == "Q4_K":
+            blk = raw.reshape(n, -1, 144)
+            d, dmin = _f16(blk, 0), _f16(blk, 2)
+            sc, mn = _k4_scales(blk[..., 4:16])                                      # [N, NB, 8]
+            qs = blk[..., 16:144].reshape(n, -1, 4, 32)
+            q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, 8, 32)           # [N, NB, 8, 32]
+            a = d[..., None] * sc.astype(np.float32)
+            c = -(dmin[..., None] * mn.astype(np.float32))
+            gs = 32
+        else:
+            blk = raw.reshape(n, -1, 210)
+            ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
+            sc = blk[..., 192:208].view(np.int8).astype(np.float32)                  # [N, NB, 16]
+            d = _f16(blk, 208)
+            parts = []
+            for j in range(2):
+                l0, l1, h = ql[..., 64 * j:64 * j + 32], ql[..., 64 * j + 32:64 * j + 64], qh[..., 32 * j:32 * j + 32]
+                parts += [(l0 & 15) | ((h & 3) << 4), (l1 & 15) | (((h >> 2) & 3) << 4),
+                          (l0 >> 4) | (((h >> 4) & 3) << 4), (l1 >> 4) | (((h >> 6) & 3) << 4)]
+            q = np.concatenate(parts, axis=-1).reshape(n, -1, 16, 16).astype(np.uint8)  # [N, NB, 16, 16]
+            a = d[..., None] * sc
+            c = np.float32(-32) * a
+            gs = 16
+        self.qs = np.ascontiguousarray(q.reshape(n, -1, gs).transpose(1, 2, 0).astype(np.uint8))
+        self.a = np.ascontiguousarray(a.reshape(n, -1).T.astype(np.float32))
+        self.c = np.ascontiguousarray(c.reshape(n, -1).T.astype(np.float32))
+        self.d = self.m = None
 
     def matvec(self, x):
         from . import numba_kernels as K
+
+        if self.qtype in ("Q4_K", "Q6_K"):
+            out = np.empty(self.n, dtype=np.float32)
+            K.matvec_affine_u8(self.qs, self.a, self.c, np.ascontiguousarray(x, dtype=np.float32), out, self.chunks)
+            return out
 
         out = np.empty(self.n, dtype=np.float32)
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -72,6 +112,7 @@ class NumbaBackend(Backend):
         K.matvec_q4_0(np.zeros((1, 16, 1), np.uint8), d, x, out, 1)
         K.matvec_q4_1(np.zeros((1, 16, 1), np.uint8), d, d, x, out, 1)
         K.matvec_q8_0(np.zeros((1, 32, 1), np.int8), d, x, out, 1)
+        K.matvec_affine_u8(np.zeros((1, 32, 1), np.uint8), d, d, x, out, 1)
         K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))
         K.silu_mul(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32), np.empty((1, 4), np.float32))
 

@@ -107,3 +107,33 @@ def silu_mul(g, u, out):
         for j in range(f):
             v = g[i, j]
             out[i, j] = v / (np.float32(1.0) + np.exp(-v)) * u[i, j]
+
+
+@nb.njit(parallel=True, cache=True, fastmath=False)
+def matvec_affine_u8(qs, a, c, x, out, n_chunks):
+    """qs: [G, S, N] uint8 codes, a, c: [G, N] f32, x: [G*S] f32 -> out[n] = sum_g a*sum_j q*x + c*sum_j x.
+
+    Serves K-quants after unpacking: w = a * q + c per group of S elements (S = 32 for Q4_K/Q5_K with
+    a = d*scale, c = -dmin*min; S = 16 for Q6_K with a = d*scale, c = -32*d*scale)."""
+    n_groups, gs, n_rows = qs.shape
+    xsum = np.empty(n_groups, dtype=np.float32)
+    for g in range(n_groups):
+        t = np.float32(0.0)
+        for j in range(gs):
+            t += x[g * gs + j]
+        xsum[g] = t
+    for ci in nb.prange(n_chunks):
+        lo, hi = ci * n_rows // n_chunks, (ci + 1) * n_rows // n_chunks
+        acc = np.zeros(hi - lo, dtype=np.float64)
+        s = np.empty(hi - lo, dtype=np.float32)
+        for g in range(n_groups):
+            s[:] = 0
+            for j in range(gs):
+                xj = x[g * gs + j]
+                row = qs[g, j]
+                for n in range(lo, hi):
+                    s[n - lo] += np.float32(row[n]) * xj
+            for n in range(lo, hi):
+                acc[n - lo] += a[g, n] * s[n - lo] + c[g, n] * xsum[g]
+        for n in range(lo, hi):
+            out[n] = acc[n - lo]
