@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ParameterError, PromptError, TokenizerError
-from .generate import sampling
 from .model import forward as forward_mod
 from .model import layers
 from .model.cache import Cache

@@ -8,7 +8,6 @@ llama.cpp's SPM tokenizer. Special/control tokens are split out first (parse_spe
 from __future__ import annotations
 
 import codecs
-import json
 
 import numpy as np
 

@@ -95,8 +95,7 @@ def speed_ours(cfg, dtype, prefill=128, decode=128, graphs=True):
         return decode / res.decode_s
     out = {"prefill_tok_s": median_of(pf), "decode_tok_s": median_of(dc),
            "cuda_graphs": eng.backend.info.get("cuda_graphs"), "graph_error": eng.backend.info.get("cuda_graphs_error")}
-    del eng
-    return out
+    return out                                     # the engine's GPU memory goes with this frame
 
 
 def speed_transformers(cfg, dtype, prefill=128, decode=128):
@@ -130,9 +129,20 @@ def speed_transformers(cfg, dtype, prefill=128, decode=128):
         torch.cuda.synchronize()
         return decode / (time.perf_counter() - t)
     out = {"prefill_tok_s": median_of(pf), "decode_tok_s": median_of(dc)}
-    del model
-    torch.cuda.empty_cache()
     return out
+
+
+def _free_gpu():
+    import gc
+
+    import cupy
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    try:
+        import torch
+        torch.cuda.empty_cache()
+    except ImportError:
+        pass
 
 
 def main():
@@ -182,8 +192,10 @@ def main():
     for label, cfg in shapes.items():
         for dtype in ("float32", "float16"):
             o = speed_ours(cfg, dtype)
+            _free_gpu()
             eager = speed_ours(cfg, dtype, graphs=False)
             t = speed_transformers(cfg, dtype)
+            _free_gpu()
             row = {"shape": label, "dtype": dtype, "ours": o, "ours_eager": eager, "transformers": t,
                    "decode_ratio": o["decode_tok_s"] / t["decode_tok_s"],
                    "prefill_ratio": o["prefill_tok_s"] / t["prefill_tok_s"]}

@@ -7,7 +7,6 @@ GGUF llama files hold Wq/Wk rows permuted by llama.cpp's converter so that RoPE 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -1,8 +1,7 @@
 """Checkpoint 0 (tokenizer) against llama.cpp, live. Spec: checkpoints/cp00_tokenizer.json"""
-import pytest
 
 import planted_bugs
-from checkpoint_asserts import N_LAYERS, assert_first_divergence, assert_in_band
+from checkpoint_asserts import assert_first_divergence, assert_in_band
 
 CP = "0"
 

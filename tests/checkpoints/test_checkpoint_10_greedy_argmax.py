@@ -1,8 +1,7 @@
 """Checkpoint 10 (greedy_argmax) against llama.cpp, live. Spec: checkpoints/cp10_greedy_argmax.json"""
-import pytest
 
 import planted_bugs
-from checkpoint_asserts import N_LAYERS, assert_first_divergence, assert_in_band
+from checkpoint_asserts import assert_first_divergence, assert_in_band
 
 CP = "10"
 

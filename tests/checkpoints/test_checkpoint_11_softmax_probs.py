@@ -1,8 +1,7 @@
 """Checkpoint 11 (softmax_probs) against llama.cpp, live. Spec: checkpoints/cp11_softmax_probs.json"""
-import pytest
 
 import planted_bugs
-from checkpoint_asserts import N_LAYERS, assert_first_divergence, assert_in_band
+from checkpoint_asserts import assert_first_divergence, assert_in_band
 
 CP = "11"
 

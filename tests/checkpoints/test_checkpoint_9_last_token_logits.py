@@ -1,8 +1,7 @@
 """Checkpoint 9 (last_token_logits) against llama.cpp, live. Spec: checkpoints/cp09_last_token_logits.json"""
-import pytest
 
 import planted_bugs
-from checkpoint_asserts import N_LAYERS, assert_first_divergence, assert_in_band
+from checkpoint_asserts import assert_first_divergence, assert_in_band
 
 CP = "9"
 

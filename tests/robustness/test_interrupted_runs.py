@@ -3,7 +3,6 @@ byte-identical across runs."""
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 
 def prove_cmd(model, out, run_id):
