@@ -114,13 +114,18 @@ def cmd_inspect(args):
 
 
 def cmd_convert(args):
-    from .convert import convert_gguf
+    from .convert import convert_gguf, convert_gguf_to_hf
 
-    if args.to != "gguf":
-        raise ParameterError(f"--to {args.to}: only 'gguf' is implemented")
     t0 = time.perf_counter()
-    out = convert_gguf(args.input, args.output, dtype=args.dtype, overwrite=args.overwrite)
-    _log(f"llorch-ref: wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
+    if args.to == "hf":
+        if args.dtype != "f32":
+            raise ParameterError(f"--dtype {args.dtype}: an HF folder is written in f32 only")
+        out = convert_gguf_to_hf(args.input, args.output, overwrite=args.overwrite)
+        size = sum(f.stat().st_size for f in out.iterdir())
+    else:
+        out = convert_gguf(args.input, args.output, dtype=args.dtype, overwrite=args.overwrite)
+        size = out.stat().st_size
+    _log(f"llorch-ref: wrote {out} ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
     print(out)
     return 0
 
@@ -247,7 +252,7 @@ def build_parser():
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def model_args(sp):
-        sp.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched and cached)")
+        sp.add_argument("--model", help="GGUF file or Hugging Face model folder (default: SmolLM2-135M-Instruct Q4_1, fetched and cached)")
         sp.add_argument("--backend", choices=["numpy", "numba", "cupy"], default=None,
                         help="array backend (default numpy, or $LLORCH_BACKEND)")
         sp.add_argument("--dtype", choices=["float32", "float16"], default="float32",
@@ -310,8 +315,9 @@ def build_parser():
     model_args(i)
     i.set_defaults(fn=cmd_inspect)
 
-    c = sub.add_parser("convert", help="write a dequantized copy of a GGUF file")
-    c.add_argument("--to", default="gguf", help="output format (gguf)")
+    c = sub.add_parser("convert", help="GGUF -> dequantized GGUF copy (--to gguf) or Hugging Face folder (--to hf)")
+    c.add_argument("--to", default="gguf", choices=["gguf", "hf"],
+                   help="gguf: a dequantized GGUF copy; hf: a Hugging Face folder (f32 safetensors)")
     c.add_argument("--dtype", default="f32", choices=["f32", "f16"])
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("input")

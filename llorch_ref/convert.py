@@ -81,3 +81,99 @@ def convert_gguf(src, dst, dtype="f32", overwrite=False, kv_overrides=None, tens
         if tmp.exists():
             tmp.unlink()
     return dst
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """[n_heads*Hd, D] rows in llama.cpp's adjacent-pair layout -> Hugging Face's half-split layout.
+
+    The inverse of convert_hf_to_gguf.py's permute: within each head, row 2i (first of pair i) goes to
+    row i and row 2i+1 goes to row i + Hd/2."""
+    rows, d = w.shape
+    hd = rows // n_heads
+    return np.ascontiguousarray(w.reshape(n_heads, hd // 2, 2, d).swapaxes(1, 2).reshape(rows, d))
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Hugging Face's half-split rows -> llama.cpp's adjacent pairs (what its converter does)."""
+    rows, d = w.shape
+    hd = rows // n_heads
+    return np.ascontiguousarray(w.reshape(n_heads, 2, hd // 2, d).swapaxes(1, 2).reshape(rows, d))
+
+
+def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
+    """GGUF (llama) -> a Hugging Face folder: float32 safetensors with Wq/Wk rows un-permuted,
+    config.json, tokenizer.json built from the GGUF vocabulary, tokenizer_config.json (special tokens,
+    chat template) and generation_config.json. Written to DST.part and renamed when complete."""
+    import json
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from .loaders.gguf_file import load_gguf
+    from .tokenizer import from_gguf_metadata
+
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and not overwrite:
+        raise LlorchError(f"{dst}: already exists (pass --overwrite to replace it)")
+    m = load_gguf(src)
+    cfg, w = m.config, m.weights
+    if cfg.rope_dim != cfg.head_dim:
+        raise ParameterError(f"{src}: rope_dim={cfg.rope_dim} < head_dim={cfg.head_dim} (partial RoPE) has no "
+                             f"Hugging Face llama equivalent")
+    tok = from_gguf_metadata(m.metadata, source=str(src))
+    if tok is None:
+        raise ParameterError(f"{src}: the model has no vocabulary (no_vocab); an HF folder needs a tokenizer")
+    tensors = {"model.embed_tokens.weight": w.tok_embd, "model.norm.weight": w.out_norm}
+    if not cfg.tied_output:
+        tensors["lm_head.weight"] = w.output
+    for i, lw in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": lw.attn_norm,
+            p + "self_attn.q_proj.weight": unpermute_qk(lw.wq, cfg.n_heads),
+            p + "self_attn.k_proj.weight": unpermute_qk(lw.wk, cfg.n_kv_heads),
+            p + "self_attn.v_proj.weight": lw.wv,
+            p + "self_attn.o_proj.weight": lw.wo,
+            p + "post_attention_layernorm.weight": lw.ffn_norm,
+            p + "mlp.gate_proj.weight": lw.w_gate,
+            p + "mlp.up_proj.weight": lw.w_up,
+            p + "mlp.down_proj.weight": lw.w_down,
+        })
+    tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
+        "vocab_size": cfg.n_vocab, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.context_length, "rms_norm_eps": cfg.rms_eps,
+        "rope_theta": cfg.rope_base, "rope_scaling": None, "tie_word_embeddings": cfg.tied_output,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
+        "_name_or_path": str(m.metadata.get("general.name") or src.stem),
+    }
+    name = lambda i: tok.tokens[i] if i is not None else None
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(tok.bos_id), "eos_token": name(tok.eos_id),
+        "add_bos_token": bool(tok.add_bos), "add_eos_token": bool(tok.add_eos),
+        "chat_template": tok.chat_template, "model_max_length": cfg.context_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    eog = sorted(tok.eog_ids)
+    gen_config = {"bos_token_id": tok.bos_id, "eos_token_id": eog if len(eog) > 1 else tok.eos_id}
+    tmp = dst.with_name(dst.name + ".part")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
+        tok.hf.save(str(tmp / "tokenizer.json"))
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return dst

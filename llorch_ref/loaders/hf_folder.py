@@ -1,0 +1,243 @@
+"""Hugging Face model folders -> the canonical Config + Weights + Tokenizer.
+
+A folder holds config.json, model.safetensors (or model.safetensors.index.json and its shards),
+tokenizer.json, tokenizer_config.json (special tokens, chat template) and optionally generation_config.json.
+Hugging Face Llama weights keep Wq/Wk rows in the half-split ("neox") layout. By default the loader
+permutes them into the canonical adjacent-pair layout the GGUF path uses (what llama.cpp's converter
+does), so both paths run the same arithmetic in the same order and give bit-identical logits;
+qk_layout="neox" keeps the rows as stored and runs RoPE half-split instead (same math, other summation
+order). Config.rope_style records which, and Config.extra["qk_rows_stored"] says what the file held.
+
+Only the plain `llama` model type is read today; anything in config.json that would change the math
+and is not implemented (rope_scaling, attention or MLP biases, other activations) is rejected by name.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..config import Config
+from ..errors import ModelFileError, TokenizerError, UnsupportedModelError
+from ..model.weights import LayerWeights, Weights
+
+HF_LAYER_TENSORS = {  # HF name suffix -> LayerWeights field (NumPy shape checked against the config)
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+}
+SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+@dataclass
+class HFModel:
+    path: Path
+    config: Config
+    weights: Weights
+    tokenizer: object
+    metadata: dict = field(default_factory=dict)       # config.json, for display
+    tensor_types: dict = field(default_factory=dict)   # HF tensor name -> safetensors dtype
+
+
+def is_hf_folder(path) -> bool:
+    return Path(path).is_dir()
+
+
+def _read_json(path: Path, required=True):
+    if not path.exists():
+        if required:
+            raise ModelFileError(f"{path}: missing (a Hugging Face model folder needs it)")
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{path}: not valid JSON ({e})") from None
+
+
+def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
+    mt = c.get("model_type")
+    if mt != "llama":
+        raise UnsupportedModelError(f"{where}: model_type {mt!r} is not supported yet (supported: llama)")
+    for key, ok in (("rope_scaling", None), ("attention_bias", False), ("mlp_bias", False),
+                    ("hidden_act", "silu"), ("pretraining_tp", 1)):
+        if c.get(key) is not None and c[key] != ok:
+            raise UnsupportedModelError(f"{where}: {key}={c[key]!r} is not implemented for llama folders "
+                                        f"(supported: {ok!r})")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if key not in c:
+            raise ModelFileError(f"{where}: required key {key!r} is missing")
+    d, h = int(c["hidden_size"]), int(c["num_attention_heads"])
+    hd = int(c.get("head_dim") or d // h)
+    return Config(
+        arch="llama",
+        n_vocab=int(c["vocab_size"]),
+        d_model=d,
+        n_layers=int(c["num_hidden_layers"]),
+        n_heads=h,
+        n_kv_heads=int(c.get("num_key_value_heads") or h),       # HF default: MHA
+        head_dim=hd,
+        d_ff=int(c["intermediate_size"]),
+        context_length=int(c.get("max_position_embeddings", 2048)),
+        rms_eps=float(np.float32(c.get("rms_norm_eps", 1e-6))),  # LlamaConfig's default
+        rope_base=float(c.get("rope_theta", 10000.0)),
+        rope_dim=hd,
+        rope_style=qk_layout,                                    # stored: HF rotate_half pairs (i, i + Hd/2)
+        tied_output=bool(c.get("tie_word_embeddings", False)),   # LlamaConfig's default
+        attention_scale=None,
+        extra={"general.name": c.get("_name_or_path"), "source": "hf", "qk_rows_stored": "neox"},
+    )
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        wm = (_read_json(index) or {}).get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise ModelFileError(f"{index}: no weight_map")
+        files = sorted({folder / f for f in wm.values()})
+    else:
+        files = [folder / "model.safetensors"]
+    for f in files:
+        if not f.exists():
+            raise ModelFileError(f"{f}: missing (a Hugging Face model folder needs its weights)")
+    return files
+
+
+def read_safetensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """name -> (dtype, float32 array). Parsed from the header directly: NumPy has no bfloat16, so the
+    safetensors library cannot hand BF16 tensors to NumPy; the bytes are widened by hand (bf16 is the
+    top half of a float32)."""
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    if raw.size < 8:
+        raise ModelFileError(f"{path}: truncated safetensors file ({raw.size} bytes)")
+    (n,) = struct.unpack("<Q", bytes(raw[:8]))
+    if 8 + n > raw.size:
+        raise ModelFileError(f"{path}: header length {n} runs past the end of the file ({raw.size} bytes)")
+    try:
+        header = json.loads(bytes(raw[8:8 + n]).decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{path}: malformed safetensors header ({e})") from None
+    base, out = 8 + n, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dt, shape, (a, b) = info.get("dtype"), tuple(info.get("shape", ())), info.get("data_offsets", (0, 0))
+        if dt not in SAFETENSORS_DTYPES:
+            raise UnsupportedModelError(f"{path}: tensor {name!r} has dtype {dt} (supported: F32, F16, BF16)")
+        np_dt = np.dtype(SAFETENSORS_DTYPES[dt])
+        if b - a != int(np.prod(shape)) * np_dt.itemsize or base + b > raw.size:
+            raise ModelFileError(f"{path}: tensor {name!r} byte range {a}..{b} does not fit shape {shape} {dt} "
+                                 f"in a {raw.size}-byte file")
+        arr = raw[base + a: base + b].view(np_dt).reshape(shape)
+        if dt == "BF16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        out[name] = (dt, np.ascontiguousarray(arr, dtype=np.float32))
+    return out
+
+
+def tokenizer_from_hf(folder: Path):
+    from tokenizers import Tokenizer as HFTok
+
+    from ..tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer
+
+    tj = folder / "tokenizer.json"
+    if not tj.exists():
+        raise TokenizerError(f"{tj}: missing (llorch-ref builds the tokenizer from tokenizer.json)")
+    try:
+        hf = HFTok.from_file(str(tj))
+    except Exception as e:  # the tokenizers library raises plain Exceptions
+        raise TokenizerError(f"{tj}: cannot be loaded ({str(e).splitlines()[0][:200]})") from None
+    tc = _read_json(folder / "tokenizer_config.json", required=False) or {}
+    gc = _read_json(folder / "generation_config.json", required=False) or {}
+    n = hf.get_vocab_size(with_added_tokens=True)
+    tokens = [hf.id_to_token(i) or "" for i in range(n)]
+    special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+    kind = "gpt2" if "ByteLevel" in json.dumps(json.loads(hf.to_str()).get("pre_tokenizer")) else "llama"
+    byte_piece = lambda t: kind == "llama" and len(t) == 6 and t.startswith("<0x") and t.endswith(">")
+    types = [TOKEN_CONTROL if i in special else TOKEN_BYTE if byte_piece(tokens[i]) else TOKEN_NORMAL
+             for i in range(n)]
+
+    def tok_id(v):
+        if isinstance(v, dict):
+            v = v.get("content")
+        if v is None:
+            return None
+        i = hf.token_to_id(v)
+        if i is None:
+            raise TokenizerError(f"{folder}: special token {v!r} is not in tokenizer.json")
+        return i
+
+    bos, eos = tok_id(tc.get("bos_token")), tok_id(tc.get("eos_token"))
+    bos = gc.get("bos_token_id", bos) if bos is None else bos
+    eos_gen = gc.get("eos_token_id", eos)
+    eog = set(eos_gen if isinstance(eos_gen, list) else [eos_gen]) | {eos}
+    eos = eos if eos is not None else (sorted(eog - {None}) or [None])[0]
+    if "add_bos_token" in tc:
+        add_bos = bool(tc["add_bos_token"])
+    else:   # a post-processor (Llama 3 style) that prepends BOS says so by doing it
+        with_sp = hf.encode("a", add_special_tokens=True).ids
+        add_bos = bos is not None and bool(with_sp) and with_sp[0] == bos
+    template = tc.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    tj_text = hf.to_str()
+    space_prefix = kind == "llama" and ('"Prepend"' in tj_text or '"prepend_scheme":"first"' in tj_text
+                                        or '"prepend_scheme":"always"' in tj_text)
+    return Tokenizer(hf, kind, tokens, types, bos, eos, add_bos, bool(tc.get("add_eos_token", False)),
+                     sorted(i for i in eog if i is not None), template, add_space_prefix=space_prefix)
+
+
+def load_hf_folder(folder, qk_layout: str = "adjacent") -> HFModel:
+    """qk_layout: "adjacent" (default: Wq/Wk rows permuted to the canonical GGUF layout) or "neox"."""
+    from ..convert import permute_qk
+    from ..errors import ParameterError
+
+    if qk_layout not in ("adjacent", "neox"):
+        raise ParameterError(f"qk_layout {qk_layout!r} must be 'adjacent' or 'neox'")
+    folder = Path(folder)
+    c = _read_json(folder / "config.json")
+    cfg = config_from_hf(c, folder / "config.json", qk_layout)
+    tensors: dict[str, tuple[str, np.ndarray]] = {}
+    for f in _safetensors_files(folder):
+        tensors.update(read_safetensors(f))
+
+    def take(name, shape):
+        if name not in tensors:
+            raise ModelFileError(f"{folder}: tensor {name!r} is missing")
+        arr = tensors[name][1]
+        if arr.shape != shape:
+            raise ModelFileError(f"{folder}: tensor {name!r} has shape {arr.shape}, expected {shape} "
+                                 f"from config.json")
+        if not np.isfinite(arr).all():
+            raise ModelFileError(f"{folder}: tensor {name!r} holds NaN or Inf values")
+        return arr
+
+    D, F, Hd = cfg.d_model, cfg.d_ff, cfg.head_dim
+    shapes = {"attn_norm": (D,), "wq": (cfg.n_heads * Hd, D), "wk": (cfg.n_kv_heads * Hd, D),
+              "wv": (cfg.n_kv_heads * Hd, D), "wo": (D, cfg.n_heads * Hd), "ffn_norm": (D,),
+              "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
+    layers = [LayerWeights(**{fld: take(f"model.layers.{i}.{sfx}", shapes[fld])
+                              for sfx, fld in HF_LAYER_TENSORS.items()}) for i in range(cfg.n_layers)]
+    if qk_layout == "adjacent":
+        for lw in layers:
+            lw.wq, lw.wk = permute_qk(lw.wq, cfg.n_heads), permute_qk(lw.wk, cfg.n_kv_heads)
+    tok_embd = take("model.embed_tokens.weight", (cfg.n_vocab, D))
+    if cfg.tied_output:
+        output = tok_embd
+    else:
+        output = take("lm_head.weight", (cfg.n_vocab, D))
+    weights = Weights(tok_embd=tok_embd, layers=layers, out_norm=take("model.norm.weight", (D,)), output=output)
+    tok = tokenizer_from_hf(folder)
+    if tok.n_vocab > cfg.n_vocab:
+        raise TokenizerError(f"{folder}: tokenizer has {tok.n_vocab} tokens but the model only {cfg.n_vocab}")
+    return HFModel(path=folder, config=cfg, weights=weights, tokenizer=tok, metadata=dict(c),
+                   tensor_types={k: v[0] for k, v in tensors.items()})
