@@ -164,3 +164,11 @@ def test_transformers_loads_the_converted_folder(pair):
     ours = eg.logits(ids)
     assert np.abs(ref - ours).max() <= 1e-5 * max(1.0, np.abs(ref).max())
     assert nmse(ref, ours) < 1e-10
+
+
+def test_diff_on_a_folder_needs_a_gguf_reference(pair, llamacpp):
+    g, d = pair
+    assert_one_line_error(run("diff", "--model", d, "--checkpoint", "8"), "llama.cpp reads GGUF files")
+    r = run("diff", "--model", d, "--reference-model", g, "--checkpoint", "8")
+    assert r.returncode == 0, r.stderr
+    assert "first divergence: none" in r.stdout

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,6 +128,9 @@ class LlamaCpp:
         # numerics="ggml" does not reproduce; the stock vec_dot path is kept unless the caller set this
         # variable. It is read once per process, before the first matrix product.
         os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+        if Path(path).is_dir():
+            raise ReferenceError_(f"{path}: llama.cpp reads GGUF files, not folders; pass --reference-model "
+                                  f"FILE.gguf (e.g. the GGUF the folder was converted from, or its F32 copy)")
         llama_cpp.llama_backend_init()
         self._quiet()
         mp = llama_cpp.llama_model_default_params()
