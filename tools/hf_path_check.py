@@ -10,7 +10,6 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import numpy as np
 
 import llorch_ref
 from llorch_ref.convert import convert_gguf_to_hf
