@@ -10,7 +10,6 @@ import argparse
 import tempfile
 from pathlib import Path
 
-
 import llorch_ref
 from llorch_ref.convert import convert_gguf_to_hf
 from llorch_ref.harness.metrics import compare
