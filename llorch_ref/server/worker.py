@@ -31,7 +31,10 @@ class Job:
     result: GenerationResult = field(default_factory=GenerationResult)
 
     def emit(self, kind, payload=None):
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:        # the requester's event loop is closed: nobody listens, stop the work
+            self.cancel.set()
 
 
 class Worker:
