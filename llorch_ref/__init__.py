@@ -10,26 +10,25 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", 
     backend: "numpy" (default, or $LLORCH_BACKEND), "numba" or "cupy"; dtype: weight storage on the
     backend ("float16" for cupy only); numerics: "exact" (float32 math) or "ggml" (llama.cpp's CPU
     arithmetic, numpy backend); kv_dtype: "f32" or "f16" (the K/V cache type; llama.cpp's default is f16)."""
+    from pathlib import Path
+
     from .engine import Engine
+    from .errors import ParameterError
     from .loaders.default_model import default_model_path
     from .loaders.gguf_file import load_gguf
     from .tokenizer import from_gguf_metadata
 
-    path = default_model_path() if path is None else path
-    from pathlib import Path
-
-    if Path(path).is_dir():
-        from .errors import ParameterError
+    path = Path(default_model_path() if path is None else path)
+    if path.is_dir():                       # a Hugging Face folder: same Config + Weights, exact numerics
         from .loaders.hf_folder import load_hf_folder
 
         if numerics != "exact":
             raise ParameterError(f"numerics={numerics!r} needs GGUF blocks; a Hugging Face folder runs 'exact'")
-        h = load_hf_folder(path)
-        return Engine(h.config, h.weights, h.tokenizer, path=h.path, metadata=h.metadata,
-                      tensor_types=h.tensor_types, backend=backend, n_ctx=n_ctx, numerics=numerics,
-                      kv_dtype=kv_dtype, dtype=dtype, threads=threads)
-    m = load_gguf(path, numerics=numerics)
-    tok = from_gguf_metadata(m.metadata, source=str(m.path))
+        m = load_hf_folder(path)
+        tok, raw_blocks = m.tokenizer, None
+    else:
+        m = load_gguf(path, numerics=numerics)
+        tok, raw_blocks = from_gguf_metadata(m.metadata, source=str(m.path)), m.raw_blocks
     return Engine(m.config, m.weights, tok, path=m.path, metadata=m.metadata, tensor_types=m.tensor_types,
                   backend=backend, n_ctx=n_ctx, numerics=numerics, kv_dtype=kv_dtype, dtype=dtype, threads=threads,
-                  raw_blocks=m.raw_blocks)
+                  raw_blocks=raw_blocks)

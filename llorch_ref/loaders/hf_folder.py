@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import Config
-from ..errors import ModelFileError, TokenizerError, UnsupportedModelError
+from ..errors import ModelFileError, ParameterError, TokenizerError, UnsupportedModelError
 from ..model.weights import LayerWeights, Weights
 
 HF_LAYER_TENSORS = {  # HF name suffix -> LayerWeights field (NumPy shape checked against the config)
@@ -46,10 +46,6 @@ class HFModel:
     tokenizer: object
     metadata: dict = field(default_factory=dict)       # config.json, for display
     tensor_types: dict = field(default_factory=dict)   # HF tensor name -> safetensors dtype
-
-
-def is_hf_folder(path) -> bool:
-    return Path(path).is_dir()
 
 
 def _read_json(path: Path, required=True):
@@ -161,7 +157,8 @@ def tokenizer_from_hf(folder: Path):
     n = hf.get_vocab_size(with_added_tokens=True)
     tokens = [hf.id_to_token(i) or "" for i in range(n)]
     special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
-    kind = "gpt2" if "ByteLevel" in json.dumps(json.loads(hf.to_str()).get("pre_tokenizer")) else "llama"
+    tj_text = hf.to_str()                   # the tokenizer as loaded, to read its pre-tokenizer and normalizer
+    kind = "gpt2" if "ByteLevel" in json.dumps(json.loads(tj_text).get("pre_tokenizer")) else "llama"
     byte_piece = lambda t: kind == "llama" and len(t) == 6 and t.startswith("<0x") and t.endswith(">")
     types = [TOKEN_CONTROL if i in special else TOKEN_BYTE if byte_piece(tokens[i]) else TOKEN_NORMAL
              for i in range(n)]
@@ -189,7 +186,6 @@ def tokenizer_from_hf(folder: Path):
     template = tc.get("chat_template")
     if isinstance(template, list):
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    tj_text = hf.to_str()
     space_prefix = kind == "llama" and ('"Prepend"' in tj_text or '"prepend_scheme":"first"' in tj_text
                                         or '"prepend_scheme":"always"' in tj_text)
     return Tokenizer(hf, kind, tokens, types, bos, eos, add_bos, bool(tc.get("add_eos_token", False)),
@@ -199,7 +195,6 @@ def tokenizer_from_hf(folder: Path):
 def load_hf_folder(folder, qk_layout: str = "adjacent") -> HFModel:
     """qk_layout: "adjacent" (default: Wq/Wk rows permuted to the canonical GGUF layout) or "neox"."""
     from ..convert import permute_qk
-    from ..errors import ParameterError
 
     if qk_layout not in ("adjacent", "neox"):
         raise ParameterError(f"qk_layout {qk_layout!r} must be 'adjacent' or 'neox'")
