@@ -2,7 +2,8 @@
 
     python tools/hf_path_check.py [--model GGUF] [--out DIR]
 
-Prints max abs / NMSE / cosine of the logits: GGUF path vs HF path (llorch-ref), and llorch-ref vs
+Prints max abs / NMSE / cosine of the logits: GGUF path vs HF path (llorch-ref, Q/K rows permuted at load
+as by default, and kept half-split with qk_layout="neox"), and llorch-ref vs
 transformers (float32, eager attention) on the converted folder, plus greedy agreement over 32 tokens."""
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import llorch_ref
 from llorch_ref.convert import convert_gguf_to_hf
+from llorch_ref.engine import Engine
+from llorch_ref.loaders.hf_folder import load_hf_folder
 from llorch_ref.harness.metrics import compare
 
 
@@ -30,6 +33,9 @@ def main():
     lg, lh = eg.logits(ids), eh.logits(ids)
     print(f"model {gguf_path.name}, {len(ids)} prompt tokens (chat template)")
     print(f"GGUF path vs HF path (llorch-ref):      {compare(lh, lg)}")
+    native = load_hf_folder(out, qk_layout="neox")      # rows as stored, half-split RoPE
+    ln = Engine(native.config, native.weights, native.tokenizer).logits(ids)
+    print(f"GGUF path vs HF path, qk_layout=neox:   {compare(ln, lg)}")
     ga = list(eg.generate_ids(ids, max_tokens=32, ignore_eos=True))
     gb = list(eh.generate_ids(ids, max_tokens=32, ignore_eos=True))
     print(f"greedy 32 tokens GGUF vs HF path: {sum(x == y for x, y in zip(ga, gb))}/32 identical")
