@@ -39,3 +39,7 @@ class ReferenceError_(LlorchError):
 
 class HarnessError(LlorchError):
     """A checkpoint spec, bundle or comparison is malformed."""
+
+
+class DumpError(LlorchError):
+    """A tensor dump (llorch-dump format) or its manifest is malformed or does not fit the model."""

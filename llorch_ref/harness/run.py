@@ -53,6 +53,10 @@ class DiffResult:
     greedy: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     specs: list = field(default_factory=list)
+    subject_label: str = "llorch-ref"
+    reference_label: str = "llama.cpp"
+    capture_files: tuple = ("ours.npz", "llamacpp.npz")
+    not_covered: list = field(default_factory=list)      # [{checkpoint, name, layer, tensor, why}]
 
     @property
     def first_divergence(self):
@@ -70,7 +74,14 @@ class DiffResult:
         out = []
         for spec in self.specs:
             rows = [r for r in self.rows if r.checkpoint == spec.id]
+            missing = [u for u in self.not_covered if u["checkpoint"] == spec.id]
             if not rows:
+                if missing:
+                    out.append({"checkpoint": spec.id, "name": spec.name, "rows": 0, "failed": 0,
+                                "not_covered": len(missing), "why": missing[0]["why"], "worst_nmse": None,
+                                "worst_max_abs": None, "min_cosine": None, "min_agreement": None,
+                                "equal_prefix": None, "worst_at": {"layer": None, "tensor": "-"},
+                                "band": spec.band(self.band_class), "passed": None})
                 continue
             worst = max(rows, key=lambda r: (not r.passed, r.metrics.get("nmse", 0.0)))
             # token checkpoints have agreement figures instead of tensor metrics
@@ -86,6 +97,7 @@ class DiffResult:
                                     default=None),
                 "worst_at": {"layer": worst.layer, "tensor": worst.tensor},
                 "band": rows[0].band, "passed": all(r.passed for r in rows),
+                "not_covered": len(missing), "why": missing[0]["why"] if missing else None,
             })
         return out
 
@@ -95,7 +107,8 @@ class DiffResult:
             "token_ids": self.token_ids, "band_class": self.band_class,
             "first_divergence": self.first_divergence, "passed": self.passed(),
             "summary": self.summary(), "greedy": self.greedy, "timings": self.timings,
-            "llamacpp_settings": self.llamacpp_settings,
+            "llamacpp_settings": self.llamacpp_settings, "subject": self.subject_label,
+            "reference": self.reference_label, "not_covered": self.not_covered,
             "rows": [{"checkpoint": r.checkpoint, "name": r.name, "layer": r.layer, "tensor": r.tensor,
                       **r.metrics, "band": r.band, "passed": r.passed} for r in self.rows],
         }

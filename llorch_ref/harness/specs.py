@@ -38,6 +38,7 @@ class Spec:
     bands: dict               # band class -> {"nmse": ..., ...}
     measured: dict
     path: Path
+    dump: list = None         # dump-format tensors: [{"name", "shape", "dtype", "head_major"?, "rope_pairs"?, "derive"?}]
 
     def band(self, band_class: str) -> dict:
         if band_class not in self.bands:
@@ -63,7 +64,7 @@ def load_specs(ids=None) -> list[Spec]:
             specs.append(Spec(
                 id=str(d["id"]), name=d["name"], title=d["title"], checks=d["checks"], scope=d["scope"],
                 tensors=[TensorSpec(**t) for t in d.get("tensors", [])], bands=d["bands"],
-                measured=d.get("measured", {}), path=p))
+                measured=d.get("measured", {}), path=p, dump=d.get("dump", [])))
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise HarnessError(f"{p}: malformed checkpoint spec ({type(e).__name__}: {e})") from None
     specs.sort(key=lambda s: _id_key(s.id))

@@ -1,0 +1,325 @@
+"""The llorch-dump format: any engine's intermediate tensors, in a safetensors file, named by checkpoint.
+
+Format (checkpoints/DUMP_FORMAT.md, manifest schema checkpoints/dump.schema.json):
+
+- tensor names `cp<id>.<tensor>` (model checkpoints) or `cp<id>.<tensor>.layer<L>` (layer checkpoints);
+  the tensors each checkpoint knows are listed in its spec file under "dump" (with their canonical shape);
+- the manifest is JSON under the safetensors metadata key "llorch.manifest" (or, for writers that cannot
+  write metadata, in a sidecar file `<dump>.manifest.json`): format, engine, model, token_ids, layouts;
+- layouts say how the engine's arrays differ from the canonical one, and the reader undoes them:
+  rope_pairs "adjacent" (pairs (2i, 2i+1), llama.cpp/GGUF rows) or "neox" (pairs (i, i + R/2), Hugging Face
+  rows); heads "token_major" ([T, H, Hd]) or "head_major" ([H, T, Hd]); array_order "numpy" or "ggml"
+  (shape listed innermost first, as ggml's ne[]: the reader reverses it, the bytes are the same).
+
+`Recorder` writes dumps from NumPy, PyTorch, JAX or CuPy code; `load_dump` reads and validates them.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DumpError
+
+FORMAT = "llorch-dump/1"
+MANIFEST_KEY = "llorch.manifest"
+NAME_RE = re.compile(r"^cp(?P<cp>[0-9]+[A-Z]?)\.(?P<tensor>[a-z][a-z0-9_]*)(?:\.layer(?P<layer>[0-9]+))?$")
+CANONICAL_LAYOUTS = {"rope_pairs": "adjacent", "heads": "token_major", "array_order": "numpy"}
+# what our own forward records but no checkpoint compares (the Recorder's hook form skips exactly these)
+NOT_A_CHECKPOINT = {"embd"}
+FORWARD_NAMES = {"result_output": ("8", "logits")}
+
+
+def schema_path() -> Path:
+    from .harness.specs import _spec_dir
+    return _spec_dir() / "dump.schema.json"
+
+
+def catalogue(specs=None) -> dict:
+    """-> {(checkpoint id, tensor name): {"scope", "shape", "dtype", "head_major"?, "rope_pairs"?, "derive"?}}."""
+    from .harness.specs import load_specs
+    out = {}
+    for s in specs or load_specs():
+        for t in s.dump or []:
+            out[(s.id, t["name"])] = {**t, "scope": s.scope}
+    return out
+
+
+def dump_name(checkpoint: str, tensor: str, layer: int | None = None) -> str:
+    return f"cp{checkpoint}.{tensor}" + ("" if layer is None else f".layer{int(layer)}")
+
+
+def _to_numpy(a) -> np.ndarray:
+    """NumPy, PyTorch (any device, bf16 included), JAX or CuPy array -> a NumPy array (a copy)."""
+    if hasattr(a, "detach"):                                  # torch.Tensor
+        a = a.detach().to("cpu")
+        if a.is_floating_point():
+            a = a.float()
+        return a.numpy().copy()
+    if hasattr(a, "get") and type(a).__module__.startswith("cupy"):
+        return a.get()
+    return np.array(a, copy=True)
+
+
+def model_sha256(path) -> str:
+    """sha256 of a GGUF file; for a folder, sha256 over 'name sha256' lines of its config and weight files."""
+    import hashlib
+
+    from .loaders.default_model import sha256_file
+    p = Path(path)
+    if p.is_dir():
+        lines = [f"{f.name} {sha256_file(f)}" for f in sorted(p.iterdir())
+                 if f.suffix in (".safetensors", ".json") and f.is_file()]
+        return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    return sha256_file(p)
+
+
+class Recorder:
+    """Collects an engine's checkpoint tensors and writes one dump.
+
+        rec = Recorder("my-engine", "0.3.1", model_path="model.gguf", token_ids=ids, prompt=text,
+                       layouts={"rope_pairs": "neox", "heads": "head_major"})
+        rec.add("cp2.q_proj", q, layer=3)        # or rec.add("cp2.q_proj.layer3", q)
+        rec.save("dump.safetensors")
+
+    A Recorder is also a llorch-ref forward hook: rec(name, layer, array) takes llorch-ref's own tensor
+    names (q_proj, kq, l_out, result_output, ...). Arrays are copied when added (float32 or int64).
+    """
+
+    def __init__(self, engine: str, version: str = "", *, model_path=None, model_sha256_: str | None = None,
+                 token_ids=None, prompt: str | None = None, layouts: dict | None = None, notes: str | None = None,
+                 extra: dict | None = None):
+        self.engine, self.version = str(engine), str(version)
+        self.model_path = None if model_path is None else str(model_path)
+        self._model_sha = model_sha256_
+        self.token_ids = None if token_ids is None else [int(t) for t in token_ids]
+        self.prompt, self.notes, self.extra = prompt, notes, dict(extra or {})
+        bad = set(layouts or {}) - set(CANONICAL_LAYOUTS)
+        if bad:
+            raise DumpError(f"unknown layout key(s) {', '.join(sorted(bad))}; known: {', '.join(CANONICAL_LAYOUTS)}")
+        self.layouts = {**CANONICAL_LAYOUTS, **(layouts or {})}
+        self.tensors: dict[str, np.ndarray] = {}
+        self._cat = catalogue()
+        self._by_tensor = {}
+        for (cp, t), e in self._cat.items():
+            self._by_tensor.setdefault(t, []).append(cp)
+
+    def add(self, name: str, array, layer: int | None = None):
+        if layer is not None:
+            name = f"{name}.layer{int(layer)}"
+        _parse_name(name, self._cat)                                  # raises on an unknown name
+        a = _to_numpy(array)
+        a = a.astype(np.int64) if a.dtype.kind in "iub" else a.astype(np.float32)
+        self.tensors[name] = a           # returns None: safe to call from torch hooks (a return value replaces outputs)
+
+    def __setitem__(self, name, array):
+        self.add(name, array)
+
+    def __call__(self, name: str, layer, array):
+        """llorch-ref's recorder signature: our forward's tensor names."""
+        if name in NOT_A_CHECKPOINT:
+            return
+        if name in FORWARD_NAMES:
+            cp, t = FORWARD_NAMES[name]
+        else:
+            cps = self._by_tensor.get(name)
+            if not cps:
+                raise DumpError(f"no checkpoint records a tensor named {name!r}")
+            cp, t = cps[0], name
+        self.add(dump_name(cp, t, layer), array)
+
+    def manifest(self) -> dict:
+        if self.token_ids is None:
+            raise DumpError("the Recorder needs token_ids (the ids the engine ran) before it can be saved")
+        sha = self._model_sha
+        if sha is None:
+            sha = model_sha256(self.model_path) if self.model_path and Path(self.model_path).exists() else "unknown"
+        m = {"format": FORMAT, "engine": {"name": self.engine, "version": self.version},
+             "model": {"path": self.model_path or "", "sha256": sha}, "token_ids": self.token_ids,
+             "layouts": self.layouts, "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+        if self.prompt is not None:
+            m["prompt"] = self.prompt
+        if self.notes:
+            m["notes"] = self.notes
+        m.update(self.extra)
+        return m
+
+    def to_dump(self) -> "Dump":
+        man = self.manifest()
+        validate_manifest(man, "<recorder>")
+        return Dump(manifest=man, tensors=dict(self.tensors), source="<recorder>")
+
+    def save(self, path) -> Path:
+        """Write the dump atomically (a temporary file renamed into place)."""
+        from safetensors.numpy import save_file
+
+        man = self.manifest()
+        validate_manifest(man, str(path))
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            save_file({k: np.ascontiguousarray(v) for k, v in self.tensors.items()}, str(tmp),
+                      metadata={MANIFEST_KEY: json.dumps(man)})
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return path
+
+
+def _parse_name(name: str, cat: dict):
+    m = NAME_RE.match(name)
+    if not m:
+        raise DumpError(f"tensor name {name!r} is not cp<id>.<tensor>[.layer<L>] (e.g. cp2.q_proj.layer3)")
+    cp, t, layer = m["cp"], m["tensor"], m["layer"]
+    known = sorted(n for c, n in cat if c == cp)
+    if not known:
+        raise DumpError(f"tensor {name!r}: no checkpoint {cp} (known: {', '.join(sorted({c for c, _ in cat}))})")
+    if (cp, t) not in cat:
+        raise DumpError(f"tensor {name!r}: checkpoint {cp} has no tensor {t!r} (known: {', '.join(known)})")
+    scope = cat[(cp, t)]["scope"]
+    if scope == "layer" and layer is None:
+        raise DumpError(f"tensor {name!r}: checkpoint {cp} is per layer: name it {name}.layer<L>")
+    if scope != "layer" and layer is not None:
+        raise DumpError(f"tensor {name!r}: checkpoint {cp} is not per layer: drop the .layer suffix")
+    return cp, t, None if layer is None else int(layer)
+
+
+def validate_manifest(man, where: str):
+    import jsonschema
+
+    schema = json.loads(schema_path().read_text())
+    try:
+        jsonschema.validate(man, schema)
+    except jsonschema.ValidationError as e:
+        at = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise DumpError(f"{where}: manifest invalid at {at}: {e.message}") from None
+
+
+@dataclass
+class Dump:
+    manifest: dict
+    tensors: dict                  # name -> array as stored (engine layout)
+    source: str = ""
+    index: dict = field(default_factory=dict)     # (cp, tensor, layer) -> name
+
+    def __post_init__(self):
+        cat = catalogue()
+        for name, a in self.tensors.items():
+            key = _parse_name(name, cat)
+            if cat[key[:2]]["dtype"] == "int" and np.asarray(a).dtype.kind not in "iu":
+                raise DumpError(f"{self.source}: tensor {name!r} must hold integers (token ids), not {a.dtype}")
+            self.index[key] = name
+        if ("0", "token_ids", None) in self.index and "prompt" not in self.manifest:
+            raise DumpError(f"{self.source}: cp0.token_ids is the engine's tokenization of a prompt, but the "
+                            f"manifest has no 'prompt'")
+
+    @property
+    def engine(self) -> str:
+        e = self.manifest["engine"]
+        return f"{e['name']} {e['version']}".strip()
+
+    @property
+    def layouts(self) -> dict:
+        return self.manifest["layouts"]
+
+    @property
+    def token_ids(self) -> list:
+        return list(self.manifest["token_ids"])
+
+    def has(self, cp, tensor, layer=None) -> bool:
+        return (cp, tensor, layer) in self.index
+
+    def raw(self, cp, tensor, layer=None):
+        return np.asarray(self.tensors[self.index[(cp, tensor, layer)]])
+
+    def get(self, cp, tensor, layer=None, dims=None, layouts=None):
+        """The tensor in the canonical layout (None if the dump does not hold it). `layouts` overrides the
+        manifest's declaration (used to test whether another declaration would fit better)."""
+        if (cp, tensor, layer) not in self.index:
+            return None
+        entry = catalogue()[(cp, tensor)]
+        return to_canonical(self.raw(cp, tensor, layer), entry, layouts or self.layouts, dims)
+
+
+def _dims_of(expr: str, dims: dict) -> list:
+    out = []
+    for part in expr.split(","):
+        n = 1
+        for f in part.split("*"):
+            if f not in dims:
+                return None
+            n *= int(dims[f])
+        out.append(n)
+    return out
+
+
+def to_canonical(a, entry: dict, layouts: dict, dims: dict | None = None) -> np.ndarray:
+    """Undo the declared layouts: ggml order -> NumPy order, head-major -> token-major, NeoX pairs ->
+    adjacent pairs. dims: {"T", "S", "H", "KV", "Hd", "D", "F", "V", "R"} (R = rotary dims)."""
+    a = np.asarray(a)
+    if layouts.get("array_order") == "ggml":
+        a = a.reshape(a.shape[::-1])
+    hm = entry.get("head_major")
+    if hm and layouts.get("heads") == "head_major" and a.ndim == len(hm.split(",")):
+        canon = entry["shape"].replace("*", ",").split(",")          # canonical dims, merged groups split
+        src = hm.split(",")
+        if sorted(src) == sorted(canon):
+            a = a.transpose([src.index(d) for d in canon])
+            want = _dims_of(entry["shape"], {d: n for d, n in zip(canon, a.shape)})
+            a = a.reshape(want)
+    if entry.get("rope_pairs") and layouts.get("rope_pairs") == "neox" and a.ndim >= 1:
+        hd = a.shape[-1]
+        r = int((dims or {}).get("R", hd))
+        if r % 2 == 0 and r <= hd:
+            i = np.arange(r)
+            idx = np.concatenate([(i // 2) + (i % 2) * (r // 2), np.arange(r, hd)])
+            a = a[..., idx]
+    return a
+
+
+def expected_shape(entry: dict, dims: dict):
+    return _dims_of(entry["shape"], dims)
+
+
+def load_dump(path) -> Dump:
+    """Read and validate a dump file: manifest against the JSON Schema, every tensor name against the specs."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    p = Path(path)
+    if not p.is_file():
+        raise DumpError(f"{p}: no such dump file")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise DumpError(f"{p}: not a safetensors file (shorter than its 8-byte header length)")
+            n = int.from_bytes(head, "little")
+            if n > 100 * 2**20:
+                raise DumpError(f"{p}: not a safetensors file (header length {n} is implausible)")
+            header = json.loads(f.read(n))
+        tensors = load_file(str(p))
+    except (SafetensorError, ValueError, UnicodeDecodeError, OSError) as e:
+        raise DumpError(f"{p}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    meta = header.get("__metadata__") or {}
+    side = p.with_name(p.name + ".manifest.json")
+    if MANIFEST_KEY in meta:
+        try:
+            man = json.loads(meta[MANIFEST_KEY])
+        except json.JSONDecodeError as e:
+            raise DumpError(f"{p}: metadata '{MANIFEST_KEY}' is not JSON ({e})") from None
+    elif side.is_file():
+        try:
+            man = json.loads(side.read_text())
+        except json.JSONDecodeError as e:
+            raise DumpError(f"{side}: not JSON ({e})") from None
+    else:
+        raise DumpError(f"{p}: no manifest (metadata key '{MANIFEST_KEY}' or sidecar {side.name})")
+    validate_manifest(man, str(p))
+    return Dump(manifest=man, tensors=tensors, source=str(p))

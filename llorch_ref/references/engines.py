@@ -1,0 +1,222 @@
+"""The independent references as dump writers: llama.cpp (eval-callback capture) and transformers (forward
+hooks). Each returns a llorch_ref.dump.Recorder, so a reference is just another engine's dump."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..dump import Recorder
+from ..errors import ParameterError, ReferenceError_
+
+
+def gguf_config(path):
+    """Config of a GGUF file without loading its weights."""
+    from ..loaders.gguf_file import config_from_metadata, open_reader, read_metadata
+
+    r = open_reader(path)
+    shapes = {t.name: tuple(int(x) for x in reversed([int(s) for s in t.shape])) for t in r.tensors}
+    return config_from_metadata(read_metadata(r), Path(path), shapes)
+
+
+def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32", array_order="ggml",
+                  checkpoints=None) -> Recorder:
+    """llama.cpp on a GGUF file -> Recorder. Tensors are written as ggml holds them (array_order "ggml":
+    shapes listed as ne[], innermost first), K/V views cut to the T positions written, kq to its T columns."""
+    import llama_cpp as _lcp
+
+    from ..harness.specs import load_specs
+    from .llamacpp import Capture, LlamaCpp, tokenize
+
+    path = Path(path)
+    if path.is_dir():
+        raise ParameterError(f"{path}: llama.cpp needs a GGUF file (make one from a Hugging Face folder with "
+                             f"llorch-ref convert)")
+    cfg = gguf_config(path)
+    if token_ids is None:
+        if prompt is None:
+            raise ParameterError("give a prompt or token ids")
+        token_ids = tokenize(path, prompt)
+    ids = [int(t) for t in token_ids]
+    t = len(ids)
+    specs = load_specs(checkpoints)
+    rec = Recorder("llama.cpp", f"{_lcp.__version__} (llama-cpp-python)", model_path=path, token_ids=ids,
+                   prompt=prompt, layouts={"array_order": array_order},
+                   notes=f"K/V cache {kv_type}, flash attention off, GGML_CPU_TILED_MM=0")
+
+    def put(name, a):
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        rec.add(name, a.reshape(a.shape[::-1]) if array_order == "ggml" else a)
+
+    hd, kv, h = cfg.head_dim, cfg.n_kv_heads, cfg.n_heads
+    canon = {  # our name -> fn(llama.cpp array in NumPy order) -> canonical array
+        "q_proj": lambda a: a.reshape(t, h, hd), "k_proj": lambda a: a.reshape(t, kv, hd),
+        "v": lambda a: a.reshape(t, kv, hd), "q": lambda a: a.reshape(t, h, hd), "k": lambda a: a.reshape(t, kv, hd),
+        "k_cache": lambda a: a.reshape(-1, kv, hd)[:t], "v_cache": lambda a: a.reshape(hd, kv, -1).transpose(2, 1, 0)[:t],
+        "kq": lambda a: a.reshape(h, t, -1)[..., :t], "kq_soft_max": lambda a: a.reshape(h, t, -1)[..., :t],
+        "kqv_out": lambda a: a.reshape(t, h * hd),
+    }
+    names = set()
+    for s in specs:
+        for ts in s.tensors:
+            names |= {ts.llamacpp["name"].replace("{L}", str(i)) for i in range(cfg.n_layers)}
+    n_ctx = max(256, 64 * ((t + n_greedy + 63) // 64))
+    ref = LlamaCpp(path, n_ctx=n_ctx, kv_type=kv_type)
+    try:
+        if prompt is not None and any(s.id == "0" for s in specs):
+            rec.add("cp0.token_ids", np.array(tokenize(path, prompt), dtype=np.int64))
+        cap = Capture(names=names | {"result_output"})
+        logits = ref.eval(ids, cap)
+        for s in specs:
+            for ts in s.tensors:
+                lc = ts.llamacpp
+                for layer in (range(cfg.n_layers) if s.scope == "layer" else [None]):
+                    key = (lc["name"].replace("{L}", str(layer)), lc["op"], int(lc.get("occurrence", 0)))
+                    if key not in cap.tensors:
+                        raise ReferenceError_(f"llama.cpp produced no node {key} (captured {len(cap.tensors)})")
+                    a = cap.tensors[key]
+                    put(f"cp{s.id}.{ts.ours}" + ("" if layer is None else f".layer{layer}"),
+                        canon.get(ts.ours, lambda x: x.reshape(t, -1))(a))
+        ids_of = {s.id for s in specs}
+        if "8" in ids_of or "10" in ids_of or "11" in ids_of:
+            put("cp8.logits", logits)
+        if "9" in ids_of:
+            put("cp9.logits", ref.eval_last(ids))
+        if "12" in ids_of and n_greedy > 0:
+            rec.add("cp12.greedy_tokens", np.array(ref.greedy(ids, n_greedy), dtype=np.int64))
+    finally:
+        ref.close()
+    return rec
+
+
+def hf_folder_for(path) -> Path:
+    """A Hugging Face folder for transformers: PATH itself, or the GGUF file converted once into
+    $LLORCH_HOME/hf/<sha256 prefix>/ (dequantized, Q/K rows un-permuted: llorch-ref convert --to hf)."""
+    from ..loaders.default_model import home, sha256_file
+
+    p = Path(path)
+    if p.is_dir():
+        return p
+    out = home() / "hf" / f"{p.stem}-{sha256_file(p)[:12]}"
+    if not (out / "config.json").exists():
+        from ..convert import convert_gguf_to_hf
+        import sys
+        print(f"llorch-ref: converting {p.name} to a Hugging Face folder for transformers: {out}", file=sys.stderr)
+        convert_gguf_to_hf(p, out, overwrite=True)
+    return out
+
+
+def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorder:
+    """transformers (float32, eager attention, CPU) on a Hugging Face folder -> Recorder, through forward
+    hooks. Layout: token-major, Hugging Face (NeoX) RoPE pairs. The raw Q.K^T scores (checkpoint 4 'kq')
+    are not exposed by transformers and are left out (not covered)."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise ReferenceError_(f"transformers reference needs torch and transformers: pip install -e '.[hf]' ({e})") from None
+    folder = hf_folder_for(path)
+    torch.manual_seed(0)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                                  attn_implementation="eager")
+    except TypeError:                                  # transformers < 4.56 names it torch_dtype
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32,
+                                                                  attn_implementation="eager")
+    model.eval()
+    if model.config.model_type != "llama":
+        raise ReferenceError_(f"{folder}: model_type {model.config.model_type!r}: the transformers hooks know 'llama'")
+    tok = None
+    if prompt is not None:
+        tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    if token_ids is None:
+        if tok is None:
+            raise ParameterError("give a prompt or token ids")
+        token_ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    ids = [int(i) for i in token_ids]
+    c = model.config
+    h, kv = c.num_attention_heads, c.num_key_value_heads
+    hd = getattr(c, "head_dim", None) or c.hidden_size // h
+    t = len(ids)
+    rec = Recorder("transformers", f"{transformers.__version__} (torch {torch.__version__})",
+                   model_path=folder, token_ids=ids, prompt=prompt, layouts={"rope_pairs": "neox"},
+                   notes="float32, eager attention, CPU; RoPE outputs captured by wrapping apply_rotary_pos_emb")
+    if tok is not None:
+        rec.add("cp0.token_ids", np.array(tok(prompt, add_special_tokens=True)["input_ids"], dtype=np.int64))
+
+    def out_of(o):
+        return o[0] if isinstance(o, tuple) else o
+
+    def tm(a, heads):                      # [1, T, heads*Hd] -> [T, heads, Hd]
+        return a[0].reshape(t, heads, hd)
+
+    hooks = []
+    layer_of = {}
+
+    def fwd(mod, name, fn=lambda a: a[0]):
+        hooks.append(mod.register_forward_hook(lambda m, i, o: rec.add(f"{name}.layer{layer_of[m]}", fn(out_of(o)))))
+
+    def pre(mod, name, fn=lambda a: a[0]):
+        hooks.append(mod.register_forward_pre_hook(lambda m, i: rec.add(f"{name}.layer{layer_of[m]}", fn(i[0]))))
+
+    for i, lyr in enumerate(model.model.layers):
+        at, mlp = lyr.self_attn, lyr.mlp
+        for m in (lyr, lyr.input_layernorm, lyr.post_attention_layernorm, at, at.q_proj, at.k_proj, at.v_proj,
+                  at.o_proj, mlp, mlp.down_proj):
+            layer_of[m] = i
+        fwd(lyr.input_layernorm, "cp1.attn_norm")
+        fwd(at.q_proj, "cp2.q_proj", lambda a: tm(a, h))
+        fwd(at.k_proj, "cp2.k_proj", lambda a: tm(a, kv))
+        fwd(at.v_proj, "cp2.v", lambda a: tm(a, kv))
+        pre(at.o_proj, "cp5.kqv_out")
+        fwd(at.o_proj, "cp5.attn_out")
+        pre(lyr.post_attention_layernorm, "cp5.ffn_inp")
+        fwd(lyr.post_attention_layernorm, "cp1.ffn_norm")
+        pre(mlp.down_proj, "cp6.ffn_swiglu")
+        fwd(mlp, "cp6.ffn_out")
+        fwd(lyr, "cp7.l_out")
+    hooks.append(model.model.norm.register_forward_hook(lambda m, i, o: rec.add("cp8.result_norm", out_of(o)[0])))
+    # RoPE outputs: transformers applies RoPE in a module-level function; wrap it to see q and k after it
+    mod = __import__(type(model.model.layers[0].self_attn).__module__, fromlist=["apply_rotary_pos_emb"])
+    orig = mod.apply_rotary_pos_emb
+    roped = []
+
+    def wrapped(q, k, *a, **kw):
+        qe, ke = orig(q, k, *a, **kw)
+        roped.append((qe, ke))
+        return qe, ke
+    mod.apply_rotary_pos_emb = wrapped
+    try:
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            out = model(x, use_cache=True, output_attentions=True)
+    finally:
+        mod.apply_rotary_pos_emb = orig
+        for hk in hooks:
+            hk.remove()
+    if len(roped) != c.num_hidden_layers:
+        raise ReferenceError_(f"captured RoPE outputs of {len(roped)} layers, expected {c.num_hidden_layers}")
+    for i, (qe, ke) in enumerate(roped):                   # [1, H, T, Hd] head-major -> token-major
+        rec.add(f"cp1B.q.layer{i}", qe[0].transpose(0, 1))
+        rec.add(f"cp1B.k.layer{i}", ke[0].transpose(0, 1))
+    pkv = out.past_key_values
+    for i in range(c.num_hidden_layers):
+        kc, vc = (pkv.layers[i].keys, pkv.layers[i].values) if hasattr(pkv, "layers") else pkv[i]
+        rec.add(f"cp3.k_cache.layer{i}", kc[0].transpose(0, 1))        # [KV, S, Hd] -> [S, KV, Hd]
+        rec.add(f"cp3.v_cache.layer{i}", vc[0].transpose(0, 1))
+        rec.add(f"cp4.kq_soft_max.layer{i}", out.attentions[i][0])     # [H, T, S]
+    rec.add("cp8.logits", out.logits[0])
+    with torch.no_grad():
+        last = model(x, logits_to_keep=1).logits[0, -1]
+        rec.add("cp9.logits", last)
+        if n_greedy > 0:
+            gen, cache_ = [], None
+            step = x
+            for _ in range(n_greedy):
+                o = model(step, past_key_values=cache_, use_cache=True, logits_to_keep=1)
+                cache_ = o.past_key_values
+                nxt = int(torch.argmax(o.logits[0, -1]))
+                gen.append(nxt)
+                step = torch.tensor([[nxt]])
+            rec.add("cp12.greedy_tokens", np.array(gen, dtype=np.int64))
+    return rec
