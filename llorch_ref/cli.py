@@ -137,8 +137,8 @@ def _print_result(res, verbose, file=sys.stdout):
     from .harness.metrics import fmt, fmt_cos, fmt_match
 
     con = Console(file=file, width=160)
-    ref_name = "the numpy backend" if res.band_class.startswith("backend:") else "llama.cpp"
-    t = Table(title=f"llorch-ref vs {ref_name}: {len(res.token_ids)} tokens, band class {res.band_class}")
+    ref_name = "the numpy backend" if res.band_class.startswith("backend:") else res.reference_label
+    t = Table(title=f"{res.subject_label} vs {ref_name}: {len(res.token_ids)} tokens, band class {res.band_class}")
     for col in ("checkpoint", "name", "comparisons", "failed", "worst NMSE", "worst max abs", "min cosine / agreement",
                 "worst at", "band", "verdict"):
         t.add_column(col)
@@ -147,7 +147,8 @@ def _print_result(res, verbose, file=sys.stdout):
         t.add_row(s["checkpoint"], s["name"], str(s["rows"]), str(s["failed"]), fmt(s["worst_nmse"]),
                   fmt(s["worst_max_abs"]), fmt_match(s),
                   f"L{at['layer']} {at['tensor']}" if at["layer"] is not None else at["tensor"],
-                  json.dumps(s["band"]), "pass" if s["passed"] else "FAIL")
+                  json.dumps(s["band"]), "NOT COVERED" if s["passed"] is None else
+                  ("pass" if s["passed"] else "FAIL") + (f" ({s['not_covered']} not covered)" if s.get("not_covered") else ""))
     con.print(t)
     if verbose:
         d = Table(title="every comparison")
@@ -162,14 +163,31 @@ def _print_result(res, verbose, file=sys.stdout):
     if res.greedy:
         g = res.greedy
         con.print(f"greedy: {g['equal_prefix']}/{g['n']} tokens equal to {ref_name} (EOS ignored)")
+    if res.not_covered:
+        cps = sorted({u["checkpoint"] for u in res.not_covered}, key=lambda c: (len(c), c))
+        con.print(f"not covered: {len(res.not_covered)} comparisons in checkpoint(s) {', '.join(cps)} "
+                  f"(e.g. {res.not_covered[0]['why']}); not covered is not passed")
+    for w in res.warnings:
+        con.print(f"warning: {w}")
     fd = res.first_divergence
     con.print("first divergence: " + ("none (every comparison inside its band)" if fd is None else
                                       f"checkpoint {fd['checkpoint']}, layer {fd['layer']}, tensor {fd['tensor']}"))
+    if fd is not None:
+        row = min((r for r in res.rows if not r.passed), key=lambda r: r.order)
+        if row.metrics.get("error"):
+            con.print(f"  {row.metrics['error']}")
 
 
 def _run(args):
     from .harness.run import run_backend_diff, run_diff
 
+    if getattr(args, "subject", None):
+        return _run_subject(args)
+    if getattr(args, "reference", "llamacpp") == "transformers":
+        return _run_transformers(args)
+    if getattr(args, "band_class", None):
+        raise ParameterError("--band-class applies to --subject and --reference transformers runs (a llama.cpp "
+                             "run takes the band class from the weight types)")
     eng = _load(args)
     if getattr(args, "reference", "llamacpp") == "numpy":
         import llorch_ref
@@ -182,6 +200,115 @@ def _run(args):
     _log("llorch-ref: running llama.cpp and the reference, capturing every checkpoint ...")
     return eng, run_diff(eng, prompt=args.prompt, reference_model=args.reference_model,
                          checkpoints=args.checkpoint, n_greedy=args.greedy)
+
+
+def _band_class(args, eng):
+    from .harness.specs import band_class_of
+    return args.band_class or ("ggml" if eng.numerics == "ggml" else band_class_of(eng.tensor_types))
+
+
+def _engine_label(eng):
+    from . import __version__
+    return f"llorch-ref {__version__} ({eng.backend.name}, {eng.numerics}, K/V {eng.kv_dtype})"
+
+
+def _run_subject(args):
+    """--subject DUMP: the dump is under test; llorch-ref on --model is the reference."""
+    from .dump import load_dump
+    from .harness.subject import check_dump_fits, check_same_model, compare_dumps, record_engine
+
+    if args.reference != "llamacpp" or args.reference_model:
+        raise ParameterError("--subject compares a dump with llorch-ref on --model: --reference and "
+                             "--reference-model do not apply")
+    sub = load_dump(args.subject)
+    eng = _load(args)
+    check_dump_fits(sub, eng.config)
+    warn = check_same_model(sub, eng)
+    n_greedy = len(sub.raw("12", "greedy_tokens")) if sub.has("12", "greedy_tokens") else 0
+    _log(f"llorch-ref: running the reference on the dump's {len(sub.token_ids)} tokens"
+         + (f" and {n_greedy} greedy tokens" if n_greedy else "") + " ...")
+    ref = record_engine(eng, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n_greedy)
+    res = compare_dumps(sub, ref, eng.config, _band_class(args, eng), checkpoints=args.checkpoint,
+                        subject_label=f"{sub.engine} (dump {args.subject})", reference_label=_engine_label(eng),
+                        model=str(args.subject), reference_model=str(eng.path))
+    if warn:
+        res.warnings.append(warn)
+    return eng, res
+
+
+def _run_transformers(args):
+    """--reference transformers: llorch-ref on --model under test; transformers on --reference-model (a
+    Hugging Face folder; default: --model, converted to one if it is a GGUF file) as the reference."""
+    from .harness.subject import compare_dumps, record_engine
+    from .references.engines import dump_transformers
+
+    eng = _load(args)
+    if eng.tokenizer is None:
+        raise ParameterError("this model has no vocabulary: the transformers comparison needs a text prompt")
+    if not args.prompt:
+        raise ParameterError("empty prompt")
+    ids = eng.tokenizer.encode(args.prompt)
+    _log("llorch-ref: running transformers (float32, eager) and the reference, capturing every checkpoint ...")
+    ref = dump_transformers(args.reference_model or eng.path, prompt=args.prompt, token_ids=ids,
+                            n_greedy=args.greedy)
+    sub = record_engine(eng, ids, prompt=args.prompt, n_greedy=args.greedy)
+    res = compare_dumps(sub, ref, eng.config, _band_class(args, eng), checkpoints=args.checkpoint,
+                        subject_label=_engine_label(eng), reference_label=f"transformers {ref.version}",
+                        model=str(eng.path), reference_model=str(ref.model_path))
+    return eng, res
+
+
+def cmd_dump(args):
+    from pathlib import Path
+
+    from .harness.run import DEFAULT_PROMPT
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise ParameterError(f"{out} exists (pass --overwrite to replace it)")
+    if not out.parent.is_dir():
+        raise ParameterError(f"{out.parent}: no such folder for --out")
+    ids = None
+    if args.token_ids:
+        try:
+            ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
+        except ValueError:
+            raise ParameterError(f"--token-ids {args.token_ids!r}: give comma-separated integers") from None
+        if not ids:
+            raise ParameterError("--token-ids is empty")
+    prompt = None if ids is not None and args.prompt is None else (args.prompt or DEFAULT_PROMPT)
+    if args.engine != "llorch":
+        given = [f"--{k.replace('_', '-')} {v}" for k, v, d in (("backend", args.backend, None),
+                 ("dtype", args.dtype, "float32"), ("numerics", args.numerics, "exact")) if v != d]
+        if args.engine == "transformers" and args.kv_dtype != "f32":
+            given.append(f"--kv-dtype {args.kv_dtype}")
+        if given:
+            raise ParameterError(f"{', '.join(given)} do(es) not apply to --engine {args.engine}")
+    if args.engine == "llamacpp":
+        from .loaders.default_model import default_model_path
+        from .references.engines import dump_llamacpp
+        rec = dump_llamacpp(args.model or default_model_path(), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
+                            kv_type=args.kv_dtype, checkpoints=args.checkpoint)
+    elif args.engine == "transformers":
+        from .loaders.default_model import default_model_path
+        from .references.engines import dump_transformers
+        if args.checkpoint:
+            raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; transformers dumps hold all")
+        rec = dump_transformers(args.model or default_model_path(), prompt=prompt, token_ids=ids, n_greedy=args.greedy)
+    else:
+        from .harness.subject import record_engine
+        if args.checkpoint:
+            raise ParameterError("--checkpoint applies to llamacpp dumps")
+        eng = _load(args)
+        if ids is None:
+            if eng.tokenizer is None:
+                raise ParameterError("this model has no vocabulary: pass --token-ids")
+            ids = eng.tokenizer.encode(prompt)
+        rec = record_engine(eng, ids, prompt=prompt, n_greedy=args.greedy)
+    rec.save(out)
+    print(f"wrote {out}: {len(rec.tensors)} tensors from {rec.engine} {rec.version}, {len(rec.token_ids)} tokens, "
+          f"layouts {rec.layouts}")
+    return 0
 
 
 def cmd_diff(args):
@@ -331,15 +458,35 @@ def build_parser():
         sp.add_argument("--reference-model", help="GGUF file llama.cpp runs (default: the same file)")
         sp.add_argument("--checkpoint", action="append", help="checkpoint id or name (repeatable; default all)")
         sp.add_argument("--greedy", type=int, default=128, help="tokens for the end-to-end greedy checkpoint")
-        sp.add_argument("--reference", choices=["llamacpp", "numpy"], default="llamacpp",
+        sp.add_argument("--reference", choices=["llamacpp", "numpy", "transformers"], default="llamacpp",
                         help="llamacpp (default): llama.cpp on --reference-model; numpy: the numpy backend, "
-                             "to validate --backend numba|cupy")
+                             "to validate --backend numba|cupy; transformers: transformers (float32, eager) on "
+                             "--reference-model (a Hugging Face folder; default --model, converted if GGUF)")
+        sp.add_argument("--subject", metavar="DUMP", help="compare this llorch-dump file (any engine's tensors) "
+                        "against llorch-ref on --model, instead of llorch-ref against a reference")
+        from .harness.specs import CLASS_ORDER
+        sp.add_argument("--band-class", choices=CLASS_ORDER + ["ggml"], default=None,
+                        help="bands to apply with --subject / --reference transformers (default: from the "
+                             "weight types of --model)")
 
     d = sub.add_parser("diff", help="compare every checkpoint with llama.cpp and name the first divergence")
     harness_args(d)
     d.add_argument("--json", action="store_true", help="print the result as JSON")
     d.add_argument("-v", "--verbose", action="store_true", help="print every layer's comparison")
     d.set_defaults(fn=cmd_diff)
+
+    du = sub.add_parser("dump", help="write one engine's checkpoint tensors as a llorch-dump file")
+    model_args(du)
+    du.add_argument("--engine", choices=["llamacpp", "transformers", "llorch"], required=True,
+                    help="llamacpp: llama.cpp's graph (GGUF); transformers: forward hooks (Hugging Face folder, "
+                         "or a GGUF converted to one); llorch: llorch-ref itself")
+    du.add_argument("--prompt", default=None, help="text (default: the harness prompt)")
+    du.add_argument("--token-ids", default=None, help="comma-separated token ids instead of a prompt")
+    du.add_argument("--greedy", type=int, default=32, help="greedy tokens to record (checkpoint 12)")
+    du.add_argument("--checkpoint", action="append", help="checkpoint id or name (repeatable; default all)")
+    du.add_argument("--out", required=True, help="dump file to write (.safetensors)")
+    du.add_argument("--overwrite", action="store_true")
+    du.set_defaults(fn=cmd_dump)
 
     pr = sub.add_parser("prove", help="run the checkpoints and write proof bundles")
     harness_args(pr)

@@ -69,8 +69,9 @@ def manifest(result, engine, argv, seed=0) -> dict:
         sysinfo = llama_cpp.llama_print_system_info().decode()
     except ImportError:
         lcp, sysinfo = None, None
-    ref_sha = sha256_file(result.reference_model)
-    model_sha = sha256_file(result.model) if result.model != result.reference_model else ref_sha
+    from ..dump import model_sha256
+    ref_sha = model_sha256(result.reference_model)
+    model_sha = model_sha256(result.model) if result.model != result.reference_model else ref_sha
     return {
         "llorch_ref_version": llorch_ref.__version__,
         "git_commit": _git_commit(),
@@ -86,6 +87,10 @@ def manifest(result, engine, argv, seed=0) -> dict:
         "reference_model": result.reference_model,
         "reference_model_sha256": ref_sha,
         "band_class": result.band_class,
+        "subject": result.subject_label,
+        "reference": result.reference_label,
+        "not_covered": result.not_covered,
+        "warnings": result.warnings,
         "backend": engine.backend.name,
         "numerics": engine.numerics,
         "kv_dtype": engine.kv_dtype,
@@ -109,6 +114,10 @@ def _dist_version(name):
 
 def _spec_captures(result, spec):
     """The tensors of both sides that this checkpoint compared (our names; llama.cpp node keys)."""
+    if result.capture_files != ("ours.npz", "llamacpp.npz"):          # dump comparison: cp<id>.<tensor>[.layer<L>]
+        pre = f"cp{spec.id}."
+        return ({k: v for k, v in result.captures_ours.items() if k.startswith(pre)},
+                {k: v for k, v in result.captures_ref.items() if k.startswith(pre)})
     ours, ref = {}, {}
     for t in spec.tensors:
         for k, a in result.captures_ours.items():
@@ -147,16 +156,19 @@ def _row_json(r):
 
 def _report_md(spec, rows, man, run_id, passed, rerun):
     lines = [f"# Checkpoint {spec.id}: {spec.title}", "",
-             f"**Verdict: {'PASS' if passed else 'FAIL'}** ({sum(r.passed for r in rows)}/{len(rows)} comparisons "
+             f"**Verdict: {('PASS' if passed else 'FAIL') if rows else 'NOT COVERED'}** "
+             f"({sum(r.passed for r in rows)}/{len(rows)} comparisons "
              f"inside the band for weight class `{man['band_class']}`)", "",
              f"What is compared: {spec.checks}", "",
              f"- model: `{man['model']}` (sha256 `{man['model_sha256']}`)",
-             f"- reference: llama.cpp (llama-cpp-python {man['llama_cpp_python']}) on `{man['reference_model']}`",
+             f"- subject: {man['subject']}",
+             f"- reference: {man['reference']} on `{man['reference_model']}`",
              f"- prompt: {json.dumps(man['prompt'])} -> {len(man['token_ids'])} tokens",
              f"- numerics: {man['numerics']}, K/V cache {man['kv_dtype']}; "
              f"backend: {man['backend']} ({man['device']}); llorch-ref {man['llorch_ref_version']} "
              f"at {man['git_commit']}",
-             f"- band: `{json.dumps(rows[0].band)}` (raw figures below; inside the band is not 'identical')", "",
+             f"- band: `{json.dumps(rows[0].band) if rows else '-'}` (raw figures below; inside the band is not "
+             f"'identical')", "",
              "| layer | tensor | shape | max abs | max rel | NMSE | cosine | pass |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -164,8 +176,18 @@ def _report_md(spec, rows, man, run_id, passed, rerun):
         lines.append(f"| {'' if r.layer is None else r.layer} | {r.tensor} | {m.get('shape')} | "
                      f"{fmt(m.get('max_abs', ''))} | {fmt(m.get('max_rel', ''))} | {fmt(m.get('nmse', ''))} | "
                      f"{fmt_cos(m.get('cosine', m.get('agreement', m.get('equal_prefix', ''))))} | {'yes' if r.passed else '**NO**'} |")
-    lines += ["", "Captured tensors: `ours.npz` (llorch-ref names, `<tensor>.layer<L>`) and `llamacpp.npz`",
-              "(llama.cpp node `name#op#occurrence`, ggml order already reversed to NumPy order).", "",
+    missing = [u for u in man["not_covered"] if u["checkpoint"] == spec.id]
+    if missing:
+        lines += ["", f"**Not covered: {len(missing)} comparisons** (not covered is not passed): {missing[0]['why']}."]
+    for w in man["warnings"]:
+        lines += ["", f"Warning: {w}"]
+    if man["reference"] == "llama.cpp":
+        lines += ["", "Captured tensors: `ours.npz` (llorch-ref names, `<tensor>.layer<L>`) and `llamacpp.npz`",
+                  "(llama.cpp node `name#op#occurrence`, ggml order already reversed to NumPy order)."]
+    else:
+        lines += ["", "Captured tensors: `subject.npz` and `reference.npz`, dump names (`cp<id>.<tensor>.layer<L>`),",
+                  "both in the canonical layout (each side's declared layouts undone)."]
+    lines += ["",
               "Re-run:", "", "```", rerun, "```", ""]
     return "\n".join(lines)
 
@@ -177,7 +199,8 @@ def write_bundles(result, engine, out_dir=None, run_id=None, argv=None, seed=0, 
     if not run_id or "/" in run_id or run_id.startswith("."):
         raise HarnessError(f"invalid run id {run_id!r}")
     argv = argv or sys.argv
-    specs = [s for s in result.specs if any(r.checkpoint == s.id for r in result.rows)]
+    specs = [s for s in result.specs if any(r.checkpoint == s.id for r in result.rows)
+             or any(u["checkpoint"] == s.id for u in result.not_covered)]
     finals = {s.id: out_dir / f"cp{s.id}_{s.name}" / run_id for s in specs}
     index = out_dir / f"{run_id}.md"
     if index.exists():
@@ -205,17 +228,21 @@ def write_bundles(result, engine, out_dir=None, run_id=None, argv=None, seed=0, 
             d.mkdir()
             (d / "INCOMPLETE").write_text(f"run {run_id} has not finished; its index {index.name} does not exist yet\n")
             ours, ref = _spec_captures(result, s)
-            np.savez_compressed(d / "ours.npz", **ours)
-            np.savez_compressed(d / "llamacpp.npz", **ref)
-            passed = all(r.passed for r in rows)
+            np.savez_compressed(d / result.capture_files[0], **ours)
+            np.savez_compressed(d / result.capture_files[1], **ref)
+            passed = bool(rows) and all(r.passed for r in rows)
             (d / "manifest.json").write_text(json.dumps({**man, "checkpoint": s.id, "spec": s.path.name},
                                                         indent=2) + "\n")
             (d / "report.json").write_text(json.dumps(
                 {"checkpoint": s.id, "name": s.name, "title": s.title, "passed": passed,
-                 "band_class": result.band_class, "rows": [_row_json(r) for r in rows],
+                 "band_class": result.band_class,
+        "subject": result.subject_label,
+        "reference": result.reference_label,
+        "not_covered": result.not_covered,
+        "warnings": result.warnings, "rows": [_row_json(r) for r in rows],
                  "first_divergence": result.first_divergence}, indent=2) + "\n")
             (d / "report.md").write_text(_report_md(s, rows, man, run_id, passed, rerun))
-            if plot and s.scope == "layer":
+            if plot and s.scope == "layer" and rows:
                 _plot(d / "error_by_layer.png", s, rows)
         idx = staging / "index.md"
         idx.write_text(_index_md(result, man, run_id, rerun))
@@ -251,8 +278,10 @@ def _index_md(result, man, run_id, rerun):
              f"Verdict: **{'all checkpoints inside their bands' if fd is None else 'DIVERGED'}**; first divergence: "
              f"{'none' if fd is None else json.dumps(fd)}", "",
              f"- model `{man['model']}` (sha256 `{man['model_sha256']}`), band class `{result.band_class}`",
-             f"- reference: llama.cpp {man['llama_cpp_python']} on `{man['reference_model']}`; "
-             f"settings `{json.dumps(man['llamacpp_settings'])}`",
+             f"- subject: {man['subject']}",
+             f"- reference: {man['reference']} on `{man['reference_model']}`"
+             + (f" (llama-cpp-python {man['llama_cpp_python']}); settings `{json.dumps(man['llamacpp_settings'])}`"
+                if man["reference"] == "llama.cpp" else ""),
              f"- prompt {json.dumps(result.prompt)}: {len(result.token_ids)} tokens",
              f"- llorch-ref {man['llorch_ref_version']} at {man['git_commit']}, numpy {man['numpy']}, "
              f"backend {man['backend']}, numerics {man['numerics']}, K/V cache {man['kv_dtype']}, "
@@ -261,12 +290,18 @@ def _index_md(result, man, run_id, rerun):
              "|---|---|---|---|---|---|---|---|---|"]
     for s in result.summary():
         lines.append(f"| {s['checkpoint']} | {s['name']} | {s['rows']} | {s['failed']} | {fmt(s['worst_nmse'])} | "
-                     f"{fmt(s['worst_max_abs'])} | {fmt_match(s)} | `{json.dumps(s['band'])}` | "
+                     f"{fmt(s['worst_max_abs'])} | {fmt_match(s) if s['passed'] is not None else 'NOT COVERED'} | "
+                     f"`{json.dumps(s['band'])}` | "
                      f"[cp{s['checkpoint']}_{s['name']}/{run_id}](cp{s['checkpoint']}_{s['name']}/{run_id}/report.md) |")
     if result.greedy:
         g = result.greedy
-        lines += ["", f"Greedy: {g['equal_prefix']}/{g['n']} tokens equal to llama.cpp (EOS ignored).", "",
-                  "Ours: " + json.dumps(g["ours_text"]), "", "llama.cpp: " + json.dumps(g["reference_text"])]
+        lines += ["", f"Greedy: {g['equal_prefix']}/{g['n']} tokens equal to {result.reference_label} (EOS ignored).",
+                  "", f"{result.subject_label}: " + json.dumps(g["ours_text"] or g["ours"]), "",
+                  f"{result.reference_label}: " + json.dumps(g["reference_text"] or g["reference"])]
+    for w in result.warnings:
+        lines += ["", f"Warning: {w}"]
+    if result.not_covered:
+        lines += ["", f"Not covered: {len(result.not_covered)} comparisons (not covered is not passed)."]
     lines += ["", "Re-run: `" + rerun + "`", ""]
     return "\n".join(lines)
 
@@ -286,7 +321,7 @@ def _plot(path, spec, rows):
     if "nmse" in rows[0].band:
         ax.axhline(rows[0].band["nmse"], color="red", ls="--", label="band")
     ax.set_xlabel("layer")
-    ax.set_ylabel("NMSE vs llama.cpp")
+    ax.set_ylabel("NMSE vs reference")
     ax.set_title(f"checkpoint {spec.id}: {spec.title}")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -57,6 +57,7 @@ class DiffResult:
     reference_label: str = "llama.cpp"
     capture_files: tuple = ("ours.npz", "llamacpp.npz")
     not_covered: list = field(default_factory=list)      # [{checkpoint, name, layer, tensor, why}]
+    warnings: list = field(default_factory=list)         # lines a reader must see (e.g. different model files)
 
     @property
     def first_divergence(self):
@@ -108,7 +109,7 @@ class DiffResult:
             "first_divergence": self.first_divergence, "passed": self.passed(),
             "summary": self.summary(), "greedy": self.greedy, "timings": self.timings,
             "llamacpp_settings": self.llamacpp_settings, "subject": self.subject_label,
-            "reference": self.reference_label, "not_covered": self.not_covered,
+            "reference": self.reference_label, "not_covered": self.not_covered, "warnings": self.warnings,
             "rows": [{"checkpoint": r.checkpoint, "name": r.name, "layer": r.layer, "tensor": r.tensor,
                       **r.metrics, "band": r.band, "passed": r.passed} for r in self.rows],
         }

@@ -27,7 +27,7 @@ def dims_of(cfg, n_tokens: int) -> dict:
             "D": cfg.d_model, "F": cfg.d_ff, "V": cfg.n_vocab, "R": cfg.rope_dim}
 
 
-def record_engine(engine, token_ids, prompt=None, n_greedy=32) -> Dump:
+def record_engine(engine, token_ids, prompt=None, n_greedy=32) -> Recorder:
     """llorch-ref as a dump (canonical layout): every checkpoint tensor of one forward over token_ids on a
     cache that first ran (and reset after) a warm-up sequence; the last row alone as generation asks for
     it; its argmax and softmax; n_greedy greedy tokens (EOS ignored)."""
@@ -53,7 +53,7 @@ def record_engine(engine, token_ids, prompt=None, n_greedy=32) -> Dump:
     if n_greedy > 0:
         rec.add("cp12.greedy_tokens", np.array(list(engine.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True)),
                                               dtype=np.int64))
-    return rec.to_dump()
+    return rec
 
 
 def _as_dump(x) -> Dump:

@@ -1,0 +1,196 @@
+"""pytest plugin (entry point pytest11 'llorch'): run the checkpoint suite against any engine.
+
+    pytest --llorch-subject=my_package.module:make_dump [--llorch-model PATH] [--llorch-bundle-dir DIR]
+    pytest --llorch-dump=dump.safetensors [--llorch-model PATH]
+
+The subject protocol: a callable `f(model_path: str, token_ids: list[int]) -> Recorder | Dump | path`,
+which runs the engine on the model and returns its checkpoint tensors (llorch_ref.dump.Recorder). The
+reference is llorch-ref (numpy, exact) on --llorch-model (default: the default model). One test per
+checkpoint and layer ('llorch::cp2_qkv[layer3]'); a test fails when a tensor leaves its band, and is
+skipped, with the reason, where the subject does not cover it. Without either option the plugin adds
+nothing.
+"""
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("llorch", "llorch-ref checkpoint suite against an engine under test")
+    g.addoption("--llorch-subject", default=None, metavar="MODULE:CALLABLE",
+                help="callable(model_path, token_ids) -> llorch_ref.dump.Recorder (the engine under test)")
+    g.addoption("--llorch-dump", default=None, metavar="FILE", help="a llorch-dump file to check instead")
+    g.addoption("--llorch-model", default=None, metavar="PATH",
+                help="model the reference (llorch-ref) runs (default: the default model)")
+    g.addoption("--llorch-prompt", default=None, help="prompt the subject is run on (default: the harness prompt)")
+    g.addoption("--llorch-bundle-dir", default=None, metavar="DIR", help="write proof bundles here")
+    g.addoption("--llorch-band-class", default=None, help="band class (default: from the model's weight types)")
+    g.addoption("--llorch-greedy", type=int, default=0,
+                help="greedy tokens the reference generates to compare with the subject's cp12 (default: as many "
+                     "as the subject recorded)")
+
+
+class _State:
+    result = None
+    error = None
+    bundle = None
+
+
+def _load_subject(spec: str):
+    import importlib
+
+    from .errors import ParameterError
+    if ":" not in spec:
+        raise ParameterError(f"--llorch-subject {spec!r}: expected MODULE:CALLABLE")
+    mod, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(mod)
+    except ImportError as e:
+        raise ParameterError(f"--llorch-subject {spec!r}: cannot import {mod} ({e})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ParameterError(f"--llorch-subject {spec!r}: {mod} has no {attr}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ParameterError(f"--llorch-subject {spec!r}: {attr} is not callable")
+    return obj
+
+
+def _compute(config, eng):
+    """Run the subject (or read the dump), run the reference, compare; once per session."""
+    import llorch_ref
+    from .dump import Dump, Recorder, load_dump
+    from .harness.run import DEFAULT_PROMPT
+    from .harness.specs import band_class_of
+    from .harness.subject import check_dump_fits, check_same_model, compare_dumps, record_engine
+
+    opt = config.getoption
+    if opt("llorch_dump"):
+        sub = load_dump(opt("llorch_dump"))
+        label = f"{sub.engine} (dump {opt('llorch_dump')})"
+    else:
+        fn = _load_subject(opt("llorch_subject"))
+        prompt = opt("llorch_prompt") or DEFAULT_PROMPT
+        ids = eng.tokenizer.encode(prompt)
+        out = fn(str(eng.path), list(ids))
+        if isinstance(out, Recorder):
+            if out.prompt is None:
+                out.prompt = prompt
+            sub = out.to_dump()
+        elif isinstance(out, Dump):
+            sub = out
+        elif isinstance(out, (str, bytes)) or hasattr(out, "__fspath__"):
+            sub = load_dump(out)
+        else:
+            raise TypeError(f"--llorch-subject returned {type(out).__name__}; expected a Recorder, Dump or path")
+        label = f"{sub.engine} (subject {opt('llorch_subject')})"
+    check_dump_fits(sub, eng.config)
+    n = opt("llorch_greedy") or (len(sub.raw("12", "greedy_tokens")) if sub.has("12", "greedy_tokens") else 0)
+    ref = record_engine(eng, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n)
+    bc = opt("llorch_band_class") or band_class_of(eng.tensor_types)
+    res = compare_dumps(sub, ref, eng.config, bc, subject_label=label,
+                        reference_label=f"llorch-ref {llorch_ref.__version__} (numpy, exact)",
+                        model=sub.source or label, reference_model=str(eng.path))
+    w = check_same_model(sub, eng)
+    if w:
+        res.warnings.append(w)
+    if opt("llorch_bundle_dir"):
+        from .harness.bundle import write_bundles
+        _State.bundle = write_bundles(res, eng, out_dir=opt("llorch_bundle_dir"),
+                                      argv=["pytest"] + list(config.invocation_params.args), plot=False)
+    return res, eng.config
+
+
+class CheckpointItem(pytest.Item):
+    def __init__(self, *, spec, layer, **kw):
+        super().__init__(**kw)
+        self.spec, self.layer = spec, layer
+
+    def runtest(self):
+        if _State.error is not None:
+            raise RuntimeError(f"the subject failed before any checkpoint could be compared: "
+                               f"{type(_State.error).__name__}: {_State.error}") from _State.error
+        res = _State.result
+        rows = [r for r in res.rows if r.checkpoint == self.spec.id and r.layer == self.layer]
+        missing = [u for u in res.not_covered if u["checkpoint"] == self.spec.id and u["layer"] == self.layer]
+        bad = [r for r in rows if not r.passed]
+        if bad:
+            raise CheckpointFailure(self.spec, bad, res)
+        if not rows:
+            pytest.skip(f"not covered: {missing[0]['why']}" if missing else "not covered by this run")
+        if missing:      # partly covered: what was compared passed; say what was not
+            self.user_properties.append(("not_covered", [u["tensor"] for u in missing]))
+
+    def repr_failure(self, excinfo):
+        if isinstance(excinfo.value, CheckpointFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.spec.path, None, f"checkpoint {self.spec.id} {self.spec.name}" + (
+            "" if self.layer is None else f" layer {self.layer}")
+
+
+class CheckpointFailure(AssertionError):
+    def __init__(self, spec, rows, res):
+        from .harness.metrics import fmt, fmt_cos
+        lines = [f"checkpoint {spec.id} ({spec.title}) outside its band [{res.band_class}]: {res.subject_label} vs "
+                 f"{res.reference_label}"]
+        for r in rows:
+            m = r.metrics
+            lines.append(f"  {r.tensor}: shape {m.get('shape')} max abs {fmt(m.get('max_abs'))} max rel "
+                         f"{fmt(m.get('max_rel'))} NMSE {fmt(m.get('nmse'))} cosine "
+                         f"{fmt_cos(m.get('cosine', m.get('agreement')))} band {r.band}"
+                         + (f"\n    {m['error']}" if m.get("error") else ""))
+        fd = res.first_divergence
+        lines.append(f"first divergence of the run: checkpoint {fd['checkpoint']}, layer {fd['layer']}, "
+                     f"tensor {fd['tensor']}")
+        super().__init__("\n".join(lines))
+
+
+class CheckpointSuite(pytest.Collector):
+    def collect(self):
+        return []
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if not (config.getoption("llorch_subject") or config.getoption("llorch_dump")):
+        return
+    if config.getoption("llorch_subject") and config.getoption("llorch_dump"):
+        raise pytest.UsageError("give --llorch-subject or --llorch-dump, not both")
+    from .errors import LlorchError
+    from .harness.specs import load_specs
+    import llorch_ref
+    try:
+        eng = llorch_ref.load(config.getoption("llorch_model"))
+        cfg = eng.config
+        _State.result, _ = _compute(config, eng)
+    except LlorchError as e:
+        raise pytest.UsageError(f"llorch: {e}") from None
+    except Exception as e:            # the subject itself crashed: every checkpoint test reports it
+        _State.error = e
+    suite = CheckpointSuite.from_parent(session, name="llorch")
+    for s in load_specs():
+        for layer in (range(cfg.n_layers) if s.scope == "layer" else [None]):
+            name = f"cp{s.id}_{s.name}" + ("" if layer is None else f"[layer{layer}]")
+            items.append(CheckpointItem.from_parent(suite, name=name, spec=s, layer=layer))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    res = _State.result
+    if res is None:
+        return
+    tr = terminalreporter
+    tr.section("llorch-ref checkpoints")
+    tr.write_line(f"{res.subject_label} vs {res.reference_label}, band class {res.band_class}")
+    for s in res.summary():
+        verdict = "NOT COVERED" if s["passed"] is None else ("pass" if s["passed"] else "FAIL")
+        tr.write_line(f"  cp{s['checkpoint']:<3} {s['name']:<18} {verdict:<11} worst NMSE "
+                      f"{s['worst_nmse'] if s['worst_nmse'] is not None else '-'}")
+    fd = res.first_divergence
+    tr.write_line("first divergence: " + ("none" if fd is None else
+                                          f"checkpoint {fd['checkpoint']}, layer {fd['layer']}, {fd['tensor']}"))
+    for w in res.warnings:
+        tr.write_line(f"warning: {w}")
+    if _State.bundle:
+        tr.write_line(f"proof bundles: {_State.bundle['index']}")
