@@ -112,9 +112,14 @@ class Recorder:
     def add(self, name: str, array, layer: int | None = None):
         if layer is not None:
             name = f"{name}.layer{int(layer)}"
-        _parse_name(name, self._cat)                                  # raises on an unknown name
+        cp, t, _ = _parse_name(name, self._cat)                       # raises on an unknown name
         a = _to_numpy(array)
-        a = a.astype(np.int64) if a.dtype.kind in "iub" else a.astype(np.float32)
+        if self._cat[(cp, t)]["dtype"] == "int":
+            if a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):
+                raise DumpError(f"tensor {name!r} holds token ids: got non-integer values")
+            a = a.astype(np.int64)
+        else:
+            a = a.astype(np.float32)
         self.tensors[name] = a           # returns None: safe to call from torch hooks (a return value replaces outputs)
 
     def __setitem__(self, name, array):

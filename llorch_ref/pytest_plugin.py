@@ -169,7 +169,7 @@ def pytest_collection_modifyitems(session, config, items):
         raise pytest.UsageError(f"llorch: {e}") from None
     except Exception as e:            # the subject itself crashed: every checkpoint test reports it
         _State.error = e
-    suite = CheckpointSuite.from_parent(session, name="llorch")
+    suite = CheckpointSuite.from_parent(session, name="llorch", nodeid="llorch")
     for s in load_specs():
         for layer in (range(cfg.n_layers) if s.scope == "layer" else [None]):
             name = f"cp{s.id}_{s.name}" + ("" if layer is None else f"[layer{layer}]")
@@ -186,7 +186,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for s in res.summary():
         verdict = "NOT COVERED" if s["passed"] is None else ("pass" if s["passed"] else "FAIL")
         tr.write_line(f"  cp{s['checkpoint']:<3} {s['name']:<18} {verdict:<11} worst NMSE "
-                      f"{s['worst_nmse'] if s['worst_nmse'] is not None else '-'}")
+                      f"{s['worst_nmse'] if s['worst_nmse'] is not None else '-'}"
+                      + (f"; {s['not_covered']} comparisons not covered: {s['why']}" if s.get("not_covered") else ""))
     fd = res.first_divergence
     tr.write_line("first divergence: " + ("none" if fd is None else
                                           f"checkpoint {fd['checkpoint']}, layer {fd['layer']}, {fd['tensor']}"))

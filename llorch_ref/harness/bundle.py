@@ -61,7 +61,6 @@ def _cpu_flags() -> str:
 def manifest(result, engine, argv, seed=0) -> dict:
     import gguf
     import llorch_ref
-    from ..loaders.default_model import sha256_file
 
     try:
         import llama_cpp

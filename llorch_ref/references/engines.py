@@ -220,3 +220,8 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
                 step = torch.tensor([[nxt]])
             rec.add("cp12.greedy_tokens", np.array(gen, dtype=np.int64))
     return rec
+
+
+def transformers_subject(model_path, token_ids):
+    """The pytest-plugin subject protocol for transformers: --llorch-subject=llorch_ref.references.engines:transformers_subject"""
+    return dump_transformers(model_path, token_ids=token_ids, n_greedy=16)
