@@ -162,7 +162,8 @@ def _report_md(spec, rows, man, run_id, passed, rerun):
              f"- model: `{man['model']}` (sha256 `{man['model_sha256']}`)",
              f"- subject: {man['subject']}",
              f"- reference: {man['reference']} on `{man['reference_model']}`",
-             f"- prompt: {json.dumps(man['prompt'])} -> {len(man['token_ids'])} tokens",
+             f"- prompt: {json.dumps(man['prompt']) if man['prompt'] else '(none: token ids given)'} -> "
+             f"{len(man['token_ids'])} tokens",
              f"- numerics: {man['numerics']}, K/V cache {man['kv_dtype']}; "
              f"backend: {man['backend']} ({man['device']}); llorch-ref {man['llorch_ref_version']} "
              f"at {man['git_commit']}",
@@ -274,14 +275,17 @@ def _json_default(o):
 def _index_md(result, man, run_id, rerun):
     fd = result.first_divergence
     lines = [f"# Proof run {run_id}", "",
-             f"Verdict: **{'all checkpoints inside their bands' if fd is None else 'DIVERGED'}**; first divergence: "
+             f"Verdict: **{('all checkpoints inside their bands' if not result.not_covered else 'every covered '
+                            'checkpoint inside its band; ' + str(len({u['checkpoint'] for u in result.not_covered}))
+                            + ' checkpoint(s) not (fully) covered') if fd is None else 'DIVERGED'}**; first divergence: "
              f"{'none' if fd is None else json.dumps(fd)}", "",
              f"- model `{man['model']}` (sha256 `{man['model_sha256']}`), band class `{result.band_class}`",
              f"- subject: {man['subject']}",
              f"- reference: {man['reference']} on `{man['reference_model']}`"
              + (f" (llama-cpp-python {man['llama_cpp_python']}); settings `{json.dumps(man['llamacpp_settings'])}`"
                 if man["reference"] == "llama.cpp" else ""),
-             f"- prompt {json.dumps(result.prompt)}: {len(result.token_ids)} tokens",
+             f"- prompt {json.dumps(result.prompt) if result.prompt else '(none: token ids given)'}: "
+             f"{len(result.token_ids)} tokens",
              f"- llorch-ref {man['llorch_ref_version']} at {man['git_commit']}, numpy {man['numpy']}, "
              f"backend {man['backend']}, numerics {man['numerics']}, K/V cache {man['kv_dtype']}, "
              f"CPU flags: {man['cpu_flags']}", "",
