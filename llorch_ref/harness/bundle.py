@@ -274,10 +274,11 @@ def _json_default(o):
 
 def _index_md(result, man, run_id, rerun):
     fd = result.first_divergence
+    n_nc = len({u["checkpoint"] for u in result.not_covered})
+    verdict = ("DIVERGED" if fd is not None else "all checkpoints inside their bands" if not n_nc else
+               f"every covered checkpoint inside its band; {n_nc} checkpoint(s) not (fully) covered")
     lines = [f"# Proof run {run_id}", "",
-             f"Verdict: **{('all checkpoints inside their bands' if not result.not_covered else 'every covered '
-                            'checkpoint inside its band; ' + str(len({u['checkpoint'] for u in result.not_covered}))
-                            + ' checkpoint(s) not (fully) covered') if fd is None else 'DIVERGED'}**; first divergence: "
+             f"Verdict: **{verdict}**; first divergence: "
              f"{'none' if fd is None else json.dumps(fd)}", "",
              f"- model `{man['model']}` (sha256 `{man['model_sha256']}`), band class `{result.band_class}`",
              f"- subject: {man['subject']}",

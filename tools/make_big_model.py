@@ -1,0 +1,154 @@
+"""Write a Llama-2-7B- or Llama-3-8B-shaped GGUF of random weights, deterministically, without a download.
+
+    python tools/make_big_model.py --shape llama2-7b --type Q4_K --out /data/llama2-7b-random.Q4_K.gguf
+    python tools/make_big_model.py --shape llama3-8b --type Q8_0 --out /data/llama3-8b-random.Q8_0.gguf
+
+Shapes: llama2-7b (D 4096, F 11008, 32 layers, 32 heads, MHA, vocab 32000, SentencePiece-style 'llama'
+vocabulary); llama3-8b (D 4096, F 14336, 32 layers, 32/8 heads (GQA), vocab 128256, BPE 'llama-bpe'
+vocabulary, rope base 500000; llama3 rope scaling is not written yet); 'small' (a few layers of the
+7B widths, for quick checks). The quantized blocks are drawn directly (seeded per tensor name, so every
+run writes the same bytes): Q8_0 int8 codes with one f16 scale per 32 weights, Q4_K nibbles with random
+6-bit sub-block scales and mins, d and dmin set so the weights have the standard deviation asked for.
+Norm weights are F32 near 1. The vocabulary is a small trained one (llorch_ref.testing.tiny) padded with
+unused tokens to the full size. Tensors are written one at a time (memory stays small).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {
+    "llama2-7b": dict(d=4096, f=11008, layers=32, heads=32, kv=32, vocab=32000, ctx=4096, base=10000.0, vocab_kind="spm"),
+    "llama3-8b": dict(d=4096, f=14336, layers=32, heads=32, kv=8, vocab=128256, ctx=8192, base=500000.0,
+                      vocab_kind="bpe"),
+    "small": dict(d=4096, f=11008, layers=2, heads=32, kv=32, vocab=32000, ctx=4096, base=10000.0, vocab_kind="spm"),
+}
+BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144)}
+
+
+def _rng(name, seed):
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def random_blocks(name, rows, cols, qtype, std, seed) -> np.ndarray:
+    """-> uint8 [rows, cols / block * block_bytes]: random blocks of qtype with weights of about `std`."""
+    per, size = BLOCK[qtype]
+    nb = rows * cols // per
+    rng = _rng(name, seed)
+    out = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
+    if qtype == "Q8_0":
+        out[:, 2:] = np.clip(out[:, 2:].view(np.int8), -127, 127).view(np.uint8)
+        d = np.full(nb, std / 73.3, dtype=np.float16)               # uniform int8 in [-127, 127]: std 73.3
+        out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    else:                                                            # Q4_K: w = d*sc*q - dmin*m
+        d = np.full(nb, std / 259.0, dtype=np.float16)
+        out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+        out[:, 2:4] = (d.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return out.reshape(rows, -1)
+
+
+def vocab(kind, n):
+    from llorch_ref.testing.tiny import bpe_vocab, spm_vocab
+    if kind == "spm":
+        tokens, types, scores = spm_vocab()
+    else:
+        tokens, types, merges = bpe_vocab()
+        scores = None
+    pad = n - len(tokens)
+    if kind == "spm":
+        tokens = tokens + [f"<unused{i}>" for i in range(pad)]
+        types = types + [5] * pad                      # UNUSED: never produced by the tokenizer
+        scores = scores + [-1e9] * pad
+        return tokens, types, scores, None
+    tokens = tokens + [f"<|reserved_special_token_{i}|>" for i in range(pad)]
+    types = types + [3] * pad                          # CONTROL, as Llama 3's reserved tokens
+    return tokens, types, None, merges
+
+
+def write(path, shape="llama2-7b", qtype="Q4_K", seed=0):
+    import gguf
+    from tqdm import tqdm
+
+    s = SHAPES[shape]
+    d, f, L, h, kv, V = s["d"], s["f"], s["layers"], s["heads"], s["kv"], s["vocab"]
+    hd = d // h
+    path = Path(path)
+    tmp = path.with_name(path.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(f"{shape}-random-{qtype}")
+    w.add_block_count(L)
+    w.add_context_length(s["ctx"])
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(f)
+    w.add_head_count(h)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(s["base"])
+    w.add_rope_dimension_count(hd)
+    w.add_vocab_size(V)
+    w.add_file_type({"Q8_0": 7, "Q4_K": 15}[qtype])
+    tokens, types, scores, merges = vocab(s["vocab_kind"], V)
+    if s["vocab_kind"] == "spm":
+        w.add_tokenizer_model("llama")
+        w.add_token_scores(scores)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(True)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("llama-bpe")
+        w.add_token_merges(merges)
+        w.add_add_bos_token(False)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    qt = gguf.GGMLQuantizationType[qtype]
+    plan = [("token_embd.weight", (V, d), 0.02)]
+    for i in range(L):
+        p = f"blk.{i}."
+        plan += [(p + "attn_norm.weight", (d,), None), (p + "attn_q.weight", (h * hd, d), 0.02),
+                 (p + "attn_k.weight", (kv * hd, d), 0.02), (p + "attn_v.weight", (kv * hd, d), 0.02),
+                 (p + "attn_output.weight", (d, h * hd), 0.02), (p + "ffn_norm.weight", (d,), None),
+                 (p + "ffn_gate.weight", (f, d), 0.02), (p + "ffn_up.weight", (f, d), 0.02),
+                 (p + "ffn_down.weight", (d, f), 0.02)]
+    plan += [("output_norm.weight", (d,), None), ("output.weight", (V, d), 0.02)]
+    for name, shp, std in plan:
+        if std is None:
+            w.add_tensor_info(name, shp, np.dtype(np.float32), shp[0] * 4)
+        else:
+            per, size = BLOCK[qtype]
+            w.add_tensor_info(name, (shp[0], shp[1] // per * size), np.dtype(np.uint8),
+                              shp[0] * shp[1] // per * size, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shp, std in tqdm(plan, desc=f"writing {path.name}", unit="tensor", file=sys.stderr):
+        if std is None:
+            arr = (1.0 + 0.05 * _rng(name, seed).standard_normal(shp)).astype(np.float32)
+        else:
+            arr = random_blocks(name, shp[0], shp[1], qtype, std, seed)
+        w.write_tensor_data(arr)
+    w.close()
+    tmp.rename(path)
+    return path
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama2-7b")
+    ap.add_argument("--type", choices=list(BLOCK), default="Q4_K")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    p = write(a.out, a.shape, a.type, a.seed)
+    print(f"wrote {p} ({p.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
