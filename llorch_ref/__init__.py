@@ -4,12 +4,17 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
-def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", dtype="float32", threads=None):
+def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", dtype="float32", threads=None,
+         weights="auto", weight_cache_mb=None, weight_dtype="float32"):
     """Load a GGUF file or a Hugging Face model folder (default: SmolLM2-135M-Instruct Q4_1, fetched and cached) -> Engine.
 
     backend: "numpy" (default, or $LLORCH_BACKEND), "numba" or "cupy"; dtype: weight storage on the
     backend ("float16" for cupy only); numerics: "exact" (float32 math) or "ggml" (llama.cpp's CPU
-    arithmetic, numpy backend); kv_dtype: "f32" or "f16" (the K/V cache type; llama.cpp's default is f16)."""
+    arithmetic, numpy backend); kv_dtype: "f32" or "f16" (the K/V cache type; llama.cpp's default is f16).
+    weights: "lazy" (GGUF memory-mapped, each layer dequantized when it runs, through a cache of
+    weight_cache_mb; default: the whole model if it fits in half the available memory), "eager" (all
+    dequantized at load) or "auto" (lazy for GGUF files on the numpy backend with exact numerics).
+    weight_dtype: storage of dequantized 2-D weights, "float32", "float16" or "bfloat16" (math stays float32)."""
     from pathlib import Path
 
     from .engine import Engine
@@ -19,15 +24,29 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", 
     from .tokenizer import from_gguf_metadata
 
     path = Path(default_model_path() if path is None else path)
+    if weights not in ("auto", "lazy", "eager"):
+        raise ParameterError(f"weights={weights!r} must be 'auto', 'lazy' or 'eager'")
+    import os
+    bname = backend or os.environ.get("LLORCH_BACKEND") or "numpy"
+    if weights == "lazy" and (path.is_dir() or bname != "numpy" or numerics != "exact"):
+        raise ParameterError("lazy weights need a GGUF file on the numpy backend with exact numerics "
+                             f"(got {'a folder' if path.is_dir() else 'a GGUF file'}, backend {bname}, numerics "
+                             f"{numerics}); use --weights eager")
+    lazy = weights == "lazy" or (weights == "auto" and not path.is_dir() and bname == "numpy" and numerics == "exact")
+    if weight_dtype != "float32" and bname != "numpy":
+        raise ParameterError(f"--weight-dtype {weight_dtype} is for the numpy backend (cupy has --dtype float16)")
     if path.is_dir():                       # a Hugging Face folder: same Config + Weights, exact numerics
         from .loaders.hf_folder import load_hf_folder
 
         if numerics != "exact":
             raise ParameterError(f"numerics={numerics!r} needs GGUF blocks; a Hugging Face folder runs 'exact'")
+        if weight_cache_mb is not None or weight_dtype != "float32":
+            raise ParameterError("--weight-cache-mb and --weight-dtype apply to GGUF files (a Hugging Face folder "
+                                 "loads eagerly in float32)")
         m = load_hf_folder(path)
         tok, raw_blocks = m.tokenizer, None
     else:
-        m = load_gguf(path, numerics=numerics)
+        m = load_gguf(path, numerics=numerics, lazy=lazy, weight_cache_mb=weight_cache_mb, weight_dtype=weight_dtype)
         tok, raw_blocks = from_gguf_metadata(m.metadata, source=str(m.path)), m.raw_blocks
     return Engine(m.config, m.weights, tok, path=m.path, metadata=m.metadata, tensor_types=m.tensor_types,
                   backend=backend, n_ctx=n_ctx, numerics=numerics, kv_dtype=kv_dtype, dtype=dtype, threads=threads,

@@ -30,11 +30,14 @@ def _median_runs(fn, repeats):
     return statistics.median(fn() for _ in range(repeats))
 
 
-def measure_llorch(path, backend, prefill, decode, repeats, threads, dtype="float32", numerics="exact"):
+def measure_llorch(path, backend, prefill, decode, repeats, threads, dtype="float32", numerics="exact",
+                   weights="auto"):
     import llorch_ref
 
+    cache_mb = os.environ.get("LLORCH_BENCH_WEIGHT_CACHE_MB")
     t0 = time.perf_counter()
-    eng = llorch_ref.load(path, backend=backend, threads=threads, dtype=dtype, numerics=numerics)
+    eng = llorch_ref.load(path, backend=backend, threads=threads, dtype=dtype, numerics=numerics, weights=weights,
+                          weight_cache_mb=float(cache_mb) if cache_mb and weights != "eager" else None)
     eng.backend.synchronize()
     load_s = time.perf_counter() - t0
     ids = eng.tokenizer.encode(PROMPT)[:prefill] if eng.tokenizer else list(range(1, prefill + 1))
@@ -55,10 +58,12 @@ def measure_llorch(path, backend, prefill, decode, repeats, threads, dtype="floa
         eng.backend.synchronize()
         return decode / res.decode_s
 
+    pre, dec = _median_runs(one_prefill, repeats), _median_runs(one_decode, repeats)
+    wi = eng.weights_info()
     return {"engine": f"llorch-ref {backend}" + (f" {dtype}" if dtype != "float32" else "")
-            + (" ggml" if numerics == "ggml" else ""), "device": eng.backend.device,
-            "load_s": load_s, "prefill_tok_s": _median_runs(one_prefill, repeats),
-            "decode_tok_s": _median_runs(one_decode, repeats), "peak_mb": _peak_mb(), "info": eng.backend.info}
+            + (" ggml" if numerics == "ggml" else "") + (" lazy" if wi.get("lazy") else " eager"),
+            "device": eng.backend.device, "load_s": load_s, "prefill_tok_s": pre, "decode_tok_s": dec,
+            "peak_mb": _peak_mb(), "info": {**eng.backend.info, "weights": wi}}
 
 
 def measure_llamacpp(path, prefill, decode, repeats, threads):
@@ -129,8 +134,9 @@ def worker_main(argv):
     else:
         backend, _, dtype = engine.partition(":")
         numerics = "ggml" if backend == "numpy-ggml" else "exact"
-        backend = "numpy" if backend == "numpy-ggml" else backend
-        out = measure_llorch(path, backend, prefill, decode, repeats, threads, dtype or "float32", numerics)
+        weights = {"numpy-eager": "eager", "numpy-lazy": "lazy"}.get(backend, "auto")
+        backend = "numpy" if backend.startswith("numpy") else backend
+        out = measure_llorch(path, backend, prefill, decode, repeats, threads, dtype or "float32", numerics, weights)
     print("BENCH " + json.dumps(out), flush=True)
 
 

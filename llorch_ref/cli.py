@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -23,10 +24,14 @@ def _load(args):
 
     t0 = time.perf_counter()
     eng = llorch_ref.load(args.model, backend=getattr(args, "backend", None), dtype=args.dtype,
-                          n_ctx=getattr(args, "ctx", None), numerics=args.numerics, kv_dtype=args.kv_dtype)
+                          n_ctx=getattr(args, "ctx", None), numerics=args.numerics, kv_dtype=args.kv_dtype,
+                          weights=args.weights, weight_cache_mb=args.weight_cache_mb, weight_dtype=args.weight_dtype)
+    wi = eng.weights_info()
+    how = (f"lazy weights ({wi['dequantized_mb']:.0f} MB dequantized as {wi['storage']}, cache "
+           f"{wi['budget_mb']:.0f} MB)" if wi["lazy"] else f"weights dequantized at load ({wi['storage']})")
     _log(f"llorch-ref: loaded {eng.path.name} ({eng.config.arch}, {eng.config.n_layers} layers) "
          f"in {time.perf_counter() - t0:.2f} s, backend {eng.backend.name}, numerics {eng.numerics}, "
-         f"K/V cache {eng.kv_dtype}")
+         f"K/V cache {eng.kv_dtype}, {how}")
     return eng
 
 
@@ -203,8 +208,8 @@ def _run(args):
 
 
 def _band_class(args, eng):
-    from .harness.specs import band_class_of
-    return args.band_class or ("ggml" if eng.numerics == "ggml" else band_class_of(eng.tensor_types))
+    from .harness.specs import engine_band_class
+    return args.band_class or ("ggml" if eng.numerics == "ggml" else engine_band_class(eng))
 
 
 def _engine_label(eng):
@@ -358,10 +363,17 @@ def cmd_bench(args):
     if not path.exists():
         raise ParameterError(f"{path}: no such file")
     engines = [e for e in args.engines.split(",") if e]
-    known = {"numpy", "numpy-ggml", "numba", "cupy", "cupy:float16", "llamacpp", "transformers"}
+    known = {"numpy", "numpy-eager", "numpy-lazy", "numpy-ggml", "numba", "cupy", "cupy:float16", "llamacpp",
+             "transformers"}
     bad = [e for e in engines if e not in known]
     if bad:
         raise ParameterError(f"unknown engine(s) {', '.join(bad)}; known: {', '.join(sorted(known))}")
+    if args.weight_cache_mb is not None:
+        if args.weight_cache_mb < 0:
+            raise ParameterError("--weight-cache-mb must be >= 0")
+        if not any(e in ("numpy", "numpy-lazy") for e in engines):
+            raise ParameterError("--weight-cache-mb applies to the numpy and numpy-lazy engines")
+        os.environ["LLORCH_BENCH_WEIGHT_CACHE_MB"] = str(args.weight_cache_mb)
     report = run_bench(path, engines, prefill=args.prefill, decode=args.decode, repeats=args.repeats,
                        threads=args.threads)
     md = markdown(report)
@@ -389,6 +401,14 @@ def build_parser():
                              "activations, its dot-product order, its exp), bit for bit")
         sp.add_argument("--kv-dtype", choices=["f32", "f16"], default="f32",
                         help="K/V cache type (default f32; llama.cpp's own default is f16)")
+        sp.add_argument("--weights", choices=["auto", "lazy", "eager"], default="auto",
+                        help="lazy: keep the GGUF mapped, dequantize each layer when it runs (default for GGUF "
+                             "on numpy with exact numerics); eager: dequantize everything at load")
+        sp.add_argument("--weight-cache-mb", type=float, default=None,
+                        help="lazy weights: MB of dequantized layers kept between uses (default: the whole "
+                             "model if it fits in half the available memory, else 0)")
+        sp.add_argument("--weight-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                        help="storage of dequantized weights on the numpy backend (math stays float32)")
 
     def sampling_args(sp):
         sp.add_argument("--max-tokens", type=int, default=128)
@@ -430,7 +450,10 @@ def build_parser():
     b = sub.add_parser("bench", help="load time, prefill/decode tokens/s and peak memory per engine")
     b.add_argument("--model", help="GGUF file (default: the default model)")
     b.add_argument("--engines", default="numpy,numba,llamacpp",
-                   help="comma list of numpy, numpy-ggml, numba, cupy, cupy:float16, llamacpp, transformers")
+                   help="comma list of numpy (lazy weights for GGUF), numpy-eager, numpy-lazy, numpy-ggml, numba, cupy, "
+                        "cupy:float16, llamacpp, transformers")
+    b.add_argument("--weight-cache-mb", type=float, default=None,
+                   help="cache budget for the lazy-weight engines (default: theirs)")
     b.add_argument("--prefill", type=int, default=128)
     b.add_argument("--decode", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)

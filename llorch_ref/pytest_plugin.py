@@ -61,7 +61,7 @@ def _compute(config, eng):
     import llorch_ref
     from .dump import Dump, Recorder, load_dump
     from .harness.run import DEFAULT_PROMPT
-    from .harness.specs import band_class_of
+    from .harness.specs import engine_band_class
     from .harness.subject import check_dump_fits, check_same_model, compare_dumps, record_engine
 
     opt = config.getoption
@@ -87,7 +87,7 @@ def _compute(config, eng):
     check_dump_fits(sub, eng.config)
     n = opt("llorch_greedy") or (len(sub.raw("12", "greedy_tokens")) if sub.has("12", "greedy_tokens") else 0)
     ref = record_engine(eng, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n)
-    bc = opt("llorch_band_class") or band_class_of(eng.tensor_types)
+    bc = opt("llorch_band_class") or engine_band_class(eng)
     res = compare_dumps(sub, ref, eng.config, bc, subject_label=label,
                         reference_label=f"llorch-ref {llorch_ref.__version__} (numpy, exact)",
                         model=sub.source or label, reference_model=str(eng.path))

@@ -24,6 +24,9 @@ PROMPTS = [
     "In 1969, Apollo 11 landed on the Moon; 3.14159 is pi, and 1,000,000 is a million. Über-naïve café ☕ 日本語",
 ]
 CLASSES = {"F32": "f32", "F16": "f16", "Q8_0": "q8_0", "K": "q4_k_m", "Q4_x": None}   # None: the original
+# storage classes: a copy loaded with --weight-dtype (dequantized weights stored reduced, math in float32)
+STORAGE = {"BF16": ("f32", "bfloat16")}
+EXACT = ("F32", "F16")      # classes whose argmax and greedy text must agree everywhere
 
 
 def main():
@@ -31,6 +34,9 @@ def main():
     ap.add_argument("--write", action="store_true", help="write bands and measurements into checkpoints/*.json")
     ap.add_argument("--margin", type=float, default=10.0)
     ap.add_argument("--greedy", type=int, default=64)
+    ap.add_argument("--classes", default=None,
+                    help="comma list of band classes to measure (default: F32,F16,Q8_0,K,Q4_x); BF16 = the F32 "
+                         "copy stored as bfloat16. Other classes' bands are kept.")
     ap.add_argument("--ggml", action="store_true",
                     help="measure numerics='ggml' (F32/F16 K/V) instead and write the 'ggml' band class")
     a = ap.parse_args()
@@ -47,9 +53,14 @@ def main():
     copies = make_copies(orig, home() / "models", ["f32", "f16", "q8_0", "q4_k_m"])
     specs = load_specs()
     measured = {s.id: {} for s in specs}
-    for cls, key in CLASSES.items():
+    want = a.classes.split(",") if a.classes else list(CLASSES)
+    unknown = [c for c in want if c not in CLASSES and c not in STORAGE]
+    if unknown:
+        raise SystemExit(f"unknown class(es) {unknown}; known: {list(CLASSES) + list(STORAGE)}")
+    for cls in want:
+        key, store = STORAGE[cls] if cls in STORAGE else (CLASSES[cls], "float32")
         path = orig if key is None else copies[key]
-        eng = llorch_ref.load(path)
+        eng = llorch_ref.load(path, weight_dtype=store)
         worst = {}
         for p in PROMPTS:
             t0 = time.perf_counter()
@@ -78,18 +89,20 @@ def main():
     if not a.write:
         return 0
     cmd = "python tools/calibrate_bands.py --write --margin %g --greedy %d" % (a.margin, a.greedy)
+    if a.classes:
+        cmd += f" --classes {a.classes}"
     for s in specs:
         d = json.loads(s.path.read_text())
-        bands = {}
+        bands = {k: v for k, v in d["bands"].items() if k != "ggml"} if a.classes else {}
         for cls, m in measured[s.id].items():
             if s.id in ("0",):
                 bands[cls] = {"agreement": 1.0}
             elif s.id == "10":
-                exact = cls in ("F32", "F16")
+                exact = cls in EXACT
                 bands[cls] = {"agreement": 1.0 if exact else math.floor(m["min_agreement"] / 2 * 100) / 100}
             elif s.id == "12":
                 # exact classes: every token equal; quantized ones: half the shortest equal prefix measured
-                exact = cls in ("F32", "F16")
+                exact = cls in EXACT
                 bands[cls] = ({"agreement": 1.0} if exact else
                               {"equal_prefix": int(m["min_equal_prefix"] // 2)})
             else:
@@ -97,8 +110,10 @@ def main():
                 bands[cls] = {"nmse": float(f"{max(nm, 1e-15) * a.margin:.1e}")}
         keep_ggml = {k: d.get(k, {}).get("ggml") for k in ("bands", "measured")}    # set by --ggml, kept
         d["bands"] = bands
-        d["measured"] = {"command": cmd, "margin": a.margin, "prompts": PROMPTS, "greedy_tokens": a.greedy,
-                         "by_class": measured[s.id]}
+        by_class = {**(d.get("measured", {}).get("by_class", {}) if a.classes else {}), **measured[s.id]}
+        old_cmd = d.get("measured", {}).get("command")
+        d["measured"] = {"command": cmd if not a.classes or not old_cmd else f"{old_cmd}; then {cmd}",
+                         "margin": a.margin, "prompts": PROMPTS, "greedy_tokens": a.greedy, "by_class": by_class}
         for k, v in keep_ggml.items():
             if v is not None:
                 d[k]["ggml"] = v

@@ -94,6 +94,8 @@ def manifest(result, engine, argv, seed=0) -> dict:
         "numerics": engine.numerics,
         "kv_dtype": engine.kv_dtype,
         "device": engine.backend.device,
+        "weights": engine.weights_info(),
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
         "prompt": result.prompt,
         "token_ids": result.token_ids,
         "llamacpp_settings": result.llamacpp_settings,
@@ -101,6 +103,12 @@ def manifest(result, engine, argv, seed=0) -> dict:
         "command": " ".join(argv),
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(),
     }
+
+
+def _peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (Linux ru_maxrss is in KiB); includes mapped file pages."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _dist_version(name):
@@ -289,7 +297,10 @@ def _index_md(result, man, run_id, rerun):
              f"{len(result.token_ids)} tokens",
              f"- llorch-ref {man['llorch_ref_version']} at {man['git_commit']}, numpy {man['numpy']}, "
              f"backend {man['backend']}, numerics {man['numerics']}, K/V cache {man['kv_dtype']}, "
-             f"CPU flags: {man['cpu_flags']}", "",
+             f"CPU flags: {man['cpu_flags']}",
+             f"- weights: {'lazy' if man['weights'].get('lazy') else 'eager'}, {man['weights'].get('storage')}, "
+             f"{man['weights'].get('dequantized_mb')} MB dequantized; peak resident memory of the run "
+             f"{man['peak_rss_mb']:.0f} MB", "",
              "| checkpoint | name | comparisons | failed | worst NMSE | worst max abs | min cosine / agreement | band | bundle |",
              "|---|---|---|---|---|---|---|---|---|"]
     for s in result.summary():

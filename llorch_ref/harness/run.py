@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import HarnessError, PromptError
 from .metrics import compare, within
-from .specs import band_class_of, coarser, load_specs
+from .specs import band_class_of, coarser, engine_band_class, load_specs
 
 DEFAULT_PROMPT = "Once upon a time, there was a little"
 WARMUP_PROMPT = "The quick brown fox jumps over the lazy dog, again and again and again."
@@ -143,7 +143,7 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     if band_class is None and engine.numerics == "ggml":
         band_class = "ggml"
     if band_class is None:
-        band_class = band_class_of(engine.tensor_types)
+        band_class = engine_band_class(engine)
         if reference_model is not None:
             from ..loaders.gguf_file import open_reader
             r = open_reader(ref_path)

@@ -98,5 +98,15 @@ def band_class_of(tensor_types: dict) -> str:
     return max(seen, key=CLASS_ORDER.index)
 
 
+STORAGE_CLASS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def engine_band_class(engine) -> str:
+    """Band class of a loaded engine: its weight types, made coarser by a reduced --weight-dtype storage."""
+    bc = band_class_of(engine.tensor_types)
+    store = engine.weights_info().get("storage", "float32")
+    return coarser(bc, STORAGE_CLASS.get(store, "F32"))
+
+
 def coarser(a: str, b: str) -> str:
     return max(a, b, key=CLASS_ORDER.index)

@@ -8,6 +8,7 @@ GGUF llama files hold Wq/Wk rows permuted by llama.cpp's converter so that RoPE 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -205,17 +206,33 @@ def ggml_matrix(t, shape):
                                 f"(implemented: F32, F16, {', '.join(ACT_TYPE)}, Q2_K..Q6_K); use numerics='exact'")
 
 
-def load_gguf(path, numerics: str = "exact") -> GGUFModel:
+def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb: float | None = None,
+              weight_dtype: str = "float32") -> GGUFModel:
+    """GGUF -> Config + Weights. lazy: keep the file mapped and dequantize each layer when it runs, with a
+    cache of weight_cache_mb (default: the whole model if it fits in half the available memory).
+    weight_dtype: storage of the dequantized 2-D weights (float32, float16, bfloat16); math stays float32."""
     from ..numerics import NUMERICS
+    from .lazy_weights import storage_dtype
 
     if numerics not in NUMERICS:
         raise ParameterError(f"numerics {numerics!r} must be one of {', '.join(NUMERICS)}")
+    store = storage_dtype(weight_dtype)
+    if numerics == "ggml" and (lazy or store != np.float32):
+        raise ParameterError("numerics='ggml' multiplies the GGUF blocks themselves: lazy weights and "
+                             "--weight-dtype do not apply")
+    if weight_cache_mb is not None and not lazy:
+        raise ParameterError("--weight-cache-mb applies to lazy weights only")
+    if weight_cache_mb is not None and not (weight_cache_mb >= 0):
+        raise ParameterError(f"--weight-cache-mb {weight_cache_mb} must be >= 0")
     path = Path(path)
     reader = open_reader(path)
     meta = read_metadata(reader)
     by_name = {t.name: t for t in reader.tensors}
     shapes = {t.name: tuple(int(x) for x in reversed([int(s) for s in t.shape])) for t in reader.tensors}
     cfg = config_from_metadata(meta, path, shapes)
+    if lazy:
+        return _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
+    big = path.stat().st_size > (1 << 30)
 
     raw_blocks = {}
 
@@ -236,10 +253,16 @@ def load_gguf(path, numerics: str = "exact") -> GGUFModel:
             raise ModelFileError(f"{path}: tensor {name!r} cannot be read ({type(e).__name__}: {e})") from None
         if matrix and t.tensor_type.name not in ("F32", "F16"):
             raw_blocks[id(arr)] = (t.tensor_type.name, t.data)
+        if matrix and store != np.float32:
+            arr = arr.astype(store)
         return arr
 
     layers = []
-    for i in range(cfg.n_layers):
+    steps = range(cfg.n_layers)
+    if big:                                    # progress on stderr for files over 1 GiB
+        from tqdm import tqdm
+        steps = tqdm(steps, desc=f"dequantizing {path.name}", unit="layer", file=sys.stderr)
+    for i in steps:
         fields = {fld: tensor(f"blk.{i}.{suffix}", shp(cfg), matrix=len(shp(cfg)) == 2)
                   for suffix, (fld, shp) in LAYER_TENSORS.items()}
         layers.append(LayerWeights(**fields))
@@ -253,3 +276,48 @@ def load_gguf(path, numerics: str = "exact") -> GGUFModel:
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types,
                      raw_blocks=raw_blocks)
+
+
+def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store) -> GGUFModel:
+    from .lazy_weights import LazyLayers, LazyRows, LazyWeights, WeightCache, default_cache_bytes, dequantize_rows
+
+    def check(name, shape):
+        if name not in by_name:
+            raise ModelFileError(f"{path}: tensor {name!r} is missing")
+        if shapes[name] != shape:
+            raise ModelFileError(f"{path}: tensor {name!r} has shape {shapes[name]} (NumPy order), "
+                                 f"expected {shape} from the metadata")
+        return by_name[name]
+
+    def deq(name, matrix):
+        try:
+            a = dequantize(by_name[name])
+        except ModelFileError as e:
+            raise ModelFileError(f"{path}: {e}") from None
+        except (ValueError, TypeError, IndexError) as e:
+            raise ModelFileError(f"{path}: tensor {name!r} cannot be read ({type(e).__name__}: {e})") from None
+        return a.astype(store) if matrix and store != np.float32 else a
+
+    full = 0
+    for i in range(cfg.n_layers):
+        for suffix, (_, shp) in LAYER_TENSORS.items():
+            shape = shp(cfg)
+            check(f"blk.{i}.{suffix}", shape)
+            full += int(np.prod(shape)) * (store.itemsize if len(shape) == 2 else 4)
+    emb = check("token_embd.weight", (cfg.n_vocab, cfg.d_model))
+    out_name = "token_embd.weight" if cfg.tied_output else "output.weight"
+    check(out_name, (cfg.n_vocab, cfg.d_model))
+    full += cfg.n_vocab * cfg.d_model * store.itemsize
+    budget = default_cache_bytes(full) if weight_cache_mb is None else int(weight_cache_mb * 2**20)
+    cache = WeightCache(budget)
+
+    def make_layer(i):
+        return LayerWeights(**{fld: deq(f"blk.{i}.{suffix}", len(shp(cfg)) == 2)
+                               for suffix, (fld, shp) in LAYER_TENSORS.items()})
+
+    out_norm = deq(check("output_norm.weight", (cfg.d_model,)).name, False)
+    weights = LazyWeights(LazyRows(emb, (cfg.n_vocab, cfg.d_model), dequantize_rows),
+                          LazyLayers(cfg.n_layers, make_layer, cache), out_norm,
+                          lambda: deq(out_name, True), cache, full, store)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types, raw_blocks={})

@@ -54,7 +54,7 @@ def forward(xp, cfg, w, tokens, cache, rows=None, record=_noop, ops=L):
     """
     t = len(tokens)
     cache.check_room(t)
-    x = w.tok_embd[xp.asarray(tokens)]                                                 # [T, D]
+    x = w.tok_embd[xp.asarray(tokens)].astype(xp.float32, copy=False)                  # [T, D]
     record("embd", None, x)
     last = len(w.layers) - 1
     out_rows = None if rows is None else xp.asarray(rows)

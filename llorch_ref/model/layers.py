@@ -21,9 +21,12 @@ def rms_norm(xp, x, w, eps: float):
 def linear(xp, x, w):
     """x: [T, in] f32, w: [out, in] f32 -> [T, out] f32.
 
+    w may be stored as float16 or bfloat16 (--weight-dtype): it is widened to float32 for the product.
     w may instead be a matrix object with .matmul(x) (numerics="ggml": ggml's quantized CPU product)."""
     if not isinstance(w, xp.ndarray):
         return w.matmul(x)
+    if w.dtype != xp.float32:
+        w = w.astype(xp.float32)
     return x @ w.T
 
 

@@ -1,0 +1,153 @@
+"""Lazy weights: the GGUF stays memory-mapped; a layer's tensors are dequantized when the layer runs.
+
+A forward pass walks the layers in order, so a least-recently-used cache smaller than the model would
+evict every layer just before its next use and never hit. The cache therefore keeps the first entries
+that fit in its budget and re-dequantizes the others each time ("fill, then keep"): with a budget of
+the whole dequantized model it behaves like eager loading; with a budget of K layers, K of L layers are
+served from memory. The quantized bytes stay in the page cache, shared with other processes.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+
+STORAGE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def storage_dtype(name: str):
+    from ..errors import ParameterError
+    if name not in STORAGE_DTYPES:
+        raise ParameterError(f"weight dtype {name!r} must be one of {', '.join(STORAGE_DTYPES)}")
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def mem_available() -> int:
+    """Bytes the kernel reports as available (MemAvailable), or 4 GiB where that cannot be read."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def default_cache_bytes(full_bytes: int) -> int:
+    """The whole dequantized model when it fits in half the available memory; otherwise nothing (a partial
+    cache of a layer scan saves only its own fraction of the work, and the memory goes to the page cache)."""
+    return full_bytes if full_bytes <= mem_available() // 2 else 0
+
+
+class WeightCache:
+    def __init__(self, budget_bytes: int):
+        self.budget, self.used = int(budget_bytes), 0
+        self.items: dict = {}
+        self.hits = self.misses = 0
+
+    def get(self, key, make):
+        v = self.items.get(key)
+        if v is not None:
+            self.hits += 1
+            return v
+        self.misses += 1
+        v = make()
+        n = _nbytes(v)
+        if self.used + n <= self.budget:
+            self.items[key] = v
+            self.used += n
+        return v
+
+    def stats(self) -> dict:
+        return {"budget_mb": round(self.budget / 2**20, 1), "used_mb": round(self.used / 2**20, 1),
+                "entries": len(self.items), "hits": self.hits, "misses": self.misses}
+
+
+def _nbytes(v) -> int:
+    if isinstance(v, np.ndarray):
+        return v.nbytes
+    return sum(a.nbytes for a in vars(v).values() if isinstance(a, np.ndarray))
+
+
+class LazyRows:
+    """The token embedding: rows dequantized on lookup, `emb[ids]` -> [n, D] float32."""
+
+    def __init__(self, tensor, shape, dequantize_rows):
+        self.t, self.shape, self._rows = tensor, shape, dequantize_rows
+        self.dtype = np.dtype(np.float32)
+        self.ndim = 2
+
+    def __getitem__(self, idx):
+        idx = np.asarray(idx)
+        uniq, inv = np.unique(idx.ravel(), return_inverse=True)
+        rows = self._rows(self.t, uniq)                                    # [U, D]
+        return rows[inv].reshape(idx.shape + (self.shape[1],))
+
+
+class LazyLayers:
+    """A sequence of LayerWeights, dequantized on access through the cache."""
+
+    def __init__(self, n, make_layer, cache):
+        self.n, self._make, self.cache = n, make_layer, cache
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        i %= self.n
+        return self.cache.get(("layer", i), lambda: self._make(i))
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield self[i]
+
+
+class LazyWeights:
+    """Same attributes as model.weights.Weights (tok_embd, layers, out_norm, output); arrays appear on use."""
+
+    lazy = True
+
+    def __init__(self, tok_embd, layers, out_norm, make_output, cache, full_bytes, dtype):
+        self.tok_embd, self.layers, self.out_norm = tok_embd, layers, out_norm
+        self._make_output, self.cache, self.full_bytes, self.dtype = make_output, cache, full_bytes, dtype
+
+    @property
+    def output(self):
+        return self.cache.get("output", self._make_output)
+
+    def map(self, fn):
+        return self                     # numpy backend only (the engine refuses lazy weights elsewhere)
+
+    def info(self) -> dict:
+        return {"lazy": True, "storage": str(self.dtype), "dequantized_mb": round(self.full_bytes / 2**20, 1),
+                **self.cache.stats()}
+
+
+def dequantize_rows(t, rows) -> np.ndarray:
+    """rows of one GGUF matrix -> float32 [len(rows), D], reading only those rows' blocks."""
+    from gguf import quants
+    from gguf import GGMLQuantizationType as Q
+
+    data = t.data
+    if t.tensor_type == Q.F32:
+        return np.asarray(data[rows], dtype=np.float32)
+    if t.tensor_type == Q.F16:
+        return np.asarray(data[rows]).astype(np.float32)
+    out = quants.dequantize(np.asarray(data[rows]), t.tensor_type)
+    return np.ascontiguousarray(out.reshape(len(rows), -1), dtype=np.float32)
+
+
+def log_plan(path, weights):
+    i = weights.info()
+    whole = "all of it" if i["budget_mb"] >= i["dequantized_mb"] else f"{i['budget_mb']:.0f} MB of it"
+    print(f"llorch-ref: lazy weights from {os.path.basename(str(path))}: {i['dequantized_mb']:.0f} MB dequantized "
+          f"({i['storage']}), cache keeps {whole}", file=sys.stderr, flush=True)

@@ -1,0 +1,83 @@
+"""Lazy weights (GGUF memory-mapped, layers dequantized on use, bounded cache) and float16/bfloat16 storage."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llorch_ref
+from llorch_ref.errors import ParameterError
+
+PROMPT = "Once upon a time, there was a little"
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(tied=True), dict(weight_type="Q8_0"), dict(weight_type="Q4_1")])
+def test_lazy_equals_eager_bit_for_bit_on_tiny_models(tiny, kw):
+    p = tiny(**kw)
+    eager = llorch_ref.load(p, weights="eager")
+    ids = eager.tokenizer.encode(PROMPT)
+    want = eager.logits(ids)
+    for mb in (None, 0, 0.05):                       # all cached, nothing cached, about one layer
+        lazy = llorch_ref.load(p, weights="lazy", weight_cache_mb=mb)
+        assert lazy.weights_info()["lazy"]
+        np.testing.assert_array_equal(lazy.logits(ids), want)
+        np.testing.assert_array_equal(lazy.logits(ids), want)         # second pass: from the cache (or not)
+        st = lazy.weights_info()
+        if mb == 0:
+            assert st["entries"] == 0 and st["hits"] == 0 and st["misses"] == 2 * (eager.config.n_layers + 1)
+        if mb is None:
+            assert st["hits"] == eager.config.n_layers + 1 and st["used_mb"] == st["dequantized_mb"]
+
+
+def test_cache_keeps_what_fits_and_never_exceeds_its_budget(tiny):
+    p = tiny(n_layers=4)
+    one_layer = llorch_ref.load(p, weights="lazy", weight_cache_mb=0).weights.layers[0]
+    layer_mb = sum(a.nbytes for a in vars(one_layer).values()) / 2**20
+    eng = llorch_ref.load(p, weights="lazy", weight_cache_mb=2.5 * layer_mb)
+    eng.logits([1, 2, 3])
+    st = eng.weights_info()
+    assert st["entries"] == 2 and st["used_mb"] <= st["budget_mb"]
+    eng.logits([1, 2, 3])
+    assert eng.weights_info()["hits"] == 2                   # the first two layers, kept
+
+
+def test_default_model_lazy_equals_eager(engine_q41, default_model):
+    eager = llorch_ref.load(default_model, weights="eager")
+    assert engine_q41.weights_info()["lazy"] and not eager.weights_info()["lazy"]
+    ids = eager.tokenizer.encode(PROMPT)
+    np.testing.assert_array_equal(engine_q41.logits(ids), eager.logits(ids))
+
+
+@pytest.mark.parametrize("dtype,nmse_max", [("float16", 3.3e-5), ("bfloat16", 3e-3)])
+def test_reduced_storage_is_close_but_not_equal(tiny, dtype, nmse_max):
+    from llorch_ref.harness.metrics import compare
+    p = tiny()
+    ref = llorch_ref.load(p, weights="eager")
+    ids = ref.tokenizer.encode(PROMPT)
+    for weights in ("eager", "lazy"):
+        eng = llorch_ref.load(p, weights=weights, weight_dtype=dtype)
+        assert eng.weights_info()["storage"] == dtype
+        m = compare(eng.logits(ids), ref.logits(ids))
+        assert 0 < m["nmse"] < nmse_max, m
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(weights="eager", weight_cache_mb=10), "applies to lazy weights only"),
+    (dict(weights="lazy", weight_cache_mb=-1), "must be >= 0"),
+    (dict(weights="lazy", numerics="ggml"), "lazy weights need"),
+    (dict(weights="sometimes"), "must be 'auto', 'lazy' or 'eager'"),
+    (dict(weight_dtype="int4"), "must be one of"),
+    (dict(weight_dtype="float16", numerics="ggml", weights="eager"), "do not apply"),
+])
+def test_weight_options_are_applied_or_rejected(tiny, kw, msg):
+    with pytest.raises(ParameterError, match=msg):
+        llorch_ref.load(tiny(), **kw)
+
+
+def test_cli_weight_options(tiny, capsys):
+    from llorch_ref.cli import main
+    p = str(tiny())
+    assert main(["generate", "Once", "--model", p, "--max-tokens", "2", "--weight-cache-mb", "0"]) == 0
+    assert "lazy weights" in capsys.readouterr().err
+    assert main(["generate", "Once", "--model", p, "--max-tokens", "2", "--weights", "eager",
+                 "--weight-cache-mb", "5"]) == 2
+    assert "applies to lazy weights only" in capsys.readouterr().err
