@@ -30,14 +30,33 @@ def test_lazy_equals_eager_bit_for_bit_on_tiny_models(tiny, kw):
 
 def test_cache_keeps_what_fits_and_never_exceeds_its_budget(tiny):
     p = tiny(n_layers=4)
-    one_layer = llorch_ref.load(p, weights="lazy", weight_cache_mb=0).weights.layers[0]
-    layer_mb = sum(a.nbytes for a in vars(one_layer).values()) / 2**20
+    eager = llorch_ref.load(p, weights="eager").weights.layers[0]
+    layer_mb = sum(a.nbytes for a in vars(eager).values()) / 2**20
     eng = llorch_ref.load(p, weights="lazy", weight_cache_mb=2.5 * layer_mb)
+    assert eng.weights.layers.layer_bytes == sum(a.nbytes for a in vars(eager).values())
     eng.logits([1, 2, 3])
     st = eng.weights_info()
     assert st["entries"] == 2 and st["used_mb"] <= st["budget_mb"]
     eng.logits([1, 2, 3])
     assert eng.weights_info()["hits"] == 2                   # the first two layers, kept
+    from llorch_ref.loaders.lazy_weights import StreamingLayer
+    assert isinstance(eng.weights.layers[3], StreamingLayer)   # the others: dequantized per use, not kept
+    np.testing.assert_array_equal(eng.weights.layers[3].w_up, eager_layer(p, 3).w_up)
+
+
+def eager_layer(p, i):
+    return llorch_ref.load(p, weights="eager").weights.layers[i]
+
+
+def test_parallel_chunked_dequantization_is_bit_identical(tiny, monkeypatch):
+    import gguf
+    from llorch_ref.loaders import gguf_file
+    p = tiny(weight_type="Q8_0")
+    r = gguf.GGUFReader(str(p))
+    t = next(t for t in r.tensors if t.name == "blk.0.ffn_up.weight")
+    whole = gguf.quants.dequantize(t.data, t.tensor_type).reshape(96, 64)
+    monkeypatch.setattr(gguf_file, "CHUNK_ELEMS", 64 * 5)        # 5-row chunks, the last one short
+    np.testing.assert_array_equal(gguf_file.dequantize(t, r), whole)
 
 
 def test_default_model_lazy_equals_eager(engine_q41, default_model):

@@ -152,8 +152,14 @@ def config_from_metadata(meta: dict, path, tensor_shapes: dict) -> Config:
     )
 
 
-def dequantize(t) -> np.ndarray:
-    """One GGUF tensor -> float32 array in NumPy order."""
+CHUNK_ELEMS = 1 << 22          # rows are dequantized in pieces of about 16 MB of float32 output
+
+
+def dequantize(t, reader=None) -> np.ndarray:
+    """One GGUF tensor -> float32 array in NumPy order. Quantized matrices are dequantized in row chunks on
+    all cores (bit-identical to one call: dequantization is per block). With `reader`, the tensor's mapped
+    pages are released afterwards (madvise DONTNEED): they leave this process's resident set and stay in
+    the page cache, so a later read costs a page-cache hit, not a disk read."""
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
@@ -165,17 +171,57 @@ def dequantize(t) -> np.ndarray:
             arr = np.array(t.data, dtype=np.float32)
         elif t.tensor_type == Q.F16:
             arr = np.asarray(t.data).astype(np.float32)
+        elif len(shape) == 2 and shape[0] * shape[1] > CHUNK_ELEMS and np.ndim(t.data) == 2:
+            arr = _dequantize_rows_parallel(t.data, t.tensor_type, shape)
         else:
             arr = quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError:
         raise UnsupportedModelError(
             f"tensor {t.name!r}: type {t.tensor_type.name} cannot be dequantized by the gguf package") from None
+    finally:
+        if reader is not None:
+            release_pages(reader, t)
     arr = np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
     if not np.isfinite(arr).all():
         bad = int((~np.isfinite(arr)).sum())
         raise ModelFileError(f"tensor {t.name!r} ({t.tensor_type.name}) holds {bad} NaN or Inf values after "
                              f"dequantization (corrupt weights or scales)")
     return arr
+
+
+def _dequantize_rows_parallel(data, qtype, shape):
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gguf import quants
+
+    rows, cols = shape
+    out = np.empty(shape, dtype=np.float32)
+    step = max(1, CHUNK_ELEMS // cols)
+
+    def one(a):
+        out[a:a + step] = quants.dequantize(np.asarray(data[a:a + step]), qtype).reshape(-1, cols)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
+        list(ex.map(one, range(0, rows, step)))
+    return out
+
+
+def release_pages(reader, t):
+    """Drop this tensor's pages from the process's mapping (they stay in the page cache)."""
+    import mmap
+
+    mm = getattr(getattr(reader, "data", None), "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = int(t.data_offset) // page * page
+    end = min(len(mm), -(-(int(t.data_offset) + int(t.n_bytes)) // page) * page)
+    if end > start:
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
 
 
 LAYER_TENSORS = {  # GGUF name suffix -> LayerWeights field, expected NumPy shape (from cfg)
@@ -246,7 +292,7 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
         if matrix and numerics == "ggml":
             return ggml_matrix(t, shape)
         try:
-            arr = dequantize(t)
+            arr = dequantize(t, reader)
         except ModelFileError as e:
             raise ModelFileError(f"{path}: {e}") from None
         except (ValueError, TypeError, IndexError) as e:
@@ -291,7 +337,7 @@ def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
 
     def deq(name, matrix):
         try:
-            a = dequantize(by_name[name])
+            a = dequantize(by_name[name], reader)
         except ModelFileError as e:
             raise ModelFileError(f"{path}: {e}") from None
         except (ValueError, TypeError, IndexError) as e:
@@ -304,6 +350,7 @@ def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
             shape = shp(cfg)
             check(f"blk.{i}.{suffix}", shape)
             full += int(np.prod(shape)) * (store.itemsize if len(shape) == 2 else 4)
+    full_layers = full
     emb = check("token_embd.weight", (cfg.n_vocab, cfg.d_model))
     out_name = "token_embd.weight" if cfg.tied_output else "output.weight"
     check(out_name, (cfg.n_vocab, cfg.d_model))
@@ -315,9 +362,20 @@ def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
         return LayerWeights(**{fld: deq(f"blk.{i}.{suffix}", len(shp(cfg)) == 2)
                                for suffix, (fld, shp) in LAYER_TENSORS.items()})
 
+    fields = {fld: (suffix, len(shp(cfg)) == 2) for suffix, (fld, shp) in LAYER_TENSORS.items()}
+
+    def deq_field(i, fld):
+        if fld not in fields:
+            raise AttributeError(fld)
+        suffix, matrix = fields[fld]
+        return deq(f"blk.{i}.{suffix}", matrix)
+
+    per_layer = full_layers // cfg.n_layers
+
     out_norm = deq(check("output_norm.weight", (cfg.d_model,)).name, False)
     weights = LazyWeights(LazyRows(emb, (cfg.n_vocab, cfg.d_model), dequantize_rows),
-                          LazyLayers(cfg.n_layers, make_layer, cache), out_norm,
-                          lambda: deq(out_name, True), cache, full, store)
+                          LazyLayers(cfg.n_layers, make_layer, deq_field, per_layer, cache), out_norm,
+                          lambda: deq(out_name, True), cfg.n_vocab * cfg.d_model * store.itemsize, cache, full,
+                          store)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types, raw_blocks={})

@@ -50,17 +50,19 @@ class WeightCache:
         self.items: dict = {}
         self.hits = self.misses = 0
 
-    def get(self, key, make):
+    def get(self, key, make, nbytes, make_transient=None):
+        """The cached value of key; else make() and keep it if nbytes fit in what is left of the budget;
+        else make_transient() (default make()), used once and not kept."""
         v = self.items.get(key)
         if v is not None:
             self.hits += 1
             return v
         self.misses += 1
+        if self.used + nbytes > self.budget:
+            return (make_transient or make)()
         v = make()
-        n = _nbytes(v)
-        if self.used + n <= self.budget:
-            self.items[key] = v
-            self.used += n
+        self.items[key] = v
+        self.used += _nbytes(v)
         return v
 
     def stats(self) -> dict:
@@ -89,11 +91,24 @@ class LazyRows:
         return rows[inv].reshape(idx.shape + (self.shape[1],))
 
 
-class LazyLayers:
-    """A sequence of LayerWeights, dequantized on access through the cache."""
+class StreamingLayer:
+    """A layer the cache does not keep: each weight is dequantized when read and dropped after its use,
+    so at most the matrices of one product are held at a time."""
 
-    def __init__(self, n, make_layer, cache):
-        self.n, self._make, self.cache = n, make_layer, cache
+    def __init__(self, i, deq_field):
+        self._i, self._deq = i, deq_field
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self._deq(self._i, name)
+
+
+class LazyLayers:
+    """A sequence of layers: cached LayerWeights where the budget allows, StreamingLayer otherwise."""
+
+    def __init__(self, n, make_layer, deq_field, layer_bytes, cache):
+        self.n, self._make, self._deq, self.layer_bytes, self.cache = n, make_layer, deq_field, layer_bytes, cache
 
     def __len__(self):
         return self.n
@@ -104,7 +119,8 @@ class LazyLayers:
         if not -self.n <= i < self.n:
             raise IndexError(i)
         i %= self.n
-        return self.cache.get(("layer", i), lambda: self._make(i))
+        return self.cache.get(("layer", i), lambda: self._make(i), self.layer_bytes,
+                              lambda: StreamingLayer(i, self._deq))
 
     def __iter__(self):
         for i in range(self.n):
@@ -116,13 +132,14 @@ class LazyWeights:
 
     lazy = True
 
-    def __init__(self, tok_embd, layers, out_norm, make_output, cache, full_bytes, dtype):
+    def __init__(self, tok_embd, layers, out_norm, make_output, output_bytes, cache, full_bytes, dtype):
         self.tok_embd, self.layers, self.out_norm = tok_embd, layers, out_norm
-        self._make_output, self.cache, self.full_bytes, self.dtype = make_output, cache, full_bytes, dtype
+        self._make_output, self._output_bytes = make_output, output_bytes
+        self.cache, self.full_bytes, self.dtype = cache, full_bytes, dtype
 
     @property
     def output(self):
-        return self.cache.get("output", self._make_output)
+        return self.cache.get("output", self._make_output, self._output_bytes)
 
     def map(self, fn):
         return self                     # numpy backend only (the engine refuses lazy weights elsewhere)

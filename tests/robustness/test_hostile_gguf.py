@@ -87,8 +87,12 @@ def test_nan_in_weights(tmp_path):
     r = gguf.GGUFReader(str(p))
     t = next(t for t in r.tensors if t.name == "blk.1.ffn_up.weight")
     struct.pack_into("<f", data, int(t.data_offset) + 40, float("nan"))
-    with pytest.raises(ModelFileError, match="NaN or Inf"):
-        llorch_ref.load(write(tmp_path, "nan.gguf", bytes(data)))
+    bad = write(tmp_path, "nan.gguf", bytes(data))
+    with pytest.raises(ModelFileError, match="NaN or Inf"):            # eager: found at load
+        llorch_ref.load(bad, weights="eager")
+    eng = llorch_ref.load(bad, weights="lazy")                         # lazy: found when layer 1 first runs
+    with pytest.raises(ModelFileError, match="blk.1.ffn_up.weight.*NaN or Inf"):
+        eng.logits([1, 2, 3])
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -114,7 +118,8 @@ def test_fuzzed_files_fail_cleanly(tiny, tmp_path, seed):
         p = write(tmp_path, f"fuzz{case}.gguf", bytes(data))
         t0 = time.perf_counter()
         try:
-            llorch_ref.load(p)
+            eng = llorch_ref.load(p)                          # lazy weights: the first forward reads them
+            eng.logits([0, 1, 2])
             outcomes["loaded"] += 1
         except LlorchError as e:
             outcomes["clear error"] += 1
