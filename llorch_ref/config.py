@@ -25,6 +25,8 @@ class Config:
     rope_style: str           # "adjacent" | "neox": how rotated pairs are laid out in Wq/Wk rows
     tied_output: bool         # logits use the token embedding matrix
     attention_scale: float | None = None  # None: 1/sqrt(Hd)
+    rope_freq_scale: float = 1.0          # linear RoPE scaling: angles times this (1 / scaling factor)
+    rope_freq_factors: tuple | None = None  # [R/2] per-pair divisors of the angle (llama3 scaling; GGUF rope_freqs)
     extra: dict = field(default_factory=dict, compare=False)  # informational metadata only
 
     def __post_init__(self):
@@ -43,6 +45,11 @@ class Config:
             problems.append(f"rms_eps={self.rms_eps} must be > 0")
         if not (self.rope_base > 0):
             problems.append(f"rope_base={self.rope_base} must be > 0")
+        if not (self.rope_freq_scale > 0):
+            problems.append(f"rope_freq_scale={self.rope_freq_scale} must be > 0")
+        if self.rope_freq_factors is not None and (len(self.rope_freq_factors) != self.rope_dim // 2
+                                                   or not all(f > 0 for f in self.rope_freq_factors)):
+            problems.append(f"rope_freq_factors must be {self.rope_dim // 2} positive numbers")
         if problems:
             raise UnsupportedModelError("invalid model configuration: " + "; ".join(problems))
 

@@ -115,7 +115,8 @@ def _get(meta, key, default=None, *, required=False, path=""):
     return default
 
 
-def config_from_metadata(meta: dict, path, tensor_shapes: dict) -> Config:
+def config_from_metadata(meta: dict, path, tensor_shapes: dict, rope_freqs=None) -> Config:
+    """rope_freqs: the float32 values of the rope_freqs.weight tensor, where the file has one."""
     arch = _get(meta, "general.architecture", required=True, path=path)
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
@@ -132,6 +133,25 @@ def config_from_metadata(meta: dict, path, tensor_shapes: dict) -> Config:
     if n_vocab != emb[0]:
         raise ModelFileError(f"{path}: {a}vocab_size={n_vocab} but token_embd.weight has {emb[0]} rows")
     n_layers = int(_get(meta, a + "block_count", required=True, path=path))
+    rope_dim = int(_get(meta, a + "rope.dimension_count", head_dim))
+    scaling = _get(meta, a + "rope.scaling.type", "none")
+    freq_scale = 1.0
+    if scaling == "linear":
+        factor = float(_get(meta, a + "rope.scaling.factor", 1.0))
+        if not factor > 0:
+            raise ModelFileError(f"{path}: {a}rope.scaling.factor={factor} must be > 0")
+        freq_scale = 1.0 / factor
+    elif scaling not in ("none", None):
+        raise UnsupportedModelError(f"{path}: RoPE scaling {scaling!r} is not implemented (supported: none, "
+                                    f"linear, and per-pair frequency factors in rope_freqs.weight)")
+    factors = None
+    if "rope_freqs.weight" in tensor_shapes:          # llama3-style scaling, as llama.cpp's converter writes it
+        if tensor_shapes["rope_freqs.weight"] != (rope_dim // 2,):
+            raise ModelFileError(f"{path}: rope_freqs.weight has shape {tensor_shapes['rope_freqs.weight']}, "
+                                 f"expected ({rope_dim // 2},)")
+        if rope_freqs is None:
+            raise ModelFileError(f"{path}: rope_freqs.weight present but not read")
+        factors = tuple(float(x) for x in np.asarray(rope_freqs, dtype=np.float32).ravel())
     return Config(
         arch=arch,
         n_vocab=n_vocab,
@@ -144,10 +164,12 @@ def config_from_metadata(meta: dict, path, tensor_shapes: dict) -> Config:
         context_length=int(_get(meta, a + "context_length", 2048)),        # llama.cpp's fallback
         rms_eps=float(np.float32(_get(meta, a + "attention.layer_norm_rms_epsilon", 1e-5))),
         rope_base=float(_get(meta, a + "rope.freq_base", 10000.0)),
-        rope_dim=int(_get(meta, a + "rope.dimension_count", head_dim)),
+        rope_dim=rope_dim,
         rope_style="adjacent",          # llama.cpp LLAMA_ROPE_TYPE_NORM; Wq/Wk rows permuted by the converter
         tied_output="output.weight" not in tensor_shapes,
         attention_scale=None,
+        rope_freq_scale=freq_scale,
+        rope_freq_factors=factors,
         extra={"general.name": meta.get("general.name"), "file_type": meta.get("general.file_type")},
     )
 
@@ -252,6 +274,11 @@ def ggml_matrix(t, shape):
                                 f"(implemented: F32, F16, {', '.join(ACT_TYPE)}, Q2_K..Q6_K); use numerics='exact'")
 
 
+def rope_freqs_of(by_name):
+    t = by_name.get("rope_freqs.weight")
+    return None if t is None else dequantize(t)
+
+
 def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb: float | None = None,
               weight_dtype: str = "float32") -> GGUFModel:
     """GGUF -> Config + Weights. lazy: keep the file mapped and dequantize each layer when it runs, with a
@@ -275,7 +302,7 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
     meta = read_metadata(reader)
     by_name = {t.name: t for t in reader.tensors}
     shapes = {t.name: tuple(int(x) for x in reversed([int(s) for s in t.shape])) for t in reader.tensors}
-    cfg = config_from_metadata(meta, path, shapes)
+    cfg = config_from_metadata(meta, path, shapes, rope_freqs_of(by_name))
     if lazy:
         return _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
     big = path.stat().st_size > (1 << 30)

@@ -63,7 +63,7 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
     mt = c.get("model_type")
     if mt != "llama":
         raise UnsupportedModelError(f"{where}: model_type {mt!r} is not supported yet (supported: llama)")
-    for key, ok in (("rope_scaling", None), ("attention_bias", False), ("mlp_bias", False),
+    for key, ok in (("attention_bias", False), ("mlp_bias", False),
                     ("hidden_act", "silu"), ("pretraining_tp", 1)):
         if c.get(key) is not None and c[key] != ok:
             raise UnsupportedModelError(f"{where}: {key}={c[key]!r} is not implemented for llama folders "
@@ -73,6 +73,9 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
             raise ModelFileError(f"{where}: required key {key!r} is missing")
     d, h = int(c["hidden_size"]), int(c["num_attention_heads"])
     hd = int(c.get("head_dim") or d // h)
+    rp = c.get("rope_scaling") or c.get("rope_parameters") or {}         # transformers 5 writes rope_parameters
+    base = float(rp.get("rope_theta", c.get("rope_theta", 10000.0)))
+    freq_scale, factors = rope_scaling_from_hf(rp, base, hd, where)
     return Config(
         arch="llama",
         n_vocab=int(c["vocab_size"]),
@@ -84,13 +87,48 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
         d_ff=int(c["intermediate_size"]),
         context_length=int(c.get("max_position_embeddings", 2048)),
         rms_eps=float(np.float32(c.get("rms_norm_eps", 1e-6))),  # LlamaConfig's default
-        rope_base=float(c.get("rope_theta", 10000.0)),
+        rope_base=base,
         rope_dim=hd,
+        rope_freq_scale=freq_scale,
+        rope_freq_factors=factors,
         rope_style=qk_layout,                                    # stored: HF rotate_half pairs (i, i + Hd/2)
         tied_output=bool(c.get("tie_word_embeddings", False)),   # LlamaConfig's default
         attention_scale=None,
         extra={"general.name": c.get("_name_or_path"), "source": "hf", "qk_rows_stored": "neox"},
     )
+
+
+def rope_scaling_from_hf(rp: dict, base: float, dim: int, where) -> tuple:
+    """Hugging Face rope scaling -> (freq_scale, per-pair frequency factors or None), as llama.cpp's converter
+    expresses it: 'linear' divides every angle by the factor; 'llama3' divides low frequencies by the factor,
+    keeps high ones and blends in between (factors written to GGUF as rope_freqs.weight)."""
+    import math
+
+    kind = rp.get("rope_type") or rp.get("type") or "default"
+    if kind == "default":
+        return 1.0, None
+    if kind == "linear":
+        return 1.0 / float(rp["factor"]), None
+    if kind != "llama3":
+        raise UnsupportedModelError(f"{where}: rope scaling {kind!r} is not implemented (supported: default, "
+                                    f"linear, llama3)")
+    try:
+        factor, lo, hi = float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"])
+        old = float(rp["original_max_position_embeddings"])
+    except KeyError as e:
+        raise ModelFileError(f"{where}: llama3 rope scaling lacks {e.args[0]!r}") from None
+    lo_wave, hi_wave = old / lo, old / hi
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < hi_wave:
+            out.append(1.0)
+        elif wavelen > lo_wave:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return 1.0, tuple(float(np.float32(f)) for f in out)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -18,7 +18,8 @@ class Cache:
         shape = (cfg.n_layers, self.n_ctx, cfg.n_kv_heads, cfg.head_dim)
         self.k = xp.zeros(shape, dtype=self.kv_dtype)
         self.v = xp.zeros(shape, dtype=self.kv_dtype)
-        self.cos, self.sin = ops.rope_angles(xp, self.n_ctx, cfg.rope_dim, cfg.rope_base)
+        self.cos, self.sin = ops.rope_angles(xp, self.n_ctx, cfg.rope_dim, cfg.rope_base, cfg.rope_freq_scale,
+                                             cfg.rope_freq_factors)
         self.pos = 0
 
     def reset(self):

@@ -30,12 +30,13 @@ def linear(xp, x, w):
     return x @ w.T
 
 
-def rope_angles(xp, n_pos: int, rope_dim: int, base: float):
+def rope_angles(xp, n_pos: int, rope_dim: int, base: float, freq_scale: float = 1.0, factors=None):
     """-> cos, sin: [n_pos, rope_dim/2] f32, built once per cache.
 
-    Angle of pair i at position p is p * base^(-2i/rope_dim). ggml builds it by repeated float32
-    multiplication (theta *= theta_scale); we do the same, so the tables match ggml bit for bit
-    up to the cos/sin rounding.
+    Angle of pair i at position p is freq_scale * (p * base^(-2i/rope_dim)) / factors[i]. ggml builds
+    p * base^(-2i/rope_dim) by repeated float32 multiplication (theta *= theta_scale), then divides by the
+    pair's frequency factor and multiplies by freq_scale, each in float32; we do the same, so the tables
+    match ggml bit for bit up to the cos/sin rounding.
     """
     theta_scale = xp.float32(base ** (-2.0 / rope_dim))
     theta = xp.arange(n_pos, dtype=xp.float32)                         # [P] f32
@@ -44,6 +45,10 @@ def rope_angles(xp, n_pos: int, rope_dim: int, base: float):
         cols.append(theta)
         theta = theta * theta_scale                                    # f32 * f32 -> f32
     ang = xp.stack(cols, axis=1)                                       # [P, rope_dim/2] f32
+    if factors is not None:
+        ang = ang / xp.asarray(factors, dtype=xp.float32)[None, :]
+    if freq_scale != 1.0:
+        ang = ang * xp.float32(freq_scale)
     ang64 = ang.astype(xp.float64)  # cos/sin of the f32 angle, correctly rounded back to f32
     return xp.cos(ang64).astype(xp.float32), xp.sin(ang64).astype(xp.float32)
 

@@ -217,8 +217,9 @@ def softmax(xp, s):
     return (e[..., :n] * (1.0 / total).astype(F32)[..., None]).astype(F32)
 
 
-def rope_angles(xp, n_pos: int, rope_dim: int, base: float):
-    """ggml_rope_cache_init: theta *= theta_scale in float32, cos/sin from the C library's cosf/sinf."""
+def rope_angles(xp, n_pos: int, rope_dim: int, base: float, freq_scale: float = 1.0, factors=None):
+    """ggml_rope_cache_init: theta *= theta_scale in float32, theta / freq_factor, * freq_scale, cos/sin from
+    the C library's cosf/sinf."""
     import ctypes
     import ctypes.util
 
@@ -233,6 +234,10 @@ def rope_angles(xp, n_pos: int, rope_dim: int, base: float):
         cols.append(theta)
         theta = (theta * theta_scale).astype(F32)
     ang = np.stack(cols, axis=1)
+    if factors is not None:
+        ang = (ang / np.asarray(factors, dtype=F32)[None, :]).astype(F32)
+    if freq_scale != 1.0:
+        ang = (ang * F32(freq_scale)).astype(F32)
     uniq, inv = np.unique(ang, return_inverse=True)
     c = np.array([cosf(float(v)) for v in uniq], dtype=F32)[inv].reshape(ang.shape)
     s = np.array([sinf(float(v)) for v in uniq], dtype=F32)[inv].reshape(ang.shape)

@@ -12,11 +12,11 @@ from ..errors import ParameterError, ReferenceError_
 
 def gguf_config(path):
     """Config of a GGUF file without loading its weights."""
-    from ..loaders.gguf_file import config_from_metadata, open_reader, read_metadata
+    from ..loaders.gguf_file import config_from_metadata, open_reader, read_metadata, rope_freqs_of
 
     r = open_reader(path)
     shapes = {t.name: tuple(int(x) for x in reversed([int(s) for s in t.shape])) for t in r.tensors}
-    return config_from_metadata(read_metadata(r), Path(path), shapes)
+    return config_from_metadata(read_metadata(r), Path(path), shapes, rope_freqs_of({t.name: t for t in r.tensors}))
 
 
 def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32", array_order="ggml",

@@ -73,9 +73,11 @@ def _rand(name, shape, seed, scale=0.02):
 
 def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                      d_ff=96, context_length=128, weight_type="F32", tied=False, seed=0, rms_eps=1e-5,
-                     rope_base=10000.0, n_vocab_none=128, add_bos=None) -> Path:
+                     rope_base=10000.0, n_vocab_none=128, add_bos=None, rope_scaling=None) -> Path:
     """Write a tiny random llama GGUF. vocab: 'bpe' | 'spm' | 'none';
-    weight_type: F32 | F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | mixed (Q8_0 embeddings and FFN, F16 attention)."""
+    weight_type: F32 | F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | mixed (Q8_0 embeddings and FFN, F16 attention).
+    rope_scaling: None, ("linear", factor) or ("freqs", seed): a rope_freqs.weight tensor of per-pair factors
+    in [1, 8] (llama3-style scaling as llama.cpp stores it)."""
     import gguf
 
     path = Path(path)
@@ -100,6 +102,9 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
     w.add_layer_norm_rms_eps(rms_eps)
     w.add_rope_freq_base(rope_base)
     w.add_rope_dimension_count(head_dim)
+    if rope_scaling and rope_scaling[0] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope_scaling[1]))
     w.add_vocab_size(n_vocab)
     w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32,
                      "mixed": 7}[weight_type])
@@ -149,6 +154,9 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
         put(p + "ffn_up.weight", _rand(p + "up", (d_ff, d_model), seed, 0.2), "ffn")
         put(p + "ffn_down.weight", _rand(p + "down", (d_model, d_ff), seed, 0.1), "ffn")
     put("output_norm.weight", 1.0 + _rand("output_norm", (d_model,), seed, 0.1), "out")
+    if rope_scaling and rope_scaling[0] == "freqs":
+        f = np.random.default_rng(rope_scaling[1]).uniform(1.0, 8.0, head_dim // 2).astype(np.float32)
+        w.add_tensor("rope_freqs.weight", f)
     if not tied:
         put("output.weight", _rand("output", (n_vocab, d_model), seed, 0.2), "out")
     w.write_header_to_file()
