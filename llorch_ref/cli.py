@@ -119,10 +119,17 @@ def cmd_inspect(args):
 
 
 def cmd_convert(args):
-    from .convert import convert_gguf, convert_gguf_to_hf
+    from pathlib import Path
+
+    from .convert import convert_gguf, convert_gguf_to_hf, convert_hf_to_gguf
 
     t0 = time.perf_counter()
-    if args.to == "hf":
+    if Path(args.input).is_dir():
+        if args.to != "gguf":
+            raise ParameterError(f"{args.input} is a Hugging Face folder: it converts --to gguf")
+        out = convert_hf_to_gguf(args.input, args.output, dtype=args.dtype, overwrite=args.overwrite)
+        size = out.stat().st_size
+    elif args.to == "hf":
         if args.dtype != "f32":
             raise ParameterError(f"--dtype {args.dtype}: an HF folder is written in f32 only")
         out = convert_gguf_to_hf(args.input, args.output, overwrite=args.overwrite)
@@ -465,9 +472,11 @@ def build_parser():
     model_args(i)
     i.set_defaults(fn=cmd_inspect)
 
-    c = sub.add_parser("convert", help="GGUF -> dequantized GGUF copy (--to gguf) or Hugging Face folder (--to hf)")
+    c = sub.add_parser("convert", help="GGUF -> dequantized GGUF copy (--to gguf) or Hugging Face folder (--to hf); "
+                                       "Hugging Face folder -> GGUF (--to gguf)")
     c.add_argument("--to", default="gguf", choices=["gguf", "hf"],
-                   help="gguf: a dequantized GGUF copy; hf: a Hugging Face folder (f32 safetensors)")
+                   help="gguf: a dequantized GGUF copy, or a GGUF from a Hugging Face folder (Q/K rows permuted as "
+                        "llama.cpp's converter does); hf: a Hugging Face folder (f32 safetensors)")
     c.add_argument("--dtype", default="f32", choices=["f32", "f16"])
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("input")

@@ -5,6 +5,7 @@ the F32 copy computes plain float32 math, which is what the tight checkpoint ban
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -120,6 +121,9 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     if cfg.rope_dim != cfg.head_dim:
         raise ParameterError(f"{src}: rope_dim={cfg.rope_dim} < head_dim={cfg.head_dim} (partial RoPE) has no "
                              f"Hugging Face llama equivalent")
+    if cfg.rope_freq_factors is not None:
+        raise ParameterError(f"{src}: per-pair RoPE frequency factors (rope_freqs.weight) have no exact Hugging Face "
+                             f"rope_scaling form (llama3 scaling keeps its parameters, not the factors)")
     tok = from_gguf_metadata(m.metadata, source=str(src))
     if tok is None:
         raise ParameterError(f"{src}: the model has no vocabulary (no_vocab); an HF folder needs a tokenizer")
@@ -146,7 +150,9 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.context_length, "rms_norm_eps": cfg.rms_eps,
-        "rope_theta": cfg.rope_base, "rope_scaling": None, "tie_word_embeddings": cfg.tied_output,
+        "rope_theta": cfg.rope_base,
+        "rope_scaling": None if cfg.rope_freq_scale == 1.0 else {"rope_type": "linear",
+                                                                 "factor": 1.0 / cfg.rope_freq_scale}, "tie_word_embeddings": cfg.tied_output,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
         "_name_or_path": str(m.metadata.get("general.name") or src.stem),
@@ -176,4 +182,117 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+    return dst
+
+
+# Probe texts for identifying a byte-level BPE pre-tokenizer by what it does (as llama.cpp's converter
+# identifies one by the hash of its output on a test text).
+PRE_PROBES = ["Hello, world! It's 2026; we've 12345 items, they'll say 3.14159.",
+              "  two  spaces\tand\nnewlines\n\n\nend", "ünïcödé 日本語 🙂 café", "def f(x):\n    return x**2  # ok",
+              "ABC'S DON'T I'M 1,000,000 + 22 = 1000022 ..."]
+
+
+def _detect_pre(hf, tokens, types, merges, where) -> str:
+    from .errors import TokenizerError
+    from .tokenizer import PRE_TOKENIZERS, _build_gpt2
+
+    want = [hf.encode(t, add_special_tokens=False).ids for t in PRE_PROBES]
+    # one name per distinct pre-tokenizer, the more specific first: where a vocabulary cannot tell two apart
+    # (no multi-digit tokens: 'smollm' and 'gpt-2' split alike), the first that matches is written
+    for name in ("llama-bpe", "qwen2", "smollm", "dbrx", "gpt-2", "default"):
+        cand = _build_gpt2(tokens, types, merges, name)
+        if [cand.encode(t, add_special_tokens=False).ids for t in PRE_PROBES] == want:
+            return name
+    raise TokenizerError(f"{where}: the tokenizer's pre-tokenizer splits text like none of the llama.cpp "
+                         f"pre-tokenizers llorch-ref implements ({', '.join(sorted(PRE_TOKENIZERS))})")
+
+
+def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
+    """Hugging Face llama folder -> GGUF (F32, or F16 for 2-D weights), as llama.cpp's converter writes it:
+    Wq/Wk rows permuted to adjacent RoPE pairs, tokenizer metadata (gpt2 with the pre-tokenizer identified by
+    its behaviour, or llama/SentencePiece with scores from the BPE merge ranks), chat template, special ids,
+    RoPE scaling (linear, or llama3 as rope_freqs.weight)."""
+    import gguf
+
+    from .loaders.hf_folder import load_hf_folder
+    from .tokenizer import TOKEN_NORMAL
+
+    if dtype not in FILE_TYPES:
+        raise ParameterError(f"--dtype {dtype!r} must be one of {', '.join(FILE_TYPES)}")
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and not overwrite:
+        raise LlorchError(f"{dst}: already exists (pass --overwrite to replace it)")
+    m = load_hf_folder(src)              # Wq/Wk rows already in the canonical adjacent layout = llama.cpp's
+    cfg, w, tok = m.config, m.weights, m.tokenizer
+    model_json = json.loads(tok.hf.to_str())["model"]
+    merges = [" ".join(x) if isinstance(x, list) else x for x in model_json.get("merges", [])]
+    tmp = dst.with_name(dst.name + ".part")
+    wr = gguf.GGUFWriter(str(tmp), "llama")
+    wr.add_name(str(m.metadata.get("_name_or_path") or src.name))
+    wr.add_block_count(cfg.n_layers)
+    wr.add_context_length(cfg.context_length)
+    wr.add_embedding_length(cfg.d_model)
+    wr.add_feed_forward_length(cfg.d_ff)
+    wr.add_head_count(cfg.n_heads)
+    wr.add_head_count_kv(cfg.n_kv_heads)
+    if cfg.head_dim != cfg.d_model // cfg.n_heads:
+        wr.add_key_length(cfg.head_dim)
+        wr.add_value_length(cfg.head_dim)
+    wr.add_layer_norm_rms_eps(cfg.rms_eps)
+    wr.add_rope_freq_base(cfg.rope_base)
+    wr.add_rope_dimension_count(cfg.rope_dim)
+    if cfg.rope_freq_scale != 1.0:
+        wr.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        wr.add_rope_scaling_factor(1.0 / cfg.rope_freq_scale)
+    wr.add_vocab_size(cfg.n_vocab)
+    wr.add_file_type(FILE_TYPES[dtype])
+    if tok.kind == "gpt2":
+        wr.add_tokenizer_model("gpt2")
+        wr.add_tokenizer_pre(_detect_pre(tok.hf, tok.tokens, tok.token_types, merges, src))
+        wr.add_token_merges(merges)
+    else:
+        rank = {}
+        for r, mg in enumerate(merges):
+            rank.setdefault(mg.replace(" ", ""), r)
+        scores = [-float(rank.get(t, len(merges) + i)) if tok.token_types[i] == TOKEN_NORMAL else 0.0
+                  for i, t in enumerate(tok.tokens)]
+        wr.add_tokenizer_model("llama")
+        wr.add_token_scores(scores)
+        wr.add_add_space_prefix(bool(tok.add_space_prefix))
+        unk = tok.hf.token_to_id(model_json.get("unk_token") or "<unk>")
+        if unk is not None:
+            wr.add_unk_token_id(unk)
+    wr.add_token_list(tok.tokens)
+    wr.add_token_types(tok.token_types)
+    if tok.bos_id is not None:
+        wr.add_bos_token_id(tok.bos_id)
+    if tok.eos_id is not None:
+        wr.add_eos_token_id(tok.eos_id)
+    wr.add_add_bos_token(bool(tok.add_bos))
+    wr.add_add_eos_token(bool(tok.add_eos))
+    if tok.chat_template:
+        wr.add_chat_template(tok.chat_template)
+    big = (lambda a: a.astype(np.float16)) if dtype == "f16" else (lambda a: a)
+    wr.add_tensor("token_embd.weight", big(np.ascontiguousarray(w.tok_embd, dtype=np.float32)))
+    for i, lw in enumerate(w.layers):
+        p = f"blk.{i}."
+        for name, arr in (("attn_norm", lw.attn_norm), ("attn_q", lw.wq), ("attn_k", lw.wk), ("attn_v", lw.wv),
+                          ("attn_output", lw.wo), ("ffn_norm", lw.ffn_norm), ("ffn_gate", lw.w_gate),
+                          ("ffn_up", lw.w_up), ("ffn_down", lw.w_down)):
+            a = np.ascontiguousarray(arr, dtype=np.float32)
+            wr.add_tensor(p + name + ".weight", big(a) if a.ndim == 2 else a)
+    wr.add_tensor("output_norm.weight", np.ascontiguousarray(w.out_norm, dtype=np.float32))
+    if not cfg.tied_output:
+        wr.add_tensor("output.weight", big(np.ascontiguousarray(w.output, dtype=np.float32)))
+    if cfg.rope_freq_factors is not None:
+        wr.add_tensor("rope_freqs.weight", np.asarray(cfg.rope_freq_factors, dtype=np.float32))
+    try:
+        wr.write_header_to_file()
+        wr.write_kv_data_to_file()
+        wr.write_tensors_to_file()
+        wr.close()
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return dst

@@ -173,3 +173,42 @@ def test_diff_on_a_folder_needs_a_gguf_reference(pair, llamacpp):
     r = run("diff", "--model", d, "--reference-model", g, "--checkpoint", "8")
     assert r.returncode == 0, r.stderr
     assert "first divergence: none" in r.stdout
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_hf_folder_back_to_gguf_round_trip(llamacpp, pair, tmp_path, dtype):
+    """GGUF -> HF -> GGUF: llama.cpp tokenizes alike and (f32) computes the same logits bit for bit."""
+    import gguf
+    from llorch_ref.convert import convert_hf_to_gguf
+    from llorch_ref.references.llamacpp import LlamaCpp, tokenize
+    g, d = pair
+    out = convert_hf_to_gguf(d, tmp_path / f"back.{dtype}.gguf", dtype=dtype)
+    r0, r1 = gguf.GGUFReader(str(g)), gguf.GGUFReader(str(out))
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "llama.attention.head_count_kv",
+                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        if key in r0.fields:
+            assert r1.fields[key].contents() == r0.fields[key].contents(), key
+    types = {t.name: t.tensor_type.name for t in r1.tensors}
+    assert types["blk.0.attn_q.weight"] == dtype.upper() and types["blk.0.attn_norm.weight"] == "F32"
+    for t in TEXTS:
+        assert tokenize(out, t) == tokenize(g, t), t
+    ids = tokenize(g, "Once upon a time, there was")
+    a, b = LlamaCpp(g, n_ctx=64), LlamaCpp(out, n_ctx=64)
+    try:
+        la, lb = a.eval(ids), b.eval(ids)
+    finally:
+        a.close(), b.close()
+    if dtype == "f32":
+        assert np.array_equal(la, lb)                 # same weights, same Q/K permutation, same graph
+    else:
+        assert 0 < nmse(la, lb) < 1e-4
+
+
+def test_cli_convert_folder_to_gguf(pair, tmp_path):
+    g, d = pair
+    r = run("convert", str(d), str(tmp_path / "o.gguf"))
+    assert r.returncode == 0, r.stderr
+    assert llorch_ref.load(tmp_path / "o.gguf").config == llorch_ref.load(g).config
+    r = run("convert", "--to", "hf", str(d), str(tmp_path / "x"))
+    assert_one_line_error(r, "converts --to gguf")
