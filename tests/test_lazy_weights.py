@@ -100,3 +100,16 @@ def test_cli_weight_options(tiny, capsys):
     assert main(["generate", "Once", "--model", p, "--max-tokens", "2", "--weights", "eager",
                  "--weight-cache-mb", "5"]) == 2
     assert "applies to lazy weights only" in capsys.readouterr().err
+
+
+@pytest.mark.default_model
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("dtype,band_class", [("float16", "F16"), ("bfloat16", "BF16")])
+def test_reduced_storage_passes_its_own_bands_against_llamacpp(llamacpp, default_f32, dtype, band_class):
+    from llorch_ref.harness.run import run_diff
+    eng = llorch_ref.load(default_f32, weight_dtype=dtype)
+    res = run_diff(eng, prompt=PROMPT, n_greedy=8)
+    assert res.band_class == band_class
+    assert res.first_divergence is None, res.first_divergence
+    worst = max(r.metrics.get("nmse", 0) for r in res.rows)
+    assert worst > 1e-9                                   # the rounding shows: these are not the F32 figures

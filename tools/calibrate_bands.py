@@ -83,6 +83,8 @@ def main():
         for cp, w in worst.items():
             measured[cp][cls] = {"worst_nmse": w["nmse"], "worst_max_abs": w["max_abs"], "min_cosine": w["cosine"],
                                  "min_agreement": w["agreement"], "model": path.name, "prompts": len(PROMPTS),
+                                 **({"storage": f"{store} (--weight-dtype {store} on the {key.upper()} copy)"}
+                                    if cls in STORAGE else {}),
                                  **({"min_equal_prefix": w["equal_prefix"]} if "equal_prefix" in w else {})}
             print(f"{cls:5s} cp{cp:3s} nmse {w['nmse']:.3e} max_abs {w['max_abs']:.3e} "
                   f"cos {w['cosine']:.9f} agree {w['agreement']:.3f}")
