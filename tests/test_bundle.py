@@ -84,3 +84,10 @@ def test_run_id_and_dir_from_environment(tiny_result, tmp_path, monkeypatch):
     monkeypatch.setenv("LLORCH_PROOF_DIR", str(tmp_path / "pb"))
     out = write_bundles(res, eng)
     assert out["index"] == tmp_path / "pb" / "from-env.md"
+
+
+def test_greedy_band_never_asks_for_more_tokens_than_generated():
+    from llorch_ref.harness.specs import greedy_band
+    assert greedy_band({"equal_prefix": 6}, 4) == {"equal_prefix": 4}
+    assert greedy_band({"equal_prefix": 6}, 64) == {"equal_prefix": 6}
+    assert greedy_band({"agreement": 1.0}, 4) == {"agreement": 1.0}

@@ -5,8 +5,9 @@
 
 Shapes: llama2-7b (D 4096, F 11008, 32 layers, 32 heads, MHA, vocab 32000, SentencePiece-style 'llama'
 vocabulary); llama3-8b (D 4096, F 14336, 32 layers, 32/8 heads (GQA), vocab 128256, BPE 'llama-bpe'
-vocabulary, rope base 500000; llama3 rope scaling is not written yet); 'small' (a few layers of the
-7B widths, for quick checks). The quantized blocks are drawn directly (seeded per tensor name, so every
+vocabulary, rope base 500000, Llama 3.1's rope scaling (factor 8) as rope_freqs.weight, the way
+llama.cpp's converter writes it); 'small' (a few layers of the
+7B widths, for quick checks), 'small-llama3' (two layers of the 8B shape). The quantized blocks are drawn directly (seeded per tensor name, so every
 run writes the same bytes): Q8_0 int8 codes with one f16 scale per 32 weights, Q4_K nibbles with random
 6-bit sub-block scales and mins, d and dmin set so the weights have the standard deviation asked for.
 Norm weights are F32 near 1. The vocabulary is a small trained one (llorch_ref.testing.tiny) padded with
@@ -24,9 +25,15 @@ import numpy as np
 
 SHAPES = {
     "llama2-7b": dict(d=4096, f=11008, layers=32, heads=32, kv=32, vocab=32000, ctx=4096, base=10000.0, vocab_kind="spm"),
-    "llama3-8b": dict(d=4096, f=14336, layers=32, heads=32, kv=8, vocab=128256, ctx=8192, base=500000.0,
-                      vocab_kind="bpe"),
+    "llama3-8b": dict(d=4096, f=14336, layers=32, heads=32, kv=8, vocab=128256, ctx=131072, base=500000.0,
+                      vocab_kind="bpe", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 8192}),
     "small": dict(d=4096, f=11008, layers=2, heads=32, kv=32, vocab=32000, ctx=4096, base=10000.0, vocab_kind="spm"),
+    "small-llama3": dict(d=4096, f=14336, layers=2, heads=32, kv=8, vocab=128256, ctx=131072, base=500000.0,
+                         vocab_kind="bpe", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 8192}),
 }
 BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144)}
 
@@ -117,8 +124,14 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0):
                  (p + "ffn_gate.weight", (f, d), 0.02), (p + "ffn_up.weight", (f, d), 0.02),
                  (p + "ffn_down.weight", (d, f), 0.02)]
     plan += [("output_norm.weight", (d,), None), ("output.weight", (V, d), 0.02)]
+    freqs = None
+    if "rope_scaling" in s:
+        from llorch_ref.loaders.hf_folder import rope_scaling_from_hf
+        _, factors = rope_scaling_from_hf(s["rope_scaling"], s["base"], hd, shape)
+        freqs = np.asarray(factors, dtype=np.float32)
+        plan.append(("rope_freqs.weight", (hd // 2,), "freqs"))
     for name, shp, std in plan:
-        if std is None:
+        if std is None or std == "freqs":
             w.add_tensor_info(name, shp, np.dtype(np.float32), shp[0] * 4)
         else:
             per, size = BLOCK[qtype]
@@ -128,7 +141,9 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0):
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for name, shp, std in tqdm(plan, desc=f"writing {path.name}", unit="tensor", file=sys.stderr):
-        if std is None:
+        if std == "freqs":
+            arr = freqs
+        elif std is None:
             arr = (1.0 + 0.05 * _rng(name, seed).standard_normal(shp)).astype(np.float32)
         else:
             arr = random_blocks(name, shp[0], shp[1], qtype, std, seed)

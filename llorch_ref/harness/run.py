@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import HarnessError, PromptError
 from .metrics import compare, within
-from .specs import band_class_of, coarser, engine_band_class, load_specs
+from .specs import band_class_of, coarser, engine_band_class, greedy_band, load_specs
 
 DEFAULT_PROMPT = "Once upon a time, there was a little"
 WARMUP_PROMPT = "The quick brown fox jumps over the lazy dog, again and again and again."
@@ -220,7 +220,8 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
             res.greedy = {"n": n_greedy, "equal_prefix": n_same, "ours": ours_gen, "reference": ref_gen,
                           "ours_text": engine.tokenizer.decode(ours_gen),
                           "reference_text": engine.tokenizer.decode(ref_gen)}
-            res.rows.append(Row("12", s.name, None, "greedy_tokens", m, band, within(m, band), (3, 99, 0)))
+            gb = greedy_band(band, n_greedy)
+            res.rows.append(Row("12", s.name, None, "greedy_tokens", m, gb, within(m, gb), (3, 99, 0)))
     finally:
         if own_ref:
             ref.close()

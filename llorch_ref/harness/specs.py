@@ -98,6 +98,13 @@ def band_class_of(tensor_types: dict) -> str:
     return max(seen, key=CLASS_ORDER.index)
 
 
+def greedy_band(band: dict, n: int) -> dict:
+    """A greedy-text band asking for an equal prefix longer than the run cannot be met: it asks for all n."""
+    if "equal_prefix" in band and band["equal_prefix"] > n:
+        return {**band, "equal_prefix": n}
+    return band
+
+
 STORAGE_CLASS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 

@@ -15,7 +15,7 @@ from ..dump import Dump, Recorder, catalogue, expected_shape, to_canonical
 from ..errors import DumpError, HarnessError
 from .metrics import compare, within
 from .run import WARMUP_PROMPT, DiffResult, Row, _softmax64
-from .specs import load_specs
+from .specs import greedy_band, load_specs
 
 LAYOUT_CHOICES = {"rope_pairs": ("adjacent", "neox"), "heads": ("token_major", "head_major"),
                   "array_order": ("numpy", "ggml")}
@@ -195,7 +195,8 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
                      "n": n}
                 res.greedy = {"n": n, "equal_prefix": same, "ours": a, "reference": b, "ours_text": "",
                               "reference_text": ""}
-                res.rows.append(Row("12", spec.name, None, "greedy_tokens", m, band, within(m, band), (3, 99, 0)))
+                gb = greedy_band(band, n)
+                res.rows.append(Row("12", spec.name, None, "greedy_tokens", m, gb, within(m, gb), (3, 99, 0)))
                 cap_sub["cp12.greedy_tokens"], cap_ref["cp12.greedy_tokens"] = np.array(a), np.array(b)
         else:
             raise HarnessError(f"{spec.path}: checkpoint {spec.id} has no dump comparison")
