@@ -430,7 +430,7 @@ def build_parser():
         sp.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn and printed)")
         sp.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
         sp.add_argument("--system", default=None, help="system message for the chat template")
-        sp.add_argument("--ctx", type=int, default=None, help="context size (default: the model's)")
+        sp.add_argument("--ctx", type=int, default=None, help="context size (default: the model's, at most 8192; the K/V cache is preallocated)")
 
     g = sub.add_parser("generate", help="stream a continuation of PROMPT to stdout")
     g.add_argument("prompt")
@@ -451,7 +451,7 @@ def build_parser():
     sv.add_argument("--port", type=int, default=8080)
     sv.add_argument("--api-token", default=None, help="require Authorization: Bearer TOKEN")
     sv.add_argument("--max-queue", type=int, default=16, help="requests queued or running before 503")
-    sv.add_argument("--ctx", type=int, default=None, help="context size (default: the model's)")
+    sv.add_argument("--ctx", type=int, default=None, help="context size (default: the model's, at most 8192; the K/V cache is preallocated)")
     sv.set_defaults(fn=cmd_serve)
 
     b = sub.add_parser("bench", help="load time, prefill/decode tokens/s and peak memory per engine")

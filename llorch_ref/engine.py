@@ -26,6 +26,9 @@ class GenerationResult:
     decode_s: float = 0.0
 
 
+DEFAULT_CTX = 8192
+
+
 class Engine:
     def __init__(self, config, weights, tokenizer, *, path=None, metadata=None, tensor_types=None,
                  backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", dtype="float32", threads=None,
@@ -44,7 +47,9 @@ class Engine:
         self.weights = self.backend.prepare_weights(weights, raw_blocks)
         if n_ctx is not None and not (0 < int(n_ctx) <= config.context_length):
             raise ParameterError(f"n_ctx={n_ctx} must be in 1..{config.context_length} (the model's context)")
-        self.n_ctx = int(n_ctx or config.context_length)
+        # default: the model's context up to DEFAULT_CTX, since the K/V cache is preallocated (a 128k-token
+        # Llama 3.1 context would take 34 GB of float32 K/V); --ctx asks for more
+        self.n_ctx = int(n_ctx or min(config.context_length, DEFAULT_CTX))
         if kv_dtype not in ("f32", "f16"):
             raise ParameterError(f"kv_dtype {kv_dtype!r} must be 'f32' or 'f16'")
         self.numerics, self.kv_dtype = numerics, kv_dtype

@@ -23,8 +23,10 @@ class Cache:
         self.pos = 0
 
     def reset(self):
-        self.k[...] = 0
-        self.v[...] = 0
+        # only positions < pos were written since the last reset: zeroing them leaves no stale entry, and
+        # untouched pages of a large preallocated cache stay unallocated
+        self.k[:, :self.pos] = 0
+        self.v[:, :self.pos] = 0
         self.pos = 0
 
     def check_room(self, n_new: int):
