@@ -27,6 +27,7 @@ class Config:
     attention_scale: float | None = None  # None: 1/sqrt(Hd)
     rope_freq_scale: float = 1.0          # linear RoPE scaling: angles times this (1 / scaling factor)
     rope_freq_factors: tuple | None = None  # [R/2] per-pair divisors of the angle (llama3 scaling; GGUF rope_freqs)
+    qkv_bias: bool = False                # Q, K, V projections add a bias (Qwen2)
     extra: dict = field(default_factory=dict, compare=False)  # informational metadata only
 
     def __post_init__(self):

@@ -130,12 +130,18 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     tensors = {"model.embed_tokens.weight": w.tok_embd, "model.norm.weight": w.out_norm}
     if not cfg.tied_output:
         tensors["lm_head.weight"] = w.output
+    # llama GGUF rows are in adjacent pairs (llama.cpp's converter permuted them); qwen2 GGUF rows are as in HF
+    unperm = (lambda a, n: a) if cfg.rope_style == "neox" else unpermute_qk
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."
+        if cfg.qkv_bias:
+            tensors.update({p + "self_attn.q_proj.bias": unperm(lw.bq[:, None], cfg.n_heads)[:, 0],
+                            p + "self_attn.k_proj.bias": unperm(lw.bk[:, None], cfg.n_kv_heads)[:, 0],
+                            p + "self_attn.v_proj.bias": lw.bv})
         tensors.update({
             p + "input_layernorm.weight": lw.attn_norm,
-            p + "self_attn.q_proj.weight": unpermute_qk(lw.wq, cfg.n_heads),
-            p + "self_attn.k_proj.weight": unpermute_qk(lw.wk, cfg.n_kv_heads),
+            p + "self_attn.q_proj.weight": unperm(lw.wq, cfg.n_heads),
+            p + "self_attn.k_proj.weight": unperm(lw.wk, cfg.n_kv_heads),
             p + "self_attn.v_proj.weight": lw.wv,
             p + "self_attn.o_proj.weight": lw.wo,
             p + "post_attention_layernorm.weight": lw.ffn_norm,
@@ -145,7 +151,8 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
         })
     tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.arch]],
+        "model_type": cfg.arch, "torch_dtype": "float32",
         "vocab_size": cfg.n_vocab, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
@@ -153,7 +160,8 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
         "rope_theta": cfg.rope_base,
         "rope_scaling": None if cfg.rope_freq_scale == 1.0 else {"rope_type": "linear",
                                                                  "factor": 1.0 / cfg.rope_freq_scale}, "tie_word_embeddings": cfg.tied_output,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu",
+        **({"attention_bias": False, "mlp_bias": False} if cfg.arch == "llama" else {"use_sliding_window": False}),
         "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
         "_name_or_path": str(m.metadata.get("general.name") or src.stem),
     }
@@ -227,7 +235,7 @@ def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
     model_json = json.loads(tok.hf.to_str())["model"]
     merges = [" ".join(x) if isinstance(x, list) else x for x in model_json.get("merges", [])]
     tmp = dst.with_name(dst.name + ".part")
-    wr = gguf.GGUFWriter(str(tmp), "llama")
+    wr = gguf.GGUFWriter(str(tmp), cfg.arch)
     wr.add_name(str(m.metadata.get("_name_or_path") or src.name))
     wr.add_block_count(cfg.n_layers)
     wr.add_context_length(cfg.context_length)
@@ -281,6 +289,9 @@ def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
                           ("ffn_up", lw.w_up), ("ffn_down", lw.w_down)):
             a = np.ascontiguousarray(arr, dtype=np.float32)
             wr.add_tensor(p + name + ".weight", big(a) if a.ndim == 2 else a)
+        if cfg.qkv_bias:
+            for name, arr in (("attn_q", lw.bq), ("attn_k", lw.bk), ("attn_v", lw.bv)):
+                wr.add_tensor(p + name + ".bias", np.ascontiguousarray(arr, dtype=np.float32))
     wr.add_tensor("output_norm.weight", np.ascontiguousarray(w.out_norm, dtype=np.float32))
     if not cfg.tied_output:
         wr.add_tensor("output.weight", big(np.ascontiguousarray(w.output, dtype=np.float32)))

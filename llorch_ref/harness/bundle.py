@@ -133,7 +133,7 @@ def _spec_captures(result, spec):
         pat = t.llamacpp["name"]
         for k, a in result.captures_ref.items():
             name, op, _ = k.split("#")
-            if op == t.llamacpp["op"] and _matches(pat, name):
+            if op in (t.llamacpp["op"], (t.llamacpp_with_bias or {}).get("op")) and _matches(pat, name):
                 ref[k] = a
     if spec.scope == "model" and spec.name in ("logits", "last_token_logits", "greedy_argmax", "softmax_probs"):
         ours["result_output"] = result.captures_ours.get("result_output")

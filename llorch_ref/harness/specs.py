@@ -25,6 +25,11 @@ class TensorSpec:
     llamacpp: dict            # {"name": "Qcur-{L}", "op": "ROPE", "occurrence": 0}
     layout: str               # how to bring llama.cpp's tensor to our shape (harness.run.LAYOUTS)
     order: int                # position in the forward pass within its scope (for first divergence)
+    llamacpp_with_bias: dict | None = None   # the node to compare when the model adds a bias (Qwen2's Q/K/V)
+    llamacpp_unnamed_for: list | None = None  # architectures whose llama.cpp graph leaves this node unnamed
+
+    def node(self, cfg) -> dict:
+        return self.llamacpp_with_bias if (self.llamacpp_with_bias and cfg.qkv_bias) else self.llamacpp
 
 
 @dataclass

@@ -35,7 +35,8 @@ def record_engine(engine, token_ids, prompt=None, n_greedy=32) -> Recorder:
     from ..generate import sampling
 
     rec = Recorder("llorch-ref", f"{__version__} ({engine.backend.name}, {engine.numerics})",
-                   model_path=engine.path, token_ids=token_ids, prompt=prompt)
+                   model_path=engine.path, token_ids=token_ids, prompt=prompt,
+                   layouts={"rope_pairs": engine.config.rope_style})     # Q/K rows as this model holds them
     ids = list(token_ids)
     if prompt is not None and engine.tokenizer is not None:
         rec.add("cp0.token_ids", np.array(engine.tokenizer.encode(prompt), dtype=np.int64))

@@ -18,7 +18,7 @@ from ..errors import ModelFileError, ParameterError, UnsupportedModelError
 from ..model.weights import LayerWeights, Weights
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = ("llama", "qwen2")   # qwen2: llama + QKV biases, NeoX RoPE (rows as stored)
 
 
 @dataclass
@@ -165,11 +165,13 @@ def config_from_metadata(meta: dict, path, tensor_shapes: dict, rope_freqs=None)
         rms_eps=float(np.float32(_get(meta, a + "attention.layer_norm_rms_epsilon", 1e-5))),
         rope_base=float(_get(meta, a + "rope.freq_base", 10000.0)),
         rope_dim=rope_dim,
-        rope_style="adjacent",          # llama.cpp LLAMA_ROPE_TYPE_NORM; Wq/Wk rows permuted by the converter
+        # llama: LLAMA_ROPE_TYPE_NORM, Wq/Wk rows permuted by llama.cpp's converter; qwen2: NEOX, rows as in HF
+        rope_style="neox" if arch == "qwen2" else "adjacent",
         tied_output="output.weight" not in tensor_shapes,
         attention_scale=None,
         rope_freq_scale=freq_scale,
         rope_freq_factors=factors,
+        qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
         extra={"general.name": meta.get("general.name"), "file_type": meta.get("general.file_type")},
     )
 
@@ -246,6 +248,11 @@ def release_pages(reader, t):
             pass
 
 
+def layer_tensors(cfg) -> dict:
+    """LAYER_TENSORS, plus the projection biases where the model has them."""
+    return {**LAYER_TENSORS, **(BIAS_TENSORS if cfg.qkv_bias else {})}
+
+
 LAYER_TENSORS = {  # GGUF name suffix -> LayerWeights field, expected NumPy shape (from cfg)
     "attn_norm.weight": ("attn_norm", lambda c: (c.d_model,)),
     "attn_q.weight": ("wq", lambda c: (c.n_heads * c.head_dim, c.d_model)),
@@ -256,6 +263,11 @@ LAYER_TENSORS = {  # GGUF name suffix -> LayerWeights field, expected NumPy shap
     "ffn_gate.weight": ("w_gate", lambda c: (c.d_ff, c.d_model)),
     "ffn_up.weight": ("w_up", lambda c: (c.d_ff, c.d_model)),
     "ffn_down.weight": ("w_down", lambda c: (c.d_model, c.d_ff)),
+}
+BIAS_TENSORS = {
+    "attn_q.bias": ("bq", lambda c: (c.n_heads * c.head_dim,)),
+    "attn_k.bias": ("bk", lambda c: (c.n_kv_heads * c.head_dim,)),
+    "attn_v.bias": ("bv", lambda c: (c.n_kv_heads * c.head_dim,)),
 }
 
 
@@ -337,7 +349,7 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
         steps = tqdm(steps, desc=f"dequantizing {path.name}", unit="layer", file=sys.stderr)
     for i in steps:
         fields = {fld: tensor(f"blk.{i}.{suffix}", shp(cfg), matrix=len(shp(cfg)) == 2)
-                  for suffix, (fld, shp) in LAYER_TENSORS.items()}
+                  for suffix, (fld, shp) in layer_tensors(cfg).items()}
         layers.append(LayerWeights(**fields))
     tok = tensor("token_embd.weight", (cfg.n_vocab, cfg.d_model), matrix=cfg.tied_output and numerics != "ggml")
     if cfg.tied_output:
@@ -373,7 +385,7 @@ def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
 
     full = 0
     for i in range(cfg.n_layers):
-        for suffix, (_, shp) in LAYER_TENSORS.items():
+        for suffix, (_, shp) in layer_tensors(cfg).items():
             shape = shp(cfg)
             check(f"blk.{i}.{suffix}", shape)
             full += int(np.prod(shape)) * (store.itemsize if len(shape) == 2 else 4)
@@ -387,9 +399,9 @@ def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
 
     def make_layer(i):
         return LayerWeights(**{fld: deq(f"blk.{i}.{suffix}", len(shp(cfg)) == 2)
-                               for suffix, (fld, shp) in LAYER_TENSORS.items()})
+                               for suffix, (fld, shp) in layer_tensors(cfg).items()})
 
-    fields = {fld: (suffix, len(shp(cfg)) == 2) for suffix, (fld, shp) in LAYER_TENSORS.items()}
+    fields = {fld: (suffix, len(shp(cfg)) == 2) for suffix, (fld, shp) in layer_tensors(cfg).items()}
 
     def deq_field(i, fld):
         if fld not in fields:

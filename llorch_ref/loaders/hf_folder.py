@@ -35,6 +35,8 @@ HF_LAYER_TENSORS = {  # HF name suffix -> LayerWeights field (NumPy shape checke
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
 }
+HF_BIAS_TENSORS = {"self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv"}
+HF_ARCHS = ("llama", "qwen2")
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
@@ -61,8 +63,12 @@ def _read_json(path: Path, required=True):
 
 def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
     mt = c.get("model_type")
-    if mt != "llama":
-        raise UnsupportedModelError(f"{where}: model_type {mt!r} is not supported yet (supported: llama)")
+    if mt not in HF_ARCHS:
+        raise UnsupportedModelError(f"{where}: model_type {mt!r} is not supported yet (supported: "
+                                    f"{', '.join(HF_ARCHS)})")
+    if mt == "qwen2" and c.get("use_sliding_window"):
+        raise UnsupportedModelError(f"{where}: use_sliding_window=true (Qwen2 sliding-window attention) is not "
+                                    f"implemented")
     for key, ok in (("attention_bias", False), ("mlp_bias", False),
                     ("hidden_act", "silu"), ("pretraining_tp", 1)):
         if c.get(key) is not None and c[key] != ok:
@@ -77,7 +83,8 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
     base = float(rp.get("rope_theta", c.get("rope_theta", 10000.0)))
     freq_scale, factors = rope_scaling_from_hf(rp, base, hd, where)
     return Config(
-        arch="llama",
+        arch=mt,
+        qkv_bias=(mt == "qwen2"),
         n_vocab=int(c["vocab_size"]),
         d_model=d,
         n_layers=int(c["num_hidden_layers"]),
@@ -230,14 +237,17 @@ def tokenizer_from_hf(folder: Path):
                      sorted(i for i in eog if i is not None), template, add_space_prefix=space_prefix)
 
 
-def load_hf_folder(folder, qk_layout: str = "adjacent") -> HFModel:
-    """qk_layout: "adjacent" (default: Wq/Wk rows permuted to the canonical GGUF layout) or "neox"."""
+def load_hf_folder(folder, qk_layout: str | None = None) -> HFModel:
+    """qk_layout: "adjacent" (Wq/Wk rows permuted to llama.cpp's GGUF layout) or "neox" (rows as stored).
+    Default: the layout llama.cpp uses for the architecture (llama: adjacent; qwen2: neox)."""
     from ..convert import permute_qk
 
-    if qk_layout not in ("adjacent", "neox"):
-        raise ParameterError(f"qk_layout {qk_layout!r} must be 'adjacent' or 'neox'")
     folder = Path(folder)
     c = _read_json(folder / "config.json")
+    if qk_layout is None:
+        qk_layout = "neox" if c.get("model_type") == "qwen2" else "adjacent"
+    if qk_layout not in ("adjacent", "neox"):
+        raise ParameterError(f"qk_layout {qk_layout!r} must be 'adjacent' or 'neox'")
     cfg = config_from_hf(c, folder / "config.json", qk_layout)
     tensors: dict[str, tuple[str, np.ndarray]] = {}
     for f in _safetensors_files(folder):
@@ -258,11 +268,18 @@ def load_hf_folder(folder, qk_layout: str = "adjacent") -> HFModel:
     shapes = {"attn_norm": (D,), "wq": (cfg.n_heads * Hd, D), "wk": (cfg.n_kv_heads * Hd, D),
               "wv": (cfg.n_kv_heads * Hd, D), "wo": (D, cfg.n_heads * Hd), "ffn_norm": (D,),
               "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
+    names = dict(HF_LAYER_TENSORS)
+    if cfg.qkv_bias:
+        names.update(HF_BIAS_TENSORS)
+        shapes.update({"bq": (cfg.n_heads * Hd,), "bk": (cfg.n_kv_heads * Hd,), "bv": (cfg.n_kv_heads * Hd,)})
     layers = [LayerWeights(**{fld: take(f"model.layers.{i}.{sfx}", shapes[fld])
-                              for sfx, fld in HF_LAYER_TENSORS.items()}) for i in range(cfg.n_layers)]
+                              for sfx, fld in names.items()}) for i in range(cfg.n_layers)]
     if qk_layout == "adjacent":
         for lw in layers:
             lw.wq, lw.wk = permute_qk(lw.wq, cfg.n_heads), permute_qk(lw.wk, cfg.n_kv_heads)
+            if cfg.qkv_bias:       # a bias row travels with its weight row
+                lw.bq = permute_qk(lw.bq[:, None], cfg.n_heads)[:, 0]
+                lw.bk = permute_qk(lw.bk[:, None], cfg.n_kv_heads)[:, 0]
     tok_embd = take("model.embed_tokens.weight", (cfg.n_vocab, D))
     if cfg.tied_output:
         output = tok_embd

@@ -22,6 +22,8 @@ def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None)
     h = ops.rms_norm(xp, x, lw.attn_norm, cfg.rms_eps)                                   # [T, D]
     record("attn_norm", layer, h)
     q, k, v = ops.qkv(xp, h, lw.wq, lw.wk, lw.wv, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+    if cfg.qkv_bias:                                                                     # Qwen2
+        q, k, v = (q + lw.bq.reshape(q.shape[1:]), k + lw.bk.reshape(k.shape[1:]), v + lw.bv.reshape(v.shape[1:]))
     record("q_proj", layer, q); record("k_proj", layer, k); record("v", layer, v)
     cos, sin = cache.rope_rows(t)                                                      # [T, R/2]
     q = ops.rope(xp, q, cos, sin, cfg.rope_style)                                        # [T, H, Hd]

@@ -17,6 +17,9 @@ class LayerWeights:
     w_gate: np.ndarray      # [F, D]
     w_up: np.ndarray        # [F, D]
     w_down: np.ndarray      # [D, F]
+    bq: np.ndarray | None = None   # [H*Hd]  biases of the projections (Config.qkv_bias; rows as wq's)
+    bk: np.ndarray | None = None   # [KV*Hd]
+    bv: np.ndarray | None = None   # [KV*Hd]
 
 
 @dataclass

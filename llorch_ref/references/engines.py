@@ -41,7 +41,7 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
     t = len(ids)
     specs = load_specs(checkpoints)
     rec = Recorder("llama.cpp", f"{_lcp.__version__} (llama-cpp-python)", model_path=path, token_ids=ids,
-                   prompt=prompt, layouts={"array_order": array_order},
+                   prompt=prompt, layouts={"array_order": array_order, "rope_pairs": cfg.rope_style},
                    notes=f"K/V cache {kv_type}, flash attention off, GGML_CPU_TILED_MM=0")
 
     def put(name, a):
@@ -59,7 +59,7 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
     names = set()
     for s in specs:
         for ts in s.tensors:
-            names |= {ts.llamacpp["name"].replace("{L}", str(i)) for i in range(cfg.n_layers)}
+            names |= {ts.node(cfg)["name"].replace("{L}", str(i)) for i in range(cfg.n_layers)}
     n_ctx = max(256, 64 * ((t + n_greedy + 63) // 64))
     ref = LlamaCpp(path, n_ctx=n_ctx, kv_type=kv_type)
     try:
@@ -69,9 +69,11 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
         logits = ref.eval(ids, cap)
         for s in specs:
             for ts in s.tensors:
-                lc = ts.llamacpp
+                lc = ts.node(cfg)
                 for layer in (range(cfg.n_layers) if s.scope == "layer" else [None]):
                     key = (lc["name"].replace("{L}", str(layer)), lc["op"], int(lc.get("occurrence", 0)))
+                    if key not in cap.tensors and cfg.arch in (ts.llamacpp_unnamed_for or []):
+                        continue                       # left out of the dump: not covered
                     if key not in cap.tensors:
                         raise ReferenceError_(f"llama.cpp produced no node {key} (captured {len(cap.tensors)})")
                     a = cap.tensors[key]
@@ -124,8 +126,9 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32,
                                                                   attn_implementation="eager")
     model.eval()
-    if model.config.model_type != "llama":
-        raise ReferenceError_(f"{folder}: model_type {model.config.model_type!r}: the transformers hooks know 'llama'")
+    if model.config.model_type not in ("llama", "qwen2"):
+        raise ReferenceError_(f"{folder}: model_type {model.config.model_type!r}: the transformers hooks know "
+                              f"'llama' and 'qwen2'")
     tok = None
     if prompt is not None:
         tok = transformers.AutoTokenizer.from_pretrained(str(folder))

@@ -1,0 +1,54 @@
+"""Tiny random Hugging Face models made with transformers (seeded), one per supported architecture, with a
+tokenizer.json from a tiny vocabulary (llorch_ref.testing.tiny). Needs torch and transformers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ARCHS = {
+    # Llama 2 style: multi-head attention, untied output
+    "llama2": dict(model_type="llama", pre="llama-bpe", kw=dict(num_key_value_heads=4, tie_word_embeddings=False)),
+    # Llama 3 style: grouped-query attention, llama3 RoPE scaling, large rope theta
+    "llama3": dict(model_type="llama", pre="llama-bpe",
+                   kw=dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    # Qwen2: Q/K/V biases, NeoX RoPE in llama.cpp, tied output
+    "qwen2": dict(model_type="qwen2", pre="qwen2",
+                  kw=dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                          use_sliding_window=False)),
+}
+
+
+def write_tiny_hf(out, arch="llama2", seed=0):
+    """-> (folder, the transformers model in eval mode). Deterministic for (arch, seed)."""
+    import torch
+    import transformers
+
+    from ..convert import convert_gguf_to_hf
+    from .tiny import write_tiny_model
+
+    spec = ARCHS[arch]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    g = write_tiny_model(out.parent / f".{out.name}-vocab.gguf", vocab="bpe", pre=spec["pre"])
+    convert_gguf_to_hf(g, out, overwrite=True)            # tokenizer.json, tokenizer_config.json from the vocabulary
+    n_vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(seed)
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[spec["model_type"]]
+    cfg = cls[0](vocab_size=n_vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=128, **spec["kw"])
+    model = cls[1](cfg).eval()
+    with torch.no_grad():            # transformers initializes biases to zero and norms to one: make them count
+        for lyr in model.model.layers:
+            lyr.input_layernorm.weight.normal_(1.0, 0.1)
+            lyr.post_attention_layernorm.weight.normal_(1.0, 0.1)
+            for lin in (lyr.self_attn.q_proj, lyr.self_attn.k_proj, lyr.self_attn.v_proj):
+                if lin.bias is not None:
+                    lin.bias.normal_(0.0, 0.5)
+    (out / "model.safetensors").unlink()
+    (out / "config.json").unlink()
+    model.save_pretrained(str(out), safe_serialization=True)
+    g.unlink()
+    return out, model
