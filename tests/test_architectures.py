@@ -11,7 +11,7 @@ import llorch_ref
 PROMPT = "Once upon a time, there was a little"
 
 
-@pytest.fixture(scope="module", params=["llama2", "llama3", "qwen2"])
+@pytest.fixture(scope="module", params=["llama2", "llama3", "mistral", "qwen2"])
 def arch_model(request, tmp_path_factory):
     pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]')")
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
@@ -58,7 +58,7 @@ def test_a_dropped_architecture_switch_is_caught(arch_model):
     elif arch == "llama3":
         eng.config, where = dataclasses.replace(eng.config, rope_freq_factors=None), ("1B", 0, "q")
     else:
-        pytest.skip("llama2 has no switch beyond the llama defaults")
+        pytest.skip(f"{arch} has no switch beyond the llama defaults")
     ids = eng.tokenizer.encode(PROMPT)
     res = compare_dumps(record_engine(eng, ids, n_greedy=0), dump_transformers(folder, token_ids=ids, n_greedy=0),
                         eng.config, "F32")
@@ -76,3 +76,14 @@ def test_qwen2_sliding_window_is_refused(tmp_path):
     c["use_sliding_window"] = False
     cfg = config_from_hf(c, tmp_path)
     assert cfg.arch == "qwen2" and cfg.qkv_bias
+
+
+def test_mistral_context_is_capped_at_its_sliding_window(arch_model):
+    arch, folder, g = arch_model
+    if arch != "mistral":
+        pytest.skip("only Mistral has a sliding window")
+    from llorch_ref.errors import PromptError
+    eng = llorch_ref.load(folder)
+    assert eng.config.context_length == 64 and eng.n_ctx == 64        # max_position_embeddings is 128
+    with pytest.raises(PromptError, match="context holds 64"):
+        eng.logits(list(range(3, 70)))

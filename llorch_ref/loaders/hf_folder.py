@@ -36,7 +36,7 @@ HF_LAYER_TENSORS = {  # HF name suffix -> LayerWeights field (NumPy shape checke
     "mlp.down_proj.weight": "w_down",
 }
 HF_BIAS_TENSORS = {"self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv"}
-HF_ARCHS = ("llama", "qwen2")
+HF_ARCHS = ("llama", "mistral", "qwen2")   # mistral: llama with a sliding window (see config_from_hf)
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
@@ -69,6 +69,7 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
     if mt == "qwen2" and c.get("use_sliding_window"):
         raise UnsupportedModelError(f"{where}: use_sliding_window=true (Qwen2 sliding-window attention) is not "
                                     f"implemented")
+    window = c.get("sliding_window") if mt == "mistral" else None
     for key, ok in (("attention_bias", False), ("mlp_bias", False),
                     ("hidden_act", "silu"), ("pretraining_tp", 1)):
         if c.get(key) is not None and c[key] != ok:
@@ -82,8 +83,11 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
     rp = c.get("rope_scaling") or c.get("rope_parameters") or {}         # transformers 5 writes rope_parameters
     base = float(rp.get("rope_theta", c.get("rope_theta", 10000.0)))
     freq_scale, factors = rope_scaling_from_hf(rp, base, hd, where)
+    ctx = int(c.get("max_position_embeddings", 2048))
+    if window:      # Mistral's sliding window: exact as long as no sequence is longer than the window
+        ctx = min(ctx, int(window))
     return Config(
-        arch=mt,
+        arch="llama" if mt == "mistral" else mt,          # llama.cpp runs Mistral as llama, so do we
         qkv_bias=(mt == "qwen2"),
         n_vocab=int(c["vocab_size"]),
         d_model=d,
@@ -92,7 +96,7 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
         n_kv_heads=int(c.get("num_key_value_heads") or h),       # HF default: MHA
         head_dim=hd,
         d_ff=int(c["intermediate_size"]),
-        context_length=int(c.get("max_position_embeddings", 2048)),
+        context_length=ctx,
         rms_eps=float(np.float32(c.get("rms_norm_eps", 1e-6))),  # LlamaConfig's default
         rope_base=base,
         rope_dim=hd,
@@ -101,7 +105,8 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
         rope_style=qk_layout,                                    # stored: HF rotate_half pairs (i, i + Hd/2)
         tied_output=bool(c.get("tie_word_embeddings", False)),   # LlamaConfig's default
         attention_scale=None,
-        extra={"general.name": c.get("_name_or_path"), "source": "hf", "qk_rows_stored": "neox"},
+        extra={"general.name": c.get("_name_or_path"), "source": "hf", "qk_rows_stored": "neox", "model_type": mt,
+               **({"sliding_window": int(window)} if window else {})},
     )
 
 

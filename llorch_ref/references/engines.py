@@ -126,7 +126,7 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32,
                                                                   attn_implementation="eager")
     model.eval()
-    if model.config.model_type not in ("llama", "qwen2"):
+    if model.config.model_type not in ("llama", "mistral", "qwen2"):
         raise ReferenceError_(f"{folder}: model_type {model.config.model_type!r}: the transformers hooks know "
                               f"'llama' and 'qwen2'")
     tok = None

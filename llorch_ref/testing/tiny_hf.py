@@ -13,6 +13,9 @@ ARCHS = {
                    kw=dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0,
                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    # Mistral: llama with a sliding window (64 here, so the context is capped to it)
+    "mistral": dict(model_type="mistral", pre="llama-bpe",
+                    kw=dict(num_key_value_heads=2, tie_word_embeddings=False, sliding_window=64)),
     # Qwen2: Q/K/V biases, NeoX RoPE in llama.cpp, tied output
     "qwen2": dict(model_type="qwen2", pre="qwen2",
                   kw=dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -36,6 +39,7 @@ def write_tiny_hf(out, arch="llama2", seed=0):
     n_vocab = json.loads((out / "config.json").read_text())["vocab_size"]
     torch.manual_seed(seed)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[spec["model_type"]]
     cfg = cls[0](vocab_size=n_vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, max_position_embeddings=128, **spec["kw"])
