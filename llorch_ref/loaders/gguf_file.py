@@ -18,7 +18,7 @@ from ..errors import ModelFileError, ParameterError, UnsupportedModelError
 from ..model.weights import LayerWeights, Weights
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "qwen2")   # qwen2: llama + QKV biases, NeoX RoPE (rows as stored)
+SUPPORTED_ARCHS = ("llama", "qwen2", "phi3")  # qwen2: + QKV biases; phi3: fused qkv and gate|up; both NeoX RoPE
 
 
 @dataclass
@@ -166,7 +166,7 @@ def config_from_metadata(meta: dict, path, tensor_shapes: dict, rope_freqs=None)
         rope_base=float(_get(meta, a + "rope.freq_base", 10000.0)),
         rope_dim=rope_dim,
         # llama: LLAMA_ROPE_TYPE_NORM, Wq/Wk rows permuted by llama.cpp's converter; qwen2: NEOX, rows as in HF
-        rope_style="neox" if arch == "qwen2" else "adjacent",
+        rope_style="neox" if arch in ("qwen2", "phi3") else "adjacent",
         tied_output="output.weight" not in tensor_shapes,
         attention_scale=None,
         rope_freq_scale=freq_scale,
@@ -249,8 +249,32 @@ def release_pages(reader, t):
 
 
 def layer_tensors(cfg) -> dict:
-    """LAYER_TENSORS, plus the projection biases where the model has them."""
-    return {**LAYER_TENSORS, **(BIAS_TENSORS if cfg.qkv_bias else {})}
+    """GGUF name suffix -> (field, shape fn) of one layer: LAYER_TENSORS, the projection biases where the model
+    has them, and for phi3 the fused tensors (fields "_qkv", "_gate_up", split by split_fused)."""
+    t = {**LAYER_TENSORS, **(BIAS_TENSORS if cfg.qkv_bias else {})}
+    if cfg.arch == "phi3":
+        for k in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight"):
+            t.pop(k)
+        t["attn_qkv.weight"] = ("_qkv", lambda c: ((c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.d_model))
+        t["ffn_up.weight"] = ("_gate_up", lambda c: (2 * c.d_ff, c.d_model))
+    return t
+
+
+def split_fused(cfg, fields: dict) -> dict:
+    """Phi-3's fused projections -> the canonical separate ones: qkv rows are Q | K | V, gate_up rows gate | up."""
+    if "_qkv" in fields:
+        qkv = fields.pop("_qkv")
+        nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        fields["wq"], fields["wk"], fields["wv"] = (np.ascontiguousarray(qkv[:nq]),
+                                                    np.ascontiguousarray(qkv[nq:nq + nk]),
+                                                    np.ascontiguousarray(qkv[nq + nk:]))
+    if "_gate_up" in fields:
+        gu = fields.pop("_gate_up")
+        fields["w_gate"], fields["w_up"] = np.ascontiguousarray(gu[:cfg.d_ff]), np.ascontiguousarray(gu[cfg.d_ff:])
+    return fields
+
+
+FUSED_OF = {"wq": "_qkv", "wk": "_qkv", "wv": "_qkv", "w_gate": "_gate_up", "w_up": "_gate_up"}
 
 
 LAYER_TENSORS = {  # GGUF name suffix -> LayerWeights field, expected NumPy shape (from cfg)
@@ -315,6 +339,9 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
     by_name = {t.name: t for t in reader.tensors}
     shapes = {t.name: tuple(int(x) for x in reversed([int(s) for s in t.shape])) for t in reader.tensors}
     cfg = config_from_metadata(meta, path, shapes, rope_freqs_of(by_name))
+    if numerics == "ggml" and cfg.arch == "phi3":
+        raise UnsupportedModelError(f"{path}: numerics='ggml' does not split Phi-3's fused quantized projections; "
+                                    f"use numerics='exact'")
     if lazy:
         return _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
     big = path.stat().st_size > (1 << 30)
@@ -350,7 +377,7 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
     for i in steps:
         fields = {fld: tensor(f"blk.{i}.{suffix}", shp(cfg), matrix=len(shp(cfg)) == 2)
                   for suffix, (fld, shp) in layer_tensors(cfg).items()}
-        layers.append(LayerWeights(**fields))
+        layers.append(LayerWeights(**split_fused(cfg, fields)))
     tok = tensor("token_embd.weight", (cfg.n_vocab, cfg.d_model), matrix=cfg.tied_output and numerics != "ggml")
     if cfg.tied_output:
         out = tensor("token_embd.weight", (cfg.n_vocab, cfg.d_model), matrix=True) if numerics == "ggml" else tok
@@ -398,12 +425,15 @@ def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
     cache = WeightCache(budget)
 
     def make_layer(i):
-        return LayerWeights(**{fld: deq(f"blk.{i}.{suffix}", len(shp(cfg)) == 2)
-                               for suffix, (fld, shp) in layer_tensors(cfg).items()})
+        return LayerWeights(**split_fused(cfg, {fld: deq(f"blk.{i}.{suffix}", len(shp(cfg)) == 2)
+                                                for suffix, (fld, shp) in layer_tensors(cfg).items()}))
 
     fields = {fld: (suffix, len(shp(cfg)) == 2) for suffix, (fld, shp) in layer_tensors(cfg).items()}
 
     def deq_field(i, fld):
+        if fld in FUSED_OF and FUSED_OF[fld] in fields:             # phi3: dequantize the fused tensor, split
+            suffix, matrix = fields[FUSED_OF[fld]]
+            return split_fused(cfg, {FUSED_OF[fld]: deq(f"blk.{i}.{suffix}", matrix)})[fld]
         if fld not in fields:
             raise AttributeError(fld)
         suffix, matrix = fields[fld]

@@ -36,7 +36,8 @@ HF_LAYER_TENSORS = {  # HF name suffix -> LayerWeights field (NumPy shape checke
     "mlp.down_proj.weight": "w_down",
 }
 HF_BIAS_TENSORS = {"self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv"}
-HF_ARCHS = ("llama", "mistral", "qwen2")   # mistral: llama with a sliding window (see config_from_hf)
+HF_ARCHS = ("llama", "mistral", "qwen2", "phi3")   # mistral, phi3: a sliding window caps the context
+HF_FUSED_TENSORS = {"self_attn.qkv_proj.weight": "_qkv", "mlp.gate_up_proj.weight": "_gate_up"}   # phi3
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
@@ -69,7 +70,7 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
     if mt == "qwen2" and c.get("use_sliding_window"):
         raise UnsupportedModelError(f"{where}: use_sliding_window=true (Qwen2 sliding-window attention) is not "
                                     f"implemented")
-    window = c.get("sliding_window") if mt == "mistral" else None
+    window = c.get("sliding_window") if mt in ("mistral", "phi3") else None
     for key, ok in (("attention_bias", False), ("mlp_bias", False),
                     ("hidden_act", "silu"), ("pretraining_tp", 1)):
         if c.get(key) is not None and c[key] != ok:
@@ -88,6 +89,7 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
         ctx = min(ctx, int(window))
     return Config(
         arch="llama" if mt == "mistral" else mt,          # llama.cpp runs Mistral as llama, so do we
+        rope_dim=int(hd * float(rp.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))),
         qkv_bias=(mt == "qwen2"),
         n_vocab=int(c["vocab_size"]),
         d_model=d,
@@ -99,7 +101,6 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
         context_length=ctx,
         rms_eps=float(np.float32(c.get("rms_norm_eps", 1e-6))),  # LlamaConfig's default
         rope_base=base,
-        rope_dim=hd,
         rope_freq_scale=freq_scale,
         rope_freq_factors=factors,
         rope_style=qk_layout,                                    # stored: HF rotate_half pairs (i, i + Hd/2)
@@ -250,7 +251,7 @@ def load_hf_folder(folder, qk_layout: str | None = None) -> HFModel:
     folder = Path(folder)
     c = _read_json(folder / "config.json")
     if qk_layout is None:
-        qk_layout = "neox" if c.get("model_type") == "qwen2" else "adjacent"
+        qk_layout = "neox" if c.get("model_type") in ("qwen2", "phi3") else "adjacent"
     if qk_layout not in ("adjacent", "neox"):
         raise ParameterError(f"qk_layout {qk_layout!r} must be 'adjacent' or 'neox'")
     cfg = config_from_hf(c, folder / "config.json", qk_layout)
@@ -274,11 +275,18 @@ def load_hf_folder(folder, qk_layout: str | None = None) -> HFModel:
               "wv": (cfg.n_kv_heads * Hd, D), "wo": (D, cfg.n_heads * Hd), "ffn_norm": (D,),
               "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
     names = dict(HF_LAYER_TENSORS)
+    if cfg.arch == "phi3":
+        for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            names.pop(k)
+        names.update(HF_FUSED_TENSORS)
+        shapes.update({"_qkv": ((cfg.n_heads + 2 * cfg.n_kv_heads) * Hd, D), "_gate_up": (2 * F, D)})
     if cfg.qkv_bias:
         names.update(HF_BIAS_TENSORS)
         shapes.update({"bq": (cfg.n_heads * Hd,), "bk": (cfg.n_kv_heads * Hd,), "bv": (cfg.n_kv_heads * Hd,)})
-    layers = [LayerWeights(**{fld: take(f"model.layers.{i}.{sfx}", shapes[fld])
-                              for sfx, fld in names.items()}) for i in range(cfg.n_layers)]
+    from .gguf_file import split_fused
+    layers = [LayerWeights(**split_fused(cfg, {fld: take(f"model.layers.{i}.{sfx}", shapes[fld])
+                                               for sfx, fld in names.items()})) for i in range(cfg.n_layers)]
     if qk_layout == "adjacent":
         for lw in layers:
             lw.wq, lw.wk = permute_qk(lw.wq, cfg.n_heads), permute_qk(lw.wk, cfg.n_kv_heads)

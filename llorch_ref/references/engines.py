@@ -126,9 +126,9 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32,
                                                                   attn_implementation="eager")
     model.eval()
-    if model.config.model_type not in ("llama", "mistral", "qwen2"):
+    if model.config.model_type not in ("llama", "mistral", "qwen2", "phi3"):
         raise ReferenceError_(f"{folder}: model_type {model.config.model_type!r}: the transformers hooks know "
-                              f"'llama' and 'qwen2'")
+                              f"llama, mistral, qwen2 and phi3")
     tok = None
     if prompt is not None:
         tok = transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -164,13 +164,23 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
 
     for i, lyr in enumerate(model.model.layers):
         at, mlp = lyr.self_attn, lyr.mlp
-        for m in (lyr, lyr.input_layernorm, lyr.post_attention_layernorm, at, at.q_proj, at.k_proj, at.v_proj,
-                  at.o_proj, mlp, mlp.down_proj):
+        fused = hasattr(at, "qkv_proj")                      # Phi-3: one projection, rows Q | K | V
+        projs = [at.qkv_proj] if fused else [at.q_proj, at.k_proj, at.v_proj]
+        for m in (lyr, lyr.input_layernorm, lyr.post_attention_layernorm, at, *projs, at.o_proj, mlp, mlp.down_proj):
             layer_of[m] = i
         fwd(lyr.input_layernorm, "cp1.attn_norm")
-        fwd(at.q_proj, "cp2.q_proj", lambda a: tm(a, h))
-        fwd(at.k_proj, "cp2.k_proj", lambda a: tm(a, kv))
-        fwd(at.v_proj, "cp2.v", lambda a: tm(a, kv))
+        if fused:
+            def split_qkv(m, inp, o):
+                o = out_of(o)[0]
+                nq, nk = h * hd, kv * hd
+                rec.add(f"cp2.q_proj.layer{layer_of[m]}", o[:, :nq].reshape(t, h, hd))
+                rec.add(f"cp2.k_proj.layer{layer_of[m]}", o[:, nq:nq + nk].reshape(t, kv, hd))
+                rec.add(f"cp2.v.layer{layer_of[m]}", o[:, nq + nk:].reshape(t, kv, hd))
+            hooks.append(at.qkv_proj.register_forward_hook(split_qkv))
+        else:
+            fwd(at.q_proj, "cp2.q_proj", lambda a: tm(a, h))
+            fwd(at.k_proj, "cp2.k_proj", lambda a: tm(a, kv))
+            fwd(at.v_proj, "cp2.v", lambda a: tm(a, kv))
         pre(at.o_proj, "cp5.kqv_out")
         fwd(at.o_proj, "cp5.attn_out")
         pre(lyr.post_attention_layernorm, "cp5.ffn_inp")

@@ -73,7 +73,8 @@ def _rand(name, shape, seed, scale=0.02):
 
 def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                      d_ff=96, context_length=128, weight_type="F32", tied=False, seed=0, rms_eps=1e-5,
-                     rope_base=10000.0, n_vocab_none=128, add_bos=None, rope_scaling=None) -> Path:
+                     rope_base=10000.0, n_vocab_none=128, add_bos=None, rope_scaling=None,
+                     extra_specials=()) -> Path:
     """Write a tiny random llama GGUF. vocab: 'bpe' | 'spm' | 'none';
     weight_type: F32 | F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | mixed (Q8_0 embeddings and FFN, F16 attention).
     rope_scaling: None, ("linear", factor) or ("freqs", seed): a rope_freqs.weight tensor of per-pair factors
@@ -84,6 +85,7 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
     head_dim = d_model // n_heads
     if vocab == "bpe":
         tokens, types, merges = bpe_vocab()
+        tokens, types = tokens + list(extra_specials), types + [3] * len(extra_specials)     # control tokens
     elif vocab == "spm":
         tokens, types, scores = spm_vocab()
     elif vocab == "none":

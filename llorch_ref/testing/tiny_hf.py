@@ -16,6 +16,9 @@ ARCHS = {
     # Mistral: llama with a sliding window (64 here, so the context is capped to it)
     "mistral": dict(model_type="mistral", pre="llama-bpe",
                     kw=dict(num_key_value_heads=2, tie_word_embeddings=False, sliding_window=64)),
+    # Phi-3: fused qkv and gate|up projections, NeoX RoPE in llama.cpp
+    "phi3": dict(model_type="phi3", vocab="spm",                        # Phi-3's own vocabulary is SentencePiece
+                 kw=dict(num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None, pad_token_id=None)),
     # Qwen2: Q/K/V biases, NeoX RoPE in llama.cpp, tied output
     "qwen2": dict(model_type="qwen2", pre="qwen2",
                   kw=dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -34,13 +37,15 @@ def write_tiny_hf(out, arch="llama2", seed=0):
     spec = ARCHS[arch]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    g = write_tiny_model(out.parent / f".{out.name}-vocab.gguf", vocab="bpe", pre=spec["pre"])
+    g = write_tiny_model(out.parent / f".{out.name}-vocab.gguf", vocab=spec.get("vocab", "bpe"),
+                         **({"pre": spec["pre"]} if "pre" in spec else {}))
     convert_gguf_to_hf(g, out, overwrite=True)            # tokenizer.json, tokenizer_config.json from the vocabulary
     n_vocab = json.loads((out / "config.json").read_text())["vocab_size"]
     torch.manual_seed(seed)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[spec["model_type"]]
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[spec["model_type"]]
     cfg = cls[0](vocab_size=n_vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, max_position_embeddings=128, **spec["kw"])
     model = cls[1](cfg).eval()
@@ -48,7 +53,7 @@ def write_tiny_hf(out, arch="llama2", seed=0):
         for lyr in model.model.layers:
             lyr.input_layernorm.weight.normal_(1.0, 0.1)
             lyr.post_attention_layernorm.weight.normal_(1.0, 0.1)
-            for lin in (lyr.self_attn.q_proj, lyr.self_attn.k_proj, lyr.self_attn.v_proj):
+            for lin in [getattr(lyr.self_attn, n) for n in ("q_proj", "k_proj", "v_proj") if hasattr(lyr.self_attn, n)]:
                 if lin.bias is not None:
                     lin.bias.normal_(0.0, 0.5)
     (out / "model.safetensors").unlink()
