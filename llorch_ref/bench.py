@@ -160,6 +160,11 @@ def run_bench(path, engines, prefill=128, decode=128, repeats=3, threads=None, t
             "threads": threads, "results": results}
 
 
+def _tps(x) -> str:
+    """tokens/s with one decimal, or three significant digits below 1 (0.04 must not print as 0.0)."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
 def markdown(report) -> str:
     base = next((r for r in report["results"] if r.get("engine") == "llama.cpp" and "error" not in r), None)
     lines = [f"model `{os.path.basename(report['model'])}`, {report['threads']} threads, prefill "
@@ -173,8 +178,8 @@ def markdown(report) -> str:
             continue
         rp = f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x" if base else "-"
         rd = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
-        lines.append(f"| {r['engine']} | {r['device']} | {r['load_s']:.2f} | {r['prefill_tok_s']:.1f} | "
-                     f"{r['decode_tok_s']:.1f} | {r['peak_mb']:.0f} | {rp} | {rd} |")
+        lines.append(f"| {r['engine']} | {r['device']} | {r['load_s']:.2f} | {_tps(r['prefill_tok_s'])} | "
+                     f"{_tps(r['decode_tok_s'])} | {r['peak_mb']:.0f} | {rp} | {rd} |")
     return "\n".join(lines)
 
 
