@@ -53,7 +53,6 @@ def main():
                   + (f"{lc.greedy['equal_prefix']}/16 and " if lc else "")
                   + f"{tf.greedy['equal_prefix']}/16 tokens equal", "",
                   "| checkpoint | name | vs llama.cpp (GGUF) | vs transformers (HF folder) | F32 band |", "|---|---|---|---|---|"]
-        by_tf = {s["checkpoint"]: s for s in tf.summary()}
         by_lc = {s["checkpoint"]: s for s in lc.summary()} if lc else {}
         for t in tf.summary():
             s = by_lc.get(t["checkpoint"])
