@@ -142,13 +142,13 @@ def cmd_convert(args):
     return 0
 
 
-def _print_result(res, verbose, file=sys.stdout):
+def _print_result(res, verbose, file=None):
     from rich.console import Console
     from rich.table import Table
 
     from .harness.metrics import fmt, fmt_cos, fmt_match
 
-    con = Console(file=file, width=160)
+    con = Console(file=file or sys.stdout, width=160)      # sys.stdout at call time (pytest's capture)
     ref_name = "the numpy backend" if res.band_class.startswith("backend:") else res.reference_label
     t = Table(title=f"{res.subject_label} vs {ref_name}: {len(res.token_ids)} tokens, band class {res.band_class}")
     for col in ("checkpoint", "name", "comparisons", "failed", "worst NMSE", "worst max abs", "min cosine / agreement",
