@@ -47,8 +47,7 @@ def main():
                   f"{c.qkv_bias}, RoPE {c.rope_style}, theta {c.rope_base:g}"
                   + (", llama3 frequency factors" if c.rope_freq_factors else "") + ")", "",
                   (f"first divergence vs llama.cpp: {lc.first_divergence or 'none'}; " if lc else
-                   f"llama.cpp: not run ({lc_error}: llama-cpp-python 0.3.36 fails while loading this tiny "
-                   f"model's vocabulary, 'unordered_map::at'; not diagnosed yet); ")
+                   f"llama.cpp: not run ({lc_error}); ")
                   + f"vs transformers: {tf.first_divergence or 'none'}; greedy "
                   + (f"{lc.greedy['equal_prefix']}/16 and " if lc else "")
                   + f"{tf.greedy['equal_prefix']}/16 tokens equal", "",

@@ -133,7 +133,9 @@ def _spec_captures(result, spec):
         pat = t.llamacpp["name"]
         for k, a in result.captures_ref.items():
             name, op, _ = k.split("#")
-            if op in (t.llamacpp["op"], (t.llamacpp_with_bias or {}).get("op")) and _matches(pat, name):
+            ops = {t.llamacpp["op"], (t.llamacpp_with_bias or {}).get("op")} | {
+                n["op"] for n in (t.llamacpp_by_arch or {}).values()}
+            if op in ops and _matches(pat, name):
                 ref[k] = a
     if spec.scope == "model" and spec.name in ("logits", "last_token_logits", "greedy_argmax", "softmax_probs"):
         ours["result_output"] = result.captures_ours.get("result_output")

@@ -246,7 +246,7 @@ def _compare_tensor(res, spec, t, layer, rec, cap, band, cfg):
         raise HarnessError(f"checkpoint {spec.id}: llama.cpp produced no node {key_ref} (this llama.cpp build "
                            f"names its graph differently; captured {len(cap.tensors)} nodes)")
     ours = rec[key_ours]
-    theirs = LAYOUTS[t.layout](cap.tensors[key_ref], ours)
+    theirs = LAYOUTS[t.layout](t.from_llamacpp(cfg, cap.tensors[key_ref]), ours)
     m = compare(ours, theirs)
     res.rows.append(Row(spec.id, spec.name, layer, t.ours, m, band, within(m, band), (1, layer, t.order)))
 

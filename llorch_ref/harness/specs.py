@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import HarnessError
 
 # Where the specs live: the repository's checkpoints/ folder (or LLORCH_CHECKPOINTS).
@@ -27,9 +29,19 @@ class TensorSpec:
     order: int                # position in the forward pass within its scope (for first divergence)
     llamacpp_with_bias: dict | None = None   # the node to compare when the model adds a bias (Qwen2's Q/K/V)
     llamacpp_unnamed_for: list | None = None  # architectures whose llama.cpp graph leaves this node unnamed
+    llamacpp_by_arch: dict | None = None      # arch -> the node to compare instead (Phi-3: views of fused qkv)
+    llamacpp_prescaled_for: list | None = None  # archs where llama.cpp scales Q before Q.K^T (kq holds scale*QK^T)
 
     def node(self, cfg) -> dict:
+        if self.llamacpp_by_arch and cfg.arch in self.llamacpp_by_arch:
+            return self.llamacpp_by_arch[cfg.arch]
         return self.llamacpp_with_bias if (self.llamacpp_with_bias and cfg.qkv_bias) else self.llamacpp
+
+    def from_llamacpp(self, cfg, a):
+        """llama.cpp's tensor in this checkpoint's convention (Phi-3's kq: undo the Q pre-scaling)."""
+        if cfg.arch in (self.llamacpp_prescaled_for or []):
+            return (a / np.float32(cfg.scale)).astype(np.float32)
+        return a
 
 
 @dataclass

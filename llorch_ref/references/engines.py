@@ -76,7 +76,7 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
                         continue                       # left out of the dump: not covered
                     if key not in cap.tensors:
                         raise ReferenceError_(f"llama.cpp produced no node {key} (captured {len(cap.tensors)})")
-                    a = cap.tensors[key]
+                    a = ts.from_llamacpp(cfg, cap.tensors[key])
                     put(f"cp{s.id}.{ts.ours}" + ("" if layer is None else f".layer{layer}"),
                         canon.get(ts.ours, lambda x: x.reshape(t, -1))(a))
         ids_of = {s.id for s in specs}

@@ -59,5 +59,10 @@ def write_tiny_hf(out, arch="llama2", seed=0):
     (out / "model.safetensors").unlink()
     (out / "config.json").unlink()
     model.save_pretrained(str(out), safe_serialization=True)
+    # llama.cpp keys tokenizer tweaks on the model *name*: a name containing "phi3" makes it look up
+    # </s>, <unk>, <s> and <|endoftext|>, which a real Phi-3 vocabulary has and this tiny one does not
+    c = json.loads((out / "config.json").read_text())
+    c["_name_or_path"] = f"tiny-random-{spec['model_type'].replace('phi3', 'p3')}"
+    (out / "config.json").write_text(json.dumps(c, indent=2))
     g.unlink()
     return out, model
