@@ -28,10 +28,9 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", 
         raise ParameterError(f"weights={weights!r} must be 'auto', 'lazy' or 'eager'")
     import os
     bname = backend or os.environ.get("LLORCH_BACKEND") or "numpy"
-    if weights == "lazy" and (path.is_dir() or bname != "numpy" or numerics != "exact"):
-        raise ParameterError("lazy weights need a GGUF file on the numpy backend with exact numerics "
-                             f"(got {'a folder' if path.is_dir() else 'a GGUF file'}, backend {bname}, numerics "
-                             f"{numerics}); use --weights eager")
+    if weights == "lazy" and (bname != "numpy" or numerics != "exact"):
+        raise ParameterError("lazy weights need the numpy backend with exact numerics "
+                             f"(got backend {bname}, numerics {numerics}); use --weights eager")
     lazy = weights == "lazy" or (weights == "auto" and not path.is_dir() and bname == "numpy" and numerics == "exact")
     if weight_dtype != "float32" and bname != "numpy":
         raise ParameterError(f"--weight-dtype {weight_dtype} is for the numpy backend (cupy has --dtype float16)")
@@ -40,10 +39,8 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", 
 
         if numerics != "exact":
             raise ParameterError(f"numerics={numerics!r} needs GGUF blocks; a Hugging Face folder runs 'exact'")
-        if weight_cache_mb is not None or weight_dtype != "float32":
-            raise ParameterError("--weight-cache-mb and --weight-dtype apply to GGUF files (a Hugging Face folder "
-                                 "loads eagerly in float32)")
-        m = load_hf_folder(path)
+        # folders load eagerly unless lazy weights are asked for (--weights lazy)
+        m = load_hf_folder(path, lazy=weights == "lazy", weight_cache_mb=weight_cache_mb, weight_dtype=weight_dtype)
         tok, raw_blocks = m.tokenizer, None
     else:
         m = load_gguf(path, numerics=numerics, lazy=lazy, weight_cache_mb=weight_cache_mb, weight_dtype=weight_dtype)

@@ -409,8 +409,9 @@ def build_parser():
         sp.add_argument("--kv-dtype", choices=["f32", "f16"], default="f32",
                         help="K/V cache type (default f32; llama.cpp's own default is f16)")
         sp.add_argument("--weights", choices=["auto", "lazy", "eager"], default="auto",
-                        help="lazy: keep the GGUF mapped, dequantize each layer when it runs (default for GGUF "
-                             "on numpy with exact numerics); eager: dequantize everything at load")
+                        help="lazy: keep the file mapped, dequantize each layer when it runs (default for GGUF "
+                             "on numpy with exact numerics; Hugging Face folders when asked); eager: everything "
+                             "at load")
         sp.add_argument("--weight-cache-mb", type=float, default=None,
                         help="lazy weights: MB of dequantized layers kept between uses (default: the whole "
                              "model if it fits in half the available memory, else 0)")

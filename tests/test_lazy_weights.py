@@ -114,3 +114,19 @@ def test_reduced_storage_passes_its_own_bands_against_llamacpp(llamacpp, default
     assert res.first_divergence is None, res.first_divergence
     worst = max(r.metrics.get("nmse", 0) for r in res.rows)
     assert worst > 1e-9                                   # the rounding shows: these are not the F32 figures
+
+
+@pytest.mark.parametrize("kw", [dict(vocab="bpe", tied=True), dict(vocab="spm", tied=False, n_kv_heads=4)])
+def test_lazy_hf_folder_equals_eager(tiny, tmp_path, kw):
+    from llorch_ref.convert import convert_gguf_to_hf
+    d = convert_gguf_to_hf(tiny(**kw), tmp_path / "hf")
+    eager = llorch_ref.load(d)
+    assert not eager.weights_info()["lazy"]                      # folders load eagerly unless asked
+    ids = eager.tokenizer.encode(PROMPT)
+    want = eager.logits(ids)
+    for mb in (None, 0):
+        lazy = llorch_ref.load(d, weights="lazy", weight_cache_mb=mb)
+        assert lazy.weights_info()["lazy"]
+        np.testing.assert_array_equal(lazy.logits(ids), want)
+    with pytest.raises(ParameterError, match="applies to lazy weights only"):
+        llorch_ref.load(d, weight_cache_mb=1)

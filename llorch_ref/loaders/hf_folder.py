@@ -160,9 +160,20 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def read_safetensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
-    """name -> (dtype, float32 array). Parsed from the header directly: NumPy has no bfloat16, so the
-    safetensors library cannot hand BF16 tensors to NumPy; the bytes are widened by hand (bf16 is the
-    top half of a float32)."""
+    """name -> (dtype, float32 array)."""
+    return {k: (dt, to_float32(dt, v)) for k, (dt, v) in map_safetensors(path).items()}
+
+
+def to_float32(dt: str, view) -> np.ndarray:
+    """A mapped F32/F16/BF16 view -> a float32 array in memory (bf16 is the top half of a float32)."""
+    if dt == "BF16":
+        return (np.asarray(view).astype(np.uint32) << 16).view(np.float32)
+    return np.ascontiguousarray(view, dtype=np.float32)
+
+
+def map_safetensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """name -> (dtype, a view of the memory-mapped file, nothing read yet). Parsed from the header directly:
+    NumPy has no bfloat16, so the safetensors library cannot hand BF16 tensors to NumPy."""
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     if raw.size < 8:
         raise ModelFileError(f"{path}: truncated safetensors file ({raw.size} bytes)")
@@ -184,10 +195,7 @@ def read_safetensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
         if b - a != int(np.prod(shape)) * np_dt.itemsize or base + b > raw.size:
             raise ModelFileError(f"{path}: tensor {name!r} byte range {a}..{b} does not fit shape {shape} {dt} "
                                  f"in a {raw.size}-byte file")
-        arr = raw[base + a: base + b].view(np_dt).reshape(shape)
-        if dt == "BF16":
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        out[name] = (dt, np.ascontiguousarray(arr, dtype=np.float32))
+        out[name] = (dt, raw[base + a: base + b].view(np_dt).reshape(shape))
     return out
 
 
@@ -243,9 +251,13 @@ def tokenizer_from_hf(folder: Path):
                      sorted(i for i in eog if i is not None), template, add_space_prefix=space_prefix)
 
 
-def load_hf_folder(folder, qk_layout: str | None = None) -> HFModel:
+def load_hf_folder(folder, qk_layout: str | None = None, lazy: bool = False, weight_cache_mb: float | None = None,
+                   weight_dtype: str = "float32") -> HFModel:
     """qk_layout: "adjacent" (Wq/Wk rows permuted to llama.cpp's GGUF layout) or "neox" (rows as stored).
-    Default: the layout llama.cpp uses for the architecture (llama: adjacent; qwen2: neox)."""
+    Default: the layout llama.cpp uses for the architecture (llama: adjacent; qwen2: neox).
+    lazy: keep the safetensors files mapped and convert each layer when it runs (as for GGUF files; shapes
+    are checked at load, NaN/Inf when a tensor is first read). weight_dtype: storage of 2-D weights."""
+    from .lazy_weights import storage_dtype
     from ..convert import permute_qk
 
     folder = Path(folder)
@@ -254,21 +266,28 @@ def load_hf_folder(folder, qk_layout: str | None = None) -> HFModel:
         qk_layout = "neox" if c.get("model_type") in ("qwen2", "phi3") else "adjacent"
     if qk_layout not in ("adjacent", "neox"):
         raise ParameterError(f"qk_layout {qk_layout!r} must be 'adjacent' or 'neox'")
+    store = storage_dtype(weight_dtype)
+    if weight_cache_mb is not None and not lazy:
+        raise ParameterError("--weight-cache-mb applies to lazy weights only")
     cfg = config_from_hf(c, folder / "config.json", qk_layout)
     tensors: dict[str, tuple[str, np.ndarray]] = {}
     for f in _safetensors_files(folder):
-        tensors.update(read_safetensors(f))
+        tensors.update(map_safetensors(f))
 
-    def take(name, shape):
+    def check(name, shape):
         if name not in tensors:
             raise ModelFileError(f"{folder}: tensor {name!r} is missing")
-        arr = tensors[name][1]
-        if arr.shape != shape:
-            raise ModelFileError(f"{folder}: tensor {name!r} has shape {arr.shape}, expected {shape} "
+        if tensors[name][1].shape != shape:
+            raise ModelFileError(f"{folder}: tensor {name!r} has shape {tensors[name][1].shape}, expected {shape} "
                                  f"from config.json")
+
+    def take(name, shape, rows=None):
+        check(name, shape)
+        dt, view = tensors[name]
+        arr = to_float32(dt, view if rows is None else view[rows])
         if not np.isfinite(arr).all():
             raise ModelFileError(f"{folder}: tensor {name!r} holds NaN or Inf values")
-        return arr
+        return arr.astype(store) if len(shape) == 2 and store != np.float32 else arr
 
     D, F, Hd = cfg.d_model, cfg.d_ff, cfg.head_dim
     shapes = {"attn_norm": (D,), "wq": (cfg.n_heads * Hd, D), "wk": (cfg.n_kv_heads * Hd, D),
@@ -285,20 +304,68 @@ def load_hf_folder(folder, qk_layout: str | None = None) -> HFModel:
         names.update(HF_BIAS_TENSORS)
         shapes.update({"bq": (cfg.n_heads * Hd,), "bk": (cfg.n_kv_heads * Hd,), "bv": (cfg.n_kv_heads * Hd,)})
     from .gguf_file import split_fused
-    layers = [LayerWeights(**split_fused(cfg, {fld: take(f"model.layers.{i}.{sfx}", shapes[fld])
-                                               for sfx, fld in names.items()})) for i in range(cfg.n_layers)]
-    if qk_layout == "adjacent":
-        for lw in layers:
-            lw.wq, lw.wk = permute_qk(lw.wq, cfg.n_heads), permute_qk(lw.wk, cfg.n_kv_heads)
-            if cfg.qkv_bias:       # a bias row travels with its weight row
-                lw.bq = permute_qk(lw.bq[:, None], cfg.n_heads)[:, 0]
-                lw.bk = permute_qk(lw.bk[:, None], cfg.n_kv_heads)[:, 0]
+
+    def permuted(fields):
+        if qk_layout == "adjacent":
+            for k, n in (("wq", cfg.n_heads), ("wk", cfg.n_kv_heads)):
+                if k in fields:
+                    fields[k] = permute_qk(fields[k], n)
+            for k, n in (("bq", cfg.n_heads), ("bk", cfg.n_kv_heads)):
+                if fields.get(k) is not None:          # a bias row travels with its weight row
+                    fields[k] = permute_qk(fields[k][:, None], n)[:, 0]
+        return fields
+
+    def make_layer(i):
+        return LayerWeights(**permuted(split_fused(cfg, {fld: take(f"model.layers.{i}.{sfx}", shapes[fld])
+                                                         for sfx, fld in names.items()})))
+
+    for i in range(cfg.n_layers):                   # every shape checked at load, lazy or not
+        for sfx, fld in names.items():
+            check(f"model.layers.{i}.{sfx}", shapes[fld])
+    if lazy:
+        return _lazy_hf(folder, c, cfg, tensors, names, shapes, take, check, make_layer, permuted, store,
+                        weight_cache_mb)
+    layers = [make_layer(i) for i in range(cfg.n_layers)]
     tok_embd = take("model.embed_tokens.weight", (cfg.n_vocab, D))
     if cfg.tied_output:
         output = tok_embd
     else:
         output = take("lm_head.weight", (cfg.n_vocab, D))
     weights = Weights(tok_embd=tok_embd, layers=layers, out_norm=take("model.norm.weight", (D,)), output=output)
+    tok = tokenizer_from_hf(folder)
+    if tok.n_vocab > cfg.n_vocab:
+        raise TokenizerError(f"{folder}: tokenizer has {tok.n_vocab} tokens but the model only {cfg.n_vocab}")
+    return HFModel(path=folder, config=cfg, weights=weights, tokenizer=tok, metadata=dict(c),
+                   tensor_types={k: v[0] for k, v in tensors.items()})
+
+
+def _lazy_hf(folder, c, cfg, tensors, names, shapes, take, check, make_layer, permuted, store, weight_cache_mb):
+    from .gguf_file import FUSED_OF, split_fused
+    from .lazy_weights import LazyLayers, LazyRows, LazyWeights, WeightCache, default_cache_bytes
+
+    V, D = cfg.n_vocab, cfg.d_model
+    check("model.embed_tokens.weight", (V, D))
+    out_name = "model.embed_tokens.weight" if cfg.tied_output else "lm_head.weight"
+    check(out_name, (V, D))
+    per_layer = sum(int(np.prod(shapes[f])) * (store.itemsize if len(shapes[f]) == 2 else 4) for f in names.values())
+    full = per_layer * cfg.n_layers + V * D * store.itemsize
+    cache = WeightCache(default_cache_bytes(full) if weight_cache_mb is None else int(weight_cache_mb * 2**20))
+    by_field = {fld: sfx for sfx, fld in names.items()}
+
+    def deq_field(i, fld):
+        src = FUSED_OF.get(fld) if FUSED_OF.get(fld) in by_field else fld
+        if src not in by_field:
+            raise AttributeError(fld)
+        fields = {src: take(f"model.layers.{i}.{by_field[src]}", shapes[src])}
+        if fld in ("wq", "wk", "bq", "bk") and src == fld:
+            return permuted(fields)[fld]
+        return permuted(split_fused(cfg, fields))[fld]
+
+    emb = LazyRows(None, (V, D), lambda _t, rows: take("model.embed_tokens.weight", (V, D), rows=rows)
+                   .astype(np.float32))
+    weights = LazyWeights(emb, LazyLayers(cfg.n_layers, make_layer, deq_field, per_layer, cache),
+                          take("model.norm.weight", (D,)), lambda: take(out_name, (V, D)), V * D * store.itemsize,
+                          cache, full, store)
     tok = tokenizer_from_hf(folder)
     if tok.n_vocab > cfg.n_vocab:
         raise TokenizerError(f"{folder}: tokenizer has {tok.n_vocab} tokens but the model only {cfg.n_vocab}")
