@@ -39,6 +39,8 @@ class CupyBackend(Backend):
         from ..model.weights import LayerWeights, Weights
 
         def up(a):
+            if a is None:                         # absent biases (llama) stay absent
+                return None
             return cp.asarray(a, dtype=cp.float16 if a.ndim == 2 else cp.float32)
         return Weights(tok_embd=cp.asarray(weights.tok_embd, dtype=cp.float32),      # embedding rows stay f32
                        layers=[LayerWeights(**{k: up(v) for k, v in vars(lw).items()}) for lw in weights.layers],
