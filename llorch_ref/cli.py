@@ -219,39 +219,24 @@ def _band_class(args, eng):
     return args.band_class or ("ggml" if eng.numerics == "ggml" else engine_band_class(eng))
 
 
-def _engine_label(eng):
-    from . import __version__
-    return f"llorch-ref {__version__} ({eng.backend.name}, {eng.numerics}, K/V {eng.kv_dtype})"
-
-
 def _run_subject(args):
     """--subject DUMP: the dump is under test; llorch-ref on --model is the reference."""
     from .dump import load_dump
-    from .harness.subject import check_dump_fits, check_same_model, compare_dumps, record_engine
+    from .harness.subject import run_subject
 
     if args.reference != "llamacpp" or args.reference_model:
         raise ParameterError("--subject compares a dump with llorch-ref on --model: --reference and "
                              "--reference-model do not apply")
     sub = load_dump(args.subject)
     eng = _load(args)
-    check_dump_fits(sub, eng.config)
-    warn = check_same_model(sub, eng)
-    n_greedy = len(sub.raw("12", "greedy_tokens")) if sub.has("12", "greedy_tokens") else 0
-    _log(f"llorch-ref: running the reference on the dump's {len(sub.token_ids)} tokens"
-         + (f" and {n_greedy} greedy tokens" if n_greedy else "") + " ...")
-    ref = record_engine(eng, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n_greedy)
-    res = compare_dumps(sub, ref, eng.config, _band_class(args, eng), checkpoints=args.checkpoint,
-                        subject_label=f"{sub.engine} (dump {args.subject})", reference_label=_engine_label(eng),
-                        model=str(args.subject), reference_model=str(eng.path))
-    if warn:
-        res.warnings.append(warn)
-    return eng, res
+    return eng, run_subject(eng, sub, _band_class(args, eng), checkpoints=args.checkpoint,
+                            subject_label=f"{sub.engine} (dump {args.subject})", log=_log)
 
 
 def _run_transformers(args):
     """--reference transformers: llorch-ref on --model under test; transformers on --reference-model (a
     Hugging Face folder; default: --model, converted to one if it is a GGUF file) as the reference."""
-    from .harness.subject import compare_dumps, record_engine
+    from .harness.subject import compare_dumps, engine_label, record_engine
     from .references.engines import dump_transformers
 
     eng = _load(args)
@@ -265,7 +250,7 @@ def _run_transformers(args):
                             n_greedy=args.greedy)
     sub = record_engine(eng, ids, prompt=args.prompt, n_greedy=args.greedy)
     res = compare_dumps(sub, ref, eng.config, _band_class(args, eng), checkpoints=args.checkpoint,
-                        subject_label=_engine_label(eng), reference_label=f"transformers {ref.version}",
+                        subject_label=engine_label(eng), reference_label=f"transformers {ref.version}",
                         model=str(eng.path), reference_model=str(ref.model_path))
     return eng, res
 

@@ -48,6 +48,20 @@ def _copy_fields(reader, writer, file_type, overrides=None):
         raise ParameterError(f"metadata key(s) {', '.join(overrides)} not in the file; nothing to override")
 
 
+def _write_gguf(writer, tmp: Path, dst: Path) -> Path:
+    """Write a filled GGUFWriter to tmp and rename it into place (nothing half-written is left at dst)."""
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return dst
+
+
 def convert_gguf(src, dst, dtype="f32", overwrite=False, kv_overrides=None, tensor_fn=None) -> Path:
     """Write a dequantized copy. kv_overrides: {key: value} replaced in the metadata (same value type);
     tensor_fn(name, float32 array) -> array lets tools plant a change in chosen weights."""
@@ -72,16 +86,7 @@ def convert_gguf(src, dst, dtype="f32", overwrite=False, kv_overrides=None, tens
         if dtype == "f16" and arr.ndim >= 2:      # ggml keeps norms (1-D) in F32 in f16 files
             arr = arr.astype(np.float16)
         writer.add_tensor(t.name, arr)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return dst
+    return _write_gguf(writer, tmp, dst)
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -330,13 +335,4 @@ def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
         wr.add_tensor("output.weight", big(np.ascontiguousarray(w.output, dtype=np.float32)))
     if cfg.rope_freq_factors is not None:
         wr.add_tensor("rope_freqs.weight", np.asarray(cfg.rope_freq_factors, dtype=np.float32))
-    try:
-        wr.write_header_to_file()
-        wr.write_kv_data_to_file()
-        wr.write_tensors_to_file()
-        wr.close()
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return dst
+    return _write_gguf(wr, tmp, dst)

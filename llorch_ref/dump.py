@@ -16,6 +16,7 @@ Format (checkpoints/DUMP_FORMAT.md, manifest schema checkpoints/dump.schema.json
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import re
@@ -41,10 +42,23 @@ def schema_path() -> Path:
 
 
 def catalogue(specs=None) -> dict:
-    """-> {(checkpoint id, tensor name): {"scope", "shape", "dtype", "head_major"?, "rope_pairs"?, "derive"?}}."""
+    """-> {(checkpoint id, tensor name): {"scope", "shape", "dtype", "head_major"?, "rope_pairs"?, "derive"?}}.
+    Read once per spec folder (every tensor lookup of a comparison consults it); do not mutate the result."""
+    from .harness.specs import _spec_dir
+    if specs is not None:
+        return _build_catalogue(specs)
+    return _catalogue_of(str(_spec_dir()))
+
+
+@functools.lru_cache(maxsize=4)
+def _catalogue_of(spec_dir: str) -> dict:
     from .harness.specs import load_specs
+    return _build_catalogue(load_specs())
+
+
+def _build_catalogue(specs) -> dict:
     out = {}
-    for s in specs or load_specs():
+    for s in specs:
         for t in s.dump or []:
             out[(s.id, t["name"])] = {**t, "scope": s.scope}
     return out

@@ -58,11 +58,10 @@ def _load_subject(spec: str):
 
 def _compute(config, eng):
     """Run the subject (or read the dump), run the reference, compare; once per session."""
-    import llorch_ref
     from .dump import Dump, Recorder, load_dump
     from .harness.run import DEFAULT_PROMPT
     from .harness.specs import engine_band_class
-    from .harness.subject import check_dump_fits, check_same_model, compare_dumps, record_engine
+    from .harness.subject import run_subject
 
     opt = config.getoption
     if opt("llorch_dump"):
@@ -84,16 +83,8 @@ def _compute(config, eng):
         else:
             raise TypeError(f"--llorch-subject returned {type(out).__name__}; expected a Recorder, Dump or path")
         label = f"{sub.engine} (subject {opt('llorch_subject')})"
-    check_dump_fits(sub, eng.config)
-    n = opt("llorch_greedy") or (len(sub.raw("12", "greedy_tokens")) if sub.has("12", "greedy_tokens") else 0)
-    ref = record_engine(eng, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n)
-    bc = opt("llorch_band_class") or engine_band_class(eng)
-    res = compare_dumps(sub, ref, eng.config, bc, subject_label=label,
-                        reference_label=f"llorch-ref {llorch_ref.__version__} (numpy, exact)",
-                        model=sub.source or label, reference_model=str(eng.path))
-    w = check_same_model(sub, eng)
-    if w:
-        res.warnings.append(w)
+    res = run_subject(eng, sub, opt("llorch_band_class") or engine_band_class(eng), subject_label=label,
+                      n_greedy=opt("llorch_greedy"))
     if opt("llorch_bundle_dir"):
         from .harness.bundle import write_bundles
         _State.bundle = write_bundles(res, eng, out_dir=opt("llorch_bundle_dir"),

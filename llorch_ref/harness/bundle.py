@@ -134,7 +134,7 @@ def _spec_captures(result, spec):
         for k, a in result.captures_ref.items():
             name, op, _ = k.split("#")
             ops = {t.llamacpp["op"], (t.llamacpp_with_bias or {}).get("op")} | {
-                n["op"] for n in (t.llamacpp_by_arch or {}).values()}
+                n["op"] for n in (t.llamacpp_by_arch or {}).values() if n}
             if op in ops and _matches(pat, name):
                 ref[k] = a
     if spec.scope == "model" and spec.name in ("logits", "last_token_logits", "greedy_argmax", "softmax_probs"):

@@ -121,7 +121,8 @@ def _llama_names(specs, n_layers, cfg=None):
     for s in specs:
         for t in s.tensors:
             lc = t.node(cfg) if cfg is not None else t.llamacpp
-            names |= {lc["name"].replace("{L}", str(i)) for i in range(n_layers)}
+            if lc is not None:
+                names |= {lc["name"].replace("{L}", str(i)) for i in range(n_layers)}
     return names
 
 
@@ -235,13 +236,13 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
 def _compare_tensor(res, spec, t, layer, rec, cap, band, cfg):
     key_ours = (t.ours, layer)
     lc = t.node(cfg)
-    key_ref = (lc["name"].replace("{L}", str(layer)), lc["op"], int(lc.get("occurrence", 0)))
     if key_ours not in rec:
         raise HarnessError(f"checkpoint {spec.id}: our forward recorded no {t.ours!r} for layer {layer}")
-    if key_ref not in cap.tensors and cfg.arch in (t.llamacpp_unnamed_for or []):
+    if lc is None:
         res.not_covered.append({"checkpoint": spec.id, "name": spec.name, "layer": layer, "tensor": t.ours,
-                                "why": f"llama.cpp's {cfg.arch} graph does not name this node ({lc['name']})"})
+                                "why": f"llama.cpp's {cfg.arch} graph does not name this node ({t.llamacpp['name']})"})
         return
+    key_ref = (lc["name"].replace("{L}", str(layer)), lc["op"], int(lc.get("occurrence", 0)))
     if key_ref not in cap.tensors:
         raise HarnessError(f"checkpoint {spec.id}: llama.cpp produced no node {key_ref} (this llama.cpp build "
                            f"names its graph differently; captured {len(cap.tensors)} nodes)")

@@ -27,19 +27,20 @@ class TensorSpec:
     llamacpp: dict            # {"name": "Qcur-{L}", "op": "ROPE", "occurrence": 0}
     layout: str               # how to bring llama.cpp's tensor to our shape (harness.run.LAYOUTS)
     order: int                # position in the forward pass within its scope (for first divergence)
-    llamacpp_with_bias: dict | None = None   # the node to compare when the model adds a bias (Qwen2's Q/K/V)
-    llamacpp_unnamed_for: list | None = None  # architectures whose llama.cpp graph leaves this node unnamed
-    llamacpp_by_arch: dict | None = None      # arch -> the node to compare instead (Phi-3: views of fused qkv)
-    llamacpp_prescaled_for: list | None = None  # archs where llama.cpp scales Q before Q.K^T (kq holds scale*QK^T)
+    llamacpp_with_bias: dict | None = None   # the node after the bias add, for models with Q/K/V biases
+    # arch -> the node its llama.cpp graph has instead (Phi-3: views of the fused qkv; "divide_by_scale": the
+    # graph scales Q before Q.K^T), or null where that graph leaves the node unnamed (not covered)
+    llamacpp_by_arch: dict | None = None
 
-    def node(self, cfg) -> dict:
+    def node(self, cfg) -> dict | None:
+        """The llama.cpp node to compare for this model, or None where its graph has no such named node."""
         if self.llamacpp_by_arch and cfg.arch in self.llamacpp_by_arch:
             return self.llamacpp_by_arch[cfg.arch]
         return self.llamacpp_with_bias if (self.llamacpp_with_bias and cfg.qkv_bias) else self.llamacpp
 
     def from_llamacpp(self, cfg, a):
         """llama.cpp's tensor in this checkpoint's convention (Phi-3's kq: undo the Q pre-scaling)."""
-        if cfg.arch in (self.llamacpp_prescaled_for or []):
+        if (self.node(cfg) or {}).get("divide_by_scale"):
             return (a / np.float32(cfg.scale)).astype(np.float32)
         return a
 

@@ -89,7 +89,7 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
     rows compare subject (as 'ours') with reference; uncovered checkpoints listed in result.not_covered."""
     sub, ref = _as_dump(subject), _as_dump(reference)
     specs = load_specs(checkpoints)
-    cat = catalogue(load_specs())
+    cat = catalogue()
     ids = sub.token_ids
     if ref.token_ids != ids:
         raise HarnessError(f"the two dumps ran different token ids ({len(ids)} vs {len(ref.token_ids)} tokens; "
@@ -222,6 +222,30 @@ def _probs(d: Dump, dims, float64=False):
     if d.has("11", "probs"):
         return d.get("11", "probs", None, dims), "probs"
     return None, None
+
+
+def engine_label(engine) -> str:
+    from .. import __version__
+    return f"llorch-ref {__version__} ({engine.backend.name}, {engine.numerics}, K/V {engine.kv_dtype})"
+
+
+def run_subject(engine, sub: Dump, band_class: str, checkpoints=None, subject_label=None, n_greedy=None,
+                log=None) -> DiffResult:
+    """A dump under test against llorch-ref on `engine` (the reference), on the dump's token ids; the greedy
+    continuation as long as the subject's (or n_greedy). Shared by `diff --subject` and the pytest plugin."""
+    check_dump_fits(sub, engine.config)
+    warn = check_same_model(sub, engine)
+    n = n_greedy or (len(sub.raw("12", "greedy_tokens")) if sub.has("12", "greedy_tokens") else 0)
+    if log:
+        log(f"llorch-ref: running the reference on the dump's {len(sub.token_ids)} tokens"
+            + (f" and {n} greedy tokens" if n else "") + " ...")
+    ref = record_engine(engine, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n)
+    res = compare_dumps(sub, ref, engine.config, band_class, checkpoints=checkpoints,
+                        subject_label=subject_label or sub.engine, reference_label=engine_label(engine),
+                        model=sub.source, reference_model=str(engine.path))
+    if warn:
+        res.warnings.append(warn)
+    return res
 
 
 def check_same_model(sub: Dump, engine) -> str | None:

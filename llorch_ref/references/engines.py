@@ -59,7 +59,8 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
     names = set()
     for s in specs:
         for ts in s.tensors:
-            names |= {ts.node(cfg)["name"].replace("{L}", str(i)) for i in range(cfg.n_layers)}
+            if ts.node(cfg) is not None:
+                names |= {ts.node(cfg)["name"].replace("{L}", str(i)) for i in range(cfg.n_layers)}
     n_ctx = max(256, 64 * ((t + n_greedy + 63) // 64))
     ref = LlamaCpp(path, n_ctx=n_ctx, kv_type=kv_type)
     try:
@@ -70,10 +71,10 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
         for s in specs:
             for ts in s.tensors:
                 lc = ts.node(cfg)
+                if lc is None:                         # unnamed in this architecture's graph: not covered
+                    continue
                 for layer in (range(cfg.n_layers) if s.scope == "layer" else [None]):
                     key = (lc["name"].replace("{L}", str(layer)), lc["op"], int(lc.get("occurrence", 0)))
-                    if key not in cap.tensors and cfg.arch in (ts.llamacpp_unnamed_for or []):
-                        continue                       # left out of the dump: not covered
                     if key not in cap.tensors:
                         raise ReferenceError_(f"llama.cpp produced no node {key} (captured {len(cap.tensors)})")
                     a = ts.from_llamacpp(cfg, cap.tensors[key])
