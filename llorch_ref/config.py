@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, asdict
 
 from .errors import UnsupportedModelError
 
+FFN_ACTS = ("silu", "gelu_tanh")
 ROPE_STYLES = ("adjacent", "neox")  # adjacent: pairs (2i, 2i+1) (GGUF llama); neox: (i, i + n/2) (HF)
 
 
@@ -28,6 +29,14 @@ class Config:
     rope_freq_scale: float = 1.0          # linear RoPE scaling: angles times this (1 / scaling factor)
     rope_freq_factors: tuple | None = None  # [R/2] per-pair divisors of the angle (llama3 scaling; GGUF rope_freqs)
     qkv_bias: bool = False                # Q, K, V projections add a bias (Qwen2)
+    # Gemma 3 switches (defaults: plain Llama)
+    embed_scale: float | None = None      # token embeddings multiplied by this (Gemma: sqrt(D), in float32)
+    qk_norm: bool = False                 # RMSNorm over Hd on each Q and K head, before RoPE (weights q_norm, k_norm)
+    post_norms: bool = False              # RMSNorm on the attention and FFN outputs before each residual add
+    ffn_act: str = "silu"                 # gated FFN activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    sliding_window: int = 0               # local layers see the last `sliding_window` positions (0: none)
+    local_layers: tuple | None = None     # [L] bool: which layers are local (sliding-window) layers
+    rope_base_local: float | None = None  # RoPE base of the local layers (unscaled); None: rope_base
     extra: dict = field(default_factory=dict, compare=False)  # informational metadata only
 
     def __post_init__(self):
@@ -51,6 +60,12 @@ class Config:
         if self.rope_freq_factors is not None and (len(self.rope_freq_factors) != self.rope_dim // 2
                                                    or not all(f > 0 for f in self.rope_freq_factors)):
             problems.append(f"rope_freq_factors must be {self.rope_dim // 2} positive numbers")
+        if self.ffn_act not in FFN_ACTS:
+            problems.append(f"ffn_act={self.ffn_act!r} is not one of {FFN_ACTS}")
+        if self.local_layers is not None and len(self.local_layers) != self.n_layers:
+            problems.append(f"local_layers has {len(self.local_layers)} entries for {self.n_layers} layers")
+        if self.local_layers is not None and any(self.local_layers) and not self.sliding_window > 0:
+            problems.append("local layers need sliding_window > 0")
         if problems:
             raise UnsupportedModelError("invalid model configuration: " + "; ".join(problems))
 
@@ -62,6 +77,10 @@ class Config:
     @property
     def scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
+
+    def is_local(self, layer: int) -> bool:
+        """Whether this layer attends through the sliding window (Gemma 3's local layers)."""
+        return bool(self.local_layers and self.local_layers[layer])
 
     def to_dict(self) -> dict:
         d = asdict(self)

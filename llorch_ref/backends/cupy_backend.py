@@ -10,6 +10,7 @@ import os
 import types
 
 from . import Backend
+from ..model.cache import visible_mask
 
 
 class CupyBackend(Backend):
@@ -110,10 +111,11 @@ class DeviceCache:
                 super().reset()
                 self.pos_dev[...] = 0
 
-            def rope_rows(self, n_new):
+            def rope_rows(self, n_new, local=False):
                 if not self.static:
-                    return super().rope_rows(n_new)
-                return self.cos[self.pos_dev], self.sin[self.pos_dev]
+                    return super().rope_rows(n_new, local)
+                cos, sin = self.tables(local)
+                return cos[self.pos_dev], sin[self.pos_dev]
 
             def store(self, layer, k, v):
                 if not self.static:
@@ -123,12 +125,10 @@ class DeviceCache:
                 return (self.k[layer].astype(self.xp.float32, copy=False),
                         self.v[layer].astype(self.xp.float32, copy=False))
 
-            def mask(self, n_new):
+            def mask(self, n_new, window=0):
                 if not self.static:
-                    return super().mask(n_new)
-                xp = self.xp
-                return xp.where(self.k_pos[None, :] <= self.pos_dev[:, None], xp.float32(0.0),
-                                xp.float32(-xp.inf)).astype(xp.float32)
+                    return super().mask(n_new, window)
+                return visible_mask(self.xp, self.pos_dev[:, None], self.k_pos[None, :], window)
 
             def advance(self, n_new):
                 super().advance(n_new)

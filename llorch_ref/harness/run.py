@@ -119,7 +119,7 @@ def _llama_names(specs, n_layers, cfg=None):
     """Exact llama.cpp node names the specs need, for every layer."""
     names = set()
     for s in specs:
-        for t in s.tensors:
+        for t in s.tensors_for(cfg):
             lc = t.node(cfg) if cfg is not None else t.llamacpp
             if lc is not None:
                 names |= {lc["name"].replace("{L}", str(i)) for i in range(n_layers)}
@@ -202,7 +202,7 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
             band = s.band(band_class)
             if s.scope == "layer":
                 for layer in range(cfg.n_layers):
-                    for t in s.tensors:
+                    for t in s.tensors_for(cfg):
                         _compare_tensor(res, s, t, layer, rec, cap, band, cfg)
             elif s.scope == "model":
                 _model_checkpoint(res, s, band, ours_logits, ours_last, ref_logits, ref_last, rec, cap)
@@ -328,7 +328,7 @@ def run_backend_diff(engine, reference, prompt=DEFAULT_PROMPT, checkpoints=None,
         bandc = {"agreement": 1.0} if s.id in ("10", "12") else band
         if s.scope == "layer":
             for layer in range(cfg.n_layers):
-                for t in s.tensors:
+                for t in s.tensors_for(cfg):
                     m = compare(rec[(t.ours, layer)], ref_rec[(t.ours, layer)])
                     res.rows.append(Row(s.id, s.name, layer, t.ours, m, bandc, within(m, bandc), (1, layer, t.order)))
         elif s.name == "greedy_text":

@@ -31,6 +31,11 @@ class TensorSpec:
     # arch -> the node its llama.cpp graph has instead (Phi-3: views of the fused qkv; "divide_by_scale": the
     # graph scales Q before Q.K^T), or null where that graph leaves the node unnamed (not covered)
     llamacpp_by_arch: dict | None = None
+    when: str | None = None   # a Config switch (e.g. "qk_norm"): the tensor exists only in models that set it
+
+    def applies(self, cfg) -> bool:
+        """Whether this model's forward has the tensor (False: not applicable, which is not 'not covered')."""
+        return self.when is None or cfg is None or bool(getattr(cfg, self.when))
 
     def node(self, cfg) -> dict | None:
         """The llama.cpp node to compare for this model, or None where its graph has no such named node."""
@@ -57,6 +62,10 @@ class Spec:
     measured: dict
     path: Path
     dump: list = None         # dump-format tensors: [{"name", "shape", "dtype", "head_major"?, "rope_pairs"?, "derive"?}]
+
+    def tensors_for(self, cfg) -> list:
+        """The tensors this checkpoint compares for a model (those whose `when` switch the model sets)."""
+        return [t for t in self.tensors if t.applies(cfg)]
 
     def band(self, band_class: str) -> dict:
         if band_class not in self.bands:

@@ -148,7 +148,7 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
         band = spec.band(band_class)
         if spec.scope == "layer":
             for layer in range(cfg.n_layers):
-                for i, t in enumerate(spec.tensors):
+                for t in spec.tensors_for(cfg):
                     tensor_row(spec, t.ours, layer, band, (1, layer, t.order))
             continue
         num = int("".join(c for c in spec.id if c.isdigit()) or 0)

@@ -18,7 +18,11 @@ from ..errors import ModelFileError, ParameterError, UnsupportedModelError
 from ..model.weights import LayerWeights, Weights
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "qwen2", "phi3")  # qwen2: + QKV biases; phi3: fused qkv and gate|up; both NeoX RoPE
+SUPPORTED_ARCHS = ("llama", "qwen2", "phi3", "gemma3")
+# qwen2: + QKV biases; phi3: fused qkv and gate|up; gemma3: see gemma3_switches; all three NeoX RoPE
+NEOX_ARCHS = ("qwen2", "phi3", "gemma3")
+GEMMA3_SWA_PERIOD = 6            # llama.cpp's default: layer i is local iff i % 6 < 5
+GEMMA3_ROPE_BASE_LOCAL = 10000.0 # llama.cpp's default when gemma3.rope.freq_base_swa is absent
 
 
 @dataclass
@@ -165,14 +169,45 @@ def config_from_metadata(meta: dict, path, tensor_shapes: dict, rope_freqs=None)
         rms_eps=float(np.float32(_get(meta, a + "attention.layer_norm_rms_epsilon", 1e-5))),
         rope_base=float(_get(meta, a + "rope.freq_base", 10000.0)),
         rope_dim=rope_dim,
-        # llama: LLAMA_ROPE_TYPE_NORM, Wq/Wk rows permuted by llama.cpp's converter; qwen2: NEOX, rows as in HF
-        rope_style="neox" if arch in ("qwen2", "phi3") else "adjacent",
+        # llama: LLAMA_ROPE_TYPE_NORM, Wq/Wk rows permuted by llama.cpp's converter; others: NEOX, rows as in HF
+        rope_style="neox" if arch in NEOX_ARCHS else "adjacent",
         tied_output="output.weight" not in tensor_shapes,
-        attention_scale=None,
         rope_freq_scale=freq_scale,
         rope_freq_factors=factors,
         qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
         extra={"general.name": meta.get("general.name"), "file_type": meta.get("general.file_type")},
+        **(gemma3_switches(meta, path, d_model, n_heads, head_dim, n_layers) if arch == "gemma3" else {}),
+    )
+
+
+def gemma3_switches(meta, path, d_model, n_heads, head_dim, n_layers) -> dict:
+    """Gemma 3's Config switches, read as llama.cpp reads them (llama_model_gemma3::load_arch_hparams):
+    embeddings times sqrtf(D); QK-norm; post-attention and post-FFN norms; GeGLU (tanh GELU); local layers
+    every layer but each 6th (or gemma3.attention.sliding_window_pattern), window from
+    gemma3.attention.sliding_window, local RoPE base gemma3.rope.freq_base_swa (default 10000, unscaled);
+    attention scale 1/sqrt(Hd), except the 27B shape (62 layers): 1/sqrt(D/H). GGUF norm weights already
+    hold 1 + w (the converter adds 1), so they are multipliers like every other norm."""
+    window = int(_get(meta, "gemma3.attention.sliding_window", 0))
+    if window <= 0:
+        raise UnsupportedModelError(f"{path}: gemma3 without gemma3.attention.sliding_window is not supported "
+                                    f"(llama.cpp then builds a different graph, with final logit soft-capping)")
+    pattern = _get(meta, "gemma3.attention.sliding_window_pattern", GEMMA3_SWA_PERIOD)
+    if np.ndim(pattern) == 0:
+        period = int(pattern)
+        if period <= 0:
+            raise ModelFileError(f"{path}: gemma3.attention.sliding_window_pattern={period} must be > 0")
+        local = tuple(i % period < period - 1 for i in range(n_layers))
+    else:
+        local = tuple(bool(b) for b in np.asarray(pattern).ravel())
+        if len(local) != n_layers:
+            raise ModelFileError(f"{path}: gemma3.attention.sliding_window_pattern has {len(local)} entries "
+                                 f"for {n_layers} layers")
+    return dict(
+        embed_scale=float(np.sqrt(np.float32(d_model), dtype=np.float32)),
+        qk_norm=True, post_norms=True, ffn_act="gelu_tanh",
+        sliding_window=window, local_layers=local,
+        rope_base_local=float(_get(meta, "gemma3.rope.freq_base_swa", GEMMA3_ROPE_BASE_LOCAL)),
+        attention_scale=float((d_model / n_heads) ** -0.5) if n_layers == 62 else None,
     )
 
 
@@ -252,6 +287,10 @@ def layer_tensors(cfg) -> dict:
     """GGUF name suffix -> (field, shape fn) of one layer: LAYER_TENSORS, the projection biases where the model
     has them, and for phi3 the fused tensors (fields "_qkv", "_gate_up", split by split_fused)."""
     t = {**LAYER_TENSORS, **(BIAS_TENSORS if cfg.qkv_bias else {})}
+    if cfg.qk_norm:
+        t.update(QK_NORM_TENSORS)
+    if cfg.post_norms:
+        t.update(POST_NORM_TENSORS)
     if cfg.arch == "phi3":
         for k in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight"):
             t.pop(k)
@@ -287,6 +326,14 @@ LAYER_TENSORS = {  # GGUF name suffix -> LayerWeights field, expected NumPy shap
     "ffn_gate.weight": ("w_gate", lambda c: (c.d_ff, c.d_model)),
     "ffn_up.weight": ("w_up", lambda c: (c.d_ff, c.d_model)),
     "ffn_down.weight": ("w_down", lambda c: (c.d_model, c.d_ff)),
+}
+QK_NORM_TENSORS = {
+    "attn_q_norm.weight": ("q_norm", lambda c: (c.head_dim,)),
+    "attn_k_norm.weight": ("k_norm", lambda c: (c.head_dim,)),
+}
+POST_NORM_TENSORS = {
+    "post_attention_norm.weight": ("post_attn_norm", lambda c: (c.d_model,)),
+    "post_ffw_norm.weight": ("post_ffn_norm", lambda c: (c.d_model,)),
 }
 BIAS_TENSORS = {
     "attn_q.bias": ("bq", lambda c: (c.n_heads * c.head_dim,)),

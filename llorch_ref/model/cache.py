@@ -5,6 +5,16 @@ from ..errors import PromptError
 from . import layers
 
 
+def visible_mask(xp, q_pos, k_pos, window: int = 0):
+    """q_pos: [T, 1], k_pos: [1, S] int -> [T, S] f32 additive mask: 0 where visible, -inf elsewhere.
+    Causal; with window > 0 also q - k < window (llama.cpp's LLAMA_SWA_TYPE_STANDARD, transformers' sliding
+    window: a query sees itself and the window - 1 positions before it)."""
+    seen = k_pos <= q_pos
+    if window:
+        seen = seen & (q_pos - k_pos < window)
+    return xp.where(seen, xp.float32(0.0), xp.float32(-xp.inf)).astype(xp.float32)
+
+
 class Cache:
     """K/V preallocated as [L, n_ctx, KV, Hd] of `kv_dtype`; RoPE cos/sin [n_ctx, R/2] built once.
 
@@ -20,6 +30,10 @@ class Cache:
         self.v = xp.zeros(shape, dtype=self.kv_dtype)
         self.cos, self.sin = ops.rope_angles(xp, self.n_ctx, cfg.rope_dim, cfg.rope_base, cfg.rope_freq_scale,
                                              cfg.rope_freq_factors)
+        # local (sliding-window) layers with their own RoPE base (Gemma 3): a second table, unscaled
+        self.cos_local = self.sin_local = None
+        if cfg.rope_base_local is not None:
+            self.cos_local, self.sin_local = ops.rope_angles(xp, self.n_ctx, cfg.rope_dim, cfg.rope_base_local)
         self.pos = 0
 
     def reset(self):
@@ -37,10 +51,17 @@ class Cache:
         """-> [T] int positions of the next n_new tokens."""
         return self.xp.arange(self.pos, self.pos + n_new)
 
-    def rope_rows(self, n_new: int):
-        """-> cos, sin: [T, R/2] f32 for the next n_new positions."""
+    def tables(self, local: bool = False):
+        """-> the (cos, sin) tables [n_ctx, R/2] of a global layer, or of a local layer (local=True)."""
+        if local and self.cos_local is not None:
+            return self.cos_local, self.sin_local
+        return self.cos, self.sin
+
+    def rope_rows(self, n_new: int, local: bool = False):
+        """-> cos, sin: [T, R/2] f32 for the next n_new positions (local: the local layers' table)."""
         p = self.positions(n_new)
-        return self.cos[p], self.sin[p]
+        cos, sin = self.tables(local)
+        return cos[p], sin[p]
 
     def store(self, layer: int, k, v):
         """k, v: [T, KV, Hd] -> the cached [S, KV, Hd] keys and values of this layer (S = pos + T)."""
@@ -51,13 +72,14 @@ class Cache:
         return (self.k[layer, :end].astype(self.xp.float32, copy=False),
                 self.v[layer, :end].astype(self.xp.float32, copy=False))
 
-    def mask(self, n_new: int):
-        """-> [T, S] f32: 0 where token i (at pos+i) may see position j (j <= pos+i), else -inf."""
+    def mask(self, n_new: int, window: int = 0):
+        """-> [T, S] f32: 0 where token i (at pos+i) may see position j (j <= pos+i, and with a sliding
+        window, pos+i - j < window), else -inf."""
         xp = self.xp
         s = self.pos + n_new
         q_pos = self.positions(n_new)[:, None]                          # [T, 1]
         k_pos = xp.arange(s)[None, :]                                   # [1, S]
-        return xp.where(k_pos <= q_pos, xp.float32(0.0), xp.float32(-xp.inf)).astype(xp.float32)
+        return visible_mask(xp, q_pos, k_pos, window)
 
     def advance(self, n_new: int):
         self.pos += n_new

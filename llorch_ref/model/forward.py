@@ -17,33 +17,47 @@ def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None)
 
     ops: the namespace of layer functions (default: model.layers, the reference; numerics="ggml" passes
     llama.cpp's CPU kernels). out_rows: keep only these rows after attention, as llama.cpp does in
-    its last layer (the FFN then runs on the rows whose logits are wanted)."""
+    its last layer (the FFN then runs on the rows whose logits are wanted).
+    Architecture switches (Config): qkv_bias (Qwen2); qk_norm, post_norms, ffn_act, local layers (Gemma 3)."""
     t = x.shape[0]
+    local = cfg.is_local(layer)
     h = ops.rms_norm(xp, x, lw.attn_norm, cfg.rms_eps)                                   # [T, D]
     record("attn_norm", layer, h)
     q, k, v = ops.qkv(xp, h, lw.wq, lw.wk, lw.wv, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
     if cfg.qkv_bias:                                                                     # Qwen2
         q, k, v = (q + lw.bq.reshape(q.shape[1:]), k + lw.bk.reshape(k.shape[1:]), v + lw.bv.reshape(v.shape[1:]))
     record("q_proj", layer, q); record("k_proj", layer, k); record("v", layer, v)
-    cos, sin = cache.rope_rows(t)                                                      # [T, R/2]
+    if cfg.qk_norm:                                                                      # Gemma 3: per head, over Hd
+        q = ops.rms_norm(xp, q, lw.q_norm, cfg.rms_eps)                                  # [T, H, Hd]
+        k = ops.rms_norm(xp, k, lw.k_norm, cfg.rms_eps)                                  # [T, KV, Hd]
+        record("q_normed", layer, q); record("k_normed", layer, k)
+    cos, sin = cache.rope_rows(t, local)                                               # [T, R/2]
     q = ops.rope(xp, q, cos, sin, cfg.rope_style)                                        # [T, H, Hd]
     k = ops.rope(xp, k, cos, sin, cfg.rope_style)                                        # [T, KV, Hd]
     record("q", layer, q); record("k", layer, k)
     k_all, v_all = cache.store(layer, k, v)                                            # [S, KV, Hd]
     record("k_cache", layer, k_all); record("v_cache", layer, v_all)
     kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
-    att, kq, probs = ops.attention(xp, q, k_all, v_all, cache.mask(t), cfg.scale, kv_head)  # [T, H*Hd]
+    mask = cache.mask(t, cfg.sliding_window if local else 0)                          # [T, S]
+    att, kq, probs = ops.attention(xp, q, k_all, v_all, mask, cfg.scale, kv_head)      # [T, H*Hd]
     record("kq", layer, kq); record("kq_soft_max", layer, probs); record("kqv_out", layer, att)
     att = ops.linear(xp, att, lw.wo)                                                     # [T, D]
     record("attn_out", layer, att)
     if out_rows is not None:
         att, x = att[out_rows], x[out_rows]                                              # [R, D]
+    if cfg.post_norms:                                                                   # Gemma 3
+        att = ops.rms_norm(xp, att, lw.post_attn_norm, cfg.rms_eps)
+        record("attn_post_norm", layer, att)
     x = x + att
     record("ffn_inp", layer, x)
     h = ops.rms_norm(xp, x, lw.ffn_norm, cfg.rms_eps)
     record("ffn_norm", layer, h)
-    ffn, hidden = ops.swiglu(xp, h, lw.w_gate, lw.w_up, lw.w_down)                      # [T, D], [T, F]
+    glu = ops.swiglu if cfg.ffn_act == "silu" else ops.geglu
+    ffn, hidden = glu(xp, h, lw.w_gate, lw.w_up, lw.w_down)                             # [T, D], [T, F]
     record("ffn_swiglu", layer, hidden); record("ffn_out", layer, ffn)
+    if cfg.post_norms:
+        ffn = ops.rms_norm(xp, ffn, lw.post_ffn_norm, cfg.rms_eps)
+        record("ffn_post_norm", layer, ffn)
     x = x + ffn
     record("l_out", layer, x)
     return x
@@ -57,6 +71,8 @@ def forward(xp, cfg, w, tokens, cache, rows=None, record=_noop, ops=L):
     t = len(tokens)
     cache.check_room(t)
     x = w.tok_embd[xp.asarray(tokens)].astype(xp.float32, copy=False)                  # [T, D]
+    if cfg.embed_scale is not None:                                                      # Gemma: x sqrt(D)
+        x = x * xp.float32(cfg.embed_scale)
     record("embd", None, x)
     last = len(w.layers) - 1
     out_rows = None if rows is None else xp.asarray(rows)

@@ -118,6 +118,22 @@ def silu(xp, x):
     return x / (xp.float32(1.0) + xp.exp(-x))
 
 
+GELU_C = 0.7978845608028654       # sqrt(2/pi)
+GELU_A = 0.044715
+
+
+def gelu_tanh(xp, x):
+    """x: [...] f32 -> 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), f32 (PyTorch's gelu(approximate="tanh"))."""
+    inner = xp.float32(GELU_C) * (x + xp.float32(GELU_A) * x * x * x)
+    return xp.float32(0.5) * x * (xp.float32(1.0) + xp.tanh(inner))
+
+
+def geglu(xp, x, w_gate, w_up, w_down):
+    """x: [T, D] -> (out [T, D], hidden [T, F]) with hidden = gelu_tanh(x Wg^T) * (x Wu^T) (Gemma)."""
+    h = gelu_tanh(xp, linear(xp, x, w_gate)) * linear(xp, x, w_up)     # [T, F]
+    return linear(xp, h, w_down), h
+
+
 def swiglu(xp, x, w_gate, w_up, w_down):
     """x: [T, D] -> (out [T, D], hidden [T, F]) with hidden = silu(x Wg^T) * (x Wu^T)."""
     h = silu(xp, linear(xp, x, w_gate)) * linear(xp, x, w_up)          # [T, F]

@@ -1,4 +1,7 @@
-"""The canonical weight layout: NumPy order, float32, [out_features, in_features] like nn.Linear."""
+"""The canonical weight layout: NumPy order, float32, [out_features, in_features] like nn.Linear.
+
+RMSNorm weights are the multipliers the norm applies (y = x / rms(x) * w). Gemma's Hugging Face layout
+stores w - 1 (its norm computes x / rms * (1 + w)); GGUF files store the multiplier. The HF adapter adds 1."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,6 +23,10 @@ class LayerWeights:
     bq: np.ndarray | None = None   # [H*Hd]  biases of the projections (Config.qkv_bias; rows as wq's)
     bk: np.ndarray | None = None   # [KV*Hd]
     bv: np.ndarray | None = None   # [KV*Hd]
+    q_norm: np.ndarray | None = None          # [Hd]  QK-norm weights (Config.qk_norm; Gemma 3)
+    k_norm: np.ndarray | None = None          # [Hd]
+    post_attn_norm: np.ndarray | None = None  # [D]   norms on the attention / FFN outputs (Config.post_norms)
+    post_ffn_norm: np.ndarray | None = None   # [D]
 
 
 @dataclass

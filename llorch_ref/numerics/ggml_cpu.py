@@ -197,6 +197,29 @@ def silu(xp, x):
     return (x / (F32(1) + v_expf((F32(0) - x).astype(F32)))).astype(F32)
 
 
+_GELU_TABLE = []
+
+
+def gelu_table():
+    """ggml_table_gelu_f16: for every float16 bit pattern, gelu_tanh of its value (ggml_gelu_f32, float32,
+    tanhf correctly rounded) rounded to float16; returned widened to float32 [65536]. The compiler contracts
+    1 + A*x*x into fma(A*x, x, 1) (found on the value -1.999, whose float16 rounding flips without it)."""
+    if not _GELU_TABLE:
+        x = np.arange(1 << 16, dtype=np.uint16).view(F16).astype(F32)
+        with np.errstate(all="ignore"):
+            inner = (F32(0.7978845608028654) * x * fma(F32(0.044715) * x, x, F32(1))).astype(F32)
+            t = np.tanh(inner.astype(F64)).astype(F32)                 # tanhf, correctly rounded
+            _GELU_TABLE.append((F32(0.5) * x * (F32(1) + t)).astype(F16).astype(F32))
+    return _GELU_TABLE[0]
+
+
+def geglu_act(x, g):
+    """ggml_vec_geglu_f32 (GGML_GELU_FP16 build): x, g [..., F] f32 -> gelu(x) * g, gelu read from the float16
+    table at float16(x); x <= -10 gives 0, x >= 10 gives x * g."""
+    y = gelu_table()[x.astype(F16).view(np.uint16)] * g
+    return np.where(x <= -10, F32(0), np.where(x >= 10, x * g, y)).astype(F32)
+
+
 def softmax(xp, s):
     """ggml_vec_soft_max_f32 + scale: s [..., S] (masked with -inf) -> probabilities [..., S] f32.
 
@@ -333,9 +356,13 @@ def make_ops(kv_dtype: str = "f32"):
         h = (silu(xp, layers.linear(xp, x, w_gate)) * layers.linear(xp, x, w_up)).astype(F32)
         return layers.linear(xp, h, w_down), h
 
+    def geglu(xp, x, w_gate, w_up, w_down):
+        h = geglu_act(layers.linear(xp, x, w_gate), layers.linear(xp, x, w_up))
+        return layers.linear(xp, h, w_down), h
+
     ops = types.SimpleNamespace(**{n: getattr(layers, n) for n in dir(layers) if not n.startswith("_")})
     ops.rope_angles, ops.rope, ops.softmax, ops.silu = rope_angles, rope, softmax, silu
-    ops.attention, ops.swiglu = make_attention(kv_dtype), swiglu
+    ops.attention, ops.swiglu, ops.geglu = make_attention(kv_dtype), swiglu, geglu
     ops.name = f"ggml (kv {kv_dtype})"
     return ops
 

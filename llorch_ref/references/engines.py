@@ -58,7 +58,7 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
     }
     names = set()
     for s in specs:
-        for ts in s.tensors:
+        for ts in s.tensors_for(cfg):
             if ts.node(cfg) is not None:
                 names |= {ts.node(cfg)["name"].replace("{L}", str(i)) for i in range(cfg.n_layers)}
     n_ctx = max(256, 64 * ((t + n_greedy + 63) // 64))
@@ -69,7 +69,7 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
         cap = Capture(names=names | {"result_output"})
         logits = ref.eval(ids, cap)
         for s in specs:
-            for ts in s.tensors:
+            for ts in s.tensors_for(cfg):
                 lc = ts.node(cfg)
                 if lc is None:                         # unnamed in this architecture's graph: not covered
                     continue

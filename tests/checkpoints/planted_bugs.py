@@ -32,9 +32,10 @@ def swapped_rope_style(mp, eng):             # cp1B: NeoX half-split on adjacent
 
 
 def off_by_one_position(mp, eng):            # cp1B: positions start at 1
-    def rope_rows(self, n_new):
+    def rope_rows(self, n_new, local=False):
         p = self.positions(n_new) + 1
-        return self.cos[p], self.sin[p]
+        cos, sin = self.tables(local)
+        return cos[p], sin[p]
     mp.setattr(cache_mod.Cache, "rope_rows", rope_rows)
 
 
@@ -58,7 +59,7 @@ def stale_cache_entries(mp, eng):            # cp3: reset() rewinds pos but read
         state["high"] = end = max(state["high"], self.pos + t)
         return self.k[layer, :end], self.v[layer, :end]
 
-    def mask(self, n_new):
+    def mask(self, n_new, window=0):
         q = self.positions(n_new)[:, None]
         return np.where(np.arange(state["high"])[None, :] <= q, np.float32(0), np.float32(-np.inf))
     mp.setattr(cache_mod.Cache, "reset", reset)
