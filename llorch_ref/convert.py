@@ -99,6 +99,31 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n_heads, hd // 2, 2, d).swapaxes(1, 2).reshape(rows, d))
 
 
+def _int_if_whole(x: float):
+    """transformers types query_pre_attn_scalar as int: 16.000000000000004 (1/scale^2) -> 16."""
+    return int(round(x)) if abs(x - round(x)) < 1e-9 * max(1.0, abs(x)) else x
+
+
+def _gemma3_hf_config(cfg, base: dict) -> dict:
+    """config.json of a Gemma3ForCausalLM (transformers 5 rope_parameters, and the transformers 4 keys)."""
+    full = {"rope_type": "default", "rope_theta": cfg.rope_base}
+    if cfg.rope_freq_scale != 1.0:
+        full = {"rope_type": "linear", "factor": 1.0 / cfg.rope_freq_scale, "rope_theta": cfg.rope_base}
+    local_base = cfg.rope_base_local if cfg.rope_base_local is not None else cfg.rope_base
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+            "bos_token_id", "eos_token_id", "_name_or_path", "torch_dtype", "architectures")
+    return {**{k: base[k] for k in keep}, "model_type": "gemma3_text",
+            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _int_if_whole(float(cfg.scale) ** -2),
+            "sliding_window": cfg.sliding_window,
+            "layer_types": ["sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(cfg.n_layers)],
+            "rope_parameters": {"full_attention": full, "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": local_base}},
+            "rope_theta": cfg.rope_base, "rope_local_base_freq": local_base,
+            "rope_scaling": None if full["rope_type"] == "default" else {"rope_type": "linear", "factor": full["factor"]},
+            "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False}
+
+
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Hugging Face's half-split rows -> llama.cpp's adjacent pairs (what its converter does)."""
     rows, d = w.shape
@@ -164,6 +189,11 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
         if cfg.arch == "phi3":                     # fused: qkv rows Q | K | V, gate_up rows gate | up
             tensors.update({p + "self_attn.qkv_proj.weight": np.concatenate([lw.wq, lw.wk, lw.wv]),
                             p + "mlp.gate_up_proj.weight": np.concatenate([lw.w_gate, lw.w_up])})
+        if cfg.arch == "gemma3":                   # HF Gemma norms hold w - 1 (they compute x / rms * (1 + w))
+            tensors.update({p + "self_attn.q_norm.weight": lw.q_norm - np.float32(1),
+                            p + "self_attn.k_norm.weight": lw.k_norm - np.float32(1),
+                            p + "pre_feedforward_layernorm.weight": lw.ffn_norm - np.float32(1),
+                            p + "post_feedforward_layernorm.weight": lw.post_ffn_norm - np.float32(1)})
         tensors.update({
             p + "input_layernorm.weight": lw.attn_norm,
             p + "self_attn.q_proj.weight": unperm(lw.wq, cfg.n_heads),
@@ -175,6 +205,12 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
             p + "mlp.up_proj.weight": lw.w_up,
             p + "mlp.down_proj.weight": lw.w_down,
         })
+    if cfg.arch == "gemma3":
+        for i, lw in enumerate(w.layers):
+            p = f"model.layers.{i}."
+            tensors[p + "input_layernorm.weight"] = lw.attn_norm - np.float32(1)
+            tensors[p + "post_attention_layernorm.weight"] = lw.post_attn_norm - np.float32(1)
+        tensors["model.norm.weight"] = w.out_norm - np.float32(1)
     if cfg.arch == "phi3":
         tensors = {k: v for k, v in tensors.items() if not k.endswith(("q_proj.weight", "k_proj.weight",
                                                                         "v_proj.weight", "gate_proj.weight",
@@ -182,7 +218,7 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
     config = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "phi3": "Phi3ForCausalLM"}[cfg.arch]],
+                           "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[cfg.arch]],
         "model_type": cfg.arch, "torch_dtype": "float32",
         "vocab_size": cfg.n_vocab, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -197,6 +233,8 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
         "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
         "_name_or_path": str(m.metadata.get("general.name") or src.stem),
     }
+    if cfg.arch == "gemma3":
+        config = _gemma3_hf_config(cfg, config)
     name = lambda i: tok.tokens[i] if i is not None else None
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(tok.bos_id), "eos_token": name(tok.eos_id),
@@ -247,6 +285,24 @@ def _detect_pre(hf, tokens, types, merges, where) -> str:
                          f"pre-tokenizers llorch-ref implements ({', '.join(sorted(PRE_TOKENIZERS))})")
 
 
+def _check_gemma3_for_llamacpp(cfg, src):
+    """What a gemma3 GGUF cannot say, refused rather than written wrong: llama.cpp takes the local layers
+    from a period of 6, the local RoPE base 10000 and the attention scale 1/sqrt(Hd) (1/sqrt(D/H) at 62 layers)."""
+    from .loaders.gguf_file import GEMMA3_ROPE_BASE_LOCAL, GEMMA3_SWA_PERIOD
+
+    period = tuple(i % GEMMA3_SWA_PERIOD < GEMMA3_SWA_PERIOD - 1 for i in range(cfg.n_layers))
+    scale = (cfg.d_model / cfg.n_heads) ** -0.5 if cfg.n_layers == 62 else cfg.head_dim ** -0.5
+    problems = []
+    if tuple(cfg.local_layers or ()) != period:
+        problems.append("local layers other than 5 of every 6")
+    if cfg.rope_base_local != GEMMA3_ROPE_BASE_LOCAL:
+        problems.append(f"local RoPE base {cfg.rope_base_local} (llama.cpp uses {GEMMA3_ROPE_BASE_LOCAL})")
+    if abs(cfg.scale - scale) > 1e-12 * scale:
+        problems.append(f"attention scale {cfg.scale} (query_pre_attn_scalar {cfg.scale ** -2:g}; llama.cpp uses {scale})")
+    if problems:
+        raise ParameterError(f"{src}: this Gemma 3 model has no gemma3 GGUF form: " + "; ".join(problems))
+
+
 def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
     """Hugging Face llama folder -> GGUF (F32, or F16 for 2-D weights), as llama.cpp's converter writes it:
     Wq/Wk rows permuted to adjacent RoPE pairs, tokenizer metadata (gpt2 with the pre-tokenizer identified by
@@ -284,6 +340,9 @@ def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
     if cfg.rope_freq_scale != 1.0:
         wr.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         wr.add_rope_scaling_factor(1.0 / cfg.rope_freq_scale)
+    if cfg.arch == "gemma3":
+        _check_gemma3_for_llamacpp(cfg, src)
+        wr.add_sliding_window(cfg.sliding_window)
     wr.add_vocab_size(cfg.n_vocab)
     wr.add_file_type(FILE_TYPES[dtype])
     if tok.kind == "gpt2":
@@ -324,6 +383,9 @@ def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
             parts = (("attn_norm", lw.attn_norm), ("attn_q", lw.wq), ("attn_k", lw.wk), ("attn_v", lw.wv),
                      ("attn_output", lw.wo), ("ffn_norm", lw.ffn_norm), ("ffn_gate", lw.w_gate),
                      ("ffn_up", lw.w_up), ("ffn_down", lw.w_down))
+        if cfg.arch == "gemma3":                   # norm multipliers (1 + w), as llama.cpp's converter writes them
+            parts += (("attn_q_norm", lw.q_norm), ("attn_k_norm", lw.k_norm),
+                      ("post_attention_norm", lw.post_attn_norm), ("post_ffw_norm", lw.post_ffn_norm))
         for name, arr in parts:
             a = np.ascontiguousarray(arr, dtype=np.float32)
             wr.add_tensor(p + name + ".weight", big(a) if a.ndim == 2 else a)

@@ -97,7 +97,7 @@ class DiffResult:
                 "equal_prefix": min((r.metrics["equal_prefix"] for r in rows if "equal_prefix" in r.metrics),
                                     default=None),
                 "worst_at": {"layer": worst.layer, "tensor": worst.tensor},
-                "band": rows[0].band, "passed": all(r.passed for r in rows),
+                "band": worst.band, "passed": all(r.passed for r in rows),     # the band at the worst row
                 "not_covered": len(missing), "why": missing[0]["why"] if missing else None,
             })
         return out
@@ -198,14 +198,24 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
         # the last row alone, as generation asks for it (rows=[T-1]) on a fresh cache
         ours_last = engine.backend.to_numpy(engine.forward(ids, engine.new_cache(), rows=[len(ids) - 1]))[-1]
         # -- layer and model tensors ---------------------------------------------------------------
+        # a llama.cpp node computed at reduced precision (spec field "band_class" on its node) makes the bands
+        # of that class apply from that node on, in forward order (Gemma 3: GELU read from a float16 table)
+        floor = reduced_precision_from(specs, cfg, band_class)
+        if floor is not None:
+            res.warnings.append(floor["why"])
+
+        def band_at(s, pos):
+            return s.band(coarser(band_class, floor["class"]) if floor and pos >= floor["pos"] else band_class)
+
         for s in specs:
-            band = s.band(band_class)
             if s.scope == "layer":
                 for layer in range(cfg.n_layers):
                     for t in s.tensors_for(cfg):
-                        _compare_tensor(res, s, t, layer, rec, cap, band, cfg)
+                        _compare_tensor(res, s, t, layer, rec, cap, band_at(s, (1, layer, t.order)), cfg)
             elif s.scope == "model":
-                _model_checkpoint(res, s, band, ours_logits, ours_last, ref_logits, ref_last, rec, cap)
+                num = int("".join(c for c in s.id if c.isdigit()) or 0)
+                _model_checkpoint(res, s, band_at(s, (2, 0, num - 0.5)), ours_logits, ours_last, ref_logits,
+                                  ref_last, rec, cap)
         # -- 12: end-to-end greedy text ------------------------------------------------------------
         if "12" in by_id and n_greedy > 0:
             s = by_id["12"]
@@ -222,8 +232,8 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
             res.greedy = {"n": n_greedy, "equal_prefix": n_same, "ours": ours_gen, "reference": ref_gen,
                           "ours_text": engine.tokenizer.decode(ours_gen),
                           "reference_text": engine.tokenizer.decode(ref_gen)}
-            gb = greedy_band(band, n_greedy)
-            res.rows.append(Row("12", s.name, None, "greedy_tokens", m, gb, within(m, gb), (3, 99, 0)))
+            gb = greedy_band(by_id["12"].band(band_class), n_greedy)
+            res.rows.append(Row("12", by_id["12"].name, None, "greedy_tokens", m, gb, within(m, gb), (3, 99, 0)))
     finally:
         if own_ref:
             ref.close()
@@ -231,6 +241,26 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     res.captures_ref = {f"{n}#{op}#{occ}": a for (n, op, occ), a in cap.tensors.items()}
     res.timings["total_s"] = time.perf_counter() - t0
     return res
+
+
+def reduced_precision_from(specs, cfg, band_class) -> dict | None:
+    """The first (forward order) llama.cpp node of this model that declares a coarser band class
+    (node field "band_class", with "why"): {"pos", "class", "why"}, or None. Not for numerics="ggml"."""
+    if band_class == "ggml":
+        return None
+    found = []
+    for s in specs:
+        for t in s.tensors_for(cfg):
+            lc = t.node(cfg) or {}
+            if lc.get("band_class") and s.scope == "layer":
+                found.append(((1, 0, t.order), lc["band_class"], s, t, lc))
+    if not found:
+        return None
+    pos, cls, s, t, lc = min(found, key=lambda f: f[0])
+    if coarser(band_class, cls) == band_class:
+        return None
+    return {"pos": pos, "class": cls,
+            "why": f"bands of class {cls} from checkpoint {s.id} layer 0 {t.ours} on: {lc.get('why', 'llama.cpp computes this node at reduced precision')}"}
 
 
 def _compare_tensor(res, spec, t, layer, rec, cap, band, cfg):

@@ -35,8 +35,17 @@ HF_LAYER_TENSORS = {  # HF name suffix -> LayerWeights field (NumPy shape checke
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
 }
+GEMMA3_LAYER_TENSORS = {  # Gemma 3 (model_type gemma3_text): four norms per layer, QK-norm
+    **{k: v for k, v in HF_LAYER_TENSORS.items() if k != "post_attention_layernorm.weight"},
+    "post_attention_layernorm.weight": "post_attn_norm",
+    "pre_feedforward_layernorm.weight": "ffn_norm",
+    "post_feedforward_layernorm.weight": "post_ffn_norm",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+}
+GEMMA_NORMS = ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm")  # stored as w - 1
 HF_BIAS_TENSORS = {"self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv"}
-HF_ARCHS = ("llama", "mistral", "qwen2", "phi3")   # mistral, phi3: a sliding window caps the context
+HF_ARCHS = ("llama", "mistral", "qwen2", "phi3", "gemma3_text")   # mistral, phi3: a sliding window caps the context
 HF_FUSED_TENSORS = {"self_attn.qkv_proj.weight": "_qkv", "mlp.gate_up_proj.weight": "_gate_up"}   # phi3
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
@@ -64,6 +73,11 @@ def _read_json(path: Path, required=True):
 
 def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
     mt = c.get("model_type")
+    if mt == "gemma3":
+        raise UnsupportedModelError(f"{where}: model_type 'gemma3' is Gemma 3's multimodal model; only the text "
+                                    f"model (Gemma3ForCausalLM, model_type 'gemma3_text') is supported")
+    if mt == "gemma3_text":
+        return _gemma3_config(c, where)
     if mt not in HF_ARCHS:
         raise UnsupportedModelError(f"{where}: model_type {mt!r} is not supported yet (supported: "
                                     f"{', '.join(HF_ARCHS)})")
@@ -108,6 +122,60 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
         attention_scale=None,
         extra={"general.name": c.get("_name_or_path"), "source": "hf", "qk_rows_stored": "neox", "model_type": mt,
                **({"sliding_window": int(window)} if window else {})},
+    )
+
+
+def _gemma3_config(c: dict, where: Path) -> Config:
+    """Gemma3TextConfig -> Config. Local (sliding-window) layers from layer_types (or the older
+    sliding_window_pattern); RoPE per layer type from rope_parameters (transformers 5) or rope_theta,
+    rope_local_base_freq and rope_scaling (transformers 4); attention scale query_pre_attn_scalar^-1/2."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if c.get(key) is not None:
+            raise UnsupportedModelError(f"{where}: {key}={c[key]} is not implemented (Gemma 3 has none)")
+    if c.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{where}: use_bidirectional_attention=true is not implemented")
+    if c.get("attention_bias"):
+        raise UnsupportedModelError(f"{where}: attention_bias=true is not implemented for gemma3_text")
+    act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"{where}: hidden_activation={act!r} is not implemented (supported: "
+                                    f"gelu_pytorch_tanh)")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "sliding_window"):
+        if c.get(key) is None:
+            raise ModelFileError(f"{where}: required key {key!r} is missing")
+    d, h, n = int(c["hidden_size"]), int(c["num_attention_heads"]), int(c["num_hidden_layers"])
+    hd = int(c.get("head_dim") or 256)                       # Gemma3TextConfig's default
+    types = c.get("layer_types")
+    if types is None:
+        period = int(c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or 6)
+        types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise ModelFileError(f"{where}: layer_types must list {n} entries of sliding_attention|full_attention")
+    rp = c.get("rope_parameters")
+    if isinstance(rp, dict) and "full_attention" in rp:
+        full, local = rp["full_attention"], rp.get("sliding_attention") or {}
+    else:
+        full = dict(c.get("rope_scaling") or {}, rope_theta=c.get("rope_theta", 1000000.0))
+        local = {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
+    if (local.get("rope_type") or "default") != "default":
+        raise UnsupportedModelError(f"{where}: RoPE scaling on the sliding-window layers is not implemented")
+    base = float(full.get("rope_theta", 1000000.0))
+    freq_scale, factors = rope_scaling_from_hf(full, base, hd, where)
+    return Config(
+        arch="gemma3", n_vocab=int(c["vocab_size"]), d_model=d, n_layers=n, n_heads=h,
+        n_kv_heads=int(c.get("num_key_value_heads") or h), head_dim=hd, d_ff=int(c["intermediate_size"]),
+        context_length=int(c.get("max_position_embeddings", 131072)),
+        rms_eps=float(np.float32(c.get("rms_norm_eps", 1e-6))), rope_base=base, rope_dim=hd,
+        rope_style="neox", tied_output=bool(c.get("tie_word_embeddings", True)),
+        attention_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
+        rope_freq_scale=freq_scale, rope_freq_factors=factors,
+        embed_scale=float(np.sqrt(np.float32(d), dtype=np.float32)), qk_norm=True, post_norms=True,
+        ffn_act="gelu_tanh", sliding_window=int(c["sliding_window"]),
+        local_layers=tuple(t == "sliding_attention" for t in types),
+        rope_base_local=float(local.get("rope_theta", 10000.0)),
+        extra={"general.name": c.get("_name_or_path"), "source": "hf", "qk_rows_stored": "neox",
+               "model_type": "gemma3_text"},
     )
 
 
@@ -263,7 +331,7 @@ def load_hf_folder(folder, qk_layout: str | None = None, lazy: bool = False, wei
     folder = Path(folder)
     c = _read_json(folder / "config.json")
     if qk_layout is None:
-        qk_layout = "neox" if c.get("model_type") in ("qwen2", "phi3") else "adjacent"
+        qk_layout = "neox" if c.get("model_type") in ("qwen2", "phi3", "gemma3_text") else "adjacent"
     if qk_layout not in ("adjacent", "neox"):
         raise ParameterError(f"qk_layout {qk_layout!r} must be 'adjacent' or 'neox'")
     store = storage_dtype(weight_dtype)
@@ -294,6 +362,9 @@ def load_hf_folder(folder, qk_layout: str | None = None, lazy: bool = False, wei
               "wv": (cfg.n_kv_heads * Hd, D), "wo": (D, cfg.n_heads * Hd), "ffn_norm": (D,),
               "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
     names = dict(HF_LAYER_TENSORS)
+    if cfg.arch == "gemma3":
+        names = dict(GEMMA3_LAYER_TENSORS)
+        shapes.update({"post_attn_norm": (D,), "post_ffn_norm": (D,), "q_norm": (Hd,), "k_norm": (Hd,)})
     if cfg.arch == "phi3":
         for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                   "mlp.gate_proj.weight", "mlp.up_proj.weight"):
@@ -306,12 +377,16 @@ def load_hf_folder(folder, qk_layout: str | None = None, lazy: bool = False, wei
     from .gguf_file import split_fused
 
     def permuted(fields):
+        if cfg.arch == "gemma3":                       # HF Gemma norms compute x / rms * (1 + w)
+            for k in GEMMA_NORMS:
+                if fields.get(k) is not None:
+                    fields[k] = (fields[k] + np.float32(1.0)).astype(fields[k].dtype)
         if qk_layout == "adjacent":
             for k, n in (("wq", cfg.n_heads), ("wk", cfg.n_kv_heads)):
                 if k in fields:
                     fields[k] = permute_qk(fields[k], n)
-            for k, n in (("bq", cfg.n_heads), ("bk", cfg.n_kv_heads)):
-                if fields.get(k) is not None:          # a bias row travels with its weight row
+            for k, n in (("bq", cfg.n_heads), ("bk", cfg.n_kv_heads), ("q_norm", 1), ("k_norm", 1)):
+                if fields.get(k) is not None:          # a bias row (a QK-norm weight) travels with its row
                     fields[k] = permute_qk(fields[k][:, None], n)[:, 0]
         return fields
 
@@ -331,12 +406,18 @@ def load_hf_folder(folder, qk_layout: str | None = None, lazy: bool = False, wei
         output = tok_embd
     else:
         output = take("lm_head.weight", (cfg.n_vocab, D))
-    weights = Weights(tok_embd=tok_embd, layers=layers, out_norm=take("model.norm.weight", (D,)), output=output)
+    weights = Weights(tok_embd=tok_embd, layers=layers, out_norm=out_norm(cfg, take("model.norm.weight", (D,))),
+                      output=output)
     tok = tokenizer_from_hf(folder)
     if tok.n_vocab > cfg.n_vocab:
         raise TokenizerError(f"{folder}: tokenizer has {tok.n_vocab} tokens but the model only {cfg.n_vocab}")
     return HFModel(path=folder, config=cfg, weights=weights, tokenizer=tok, metadata=dict(c),
                    tensor_types={k: v[0] for k, v in tensors.items()})
+
+
+def out_norm(cfg, w):
+    """The final norm's multiplier (Gemma stores w - 1)."""
+    return (w + np.float32(1.0)).astype(np.float32) if cfg.arch == "gemma3" else w
 
 
 def _lazy_hf(folder, c, cfg, tensors, names, shapes, take, check, make_layer, permuted, store, weight_cache_mb):
@@ -357,14 +438,14 @@ def _lazy_hf(folder, c, cfg, tensors, names, shapes, take, check, make_layer, pe
         if src not in by_field:
             raise AttributeError(fld)
         fields = {src: take(f"model.layers.{i}.{by_field[src]}", shapes[src])}
-        if fld in ("wq", "wk", "bq", "bk") and src == fld:
+        if fld in ("wq", "wk", "bq", "bk", "q_norm", "k_norm") + GEMMA_NORMS and src == fld:
             return permuted(fields)[fld]
         return permuted(split_fused(cfg, fields))[fld]
 
     emb = LazyRows(None, (V, D), lambda _t, rows: take("model.embed_tokens.weight", (V, D), rows=rows)
                    .astype(np.float32))
     weights = LazyWeights(emb, LazyLayers(cfg.n_layers, make_layer, deq_field, per_layer, cache),
-                          take("model.norm.weight", (D,)), lambda: take(out_name, (V, D)), V * D * store.itemsize,
+                          out_norm(cfg, take("model.norm.weight", (D,))), lambda: take(out_name, (V, D)), V * D * store.itemsize,
                           cache, full, store)
     tok = tokenizer_from_hf(folder)
     if tok.n_vocab > cfg.n_vocab:

@@ -127,9 +127,10 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32,
                                                                   attn_implementation="eager")
     model.eval()
-    if model.config.model_type not in ("llama", "mistral", "qwen2", "phi3"):
+    if model.config.model_type not in ("llama", "mistral", "qwen2", "phi3", "gemma3_text"):
         raise ReferenceError_(f"{folder}: model_type {model.config.model_type!r}: the transformers hooks know "
-                              f"llama, mistral, qwen2 and phi3")
+                              f"llama, mistral, qwen2, phi3 and gemma3_text")
+    gemma = model.config.model_type == "gemma3_text"
     tok = None
     if prompt is not None:
         tok = transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -167,7 +168,9 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
         at, mlp = lyr.self_attn, lyr.mlp
         fused = hasattr(at, "qkv_proj")                      # Phi-3: one projection, rows Q | K | V
         projs = [at.qkv_proj] if fused else [at.q_proj, at.k_proj, at.v_proj]
-        for m in (lyr, lyr.input_layernorm, lyr.post_attention_layernorm, at, *projs, at.o_proj, mlp, mlp.down_proj):
+        extra = (at.q_norm, at.k_norm, lyr.pre_feedforward_layernorm, lyr.post_feedforward_layernorm) if gemma else ()
+        for m in (lyr, lyr.input_layernorm, lyr.post_attention_layernorm, at, *projs, at.o_proj, mlp, mlp.down_proj,
+                  *extra):
             layer_of[m] = i
         fwd(lyr.input_layernorm, "cp1.attn_norm")
         if fused:
@@ -184,8 +187,16 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
             fwd(at.v_proj, "cp2.v", lambda a: tm(a, kv))
         pre(at.o_proj, "cp5.kqv_out")
         fwd(at.o_proj, "cp5.attn_out")
-        pre(lyr.post_attention_layernorm, "cp5.ffn_inp")
-        fwd(lyr.post_attention_layernorm, "cp1.ffn_norm")
+        if gemma:          # four norms per layer; QK-norm runs on head-major [1, heads, T, Hd]
+            fwd(at.q_norm, "cp2.q_normed", lambda a: a[0].transpose(0, 1))
+            fwd(at.k_norm, "cp2.k_normed", lambda a: a[0].transpose(0, 1))
+            fwd(lyr.post_attention_layernorm, "cp5.attn_post_norm")
+            pre(lyr.pre_feedforward_layernorm, "cp5.ffn_inp")
+            fwd(lyr.pre_feedforward_layernorm, "cp1.ffn_norm")
+            fwd(lyr.post_feedforward_layernorm, "cp6.ffn_post_norm")
+        else:
+            pre(lyr.post_attention_layernorm, "cp5.ffn_inp")
+            fwd(lyr.post_attention_layernorm, "cp1.ffn_norm")
         pre(mlp.down_proj, "cp6.ffn_swiglu")
         fwd(mlp, "cp6.ffn_out")
         fwd(lyr, "cp7.l_out")
@@ -216,8 +227,9 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
     pkv = out.past_key_values
     for i in range(c.num_hidden_layers):
         kc, vc = (pkv.layers[i].keys, pkv.layers[i].values) if hasattr(pkv, "layers") else pkv[i]
-        rec.add(f"cp3.k_cache.layer{i}", kc[0].transpose(0, 1))        # [KV, S, Hd] -> [S, KV, Hd]
-        rec.add(f"cp3.v_cache.layer{i}", vc[0].transpose(0, 1))
+        if kc.shape[2] == t:   # a sliding-window layer keeps only its window: not the whole cache (not covered)
+            rec.add(f"cp3.k_cache.layer{i}", kc[0].transpose(0, 1))        # [KV, S, Hd] -> [S, KV, Hd]
+            rec.add(f"cp3.v_cache.layer{i}", vc[0].transpose(0, 1))
         rec.add(f"cp4.kq_soft_max.layer{i}", out.attentions[i][0])     # [H, T, S]
     rec.add("cp8.logits", out.logits[0])
     with torch.no_grad():

@@ -23,6 +23,12 @@ ARCHS = {
     "qwen2": dict(model_type="qwen2", pre="qwen2",
                   kw=dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
                           use_sliding_window=False)),
+    # Gemma 3: six layers so that one is global (every 6th); a window of 8 tokens, shorter than the test prompts
+    "gemma3": dict(model_type="gemma3_text", vocab="spm", n_layers=6,
+                   kw=dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                           tie_word_embeddings=True, rms_norm_eps=1e-6,
+                           rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 
 
@@ -45,14 +51,20 @@ def write_tiny_hf(out, arch="llama2", seed=0):
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[spec["model_type"]]
-    cfg = cls[0](vocab_size=n_vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+           "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[spec["model_type"]]
+    cfg = cls[0](vocab_size=n_vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=spec.get("n_layers", 2),
                  num_attention_heads=4, max_position_embeddings=128, **spec["kw"])
     model = cls[1](cfg).eval()
+    gemma = spec["model_type"] == "gemma3_text"      # Gemma norms hold w - 1: centred on 0
     with torch.no_grad():            # transformers initializes biases to zero and norms to one: make them count
         for lyr in model.model.layers:
-            lyr.input_layernorm.weight.normal_(1.0, 0.1)
-            lyr.post_attention_layernorm.weight.normal_(1.0, 0.1)
+            norms = [lyr.input_layernorm, lyr.post_attention_layernorm]
+            if gemma:
+                norms += [lyr.pre_feedforward_layernorm, lyr.post_feedforward_layernorm, lyr.self_attn.q_norm,
+                          lyr.self_attn.k_norm]
+            for nm in norms:
+                nm.weight.normal_(0.0 if gemma else 1.0, 0.1)
             for lin in [getattr(lyr.self_attn, n) for n in ("q_proj", "k_proj", "v_proj") if hasattr(lyr.self_attn, n)]:
                 if lin.bias is not None:
                     lin.bias.normal_(0.0, 0.5)
@@ -63,6 +75,16 @@ def write_tiny_hf(out, arch="llama2", seed=0):
     # </s>, <unk>, <s> and <|endoftext|>, which a real Phi-3 vocabulary has and this tiny one does not
     c = json.loads((out / "config.json").read_text())
     c["_name_or_path"] = f"tiny-random-{spec['model_type'].replace('phi3', 'p3')}"
+    if gemma:
+        c["bos_token_id"], c["eos_token_id"], c["pad_token_id"] = cfg_bos_eos(out)
     (out / "config.json").write_text(json.dumps(c, indent=2))
     g.unlink()
     return out, model
+
+
+def cfg_bos_eos(folder):
+    """(bos, eos, pad) ids of the tiny vocabulary (Gemma3TextConfig defaults to Gemma's own 2, 1, 0)."""
+    tc = json.loads((Path(folder) / "tokenizer_config.json").read_text())
+    from tokenizers import Tokenizer
+    t = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+    return t.token_to_id(tc["bos_token"]), t.token_to_id(tc["eos_token"]), None
