@@ -12,7 +12,7 @@ from pathlib import Path
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--archs", default="llama2,llama3,mistral,qwen2,phi3")
+    ap.add_argument("--archs", default="llama2,llama3,mistral,qwen2,phi3,gemma3")
     ap.add_argument("--out")
     a = ap.parse_args()
     import llorch_ref
@@ -25,10 +25,13 @@ def main():
 
     tmp = Path(tempfile.mkdtemp(prefix="llorch-archs-"))
     lines = ["# Architectures against transformers and llama.cpp", "",
-             f"Command: `python tools/arch_tables.py --archs {a.archs}`. Each model: 2 layers, D 64, F 96, 4 heads, "
+             f"Command: `python tools/arch_tables.py --archs {a.archs}`. Each model: 2 layers (Gemma 3: 6, the last "
+             f"global, the others local with a window of 8), D 64, F 96, 4 heads, "
              f"random weights from transformers (seed 0; biases and norm weights randomized too), saved as a "
              f"Hugging Face folder and converted to an F32 GGUF by `llorch-ref convert`. Prompt {DEFAULT_PROMPT!r}, "
-             f"greedy 16 tokens. Worst NMSE over both layers; `n/c` = not covered by that reference.", ""]
+             f"greedy 16 tokens. Worst NMSE over all layers; `n/c` = not covered by that reference. The ggml column: "
+             f"llorch-ref with numerics='ggml' (llama.cpp's CPU arithmetic reproduced) vs llama.cpp, worst max abs "
+             f"(0 = bit-equal). The band column: the band at the worst row vs llama.cpp.", ""]
     for arch in a.archs.split(","):
         folder, _ = write_tiny_hf(tmp / arch, arch)
         gguf_path = convert_hf_to_gguf(folder, tmp / f"{arch}.gguf")
@@ -36,9 +39,13 @@ def main():
         ids = eng.tokenizer.encode(DEFAULT_PROMPT)
         from llorch_ref.errors import ReferenceError_
         try:
-            lc = run_diff(eng, prompt=DEFAULT_PROMPT, n_greedy=16, band_class="F32")
+            lc = run_diff(eng, prompt=DEFAULT_PROMPT, n_greedy=16)
         except ReferenceError_ as e:
             lc, lc_error = None, str(e)
+        try:
+            gg = run_diff(llorch_ref.load(gguf_path, numerics="ggml"), prompt=DEFAULT_PROMPT, n_greedy=16)
+        except Exception as e:          # numerics='ggml' does not cover every architecture (Phi-3)
+            gg, gg_error = None, f"{type(e).__name__}: {e}"
         tf = compare_dumps(record_engine(eng, ids, prompt=DEFAULT_PROMPT, n_greedy=16),
                            dump_transformers(folder, prompt=DEFAULT_PROMPT, token_ids=ids, n_greedy=16),
                            eng.config, "F32")
@@ -50,8 +57,21 @@ def main():
                    f"llama.cpp: not run ({lc_error}); ")
                   + f"vs transformers: {tf.first_divergence or 'none'}; greedy "
                   + (f"{lc.greedy['equal_prefix']}/16 and " if lc else "")
-                  + f"{tf.greedy['equal_prefix']}/16 tokens equal", "",
-                  "| checkpoint | name | vs llama.cpp (GGUF) | vs transformers (HF folder) | F32 band |", "|---|---|---|---|---|"]
+                  + f"{tf.greedy['equal_prefix']}/16 tokens equal"
+                  + (f"; ggml numerics: first divergence {gg.first_divergence or 'none'}, greedy "
+                     f"{gg.greedy['equal_prefix']}/16" if gg else f"; ggml numerics: not run ({gg_error[:120]})"),
+                  *([""] + [f"warning: {w}" for w in lc.warnings] if lc and lc.warnings else []), "",
+                  "| checkpoint | name | vs llama.cpp (GGUF) | vs transformers (HF folder) | ggml numerics vs llama.cpp "
+                  "(max abs) | band |", "|---|---|---|---|---|---|"]
+        by_gg = {s["checkpoint"]: s for s in gg.summary()} if gg else {}
+        if lc and lc.warnings:        # a reduced-precision llama.cpp node: what came before it met the F32 bands
+            from llorch_ref.harness.run import reduced_precision_from
+            fl = reduced_precision_from(lc.specs, c, "F32")
+            early = [r for r in lc.rows if r.layer is not None and r.order < fl["pos"]]
+            worst = max(early, key=lambda r: r.metrics["nmse"])
+            lines.insert(len(lines) - 3, f"before that node (layer 0 up to {fl['pos']}): {len(early)} comparisons "
+                         f"at F32 bands, all {'passed' if all(r.passed for r in early) else 'NOT passed'}, worst "
+                         f"NMSE {fmt(worst.metrics['nmse'])} (cp{worst.checkpoint} {worst.tensor})")
         by_lc = {s["checkpoint"]: s for s in lc.summary()} if lc else {}
         for t in tf.summary():
             s = by_lc.get(t["checkpoint"])
@@ -63,7 +83,11 @@ def main():
                     f"{x['equal_prefix']} equal" if x.get("equal_prefix") is not None else
                     f"agreement {x['min_agreement']:.3f}")
                 return v + ("" if x["passed"] else " FAIL") + (f" ({x['not_covered']} n/c)" if x.get("not_covered") else "")
-            lines.append(f"| {t['checkpoint']} | {t['name']} | {cell(s)} | {cell(t)} | `{t['band']}` |")
+            g = by_gg.get(t["checkpoint"])
+            gcell = "n/a" if g is None else (fmt(g["worst_max_abs"]) if g["worst_max_abs"] is not None else
+                                             cell(g)) + ("" if g["passed"] in (True, None) else " FAIL")
+            lines.append(f"| {t['checkpoint']} | {t['name']} | {cell(s)} | {cell(t)} | {gcell} | "
+                         f"`{(s or t)['band']}` |")
         lines.append("")
     text = "\n".join(lines)
     print(text)
