@@ -132,3 +132,18 @@ def test_gelu_table_matches_the_formula_to_float16():
     exact, table = gelu_tanh(np, x), geglu_act(x, np.ones_like(x))
     assert np.abs(table - exact).max() <= 2e-3 * np.abs(exact).max()
     assert table[x <= -10].max() == 0 and np.array_equal(table[x >= 10], x[x >= 10])
+
+
+@pytest.mark.parametrize("backend", ["numba", "cupy"])
+def test_backends_run_gemma3_like_numpy(gemma, backend):
+    """QK-norm (3-D rows), GeGLU and the per-layer windows and RoPE tables on the numba / cupy backends."""
+    from llorch_ref.backends import available
+    from llorch_ref.harness.run import run_backend_diff
+    why = available().get(backend)
+    if why:
+        pytest.skip(f"backend {backend} unavailable: {why}")
+    _, g, _ = gemma
+    res = run_backend_diff(llorch_ref.load(g, backend=backend), llorch_ref.load(g, backend="numpy"), prompt=PROMPT,
+                           n_greedy=16)
+    assert res.first_divergence is None, res.first_divergence
+    assert res.greedy["equal_prefix"] == 16

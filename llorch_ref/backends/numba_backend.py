@@ -140,9 +140,10 @@ class NumbaBackend(Backend):
         def rms_norm(xp, x, w, eps):
             if x.shape[0] != 1:
                 return base_ops.rms_norm(xp, x, w, eps)
-            out = np.empty_like(x)
-            K.rms_norm_rows(np.ascontiguousarray(x), w, eps, out)
-            return out
+            rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])      # [1, D], or [1, heads, Hd] (QK-norm)
+            out = np.empty_like(rows)
+            K.rms_norm_rows(rows, w, eps, out)
+            return out.reshape(x.shape)
 
         def swiglu(xp, x, w_gate, w_up, w_down):
             if x.shape[0] != 1:
