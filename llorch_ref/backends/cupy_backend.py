@@ -53,19 +53,41 @@ class CupyBackend(Backend):
         and attention as elementwise products and reductions. Several tokens (prefill) use cuBLAS."""
         cp = self.xp
         ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})
-        gemv = _gemv_kernels(cp)
+        K = _kernels(cp)
+        i32, f32 = cp.int32, cp.float32
 
         def linear(xp, x, w):
             if x.shape[0] == 1 and w.ndim == 2:
                 y = cp.empty((1, w.shape[0]), dtype=cp.float32)
-                k = gemv["f16" if w.dtype == cp.float16 else "f32"]
                 n, kdim = w.shape
-                k(((n + 7) // 8,), (256,), (w, cp.ascontiguousarray(x[0], dtype=cp.float32), y, cp.int32(n),
-                                             cp.int32(kdim)))
+                half = w.dtype == cp.float16
+                vec = (kdim % 8 == 0) if half else (kdim % 4 == 0)
+                k = K[("gemv_f16_v8" if vec else "gemv_f16") if half else ("gemv_f32_v4" if vec else "gemv_f32")]
+                k(((n + 7) // 8,), (256,), (w, cp.ascontiguousarray(x[0], dtype=cp.float32), y, i32(n), i32(kdim)))
                 return y
             if w.dtype == cp.float16:
                 return (x.astype(cp.float16) @ w.T).astype(cp.float32)
             return x @ w.T
+
+        def rms_norm(xp, x, w, eps):
+            if x.shape[0] != 1:
+                return base_ops.rms_norm(xp, x, w, eps)
+            x = cp.ascontiguousarray(x, dtype=cp.float32)
+            y = cp.empty_like(x)
+            n = w.shape[0]
+            K["rms_norm_rows"]((x.size // n,), (256,), (x, w, y, i32(n), f32(eps)))
+            return y
+
+        def rope(xp, x, cos, sin, style):
+            if x.shape[0] != 1:
+                return base_ops.rope(xp, x, cos, sin, style)
+            x = cp.ascontiguousarray(x, dtype=cp.float32)
+            y = cp.empty_like(x)
+            nh, hd, half = x.shape[1], x.shape[2], cos.shape[-1]
+            total = nh * (hd - half)
+            K["rope_one"](((total + 127) // 128,), (128,), (x, cp.ascontiguousarray(cos[0]), cp.ascontiguousarray(sin[0]),
+                                                          y, i32(nh), i32(hd), i32(half), i32(style == "neox")))
+            return y
 
         def qkv(xp, x, wq, wk, wv, h, kv, hd):
             t = x.shape[0]
@@ -73,20 +95,47 @@ class CupyBackend(Backend):
                     linear(xp, x, wv).reshape(t, kv, hd))
 
         def swiglu(xp, x, w_gate, w_up, w_down):
-            h = base_ops.silu(xp, linear(xp, x, w_gate)) * linear(xp, x, w_up)
+            if x.shape[0] != 1:
+                h = base_ops.silu(xp, linear(xp, x, w_gate)) * linear(xp, x, w_up)
+            else:
+                h = K["silu_mul"](linear(xp, x, w_gate), linear(xp, x, w_up))
+            return linear(xp, h, w_down), h
+
+        def geglu(xp, x, w_gate, w_up, w_down):
+            if x.shape[0] != 1:
+                return base_ops.geglu(xp, x, w_gate, w_up, w_down)
+            h = K["gelu_mul"](linear(xp, x, w_gate), linear(xp, x, w_up))
             return linear(xp, h, w_down), h
 
         def attention(xp, q, k, v, mask, scale, kv_head):
-            if q.shape[0] != 1:
+            """One query token: one fused kernel per layer (scores, softmax, P.V), reading only the positions
+            the mask lets it see; kq holds 0 at masked positions. Several tokens: the reference layers."""
+            hd = q.shape[2]
+            threads = 1024 if hd <= 1024 else 0
+            smem = 4 * (k.shape[0] + (threads // max(hd, 1)) * hd)      # scores + partial sums (48 KB max)
+            if q.shape[0] != 1 or not threads or smem > 48 * 1024:
                 return base_ops.attention(xp, q, k, v, mask, scale, kv_head)
-            kh = k[:, kv_head, :]                                                # [S, H, Hd]
-            kq = (kh * q[0][None, :, :]).sum(axis=-1).T[:, None, :]             # [H, 1, S]
-            probs = base_ops.softmax(xp, kq * xp.float32(scale) + mask)          # [H, 1, S]
-            vh = v[:, kv_head, :]                                                # [S, H, Hd]
-            out = (probs[:, 0, :].T[:, :, None] * vh).sum(axis=0)               # [H, Hd]
-            return out.reshape(1, -1), kq, probs
+            h = q.shape[1]
+            s_len, kv = k.shape[0], k.shape[1]
+            kq = cp.empty((h, 1, s_len), dtype=cp.float32)
+            probs = cp.empty((h, 1, s_len), dtype=cp.float32)
+            out = cp.empty((1, h * hd), dtype=cp.float32)
+            K["attend_one"]((h,), (threads,), (cp.ascontiguousarray(q, dtype=cp.float32), cp.ascontiguousarray(k),
+                                          cp.ascontiguousarray(v), cp.ascontiguousarray(mask[0], dtype=cp.float32),
+                                          kq, probs, out, i32(s_len), i32(h), i32(kv), i32(hd), f32(scale)),
+                            shared_mem=smem)
+            return out, kq, probs
 
-        ops.linear, ops.qkv, ops.swiglu, ops.attention = linear, qkv, swiglu, attention
+        kv_heads = {}
+
+        def kv_head_of(xp, n_heads, n_kv_heads):          # the same small index array for every layer
+            if (n_heads, n_kv_heads) not in kv_heads:
+                kv_heads[(n_heads, n_kv_heads)] = base_ops.kv_head_of(xp, n_heads, n_kv_heads)
+            return kv_heads[(n_heads, n_kv_heads)]
+
+        ops.linear, ops.qkv, ops.swiglu, ops.geglu, ops.attention = linear, qkv, swiglu, geglu, attention
+        ops.kv_head_of = kv_head_of
+        ops.rms_norm, ops.rope = rms_norm, rope
         return ops
 
     def synchronize(self):
@@ -114,8 +163,11 @@ class DeviceCache:
             def rope_rows(self, n_new, local=False):
                 if not self.static:
                     return super().rope_rows(n_new, local)
-                cos, sin = self.tables(local)
-                return cos[self.pos_dev], sin[self.pos_dev]
+                key = ("static-rope", local)
+                if key not in self._memo:
+                    cos, sin = self.tables(local)
+                    self._memo[key] = (cos[self.pos_dev], sin[self.pos_dev])
+                return self._memo[key]
 
             def store(self, layer, k, v):
                 if not self.static:
@@ -128,7 +180,10 @@ class DeviceCache:
             def mask(self, n_new, window=0):
                 if not self.static:
                     return super().mask(n_new, window)
-                return visible_mask(self.xp, self.pos_dev[:, None], self.k_pos[None, :], window)
+                key = ("static-mask", window)
+                if key not in self._memo:
+                    self._memo[key] = visible_mask(self.xp, self.pos_dev[:, None], self.k_pos[None, :], window)
+                return self._memo[key]
 
             def advance(self, n_new):
                 super().advance(n_new)
@@ -200,8 +255,10 @@ class GraphDecoder:
         return out
 
 
-_GEMV_SRC = r"""
+_KERNELS_SRC = r"""
 #include <cuda_fp16.h>
+// y[n] = sum_k W[n, k] x[k]: one warp per row, float32 accumulation. Vector loads (float4, or 8 halves) where
+// k allows, scalar loads otherwise.
 template <typename T>
 __device__ void gemv(const T* W, const float* x, float* y, int n, int k) {
     int row = blockIdx.x * 8 + threadIdx.x / 32;
@@ -215,13 +272,175 @@ __device__ void gemv(const T* W, const float* x, float* y, int n, int k) {
 }
 extern "C" __global__ void gemv_f32(const float* W, const float* x, float* y, int n, int k) { gemv<float>(W, x, y, n, k); }
 extern "C" __global__ void gemv_f16(const __half* W, const float* x, float* y, int n, int k) { gemv<__half>(W, x, y, n, k); }
+
+extern "C" __global__ void gemv_f32_v4(const float* __restrict__ W, const float* __restrict__ x,
+                                       float* __restrict__ y, int n, int k) {   // k % 4 == 0
+    int row = blockIdx.x * 8 + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= n) return;
+    const float4* w = reinterpret_cast<const float4*>(W + (size_t)row * k);
+    const float4* xv = reinterpret_cast<const float4*>(x);
+    float a[4] = {0.f, 0.f, 0.f, 0.f};
+    int k4 = k / 4, i = lane;
+    for (; i + 96 < k4; i += 128) {           // four independent 16-byte loads in flight per lane
+        float4 p[4], u[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) { p[r] = __ldg(w + i + 32 * r); u[r] = __ldg(xv + i + 32 * r); }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] += p[r].x * u[r].x + p[r].y * u[r].y + p[r].z * u[r].z + p[r].w * u[r].w;
+    }
+    for (; i < k4; i += 32) { float4 p = __ldg(w + i), u = __ldg(xv + i); a[0] += p.x * u.x + p.y * u.y + p.z * u.z + p.w * u.w; }
+    float acc = (a[0] + a[1]) + (a[2] + a[3]);
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if (lane == 0) y[row] = acc;
+}
+
+extern "C" __global__ void gemv_f16_v8(const __half* __restrict__ W, const float* __restrict__ x,
+                                       float* __restrict__ y, int n, int k) {  // k % 8 == 0
+    int row = blockIdx.x * 8 + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= n) return;
+    const uint4* w = reinterpret_cast<const uint4*>(W + (size_t)row * k);
+    const float4* xv = reinterpret_cast<const float4*>(x);
+    float a[2] = {0.f, 0.f};
+    int k8 = k / 8, i = lane;
+    for (; i < k8; i += 64) {                 // two independent 16-byte weight loads in flight per lane
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            int c = i + 32 * r;
+            if (c < k8) {
+                uint4 raw = __ldg(w + c);
+                const __half2* h = reinterpret_cast<const __half2*>(&raw);
+                float4 u = __ldg(xv + 2 * c), v = __ldg(xv + 2 * c + 1);
+                float2 f0 = __half22float2(h[0]), f1 = __half22float2(h[1]), f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+                a[r] += f0.x * u.x + f0.y * u.y + f1.x * u.z + f1.y * u.w + f2.x * v.x + f2.y * v.y + f3.x * v.z + f3.y * v.w;
+            }
+        }
+    }
+    float acc = a[0] + a[1];
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if (lane == 0) y[row] = acc;
+}
+
+// RMSNorm of each row of n values (one block of 256 threads per row): sum of squares in float64 as the NumPy
+// reference, mean and root in float32, y = (x * (1 / sqrt(mean + eps))) * w.
+extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float* y, int n, float eps) {
+    __shared__ double part[256];
+    const float* xr = x + (size_t)blockIdx.x * n;
+    float* yr = y + (size_t)blockIdx.x * n;
+    double s = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) { float v = xr[i]; s += (double)(v * v); }
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (int off = blockDim.x / 2; off > 0; off >>= 1) {
+        if (threadIdx.x < off) part[threadIdx.x] += part[threadIdx.x + off];
+        __syncthreads();
+    }
+    float mean = (float)(part[0] / n);
+    float scale = 1.0f / sqrtf(mean + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = (xr[i] * scale) * w[i];
+}
+
+// RoPE on one token: x [nh, hd], cos/sin [half] (half = rotated dims / 2); neox: pairs (i, i + half),
+// adjacent: pairs (2i, 2i + 1); dims past 2 * half are copied. One thread per pair or copied dim.
+extern "C" __global__ void rope_one(const float* x, const float* cs, const float* sn, float* y, int nh, int hd,
+                                    int half, int neox) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    int per = hd - half;                                   // pairs + copied dims per head
+    if (t >= nh * per) return;
+    int h = t / per, i = t % per;
+    const float* xh = x + h * hd;
+    float* yh = y + h * hd;
+    if (i < half) {
+        int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        float x0 = xh[a], x1 = xh[b], c = cs[i], s = sn[i];
+        yh[a] = x0 * c - x1 * s;
+        yh[b] = x0 * s + x1 * c;
+    } else {
+        int d = 2 * half + (i - half);
+        yh[d] = xh[d];
+    }
+}
+
+// Attention for one query token, one block of 1024 threads per query head. q [H, hd]; k, v [S, KV, hd];
+// mask [S] (0 or -inf; masked positions are not read). Writes kq [H, S] (raw q.k, 0 where masked), probs [H, S]
+// (softmax of kq * scale + mask: max, exp in float32, sum in float64 as the reference) and out [H, hd].
+// The mask is staged in shared memory first, so masked positions cost no global load; P.V is split over
+// groups of threads (hd threads each) and the groups' sums added in a fixed order.
+extern "C" __global__ void attend_one(const float* q, const float* k, const float* v, const float* mask,
+                                      float* kq, float* probs, float* out, int S, int H, int KV, int hd,
+                                      float scale) {
+    extern __shared__ float p[];                 // [S] scores, then probabilities; then [groups * hd] partials
+    __shared__ float red[32];
+    __shared__ double redd[32];
+    const float NEG_INF = __int_as_float(0xff800000);
+    int h = blockIdx.x, kvh = h / (H / KV);
+    int nw = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float* qh = q + h * hd;
+    for (int j = threadIdx.x; j < S; j += blockDim.x) p[j] = mask[j];
+    __syncthreads();
+    for (int j = warp; j < S; j += nw) {         // one warp per key position: coalesced rows
+        float acc = 0.f;
+        bool seen = p[j] == 0.f;
+        if (seen) {
+            const float* kj = k + ((size_t)j * KV + kvh) * hd;
+            for (int d = lane; d < hd; d += 32) acc += qh[d] * kj[d];
+            for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+        }
+        if (lane == 0) {
+            kq[(size_t)h * S + j] = acc;
+            p[j] = seen ? acc * scale : NEG_INF;
+        }
+    }
+    __syncthreads();
+    float m = NEG_INF;
+    for (int j = threadIdx.x; j < S; j += blockDim.x) m = fmaxf(m, p[j]);
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_down_sync(0xffffffffu, m, off));
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < nw; ++w) m = fmaxf(m, red[w]);
+    double z = 0.0;
+    for (int j = threadIdx.x; j < S; j += blockDim.x) { float e = expf(p[j] - m); p[j] = e; z += (double)e; }
+    for (int off = 16; off > 0; off >>= 1) z += __shfl_down_sync(0xffffffffu, z, off);
+    if (lane == 0) redd[warp] = z;
+    __syncthreads();
+    z = 0.0;
+    for (int w = 0; w < nw; ++w) z += redd[w];
+    float inv = (float)(1.0 / z);
+    for (int j = threadIdx.x; j < S; j += blockDim.x) { p[j] = p[j] * inv; probs[(size_t)h * S + j] = p[j]; }
+    __syncthreads();
+    float* part = p + S;                         // [groups, hd]
+    int groups = blockDim.x / hd;
+    int g = threadIdx.x / hd, d = threadIdx.x % hd;
+    if (g < groups) {
+        float acc = 0.f;
+        for (int j = g; j < S; j += groups)
+            if (p[j] != 0.f) acc += p[j] * v[((size_t)j * KV + kvh) * hd + d];
+        part[g * hd + d] = acc;
+    }
+    __syncthreads();
+    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+        float acc = 0.f;
+        for (int gg = 0; gg < groups; ++gg) acc += part[gg * hd + dd];
+        out[h * hd + dd] = acc;
+    }
+}
 """
-_GEMV = {}
+_KERNELS = {}
 
 
-def _gemv_kernels(cp):
-    """y[n] = sum_k W[n, k] x[k], one warp per row (float32 accumulation), for float32 or float16 W."""
-    if not _GEMV:
-        mod = cp.RawModule(code=_GEMV_SRC, options=("-std=c++17",))
-        _GEMV["f32"], _GEMV["f16"] = mod.get_function("gemv_f32"), mod.get_function("gemv_f16")
-    return _GEMV
+def _kernels(cp):
+    """The RawKernels above, compiled once per process."""
+    if not _KERNELS:
+        mod = cp.RawModule(code=_KERNELS_SRC, options=("-std=c++17",))
+        for name in ("gemv_f32", "gemv_f16", "gemv_f32_v4", "gemv_f16_v8", "rms_norm_rows", "rope_one",
+                     "attend_one"):
+            _KERNELS[name] = mod.get_function(name)
+        _KERNELS["silu_mul"] = cp.ElementwiseKernel("float32 g, float32 u", "float32 h",
+                                                    "h = (g / (1.0f + expf(-g))) * u", "llorch_silu_mul")
+        _KERNELS["gelu_mul"] = cp.ElementwiseKernel(
+            "float32 g, float32 u", "float32 h",
+            "h = (0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))) * u",
+            "llorch_gelu_mul")
+    return _KERNELS

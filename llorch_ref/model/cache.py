@@ -35,6 +35,7 @@ class Cache:
         if cfg.rope_base_local is not None:
             self.cos_local, self.sin_local = ops.rope_angles(xp, self.n_ctx, cfg.rope_dim, cfg.rope_base_local)
         self.pos = 0
+        self._memo = {}       # per forward step: the mask and RoPE rows every layer shares (cleared by advance)
 
     def reset(self):
         # only positions < pos were written since the last reset: zeroing them leaves no stale entry, and
@@ -42,6 +43,7 @@ class Cache:
         self.k[:, :self.pos] = 0
         self.v[:, :self.pos] = 0
         self.pos = 0
+        self._memo.clear()
 
     def check_room(self, n_new: int):
         if self.pos + n_new > self.n_ctx:
@@ -59,9 +61,12 @@ class Cache:
 
     def rope_rows(self, n_new: int, local: bool = False):
         """-> cos, sin: [T, R/2] f32 for the next n_new positions (local: the local layers' table)."""
-        p = self.positions(n_new)
-        cos, sin = self.tables(local)
-        return cos[p], sin[p]
+        key = ("rope", self.pos, n_new, local)
+        if key not in self._memo:
+            p = self.positions(n_new)
+            cos, sin = self.tables(local)
+            self._memo[key] = (cos[p], sin[p])
+        return self._memo[key]
 
     def store(self, layer: int, k, v):
         """k, v: [T, KV, Hd] -> the cached [S, KV, Hd] keys and values of this layer (S = pos + T)."""
@@ -75,11 +80,14 @@ class Cache:
     def mask(self, n_new: int, window: int = 0):
         """-> [T, S] f32: 0 where token i (at pos+i) may see position j (j <= pos+i, and with a sliding
         window, pos+i - j < window), else -inf."""
-        xp = self.xp
-        s = self.pos + n_new
-        q_pos = self.positions(n_new)[:, None]                          # [T, 1]
-        k_pos = xp.arange(s)[None, :]                                   # [1, S]
-        return visible_mask(xp, q_pos, k_pos, window)
+        key = ("mask", self.pos, n_new, window)
+        if key not in self._memo:
+            xp = self.xp
+            q_pos = self.positions(n_new)[:, None]                      # [T, 1]
+            k_pos = xp.arange(self.pos + n_new)[None, :]                # [1, S]
+            self._memo[key] = visible_mask(xp, q_pos, k_pos, window)
+        return self._memo[key]
 
     def advance(self, n_new: int):
         self.pos += n_new
+        self._memo.clear()
