@@ -46,3 +46,24 @@ for name, cfg in shapes.items():
         print(json.dumps({"shape": name, "dtype": dtype, "graph_replay_ms": t_graph * 1e3, "decoder_call_ms": t_call * 1e3,
                           **{k: round(float(v) * 1e6, 1) for k, v in res.items()}}), flush=True)
         del eng, dec, cache; import gc; gc.collect(); cp.get_default_memory_pool().free_all_blocks()
+
+# prefill: 128 tokens, per-op GPU times (7B float32)
+cfg = shapes["7b"]
+eng = random_engine(cfg, "float32")
+ops, lw, xp, T = eng.ops, eng.weights.layers[0], cp, 128
+x = cp.random.standard_normal((T, cfg.d_model), dtype=cp.float32)
+q = cp.random.standard_normal((T, cfg.n_heads, cfg.head_dim), dtype=cp.float32)
+cache = eng.new_cache()
+cos, sin = cache.rope_rows(T)
+mask = cache.mask(T)
+kvh = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
+h = cp.random.standard_normal((T, cfg.d_ff), dtype=cp.float32)
+res = {"forward_ms": benchmark(lambda: eng.forward(list(range(1, T + 1)), eng.new_cache(), rows=[T - 1]), (), n_repeat=5).gpu_times.mean() * 1e3,
+       "rms_norm": benchmark(ops.rms_norm, (xp, x, lw.attn_norm, 1e-5), n_repeat=20).gpu_times.mean(),
+       "linear_q": benchmark(ops.linear, (xp, x, lw.wq), n_repeat=20).gpu_times.mean(),
+       "linear_gate": benchmark(ops.linear, (xp, x, lw.w_gate), n_repeat=20).gpu_times.mean(),
+       "linear_down": benchmark(ops.linear, (xp, h, lw.w_down), n_repeat=20).gpu_times.mean(),
+       "rope": benchmark(ops.rope, (xp, q, cos, sin, "neox"), n_repeat=20).gpu_times.mean(),
+       "attention": benchmark(ops.attention, (xp, q, q, q, mask, 0.1, kvh), n_repeat=20).gpu_times.mean(),
+       "swiglu_act": benchmark(lambda: ops.silu(xp, h) * h, (), n_repeat=20).gpu_times.mean()}
+print(json.dumps({"prefill_7b_f32": {k: round(float(v) * 1e6, 1) if k != "forward_ms" else round(float(v), 2) for k, v in res.items()}}), flush=True)

@@ -48,9 +48,9 @@ class CupyBackend(Backend):
                        out_norm=cp.asarray(weights.out_norm), output=up(weights.output))
 
     def make_ops(self, base_ops):
-        """Hot kernels for one-token steps, written without cuBLAS so that a decode step can be captured as a
-        CUDA graph (CuPy refuses cuBLAS calls during capture): a warp-per-row GEMV for the linear layers,
-        and attention as elementwise products and reductions. Several tokens (prefill) use cuBLAS."""
+        """Hot kernels, written without cuBLAS where a decode step needs them so that it can be captured as a
+        CUDA graph (CuPy refuses cuBLAS calls during capture): a warp-per-row GEMV for one-token products
+        (several tokens use cuBLAS), and fused RMSNorm, RoPE, attention and gated-activation kernels."""
         cp = self.xp
         ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})
         K = _kernels(cp)
@@ -70,8 +70,6 @@ class CupyBackend(Backend):
             return x @ w.T
 
         def rms_norm(xp, x, w, eps):
-            if x.shape[0] != 1:
-                return base_ops.rms_norm(xp, x, w, eps)
             x = cp.ascontiguousarray(x, dtype=cp.float32)
             y = cp.empty_like(x)
             n = w.shape[0]
@@ -79,14 +77,13 @@ class CupyBackend(Backend):
             return y
 
         def rope(xp, x, cos, sin, style):
-            if x.shape[0] != 1:
-                return base_ops.rope(xp, x, cos, sin, style)
             x = cp.ascontiguousarray(x, dtype=cp.float32)
             y = cp.empty_like(x)
-            nh, hd, half = x.shape[1], x.shape[2], cos.shape[-1]
-            total = nh * (hd - half)
-            K["rope_one"](((total + 127) // 128,), (128,), (x, cp.ascontiguousarray(cos[0]), cp.ascontiguousarray(sin[0]),
-                                                          y, i32(nh), i32(hd), i32(half), i32(style == "neox")))
+            t, nh, hd, half = x.shape[0], x.shape[1], x.shape[2], cos.shape[-1]
+            total = t * nh * (hd - half)
+            K["rope_rows"](((total + 255) // 256,), (256,), (x, cp.ascontiguousarray(cos), cp.ascontiguousarray(sin),
+                                                            y, i32(t), i32(nh), i32(hd), i32(half),
+                                                            i32(style == "neox")))
             return y
 
         def qkv(xp, x, wq, wk, wv, h, kv, hd):
@@ -95,35 +92,31 @@ class CupyBackend(Backend):
                     linear(xp, x, wv).reshape(t, kv, hd))
 
         def swiglu(xp, x, w_gate, w_up, w_down):
-            if x.shape[0] != 1:
-                h = base_ops.silu(xp, linear(xp, x, w_gate)) * linear(xp, x, w_up)
-            else:
-                h = K["silu_mul"](linear(xp, x, w_gate), linear(xp, x, w_up))
+            h = K["silu_mul"](linear(xp, x, w_gate), linear(xp, x, w_up))
             return linear(xp, h, w_down), h
 
         def geglu(xp, x, w_gate, w_up, w_down):
-            if x.shape[0] != 1:
-                return base_ops.geglu(xp, x, w_gate, w_up, w_down)
             h = K["gelu_mul"](linear(xp, x, w_gate), linear(xp, x, w_up))
             return linear(xp, h, w_down), h
 
         def attention(xp, q, k, v, mask, scale, kv_head):
-            """One query token: one fused kernel per layer (scores, softmax, P.V), reading only the positions
-            the mask lets it see; kq holds 0 at masked positions. Several tokens: the reference layers."""
+            """One fused kernel per layer (scores, softmax, P.V), one block per head and query token. Several
+            tokens (the forward the harness records): kq holds every raw dot, as the reference's. One token (a
+            decode step over the whole preallocated cache): masked keys are not read, and kq holds 0 there."""
             hd = q.shape[2]
             threads = 1024 if hd <= 1024 else 0
             smem = 4 * (k.shape[0] + (threads // max(hd, 1)) * hd)      # scores + partial sums (48 KB max)
-            if q.shape[0] != 1 or not threads or smem > 48 * 1024:
+            if not threads or smem > 48 * 1024:
                 return base_ops.attention(xp, q, k, v, mask, scale, kv_head)
-            h = q.shape[1]
+            t, h = q.shape[0], q.shape[1]
             s_len, kv = k.shape[0], k.shape[1]
-            kq = cp.empty((h, 1, s_len), dtype=cp.float32)
-            probs = cp.empty((h, 1, s_len), dtype=cp.float32)
-            out = cp.empty((1, h * hd), dtype=cp.float32)
-            K["attend_one"]((h,), (threads,), (cp.ascontiguousarray(q, dtype=cp.float32), cp.ascontiguousarray(k),
-                                          cp.ascontiguousarray(v), cp.ascontiguousarray(mask[0], dtype=cp.float32),
-                                          kq, probs, out, i32(s_len), i32(h), i32(kv), i32(hd), f32(scale)),
-                            shared_mem=smem)
+            kq = cp.empty((h, t, s_len), dtype=cp.float32)
+            probs = cp.empty((h, t, s_len), dtype=cp.float32)
+            out = cp.empty((t, h * hd), dtype=cp.float32)
+            K["attend"]((h, t), (threads,), (cp.ascontiguousarray(q, dtype=cp.float32), cp.ascontiguousarray(k),
+                                             cp.ascontiguousarray(v), cp.ascontiguousarray(mask, dtype=cp.float32),
+                                             kq, probs, out, i32(t), i32(s_len), i32(h), i32(kv), i32(hd),
+                                             f32(scale), i32(t > 1)), shared_mem=smem)
             return out, kq, probs
 
         kv_heads = {}
@@ -341,19 +334,20 @@ extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float* 
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = (xr[i] * scale) * w[i];
 }
 
-// RoPE on one token: x [nh, hd], cos/sin [half] (half = rotated dims / 2); neox: pairs (i, i + half),
+// RoPE: x [T, nh, hd], cos/sin [T, half] (half = rotated dims / 2); neox: pairs (i, i + half),
 // adjacent: pairs (2i, 2i + 1); dims past 2 * half are copied. One thread per pair or copied dim.
-extern "C" __global__ void rope_one(const float* x, const float* cs, const float* sn, float* y, int nh, int hd,
-                                    int half, int neox) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
+extern "C" __global__ void rope_rows(const float* x, const float* cs, const float* sn, float* y, int T, int nh,
+                                     int hd, int half, int neox) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
     int per = hd - half;                                   // pairs + copied dims per head
-    if (t >= nh * per) return;
-    int h = t / per, i = t % per;
-    const float* xh = x + h * hd;
-    float* yh = y + h * hd;
+    if (idx >= (long)T * nh * per) return;
+    int t = idx / (nh * per), rem = idx % (nh * per);
+    int h = rem / per, i = rem % per;
+    const float* xh = x + ((size_t)t * nh + h) * hd;
+    float* yh = y + ((size_t)t * nh + h) * hd;
     if (i < half) {
         int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-        float x0 = xh[a], x1 = xh[b], c = cs[i], s = sn[i];
+        float x0 = xh[a], x1 = xh[b], c = cs[t * half + i], s = sn[t * half + i];
         yh[a] = x0 * c - x1 * s;
         yh[b] = x0 * s + x1 * c;
     } else {
@@ -362,33 +356,39 @@ extern "C" __global__ void rope_one(const float* x, const float* cs, const float
     }
 }
 
-// Attention for one query token, one block of 1024 threads per query head. q [H, hd]; k, v [S, KV, hd];
-// mask [S] (0 or -inf; masked positions are not read). Writes kq [H, S] (raw q.k, 0 where masked), probs [H, S]
-// (softmax of kq * scale + mask: max, exp in float32, sum in float64 as the reference) and out [H, hd].
+// Attention, one block of 1024 threads per (query head, query token). q [T, H, hd]; k, v [S, KV, hd];
+// mask [T, S] (0 or -inf). Writes kq [H, T, S] (raw q.k everywhere with all_dots, else 0 where masked: masked
+// keys are then not read),
+// probs [H, T, S] (softmax of kq * scale + mask: max, exp in float32, sum in float64 as the reference) and
+// out [T, H * hd].
 // The mask is staged in shared memory first, so masked positions cost no global load; P.V is split over
 // groups of threads (hd threads each) and the groups' sums added in a fixed order.
-extern "C" __global__ void attend_one(const float* q, const float* k, const float* v, const float* mask,
-                                      float* kq, float* probs, float* out, int S, int H, int KV, int hd,
-                                      float scale) {
+extern "C" __global__ void attend(const float* q, const float* k, const float* v, const float* mask,
+                                  float* kq, float* probs, float* out, int T, int S, int H, int KV, int hd,
+                                  float scale, int all_dots) {
     extern __shared__ float p[];                 // [S] scores, then probabilities; then [groups * hd] partials
     __shared__ float red[32];
     __shared__ double redd[32];
     const float NEG_INF = __int_as_float(0xff800000);
-    int h = blockIdx.x, kvh = h / (H / KV);
+    int h = blockIdx.x, t = blockIdx.y, kvh = h / (H / KV);
     int nw = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const float* qh = q + h * hd;
+    const float* qh = q + ((size_t)t * H + h) * hd;
+    mask += (size_t)t * S;
+    kq += ((size_t)h * T + t) * S;
+    probs += ((size_t)h * T + t) * S;
+    out += ((size_t)t * H + h) * hd;
     for (int j = threadIdx.x; j < S; j += blockDim.x) p[j] = mask[j];
     __syncthreads();
     for (int j = warp; j < S; j += nw) {         // one warp per key position: coalesced rows
         float acc = 0.f;
         bool seen = p[j] == 0.f;
-        if (seen) {
+        if (seen || all_dots) {
             const float* kj = k + ((size_t)j * KV + kvh) * hd;
             for (int d = lane; d < hd; d += 32) acc += qh[d] * kj[d];
             for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
         }
         if (lane == 0) {
-            kq[(size_t)h * S + j] = acc;
+            kq[j] = acc;
             p[j] = seen ? acc * scale : NEG_INF;
         }
     }
@@ -408,7 +408,7 @@ extern "C" __global__ void attend_one(const float* q, const float* k, const floa
     z = 0.0;
     for (int w = 0; w < nw; ++w) z += redd[w];
     float inv = (float)(1.0 / z);
-    for (int j = threadIdx.x; j < S; j += blockDim.x) { p[j] = p[j] * inv; probs[(size_t)h * S + j] = p[j]; }
+    for (int j = threadIdx.x; j < S; j += blockDim.x) { p[j] = p[j] * inv; probs[j] = p[j]; }
     __syncthreads();
     float* part = p + S;                         // [groups, hd]
     int groups = blockDim.x / hd;
@@ -423,7 +423,7 @@ extern "C" __global__ void attend_one(const float* q, const float* k, const floa
     for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
         float acc = 0.f;
         for (int gg = 0; gg < groups; ++gg) acc += part[gg * hd + dd];
-        out[h * hd + dd] = acc;
+        out[dd] = acc;
     }
 }
 """
@@ -434,8 +434,8 @@ def _kernels(cp):
     """The RawKernels above, compiled once per process."""
     if not _KERNELS:
         mod = cp.RawModule(code=_KERNELS_SRC, options=("-std=c++17",))
-        for name in ("gemv_f32", "gemv_f16", "gemv_f32_v4", "gemv_f16_v8", "rms_norm_rows", "rope_one",
-                     "attend_one"):
+        for name in ("gemv_f32", "gemv_f16", "gemv_f32_v4", "gemv_f16_v8", "rms_norm_rows", "rope_rows",
+                     "attend"):
             _KERNELS[name] = mod.get_function(name)
         _KERNELS["silu_mul"] = cp.ElementwiseKernel("float32 g, float32 u", "float32 h",
                                                     "h = (g / (1.0f + expf(-g))) * u", "llorch_silu_mul")
