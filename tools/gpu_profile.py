@@ -29,7 +29,7 @@ for name, cfg in shapes.items():
         res = {}
         res["rms_norm"] = benchmark(ops.rms_norm, (xp, x, lw.attn_norm, 1e-5), n_repeat=50).gpu_times.mean()
         res["gemv_q"] = benchmark(ops.linear, (xp, x, lw.wq), n_repeat=50).gpu_times.mean()
-        res["gemv_gate"] = benchmark(ops.linear, (xp, x, lw.w_gate), n_repeat=50).gpu_times.mean()
+        res["gemv_gate"] = benchmark(ops.linear, (xp, x, lw.w_gate), n_repeat=300).gpu_times.mean()
         h = cp.random.standard_normal((1, cfg.d_ff), dtype=cp.float32)
         res["gemv_down"] = benchmark(ops.linear, (xp, h, lw.w_down), n_repeat=50).gpu_times.mean()
         q = cp.random.standard_normal((1, cfg.n_heads, cfg.head_dim), dtype=cp.float32)
