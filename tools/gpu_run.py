@@ -1,6 +1,6 @@
 """Everything the CuPy backend needs measured on a GPU, in one run (CI has no GPU; results are committed).
 
-    python tools/gpu_run.py --out DIR [--model PATH] [--skip-7b]
+    python tools/gpu_run.py --out DIR [--model PATH] [--skip-7b] [--no-speed]
 
 1. cupy vs numpy, every checkpoint (float32 and float16 weights), on tiny random models and, with --model,
    on the real default model; greedy tokens equal.
@@ -150,6 +150,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=None)
     ap.add_argument("--skip-7b", action="store_true")
+    ap.add_argument("--no-speed", action="store_true", help="checkpoint tables only")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -189,7 +190,7 @@ def main():
                                             rms_eps=1e-5, rope_base=10000.0, rope_dim=128, rope_style="neox",
                                             tied_output=False)
     speed = []
-    for label, cfg in shapes.items():
+    for label, cfg in ({} if a.no_speed else shapes).items():
         for dtype in ("float32", "float16"):
             o = speed_ours(cfg, dtype)
             _free_gpu()
