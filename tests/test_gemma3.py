@@ -147,3 +147,19 @@ def test_backends_run_gemma3_like_numpy(gemma, backend):
                            n_greedy=16)
     assert res.first_divergence is None, res.first_divergence
     assert res.greedy["equal_prefix"] == 16
+
+
+@pytest.mark.llamacpp
+def test_a_llamacpp_dump_of_gemma3_meets_the_same_bands(llamacpp, gemma, tmp_path):
+    """The dump path (llama.cpp as a dump writer, compared as a subject) applies the spec's reduced-precision
+    node the way `diff` does, and carries Gemma 3's QK-norm tensors in their canonical layout."""
+    from llorch_ref.harness.subject import compare_dumps, record_engine
+    from llorch_ref.references.engines import dump_llamacpp
+    _, g, _ = gemma
+    eng = llorch_ref.load(g)
+    ids = eng.tokenizer.encode(PROMPT)
+    lc = dump_llamacpp(g, prompt=PROMPT, token_ids=ids, n_greedy=8)
+    res = compare_dumps(lc, record_engine(eng, ids, prompt=PROMPT, n_greedy=8), eng.config, "F32")
+    assert res.first_divergence is None, res.first_divergence
+    assert res.warnings and "float16 table" in res.warnings[0]
+    assert any(r.tensor == "q_normed" and r.passed for r in res.rows)

@@ -15,7 +15,7 @@ from ..dump import Dump, Recorder, catalogue, expected_shape, to_canonical
 from ..errors import DumpError, HarnessError
 from .metrics import compare, within
 from .run import WARMUP_PROMPT, DiffResult, Row, _softmax64
-from .specs import greedy_band, load_specs
+from .specs import coarser, greedy_band, load_specs
 
 LAYOUT_CHOICES = {"rope_pairs": ("adjacent", "neox"), "heads": ("token_major", "head_major"),
                   "array_order": ("numpy", "ggml")}
@@ -144,15 +144,29 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
             cap_sub[key] = s
         res.rows.append(Row(spec.id, spec.name, layer, t, m, band, ok, order))
 
+    # a dump written by llama.cpp carries its reduced-precision nodes (spec field band_class): as in run_diff,
+    # that class's bands apply from the node on
+    floor = None
+    if any(str(d.manifest.get("engine", {}).get("name", "")) == "llama.cpp" for d in (sub, ref)):
+        from .run import reduced_precision_from  # noqa: PLC0415
+        floor = reduced_precision_from(specs, cfg, band_class)
+        if floor is not None:
+            res.warnings.append(floor["why"])
+
+    def band_at(spec, pos):
+        return spec.band(coarser(band_class, floor["class"]) if floor and pos >= floor["pos"] else band_class)
+
     for spec in specs:
         band = spec.band(band_class)
         if spec.scope == "layer":
             for layer in range(cfg.n_layers):
                 for t in spec.tensors_for(cfg):
-                    tensor_row(spec, t.ours, layer, band, (1, layer, t.order))
+                    tensor_row(spec, t.ours, layer, band_at(spec, (1, layer, t.order)), (1, layer, t.order))
             continue
         num = int("".join(c for c in spec.id if c.isdigit()) or 0)
         order = (2, 0, num)
+        if spec.id in ("8", "9", "11"):
+            band = band_at(spec, (2, 0, num - 0.5))
         if spec.id == "0":
             if not sub.has("0", "token_ids"):
                 uncovered(spec, None, "token_ids", "the subject holds no cp0.token_ids (its own tokenization)")

@@ -52,6 +52,7 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
     canon = {  # our name -> fn(llama.cpp array in NumPy order) -> canonical array
         "q_proj": lambda a: a.reshape(t, h, hd), "k_proj": lambda a: a.reshape(t, kv, hd),
         "v": lambda a: a.reshape(t, kv, hd), "q": lambda a: a.reshape(t, h, hd), "k": lambda a: a.reshape(t, kv, hd),
+        "q_normed": lambda a: a.reshape(t, h, hd), "k_normed": lambda a: a.reshape(t, kv, hd),
         "k_cache": lambda a: a.reshape(-1, kv, hd)[:t], "v_cache": lambda a: a.reshape(hd, kv, -1).transpose(2, 1, 0)[:t],
         "kq": lambda a: a.reshape(h, t, -1)[..., :t], "kq_soft_max": lambda a: a.reshape(h, t, -1)[..., :t],
         "kqv_out": lambda a: a.reshape(t, h * hd),
