@@ -10,9 +10,10 @@ import numba as nb
 import numpy as np
 
 
-# Layout: the quantized values are stored block-major and row-minor, qs[b, j, n], so the innermost loop
-# runs over output rows n: independent sums that the compiler vectorizes with fastmath off (a reduction
-# over j would not be reordered, hence not vectorized). Rows are split into chunks, one chunk a thread.
+# Layout: the quantized values are stored block-major and row-minor, qs[b, j, n]. Within a block, each
+# output row's sum runs over j in order in a register (a constant trip count the compiler unrolls), and
+# the loop over rows n around it is what gets vectorized: independent sums, so fastmath stays off. Rows
+# are split into chunks, one chunk a thread.
 
 @nb.njit(parallel=True, cache=True, fastmath=False)
 def matvec_q4_0(qs, d, x, out, n_chunks):
@@ -21,45 +22,47 @@ def matvec_q4_0(qs, d, x, out, n_chunks):
     for c in nb.prange(n_chunks):
         lo, hi = c * n_rows // n_chunks, (c + 1) * n_rows // n_chunks
         acc = np.zeros(hi - lo, dtype=np.float64)
-        s = np.empty(hi - lo, dtype=np.float32)
         for b in range(n_blocks):
-            s[:] = 0
-            for j in range(16):
-                x0, x1 = x[b * 32 + j], x[b * 32 + j + 16]
-                row = qs[b, j]
-                for n in range(lo, hi):
-                    q = row[n]
-                    s[n - lo] += np.float32(np.int32(q & 15) - 8) * x0 + np.float32(np.int32(q >> 4) - 8) * x1
+            xb, qb = x[b * 32: b * 32 + 32], qs[b]
             for n in range(lo, hi):
-                acc[n - lo] += d[b, n] * s[n - lo]
+                s = np.float32(0.0)
+                for j in range(16):
+                    q = qb[j, n]
+                    s += np.float32(np.int32(q & 15) - 8) * xb[j] + np.float32(np.int32(q >> 4) - 8) * xb[j + 16]
+                acc[n - lo] += d[b, n] * s
         for n in range(lo, hi):
             out[n] = acc[n - lo]
+
+
+@nb.njit(cache=True)
+def _block_sums(x, gs):
+    """x: [G*gs] f32 -> [G] f32 sums of each group, in order (float32, as the kernels' c * sum(x) terms)."""
+    n = x.shape[0] // gs
+    out = np.empty(n, dtype=np.float32)
+    for g in range(n):
+        t = np.float32(0.0)
+        for j in range(gs):
+            t += x[g * gs + j]
+        out[g] = t
+    return out
 
 
 @nb.njit(parallel=True, cache=True, fastmath=False)
 def matvec_q4_1(qs, d, m, x, out, n_chunks):
     """qs: [B, 16, N] uint8, d, m: [B, N] f32, x: [B*32] f32 -> out: [N] f32 (w = d * nibble + m)."""
     n_blocks, _, n_rows = qs.shape
-    xsum = np.empty(n_blocks, dtype=np.float32)
-    for b in range(n_blocks):
-        t = np.float32(0.0)
-        for j in range(32):
-            t += x[b * 32 + j]
-        xsum[b] = t
+    xsum = _block_sums(x, 32)
     for c in nb.prange(n_chunks):
         lo, hi = c * n_rows // n_chunks, (c + 1) * n_rows // n_chunks
         acc = np.zeros(hi - lo, dtype=np.float64)
-        s = np.empty(hi - lo, dtype=np.float32)
         for b in range(n_blocks):
-            s[:] = 0
-            for j in range(16):
-                x0, x1 = x[b * 32 + j], x[b * 32 + j + 16]
-                row = qs[b, j]
-                for n in range(lo, hi):
-                    q = row[n]
-                    s[n - lo] += np.float32(q & 15) * x0 + np.float32(q >> 4) * x1
+            xb, qb = x[b * 32: b * 32 + 32], qs[b]
             for n in range(lo, hi):
-                acc[n - lo] += d[b, n] * s[n - lo] + m[b, n] * xsum[b]
+                s = np.float32(0.0)
+                for j in range(16):
+                    q = qb[j, n]
+                    s += np.float32(q & 15) * xb[j] + np.float32(q >> 4) * xb[j + 16]
+                acc[n - lo] += d[b, n] * s + m[b, n] * xsum[b]
         for n in range(lo, hi):
             out[n] = acc[n - lo]
 
@@ -71,16 +74,13 @@ def matvec_q8_0(qs, d, x, out, n_chunks):
     for c in nb.prange(n_chunks):
         lo, hi = c * n_rows // n_chunks, (c + 1) * n_rows // n_chunks
         acc = np.zeros(hi - lo, dtype=np.float64)
-        s = np.empty(hi - lo, dtype=np.float32)
         for b in range(n_blocks):
-            s[:] = 0
-            for j in range(32):
-                xj = x[b * 32 + j]
-                row = qs[b, j]
-                for n in range(lo, hi):
-                    s[n - lo] += np.float32(row[n]) * xj
+            xb, qb = x[b * 32: b * 32 + 32], qs[b]
             for n in range(lo, hi):
-                acc[n - lo] += d[b, n] * s[n - lo]
+                s = np.float32(0.0)
+                for j in range(32):
+                    s += np.float32(qb[j, n]) * xb[j]
+                acc[n - lo] += d[b, n] * s
         for n in range(lo, hi):
             out[n] = acc[n - lo]
 
@@ -109,31 +109,34 @@ def silu_mul(g, u, out):
             out[i, j] = v / (np.float32(1.0) + np.exp(-v)) * u[i, j]
 
 
+@nb.njit(inline="always")
+def _affine_chunk(qs, a, c, x, xsum, acc, lo, hi, gs):
+    """One chunk of rows of matvec_affine_u8; gs is a constant at each call site, so the j loop unrolls."""
+    for g in range(qs.shape[0]):
+        xg, qg = x[g * gs: g * gs + gs], qs[g]
+        for n in range(lo, hi):
+            s = np.float32(0.0)
+            for j in range(gs):
+                s += np.float32(qg[j, n]) * xg[j]
+            acc[n - lo] += a[g, n] * s + c[g, n] * xsum[g]
+
+
 @nb.njit(parallel=True, cache=True, fastmath=False)
 def matvec_affine_u8(qs, a, c, x, out, n_chunks):
     """qs: [G, S, N] uint8 codes, a, c: [G, N] f32, x: [G*S] f32 -> out[n] = sum_g a*sum_j q*x + c*sum_j x.
 
     Serves K-quants after unpacking: w = a * q + c per group of S elements (S = 32 for Q4_K/Q5_K with
     a = d*scale, c = -dmin*min; S = 16 for Q6_K with a = d*scale, c = -32*d*scale)."""
-    n_groups, gs, n_rows = qs.shape
-    xsum = np.empty(n_groups, dtype=np.float32)
-    for g in range(n_groups):
-        t = np.float32(0.0)
-        for j in range(gs):
-            t += x[g * gs + j]
-        xsum[g] = t
+    gs, n_rows = qs.shape[1], qs.shape[2]
+    xsum = _block_sums(x, gs)
     for ci in nb.prange(n_chunks):
         lo, hi = ci * n_rows // n_chunks, (ci + 1) * n_rows // n_chunks
         acc = np.zeros(hi - lo, dtype=np.float64)
-        s = np.empty(hi - lo, dtype=np.float32)
-        for g in range(n_groups):
-            s[:] = 0
-            for j in range(gs):
-                xj = x[g * gs + j]
-                row = qs[g, j]
-                for n in range(lo, hi):
-                    s[n - lo] += np.float32(row[n]) * xj
-            for n in range(lo, hi):
-                acc[n - lo] += a[g, n] * s[n - lo] + c[g, n] * xsum[g]
+        if gs == 32:
+            _affine_chunk(qs, a, c, x, xsum, acc, lo, hi, 32)
+        elif gs == 16:
+            _affine_chunk(qs, a, c, x, xsum, acc, lo, hi, 16)
+        else:
+            _affine_chunk(qs, a, c, x, xsum, acc, lo, hi, gs)
         for n in range(lo, hi):
             out[n] = acc[n - lo]
