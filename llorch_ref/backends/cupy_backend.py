@@ -404,9 +404,17 @@ extern "C" __global__ void attend(const float* q, const float* k, const float* v
     kq += ((size_t)h * T + t) * S;
     probs += ((size_t)h * T + t) * S;
     out += ((size_t)t * H + h) * hd;
+    __shared__ int seen_end;                     // 1 + the last visible position: nothing past it is read
+    if (threadIdx.x == 0) seen_end = 0;
     for (int j = threadIdx.x; j < S; j += blockDim.x) p[j] = mask[j];
     __syncthreads();
-    for (int j = warp; j < S; j += nw) {         // one warp per key position: coalesced rows
+    int my_end = 0;
+    for (int j = threadIdx.x; j < S; j += blockDim.x) if (p[j] == 0.f) my_end = j + 1;
+    atomicMax(&seen_end, my_end);
+    __syncthreads();
+    const int L = all_dots ? S : seen_end;       // a decode step over a long preallocated cache stops at L
+    for (int j = L + threadIdx.x; j < S; j += blockDim.x) { kq[j] = 0.f; probs[j] = 0.f; }
+    for (int j = warp; j < L; j += nw) {         // one warp per key position: coalesced rows
         float acc = 0.f;
         bool seen = p[j] == 0.f;
         if (seen || all_dots) {
@@ -421,28 +429,28 @@ extern "C" __global__ void attend(const float* q, const float* k, const float* v
     }
     __syncthreads();
     float m = NEG_INF;
-    for (int j = threadIdx.x; j < S; j += blockDim.x) m = fmaxf(m, p[j]);
+    for (int j = threadIdx.x; j < L; j += blockDim.x) m = fmaxf(m, p[j]);
     for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_down_sync(0xffffffffu, m, off));
     if (lane == 0) red[warp] = m;
     __syncthreads();
     m = red[0];
     for (int w = 1; w < nw; ++w) m = fmaxf(m, red[w]);
     double z = 0.0;
-    for (int j = threadIdx.x; j < S; j += blockDim.x) { float e = expf(p[j] - m); p[j] = e; z += (double)e; }
+    for (int j = threadIdx.x; j < L; j += blockDim.x) { float e = expf(p[j] - m); p[j] = e; z += (double)e; }
     for (int off = 16; off > 0; off >>= 1) z += __shfl_down_sync(0xffffffffu, z, off);
     if (lane == 0) redd[warp] = z;
     __syncthreads();
     z = 0.0;
     for (int w = 0; w < nw; ++w) z += redd[w];
     float inv = (float)(1.0 / z);
-    for (int j = threadIdx.x; j < S; j += blockDim.x) { p[j] = p[j] * inv; probs[j] = p[j]; }
+    for (int j = threadIdx.x; j < L; j += blockDim.x) { p[j] = p[j] * inv; probs[j] = p[j]; }
     __syncthreads();
     float* part = p + S;                         // [groups, hd]
     int groups = blockDim.x / hd;
     int g = threadIdx.x / hd, d = threadIdx.x % hd;
     if (g < groups) {
         float acc = 0.f;
-        for (int j = g; j < S; j += groups)
+        for (int j = g; j < L; j += groups)
             if (p[j] != 0.f) acc += p[j] * v[((size_t)j * KV + kvh) * hd + d];
         part[g * hd + d] = acc;
     }
