@@ -175,7 +175,10 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     tok = from_gguf_metadata(m.metadata, source=str(src))
     if tok is None:
         raise ParameterError(f"{src}: the model has no vocabulary (no_vocab); an HF folder needs a tokenizer")
-    tensors = {"model.embed_tokens.weight": w.tok_embd, "model.norm.weight": w.out_norm}
+    gemma = cfg.arch == "gemma3"
+    # HF Gemma norms hold w - 1 (they compute x / rms * (1 + w)); ours hold the multiplier, as GGUF files do
+    norm = (lambda a: a - np.float32(1)) if gemma else (lambda a: a)
+    tensors = {"model.embed_tokens.weight": w.tok_embd, "model.norm.weight": norm(w.out_norm)}
     if not cfg.tied_output:
         tensors["lm_head.weight"] = w.output
     # llama GGUF rows are in adjacent pairs (llama.cpp's converter permuted them); qwen2 GGUF rows are as in HF
@@ -189,28 +192,22 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
         if cfg.arch == "phi3":                     # fused: qkv rows Q | K | V, gate_up rows gate | up
             tensors.update({p + "self_attn.qkv_proj.weight": np.concatenate([lw.wq, lw.wk, lw.wv]),
                             p + "mlp.gate_up_proj.weight": np.concatenate([lw.w_gate, lw.w_up])})
-        if cfg.arch == "gemma3":                   # HF Gemma norms hold w - 1 (they compute x / rms * (1 + w))
-            tensors.update({p + "self_attn.q_norm.weight": lw.q_norm - np.float32(1),
-                            p + "self_attn.k_norm.weight": lw.k_norm - np.float32(1),
-                            p + "pre_feedforward_layernorm.weight": lw.ffn_norm - np.float32(1),
-                            p + "post_feedforward_layernorm.weight": lw.post_ffn_norm - np.float32(1)})
+        if gemma:                                  # four norms a layer: post_attention_layernorm is post-attention
+            tensors.update({p + "self_attn.q_norm.weight": norm(lw.q_norm),
+                            p + "self_attn.k_norm.weight": norm(lw.k_norm),
+                            p + "pre_feedforward_layernorm.weight": norm(lw.ffn_norm),
+                            p + "post_feedforward_layernorm.weight": norm(lw.post_ffn_norm)})
         tensors.update({
-            p + "input_layernorm.weight": lw.attn_norm,
+            p + "input_layernorm.weight": norm(lw.attn_norm),
             p + "self_attn.q_proj.weight": unperm(lw.wq, cfg.n_heads),
             p + "self_attn.k_proj.weight": unperm(lw.wk, cfg.n_kv_heads),
             p + "self_attn.v_proj.weight": lw.wv,
             p + "self_attn.o_proj.weight": lw.wo,
-            p + "post_attention_layernorm.weight": lw.ffn_norm,
+            p + "post_attention_layernorm.weight": norm(lw.post_attn_norm) if gemma else lw.ffn_norm,
             p + "mlp.gate_proj.weight": lw.w_gate,
             p + "mlp.up_proj.weight": lw.w_up,
             p + "mlp.down_proj.weight": lw.w_down,
         })
-    if cfg.arch == "gemma3":
-        for i, lw in enumerate(w.layers):
-            p = f"model.layers.{i}."
-            tensors[p + "input_layernorm.weight"] = lw.attn_norm - np.float32(1)
-            tensors[p + "post_attention_layernorm.weight"] = lw.post_attn_norm - np.float32(1)
-        tensors["model.norm.weight"] = w.out_norm - np.float32(1)
     if cfg.arch == "phi3":
         tensors = {k: v for k, v in tensors.items() if not k.endswith(("q_proj.weight", "k_proj.weight",
                                                                         "v_proj.weight", "gate_proj.weight",
@@ -233,7 +230,7 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
         "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
         "_name_or_path": str(m.metadata.get("general.name") or src.stem),
     }
-    if cfg.arch == "gemma3":
+    if gemma:
         config = _gemma3_hf_config(cfg, config)
     name = lambda i: tok.tokens[i] if i is not None else None
     tok_config = {

@@ -17,7 +17,7 @@ def main():
     a = ap.parse_args()
     import llorch_ref
     from llorch_ref.convert import convert_hf_to_gguf
-    from llorch_ref.harness.metrics import fmt
+    from llorch_ref.harness.metrics import fmt, fmt_match
     from llorch_ref.harness.run import DEFAULT_PROMPT, run_diff
     from llorch_ref.harness.subject import compare_dumps, record_engine
     from llorch_ref.references.engines import dump_transformers
@@ -79,9 +79,7 @@ def main():
             def cell(x):
                 if x is None or x["passed"] is None:
                     return "n/c"
-                v = fmt(x["worst_nmse"]) if x["worst_nmse"] is not None else (
-                    f"{x['equal_prefix']} equal" if x.get("equal_prefix") is not None else
-                    f"agreement {x['min_agreement']:.3f}")
+                v = fmt(x["worst_nmse"]) if x["worst_nmse"] is not None else fmt_match(x)
                 return v + ("" if x["passed"] else " FAIL") + (f" ({x['not_covered']} n/c)" if x.get("not_covered") else "")
             g = by_gg.get(t["checkpoint"])
             gcell = "n/a" if g is None else (fmt(g["worst_max_abs"]) if g["worst_max_abs"] is not None else

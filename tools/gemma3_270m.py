@@ -14,22 +14,9 @@ TEXTS = ["The capital of France is", "  leading spaces, tabs\tand\nnewlines", "Ã
          "def f(x):\n    return x**2", "<start_of_turn>user\nHi<end_of_turn>\n"]
 
 
-def table(res, lines, metric="nmse"):
-    from llorch_ref.harness.metrics import fmt
-    lines += ["| checkpoint | name | comparisons | worst NMSE | worst max abs | min cosine / agreement | worst at | "
-              "band | verdict |", "|---|---|---|---|---|---|---|---|---|"]
-    for s in res.summary():
-        agree = (f"{s['equal_prefix']} equal" if s.get("equal_prefix") is not None else
-                 f"agreement {s['min_agreement']:.3f}" if s.get("min_agreement") is not None else
-                 fmt(s["min_cosine"]) if s.get("min_cosine") is not None else "-")
-        at = s["worst_at"]
-        verdict = "n/c" if s["passed"] is None else ("pass" if s["passed"] else "FAIL")
-        if s.get("not_covered"):
-            verdict += f" ({s['not_covered']} not covered)"
-        lines.append(f"| {s['checkpoint']} | {s['name']} | {s['rows']} | {fmt(s['worst_nmse'])} | "
-                     f"{fmt(s['worst_max_abs'])} | {agree} | "
-                     f"{'' if at['layer'] is None else 'L' + str(at['layer']) + ' '}{at['tensor']} | "
-                     f"`{s['band']}` | {verdict} |")
+def table(res, lines):
+    from llorch_ref.harness.metrics import summary_markdown
+    lines += summary_markdown(res.summary())
     fd = res.first_divergence
     lines += ["", f"first divergence: {fd or 'none'}; greedy {res.greedy['equal_prefix']}/{res.greedy['n']} equal"
               if res.greedy else f"first divergence: {fd or 'none'}"]

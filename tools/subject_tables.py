@@ -29,7 +29,7 @@ def main():
     a = ap.parse_args()
     import llorch_ref
     from llorch_ref.dump import load_dump
-    from llorch_ref.harness.metrics import fmt, fmt_match
+    from llorch_ref.harness.metrics import summary_markdown
     from llorch_ref.harness.specs import band_class_of
     from llorch_ref.harness.subject import check_same_model, compare_dumps, record_engine
 
@@ -65,15 +65,7 @@ def main():
                   f"- first divergence: {res.first_divergence or 'none'}"]
         if warn:
             lines.append(f"- note: {warn}")
-        lines += ["", "| checkpoint | name | comparisons | worst NMSE | worst max abs | min cosine / agreement | band | verdict |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for s in res.summary():
-            v = "not covered" if s["passed"] is None else ("pass" if s["passed"] else "FAIL")
-            if s.get("not_covered") and s["passed"] is not None:
-                v += f" ({s['not_covered']} n/c: {s['why']})"
-            lines.append(f"| {s['checkpoint']} | {s['name']} | {s['rows']} | {fmt(s['worst_nmse'])} | "
-                         f"{fmt(s['worst_max_abs'])} | {fmt_match(s) if s['passed'] is not None else 'n/c'} | "
-                         f"`{s['band']}` | {v} |")
+        lines += [""] + summary_markdown(res.summary())
         lines.append("")
     text = "\n".join(lines)
     print(text)

@@ -63,10 +63,10 @@ class CupyBackend(Backend):
                 half = w.dtype == cp.float16
                 vec = (kdim % 8 == 0) if half else (kdim % 4 == 0)
                 xv = cp.ascontiguousarray(x[0], dtype=cp.float32)
-                if not half and vec and kdim >= 2048:         # long float32 rows: a block of 128 threads per row
+                if not half and vec:                          # float32 rows: a block of 128 threads per row
                     K["gemv_f32_row"]((n,), (128,), (w, xv, y, i32(n), i32(kdim)))
                     return y
-                k = K[("gemv_f16_v8" if vec else "gemv_f16") if half else ("gemv_f32_v4" if vec else "gemv_f32")]
+                k = K["gemv_f16_v8" if half and vec else "gemv_f16" if half else "gemv_f32"]   # a warp per row
                 k(((n + 7) // 8,), (256,), (w, xv, y, i32(n), i32(kdim)))
                 return y
             if w.dtype == cp.float16:
@@ -254,8 +254,8 @@ class GraphDecoder:
 
 _KERNELS_SRC = r"""
 #include <cuda_fp16.h>
-// y[n] = sum_k W[n, k] x[k]: one warp per row, float32 accumulation. Vector loads (float4, or 8 halves) where
-// k allows, scalar loads otherwise.
+// y[n] = sum_k W[n, k] x[k], float32 accumulation: one warp per row (scalar loads, or 8 halves at a time), or
+// for float32 rows whose length is a multiple of 4, a block per row (gemv_f32_row).
 template <typename T>
 __device__ void gemv(const T* W, const float* x, float* y, int n, int k) {
     int row = blockIdx.x * 8 + threadIdx.x / 32;
@@ -269,28 +269,6 @@ __device__ void gemv(const T* W, const float* x, float* y, int n, int k) {
 }
 extern "C" __global__ void gemv_f32(const float* W, const float* x, float* y, int n, int k) { gemv<float>(W, x, y, n, k); }
 extern "C" __global__ void gemv_f16(const __half* W, const float* x, float* y, int n, int k) { gemv<__half>(W, x, y, n, k); }
-
-extern "C" __global__ void gemv_f32_v4(const float* __restrict__ W, const float* __restrict__ x,
-                                       float* __restrict__ y, int n, int k) {   // k % 4 == 0
-    int row = blockIdx.x * 8 + threadIdx.x / 32;
-    int lane = threadIdx.x % 32;
-    if (row >= n) return;
-    const float4* w = reinterpret_cast<const float4*>(W + (size_t)row * k);
-    const float4* xv = reinterpret_cast<const float4*>(x);
-    float a[4] = {0.f, 0.f, 0.f, 0.f};
-    int k4 = k / 4, i = lane;
-    for (; i + 96 < k4; i += 128) {           // four independent 16-byte loads in flight per lane
-        float4 p[4], u[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) { p[r] = __ldcs(w + i + 32 * r); u[r] = __ldg(xv + i + 32 * r); }
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[r] += p[r].x * u[r].x + p[r].y * u[r].y + p[r].z * u[r].z + p[r].w * u[r].w;
-    }
-    for (; i < k4; i += 32) { float4 p = __ldcs(w + i), u = __ldg(xv + i); a[0] += p.x * u.x + p.y * u.y + p.z * u.z + p.w * u.w; }
-    float acc = (a[0] + a[1]) + (a[2] + a[3]);
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
-    if (lane == 0) y[row] = acc;
-}
 
 extern "C" __global__ void gemv_f32_row(const float* __restrict__ W, const float* __restrict__ x,
                                         float* __restrict__ y, int n, int k) {   // k % 4 == 0; 128 threads a row
@@ -469,7 +447,7 @@ def _kernels(cp):
     """The RawKernels above, compiled once per process."""
     if not _KERNELS:
         mod = cp.RawModule(code=_KERNELS_SRC, options=("-std=c++17",))
-        for name in ("gemv_f32", "gemv_f16", "gemv_f32_v4", "gemv_f32_row", "gemv_f16_v8", "rms_norm_rows", "rope_rows",
+        for name in ("gemv_f32", "gemv_f16", "gemv_f32_row", "gemv_f16_v8", "rms_norm_rows", "rope_rows",
                      "attend"):
             _KERNELS[name] = mod.get_function(name)
         _KERNELS["silu_mul"] = cp.ElementwiseKernel("float32 g, float32 u", "float32 h",

@@ -85,3 +85,20 @@ def fmt_match(summary: dict) -> str:
     if summary.get("min_agreement") is not None:
         return f"agreement {summary['min_agreement']:.3f}"
     return "-"
+
+
+def summary_markdown(summary: list[dict]) -> list[str]:
+    """Markdown lines of a checkpoint summary (DiffResult.summary()): one row per checkpoint, the worst
+    figures over its layers and tensors, where the worst sits, the band that applied there, the verdict."""
+    lines = ["| checkpoint | name | comparisons | worst NMSE | worst max abs | min cosine / agreement | worst at | "
+             "band | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        at = s["worst_at"]
+        verdict = "not covered" if s["passed"] is None else ("pass" if s["passed"] else "FAIL")
+        if s.get("not_covered") and s["passed"] is not None:
+            verdict += f" ({s['not_covered']} not covered: {s['why']})"
+        lines.append(f"| {s['checkpoint']} | {s['name']} | {s['rows']} | {fmt(s['worst_nmse'])} | "
+                     f"{fmt(s['worst_max_abs'])} | {fmt_match(s) if s['passed'] is not None else 'n/c'} | "
+                     f"{'' if at['layer'] is None else 'L' + str(at['layer']) + ' '}{at['tensor']} | "
+                     f"`{s['band']}` | {verdict} |")
+    return lines

@@ -438,9 +438,7 @@ def _lazy_hf(folder, c, cfg, tensors, names, shapes, take, check, make_layer, pe
         if src not in by_field:
             raise AttributeError(fld)
         fields = {src: take(f"model.layers.{i}.{by_field[src]}", shapes[src])}
-        if fld in ("wq", "wk", "bq", "bk", "q_norm", "k_norm") + GEMMA_NORMS and src == fld:
-            return permuted(fields)[fld]
-        return permuted(split_fused(cfg, fields))[fld]
+        return permuted(split_fused(cfg, fields))[fld]          # split_fused leaves unfused fields as they are
 
     emb = LazyRows(None, (V, D), lambda _t, rows: take("model.embed_tokens.weight", (V, D), rows=rows)
                    .astype(np.float32))
