@@ -174,7 +174,13 @@ def _print_result(res, verbose, file=None):
         con.print(d)
     if res.greedy:
         g = res.greedy
-        con.print(f"greedy: {g['equal_prefix']}/{g['n']} tokens equal to {ref_name} (EOS ignored)")
+        line = f"greedy: {g['equal_prefix']}/{g['n']} tokens equal to {ref_name} (EOS ignored)"
+        band = next((r.band for r in res.rows if r.checkpoint == "12"), {})
+        if g["equal_prefix"] < g["n"] and "equal_prefix" in band:
+            # quantized weights: the exact reference and llama.cpp's quantized products part at a near-tie
+            line += (f"; the {res.band_class} band asks for the first {band['equal_prefix']} (the exact reference and "
+                     f"quantized arithmetic part at near-ties: checkpoints/README.md)")
+        con.print(line)
     if res.not_covered:
         cps = sorted({u["checkpoint"] for u in res.not_covered}, key=lambda c: (len(c), c))
         con.print(f"not covered: {len(res.not_covered)} comparisons in checkpoint(s) {', '.join(cps)} "
