@@ -47,7 +47,7 @@ def test_numba_kernel_matches_dequantized_product():
     for qt in ("Q4_0", "Q4_1", "Q8_0"):
         raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt])
         deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qt])
-        got = QuantBlocks(raw, qt).matvec(x)
+        got = QuantBlocks(raw, qt).tile(2).matvec(x)
         np.testing.assert_allclose(got, deq @ x, rtol=1e-5, atol=1e-5)
 
 
@@ -70,7 +70,7 @@ def test_numba_k_quant_kernels_match_dequantized_product(qt):
     raw = raw.reshape(64, 2 * size)
     deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qt])
     x = rng.standard_normal(512).astype(np.float32)
-    np.testing.assert_allclose(QuantBlocks(raw, qt).matvec(x), deq @ x, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(QuantBlocks(raw, qt).tile(2).matvec(x), deq @ x, rtol=1e-4, atol=1e-4)
 
 
 def test_cupy_checkpoints_against_numpy(tiny):

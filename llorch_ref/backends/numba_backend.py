@@ -9,32 +9,40 @@ import types
 import numpy as np
 
 from . import Backend
+from . import numba_kernels as K
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
 
 class QuantBlocks:
-    """The GGUF blocks of one weight, unpacked once into what the kernels read."""
+    """The GGUF blocks of one weight [N, K], unpacked once into what the kernels read (numba_kernels):
+    "nibbles" (Q4_0, Q4_1): qs [B, 16, N] uint8, d and m [B, N], offset; "bytes" (Q8_0, Q4_K, Q6_K):
+    qs [G, S, N] int8/uint8 codes, a and c [G, N]. Block-major and row-minor, so that stacked() can join
+    the rows of several weights; tile(C) then splits the rows into C contiguous chunks, the layout the
+    kernels read (numba_kernels)."""
+
+    tiled = False
 
     def __init__(self, raw, qtype):
         from ..numerics.ggml_cpu import _f16
 
         n = raw.shape[0]
         self.qtype, self.n = qtype, n
-        self.chunks = 8 if n >= 1024 else 2
         if qtype in ("Q4_K", "Q6_K"):
             self._init_k(np.asarray(raw), qtype)
             return
         size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
         blk = np.asarray(raw).reshape(n, -1, size)
-        # block-major, row-minor layouts (see numba_kernels): qs [B, 16|32, N], d and m [B, N]
-        self.d = np.ascontiguousarray(_f16(blk, 0).T)
+        d = np.ascontiguousarray(_f16(blk, 0).T)
+        if qtype == "Q8_0":
+            self.kind, self.a, self.c = "bytes", d, np.zeros_like(d)
+            self.qs = np.ascontiguousarray(blk[..., 2:34].view(np.int8).transpose(1, 2, 0))
+            return
+        self.kind, self.d = "nibbles", d
         if qtype == "Q4_0":
-            qs, self.m = blk[..., 2:18], None
-        elif qtype == "Q4_1":
-            qs, self.m = blk[..., 4:20], np.ascontiguousarray(_f16(blk, 2).T)
+            qs, self.m, self.offset = blk[..., 2:18], np.zeros_like(d), 8     # m = 0 adds an exact zero
         else:
-            qs, self.m = blk[..., 2:34].view(np.int8), None
+            qs, self.m, self.offset = blk[..., 4:20], np.ascontiguousarray(_f16(blk, 2).T), 0
         self.qs = np.ascontiguousarray(qs.transpose(1, 2, 0))
 
     def _init_k(self, raw, qtype):
@@ -65,28 +73,53 @@ class QuantBlocks:
             a = d[..., None] * sc
             c = np.float32(-32) * a
             gs = 16
+        self.kind = "bytes"
         self.qs = np.ascontiguousarray(q.reshape(n, -1, gs).transpose(1, 2, 0).astype(np.uint8))
         self.a = np.ascontiguousarray(a.reshape(n, -1).T.astype(np.float32))
         self.c = np.ascontiguousarray(c.reshape(n, -1).T.astype(np.float32))
-        self.d = self.m = None
+
+    def _fields(self):
+        return ("qs", "d", "m") if self.kind == "nibbles" else ("qs", "a", "c")
+
+    @classmethod
+    def stacked(cls, parts):
+        """Several weights of one type and input size stacked by rows ([sum N_i, K]): one kernel launch
+        computes them all, each row exactly as its own matrix would (rows are independent)."""
+        out = cls.__new__(cls)
+        vars(out).update(vars(parts[0]))
+        out.n = sum(p.n for p in parts)
+        for name in out._fields():
+            setattr(out, name, np.concatenate([getattr(p, name) for p in parts], axis=-1))
+        return out
+
+    def compatible(self, other):
+        return (self.qtype, self.kind, self.qs.shape[:2]) == (other.qtype, other.kind, other.qs.shape[:2])
+
+    def tile(self, threads, max_rows=1024):
+        """Lay the rows out for the kernels: [.., N] -> [C, .., R], N padded with zero rows to C*R, R % 16 == 0.
+
+        C is a multiple of the thread count, with R <= max_rows so that a chunk's partial sums stay in L1."""
+        chunks = threads * -(-self.n // (threads * max_rows))
+        r = -(-self.n // (16 * chunks)) * 16
+        for name in self._fields():
+            a = getattr(self, name)
+            a = np.concatenate([a, np.zeros(a.shape[:-1] + (chunks * r - self.n,), a.dtype)], axis=-1)
+            a = a.reshape(a.shape[:-1] + (chunks, r))
+            setattr(self, name, np.ascontiguousarray(np.moveaxis(a, -2, 0)))
+        self.tiled = True
+        return self
 
     def matvec(self, x):
-        from . import numba_kernels as K
-
-        if self.qtype in ("Q4_K", "Q6_K"):
-            out = np.empty(self.n, dtype=np.float32)
-            K.matvec_affine_u8(self.qs, self.a, self.c, np.ascontiguousarray(x, dtype=np.float32), out, self.chunks)
-            return out
-
-        out = np.empty(self.n, dtype=np.float32)
+        """x: [K] f32 -> [N] f32 (after tile())."""
+        assert self.tiled, "QuantBlocks.tile(chunks) lays the rows out for the kernels first"
+        c, r = self.qs.shape[0], self.qs.shape[-1]
+        out = np.empty(c * r, dtype=np.float32)
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if self.qtype == "Q4_0":
-            K.matvec_q4_0(self.qs, self.d, x, out, self.chunks)
-        elif self.qtype == "Q4_1":
-            K.matvec_q4_1(self.qs, self.d, self.m, x, out, self.chunks)
+        if self.kind == "nibbles":
+            K.matvec_nibbles(self.qs, self.d, self.m, self.offset, x, out)
         else:
-            K.matvec_q8_0(self.qs, self.d, x, out, self.chunks)
-        return out
+            K.matvec_bytes(self.qs, self.a, self.c, x, out)
+        return out[:self.n]
 
 
 class NumbaBackend(Backend):
@@ -97,43 +130,63 @@ class NumbaBackend(Backend):
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         super().__init__(name="numba", xp=np, asarray=lambda a: a, to_numpy=lambda a: a, device="cpu",
                          info={"numba": numba.__version__, "threads": numba.get_num_threads(), "fastmath": False})
-        self.blocks = {}
+        self.blocks, self.fused = {}, {}
         t0 = time.perf_counter()
         self._warm_up()
         self.info["compile_or_cache_load_s"] = round(time.perf_counter() - t0, 3)
 
     def _warm_up(self):
         """Compile (or load from the on-disk cache) every kernel once, outside any timed region."""
-        from . import numba_kernels as K
-
         x = np.ones(32, np.float32)
         out = np.empty(1, np.float32)
-        d = np.ones((1, 1), np.float32)
-        K.matvec_q4_0(np.zeros((1, 16, 1), np.uint8), d, x, out, 1)
-        K.matvec_q4_1(np.zeros((1, 16, 1), np.uint8), d, d, x, out, 1)
-        K.matvec_q8_0(np.zeros((1, 32, 1), np.int8), d, x, out, 1)
-        K.matvec_affine_u8(np.zeros((1, 32, 1), np.uint8), d, d, x, out, 1)
+        d = np.ones((1, 1, 1), np.float32)
+        K.matvec_nibbles(np.zeros((1, 1, 16, 1), np.uint8), d, d, 8, x, out)
+        K.matvec_bytes(np.zeros((1, 1, 32, 1), np.int8), d, d, x, out)
+        K.matvec_bytes(np.zeros((1, 1, 32, 1), np.uint8), d, d, x, out)
         K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))
         K.silu_mul(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32), np.empty((1, 4), np.float32))
 
     def prepare_weights(self, weights, raw_tensors=None):
-        """raw_tensors: {id(float32 weight): (ggml type name, raw uint8 blocks)} from the GGUF loader."""
-        for key, (qtype, raw) in (raw_tensors or {}).items():
-            if qtype in KERNEL_TYPES:
-                self.blocks[key] = QuantBlocks(raw, qtype)
+        """raw_tensors: {id(float32 weight): (ggml type name, raw uint8 blocks)} from the GGUF loader.
+
+        Q/K/V and gate/up of a layer, when their blocks are of one type, are stacked by rows
+        (QuantBlocks.stacked) so that a decode step runs one kernel for each group; blocks maps every
+        kernel-served weight to (blocks, first row, end row)."""
+        own = {key: QuantBlocks(raw, qtype) for key, (qtype, raw) in (raw_tensors or {}).items()
+               if qtype in KERNEL_TYPES}
+        chunks = self.info["threads"]
+        for lw in weights.layers:
+            for group in ((lw.wq, lw.wk, lw.wv), (lw.w_gate, lw.w_up)):
+                parts = [own.get(id(w)) for w in group]
+                if all(p is not None and p.compatible(parts[0]) for p in parts):
+                    f = QuantBlocks.stacked(parts).tile(chunks)
+                    bounds = np.cumsum([0] + [p.n for p in parts])
+                    self.fused[id(group[0])] = (f, bounds)
+                    for w, lo, hi in zip(group, bounds[:-1], bounds[1:]):
+                        self.blocks[id(w)] = (f, lo, hi)
+                        del own[id(w)]
+        for key, q in own.items():
+            self.blocks[key] = (q.tile(chunks), 0, q.n)
         return weights
 
     def make_ops(self, base_ops):
-        from . import numba_kernels as K
-
-        blocks = self.blocks
+        blocks, fused = self.blocks, self.fused
         ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})
 
         def linear(xp, x, w):
-            q = blocks.get(id(w))
-            if q is not None and x.shape[0] == 1:
-                return q.matvec(x[0])[None, :]
+            entry = blocks.get(id(w))
+            if entry is not None and x.shape[0] == 1:
+                q, lo, hi = entry                   # a stacked group's member: computed with its group
+                return q.matvec(x[0])[None, lo:hi]
             return x @ w.T
+
+        def stacked(x, w_first):
+            """-> the outputs of a stacked group for one row, one [1, N_i] array per weight, or None."""
+            f = fused.get(id(w_first))
+            if f is None or x.shape[0] != 1:
+                return None
+            y, bounds = f[0].matvec(x[0])[None, :], f[1]
+            return [y[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
 
         # Numba kernels serve single-token steps only: for several rows the work goes to BLAS, and Numba's
         # worker threads would compete with BLAS's for the same cores.
@@ -148,15 +201,15 @@ class NumbaBackend(Backend):
         def swiglu(xp, x, w_gate, w_up, w_down):
             if x.shape[0] != 1:
                 return base_ops.swiglu(xp, x, w_gate, w_up, w_down)
-            g, u = linear(xp, x, w_gate), linear(xp, x, w_up)
+            g, u = stacked(x, w_gate) or (linear(xp, x, w_gate), linear(xp, x, w_up))
             h = np.empty_like(g)
             K.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u), h)
             return linear(xp, h, w_down), h
 
         def qkv(xp, x, wq, wk, wv, h, kv, hd):
             t = x.shape[0]
-            return (linear(xp, x, wq).reshape(t, h, hd), linear(xp, x, wk).reshape(t, kv, hd),
-                    linear(xp, x, wv).reshape(t, kv, hd))
+            q, k, v = stacked(x, wq) or (linear(xp, x, wq), linear(xp, x, wk), linear(xp, x, wv))
+            return q.reshape(t, h, hd), k.reshape(t, kv, hd), v.reshape(t, kv, hd)
 
         ops.linear, ops.rms_norm, ops.swiglu, ops.qkv = linear, rms_norm, swiglu, qkv
         return ops

@@ -1,8 +1,21 @@
 """Numba kernels: matrix-vector products straight from GGUF blocks (decode reads the quantized bytes).
 
-Each output row is computed by one thread (prange over rows), so results do not depend on the thread
-count; fastmath is off; every kernel is compiled once and cached on disk (cache=True). Block sums are
-float32 (32 products in order), accumulated over blocks in float64.
+Each output row's sum is computed in a fixed order by one thread (prange over chunks of rows), so results
+do not depend on the thread count; fastmath is off; every kernel is compiled once and cached on disk
+(cache=True). Within a block the 32 (or 16) products are summed in float32, in element order; the block
+sums are accumulated over blocks in float64.
+
+Layout: rows are split into C chunks of R rows (one chunk a thread; R a multiple of 16, the last rows
+padding), and each chunk's codes are stored block-major and row-minor, qs[c, b, j, r], so that a thread
+streams one contiguous region. The innermost loop runs over the rows r of a chunk, with one float32
+partial sum per row kept in a small scratch array: a contiguous, independent loop the compiler turns
+into 16-wide vector code with fastmath off (the sums are not reordered, only computed for 16 rows at
+once). Two kernels serve every supported type:
+
+  matvec_nibbles  Q4_0, Q4_1: two 4-bit codes per byte (element j low nibble, element j+16 high nibble),
+                  w = d * (code - offset) + m
+  matvec_bytes    Q8_0 (int8 codes), Q4_K, Q6_K unpacked to one uint8 code per element in groups of
+                  gs = 32 or 16: w = a * code + c
 """
 from __future__ import annotations
 
@@ -10,33 +23,9 @@ import numba as nb
 import numpy as np
 
 
-# Layout: the quantized values are stored block-major and row-minor, qs[b, j, n]. Within a block, each
-# output row's sum runs over j in order in a register (a constant trip count the compiler unrolls), and
-# the loop over rows n around it is what gets vectorized: independent sums, so fastmath stays off. Rows
-# are split into chunks, one chunk a thread.
-
-@nb.njit(parallel=True, cache=True, fastmath=False)
-def matvec_q4_0(qs, d, x, out, n_chunks):
-    """qs: [B, 16, N] uint8, d: [B, N] f32, x: [B*32] f32 -> out: [N] f32 (w = d * (nibble - 8))."""
-    n_blocks, _, n_rows = qs.shape
-    for c in nb.prange(n_chunks):
-        lo, hi = c * n_rows // n_chunks, (c + 1) * n_rows // n_chunks
-        acc = np.zeros(hi - lo, dtype=np.float64)
-        for b in range(n_blocks):
-            xb, qb = x[b * 32: b * 32 + 32], qs[b]
-            for n in range(lo, hi):
-                s = np.float32(0.0)
-                for j in range(16):
-                    q = qb[j, n]
-                    s += np.float32(np.int32(q & 15) - 8) * xb[j] + np.float32(np.int32(q >> 4) - 8) * xb[j + 16]
-                acc[n - lo] += d[b, n] * s
-        for n in range(lo, hi):
-            out[n] = acc[n - lo]
-
-
 @nb.njit(cache=True)
 def _block_sums(x, gs):
-    """x: [G*gs] f32 -> [G] f32 sums of each group, in order (float32, as the kernels' c * sum(x) terms)."""
+    """x: [G*gs] f32 -> [G] f32 sums of each group, in order (float32, as the kernels' m * sum(x) terms)."""
     n = x.shape[0] // gs
     out = np.empty(n, dtype=np.float32)
     for g in range(n):
@@ -47,42 +36,77 @@ def _block_sums(x, gs):
     return out
 
 
+@nb.njit(inline="always")
+def _nibbles_chunk(qs, d, m, x, xsum, acc, s, c, off):
+    """Chunk c of matvec_nibbles; off is a constant at each call site (0 or 8), folded by the compiler."""
+    w = qs.shape[3]
+    for b in range(qs.shape[1]):
+        qb = qs[c, b]
+        s[:] = 0.0
+        for j in range(16):
+            xl, xh, qj = x[b * 32 + j], x[b * 32 + j + 16], qb[j]
+            for i in range(w):
+                q = qj[i]
+                s[i] += np.float32(np.int32(q & np.uint8(15)) - off) * xl + np.float32(np.int32(q >> np.uint8(4)) - off) * xh
+        db, mb, xs = d[c, b], m[c, b], xsum[b]
+        for i in range(w):
+            acc[i] += db[i] * s[i] + mb[i] * xs
+
+
 @nb.njit(parallel=True, cache=True, fastmath=False)
-def matvec_q4_1(qs, d, m, x, out, n_chunks):
-    """qs: [B, 16, N] uint8, d, m: [B, N] f32, x: [B*32] f32 -> out: [N] f32 (w = d * nibble + m)."""
-    n_blocks, _, n_rows = qs.shape
+def matvec_nibbles(qs, d, m, offset, x, out):
+    """qs: [C, B, 16, R] uint8, d, m: [C, B, R] f32, offset: 8 (Q4_0) or 0 (Q4_1), x: [B*32] f32 -> out: [C*R] f32.
+
+    out[n] = sum_b d[b,n] * s_b + m[b,n] * sum(x_b), s_b = sum_j (lo_j - offset) x_j + (hi_j - offset) x_{j+16}
+    (Q4_0 passes m = 0: its term adds an exact zero)."""
+    n_chunks, w = qs.shape[0], qs.shape[3]
     xsum = _block_sums(x, 32)
     for c in nb.prange(n_chunks):
-        lo, hi = c * n_rows // n_chunks, (c + 1) * n_rows // n_chunks
-        acc = np.zeros(hi - lo, dtype=np.float64)
-        for b in range(n_blocks):
-            xb, qb = x[b * 32: b * 32 + 32], qs[b]
-            for n in range(lo, hi):
-                s = np.float32(0.0)
-                for j in range(16):
-                    q = qb[j, n]
-                    s += np.float32(q & 15) * xb[j] + np.float32(q >> 4) * xb[j + 16]
-                acc[n - lo] += d[b, n] * s + m[b, n] * xsum[b]
-        for n in range(lo, hi):
-            out[n] = acc[n - lo]
+        acc = np.zeros(w, dtype=np.float64)
+        s = np.empty(w, dtype=np.float32)
+        if offset == 0:
+            _nibbles_chunk(qs, d, m, x, xsum, acc, s, c, 0)
+        else:
+            _nibbles_chunk(qs, d, m, x, xsum, acc, s, c, 8)
+        for i in range(w):
+            out[c * w + i] = acc[i]
+
+
+@nb.njit(inline="always")
+def _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs):
+    """Chunk ci of matvec_bytes; gs is a constant at each call site."""
+    w = qs.shape[3]
+    for g in range(qs.shape[1]):
+        qg = qs[ci, g]
+        s[:] = 0.0
+        for j in range(gs):
+            xj, qj = x[g * gs + j], qg[j]
+            for i in range(w):
+                s[i] += np.float32(qj[i]) * xj
+        ag, cg, xs = a[ci, g], c[ci, g], xsum[g]
+        for i in range(w):
+            acc[i] += ag[i] * s[i] + cg[i] * xs
 
 
 @nb.njit(parallel=True, cache=True, fastmath=False)
-def matvec_q8_0(qs, d, x, out, n_chunks):
-    """qs: [B, 32, N] int8, d: [B, N] f32, x: [B*32] f32 -> out: [N] f32 (w = d * q)."""
-    n_blocks, _, n_rows = qs.shape
-    for c in nb.prange(n_chunks):
-        lo, hi = c * n_rows // n_chunks, (c + 1) * n_rows // n_chunks
-        acc = np.zeros(hi - lo, dtype=np.float64)
-        for b in range(n_blocks):
-            xb, qb = x[b * 32: b * 32 + 32], qs[b]
-            for n in range(lo, hi):
-                s = np.float32(0.0)
-                for j in range(32):
-                    s += np.float32(qb[j, n]) * xb[j]
-                acc[n - lo] += d[b, n] * s
-        for n in range(lo, hi):
-            out[n] = acc[n - lo]
+def matvec_bytes(qs, a, c, x, out):
+    """qs: [C, G, S, R] uint8 or int8 codes, a, c: [C, G, R] f32, x: [G*S] f32 -> out[n] = sum_g a*sum_j q*x + c*sum_j x.
+
+    Q8_0: int8 codes, S = 32, a = d, c = 0. K-quants after unpacking, w = a * q + c per group of S elements
+    (S = 32 for Q4_K with a = d*scale, c = -dmin*min; S = 16 for Q6_K with a = d*scale, c = -32*d*scale)."""
+    n_chunks, _, gs, w = qs.shape
+    xsum = _block_sums(x, gs)
+    for ci in nb.prange(n_chunks):
+        acc = np.zeros(w, dtype=np.float64)
+        s = np.empty(w, dtype=np.float32)
+        if gs == 32:
+            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, 32)
+        elif gs == 16:
+            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, 16)
+        else:
+            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs)
+        for i in range(w):
+            out[ci * w + i] = acc[i]
 
 
 @nb.njit(parallel=True, cache=True, fastmath=False)
@@ -107,36 +131,3 @@ def silu_mul(g, u, out):
         for j in range(f):
             v = g[i, j]
             out[i, j] = v / (np.float32(1.0) + np.exp(-v)) * u[i, j]
-
-
-@nb.njit(inline="always")
-def _affine_chunk(qs, a, c, x, xsum, acc, lo, hi, gs):
-    """One chunk of rows of matvec_affine_u8; gs is a constant at each call site, so the j loop unrolls."""
-    for g in range(qs.shape[0]):
-        xg, qg = x[g * gs: g * gs + gs], qs[g]
-        for n in range(lo, hi):
-            s = np.float32(0.0)
-            for j in range(gs):
-                s += np.float32(qg[j, n]) * xg[j]
-            acc[n - lo] += a[g, n] * s + c[g, n] * xsum[g]
-
-
-@nb.njit(parallel=True, cache=True, fastmath=False)
-def matvec_affine_u8(qs, a, c, x, out, n_chunks):
-    """qs: [G, S, N] uint8 codes, a, c: [G, N] f32, x: [G*S] f32 -> out[n] = sum_g a*sum_j q*x + c*sum_j x.
-
-    Serves K-quants after unpacking: w = a * q + c per group of S elements (S = 32 for Q4_K/Q5_K with
-    a = d*scale, c = -dmin*min; S = 16 for Q6_K with a = d*scale, c = -32*d*scale)."""
-    gs, n_rows = qs.shape[1], qs.shape[2]
-    xsum = _block_sums(x, gs)
-    for ci in nb.prange(n_chunks):
-        lo, hi = ci * n_rows // n_chunks, (ci + 1) * n_rows // n_chunks
-        acc = np.zeros(hi - lo, dtype=np.float64)
-        if gs == 32:
-            _affine_chunk(qs, a, c, x, xsum, acc, lo, hi, 32)
-        elif gs == 16:
-            _affine_chunk(qs, a, c, x, xsum, acc, lo, hi, 16)
-        else:
-            _affine_chunk(qs, a, c, x, xsum, acc, lo, hi, gs)
-        for n in range(lo, hi):
-            out[n] = acc[n - lo]

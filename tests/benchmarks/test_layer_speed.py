@@ -60,6 +60,6 @@ def test_linear_decode_ffn_up(benchmark, kind):
     else:
         pytest.importorskip("numba", reason="numba is not installed")
         from llorch_ref.backends.numba_backend import QuantBlocks
-        qb = QuantBlocks(raw, "Q4_1")
+        qb = QuantBlocks(raw, "Q4_1").tile(2)
         y = benchmark(qb.matvec, x[0])[None]
     np.testing.assert_allclose(y, x @ deq.T, rtol=1e-4, atol=1e-4)
