@@ -93,3 +93,28 @@ def test_unavailable_or_unknown_backend_is_a_clear_error(tiny, monkeypatch):
         assert llorch_ref.load(tiny()).backend.name == "numba"
     except ParameterError as e:
         assert "numba" in str(e)
+
+
+@pytest.mark.parametrize("n_pos,window", [(1, 0), (13, 0), (40, 0), (40, 8)])
+def test_numba_decode_attention_matches_the_reference(n_pos, window):
+    """The one-token attention kernel against layers.attention: GQA (6 heads on 2 KV heads), Hd 24, a
+    causal or sliding-window mask; kq and probs are returned for the harness."""
+    need_backend("numba")
+    from llorch_ref.backends.numba_backend import NumbaBackend
+    from llorch_ref.model import layers as L
+    from llorch_ref.model.cache import visible_mask
+
+    rng = np.random.default_rng(n_pos)
+    q = rng.standard_normal((1, 6, 24)).astype(np.float32)
+    k, v = (rng.standard_normal((n_pos, 2, 24)).astype(np.float32) for _ in range(2))
+    mask = visible_mask(np, np.array([[n_pos - 1]]), np.arange(n_pos)[None, :], window)
+    kv_head = L.kv_head_of(np, 6, 2)
+    ops = NumbaBackend(threads=2).make_ops(L)
+    want = L.attention(np, q, k, v, mask, 0.2, kv_head)
+    got = ops.attention(np, q, k, v, mask, 0.2, kv_head)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == np.float32
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+    # a planted bug: every query head reading KV head 0 (no GQA repeat) must not pass
+    bad = ops.attention(np, q, k, v, mask, 0.2, np.zeros(6, dtype=kv_head.dtype))
+    assert not np.allclose(bad[0], want[0], rtol=2e-5, atol=2e-6)

@@ -1,5 +1,6 @@
 """The Numba backend: NumPy arrays, with decode-time matrix-vector products computed from the quantized
-GGUF blocks by Numba kernels (prefill keeps BLAS on the dequantized weights), and Numba RMSNorm/SwiGLU."""
+GGUF blocks by Numba kernels (prefill keeps BLAS on the dequantized weights), and Numba RMSNorm, SwiGLU
+and one-token attention."""
 from __future__ import annotations
 
 import os
@@ -145,6 +146,9 @@ class NumbaBackend(Backend):
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.uint8), d, d, x, out)
         K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))
         K.silu_mul(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32), np.empty((1, 4), np.float32))
+        o = np.empty((1, 4), np.float32)
+        K.attend_one(o, np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.float32), np.zeros(2, np.float32),
+                     0.5, np.zeros(1, np.int64), o, np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
 
     def prepare_weights(self, weights, raw_tensors=None):
         """raw_tensors: {id(float32 weight): (ggml type name, raw uint8 blocks)} from the GGUF loader.
@@ -211,5 +215,15 @@ class NumbaBackend(Backend):
             q, k, v = stacked(x, wq) or (linear(xp, x, wq), linear(xp, x, wk), linear(xp, x, wv))
             return q.reshape(t, h, hd), k.reshape(t, kv, hd), v.reshape(t, kv, hd)
 
-        ops.linear, ops.rms_norm, ops.swiglu, ops.qkv = linear, rms_norm, swiglu, qkv
+        def attention(xp, q, k, v, mask, scale, kv_head):
+            if q.shape[0] != 1 or k.dtype != np.float32:
+                return base_ops.attention(xp, q, k, v, mask, scale, kv_head)
+            h, hd = q.shape[1], q.shape[2]
+            n_pos = k.shape[0]
+            out = np.empty((h, hd), np.float32)
+            kq, probs = np.empty((h, 1, n_pos), np.float32), np.empty((h, 1, n_pos), np.float32)
+            K.attend_one(np.ascontiguousarray(q[0]), k, v, mask[0], scale, kv_head, out, kq[:, 0], probs[:, 0])
+            return out.reshape(1, h * hd), kq, probs
+
+        ops.linear, ops.rms_norm, ops.swiglu, ops.qkv, ops.attention = linear, rms_norm, swiglu, qkv, attention
         return ops
