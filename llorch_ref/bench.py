@@ -3,7 +3,8 @@
 Each engine runs in its own process (so peak resident memory is its own), with the same thread count:
 llorch-ref backends (numpy, numba, cupy), llama.cpp (llama-cpp-python, low-level API), and transformers
 on the CPU when asked. Prefill: one forward over a PREFILL-token prompt (logits of the last row).
-Decode: DECODE greedy tokens after an 8-token prompt, EOS ignored. Medians of REPEATS runs after one
+Decode: DECODE greedy tokens after an 8-token prompt, EOS ignored, timed from the end of the prompt's
+forward (every engine: the prompt's prefill is not in the decode figure). Medians of REPEATS runs after one
 warm-up; GPU work is synchronized before each clock read. Output: a JSON file and a Markdown table with
 ratios to llama.cpp.
 """
@@ -84,10 +85,10 @@ def measure_llamacpp(path, prefill, decode, repeats, threads):
         ref.eval_last(ids)
         return prefill / (time.perf_counter() - t)
 
-    def one_decode():
-        t = time.perf_counter()
-        ref.greedy(ids[:8], decode)
-        return decode / (time.perf_counter() - t)
+    def one_decode():                  # timed from the end of the prompt's forward, as measure_llorch is
+        timing = {}
+        ref.greedy(ids[:8], decode, timing=timing)
+        return decode / timing["decode_s"]
 
     return {"engine": "llama.cpp", "device": "cpu", "load_s": load_s,
             "prefill_tok_s": _median_runs(one_prefill, repeats), "decode_tok_s": _median_runs(one_decode, repeats),
@@ -112,11 +113,23 @@ def measure_transformers(path, prefill, decode, repeats, threads):
             model(ids)
         return prefill / (time.perf_counter() - t)
 
-    def one_decode():
-        t = time.perf_counter()
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class FirstCall(LogitsProcessor):
+        """Notes when the first token is chosen, i.e. when the prompt's forward has ended."""
+        def __init__(self):
+            self.t = None
+
+        def __call__(self, input_ids, scores):
+            self.t = self.t or time.perf_counter()
+            return scores
+
+    def one_decode():                  # timed from the end of the prompt's forward, as measure_llorch is
+        first = FirstCall()
         with torch.no_grad():
-            model.generate(ids[:, :8], max_new_tokens=decode, min_new_tokens=decode, do_sample=False)
-        return decode / (time.perf_counter() - t)
+            model.generate(ids[:, :8], max_new_tokens=decode, min_new_tokens=decode, do_sample=False,
+                           logits_processor=LogitsProcessorList([first]))
+        return (decode - 1) / (time.perf_counter() - first.t)     # the forwards after the first token
 
     return {"engine": "transformers (CPU, float32)", "device": "cpu", "load_s": load_s,
             "prefill_tok_s": _median_runs(one_prefill, repeats), "decode_tok_s": _median_runs(one_decode, repeats),

@@ -1,6 +1,6 @@
 """The Numba backend: NumPy arrays, with decode-time matrix-vector products computed from the quantized
-GGUF blocks by Numba kernels (prefill keeps BLAS on the dequantized weights), and Numba RMSNorm, SwiGLU
-and one-token attention."""
+GGUF blocks by Numba kernels (prefill keeps BLAS on the dequantized weights), and Numba RMSNorm, RoPE,
+SwiGLU and attention for one-token steps."""
 from __future__ import annotations
 
 import os
@@ -145,7 +145,10 @@ class NumbaBackend(Backend):
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.int8), d, d, x, out)
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.uint8), d, d, x, out)
         K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))
-        K.silu_mul(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32), np.empty((1, 4), np.float32))
+        K.silu_mul(np.ones(4, np.float32), np.ones(4, np.float32), np.empty(4, np.float32))
+        for neox in (False, True):
+            K.rope_one(np.ones((1, 4), np.float32), np.ones(2, np.float32), np.ones(2, np.float32), neox,
+                       np.empty((1, 4), np.float32))
         o = np.empty((1, 4), np.float32)
         K.attend_one(o, np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.float32), np.zeros(2, np.float32),
                      0.5, np.zeros(1, np.int64), o, np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
@@ -207,8 +210,15 @@ class NumbaBackend(Backend):
                 return base_ops.swiglu(xp, x, w_gate, w_up, w_down)
             g, u = stacked(x, w_gate) or (linear(xp, x, w_gate), linear(xp, x, w_up))
             h = np.empty_like(g)
-            K.silu_mul(np.ascontiguousarray(g), np.ascontiguousarray(u), h)
+            K.silu_mul(np.ascontiguousarray(g[0]), np.ascontiguousarray(u[0]), h[0])
             return linear(xp, h, w_down), h
+
+        def rope(xp, x, cos, sin, style):
+            if x.shape[0] != 1 or style not in ("adjacent", "neox"):
+                return base_ops.rope(xp, x, cos, sin, style)      # (which rejects an unknown style)
+            out = np.empty_like(x)
+            K.rope_one(np.ascontiguousarray(x[0]), cos[0], sin[0], style == "neox", out[0])
+            return out
 
         def qkv(xp, x, wq, wk, wv, h, kv, hd):
             t = x.shape[0]
@@ -225,5 +235,5 @@ class NumbaBackend(Backend):
             K.attend_one(np.ascontiguousarray(q[0]), k, v, mask[0], scale, kv_head, out, kq[:, 0], probs[:, 0])
             return out.reshape(1, h * hd), kq, probs
 
-        ops.linear, ops.rms_norm, ops.swiglu, ops.qkv, ops.attention = linear, rms_norm, swiglu, qkv, attention
+        ops.linear, ops.rms_norm, ops.swiglu, ops.qkv, ops.attention, ops.rope = linear, rms_norm, swiglu, qkv, attention, rope
         return ops

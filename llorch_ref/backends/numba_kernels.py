@@ -109,11 +109,14 @@ def matvec_bytes(qs, a, c, x, out):
             out[ci * w + i] = acc[i]
 
 
-@nb.njit(parallel=True, cache=True, fastmath=False)
+# The elementwise kernels below serve one token (a few thousand floats): serial, since starting the
+# parallel workers costs more than the work.
+
+@nb.njit(cache=True, fastmath=False)
 def rms_norm_rows(x, w, eps, out):
     """x: [T, D] f32, w: [D] -> out: [T, D]; sum of squares in float64 (as the NumPy reference)."""
     t, dim = x.shape
-    for i in nb.prange(t):
+    for i in range(t):
         ss = 0.0
         for j in range(dim):
             v = x[i, j] * x[i, j]
@@ -123,14 +126,28 @@ def rms_norm_rows(x, w, eps, out):
             out[i, j] = (x[i, j] * scale) * w[j]
 
 
-@nb.njit(parallel=True, cache=True, fastmath=False)
+@nb.njit(cache=True, fastmath=False)
 def silu_mul(g, u, out):
-    """out = g / (1 + exp(-g)) * u, elementwise over [T, F] f32."""
-    t, f = g.shape
-    for i in nb.prange(t):
-        for j in range(f):
-            v = g[i, j]
-            out[i, j] = v / (np.float32(1.0) + np.exp(-v)) * u[i, j]
+    """out = g / (1 + exp(-g)) * u, elementwise over [F] f32."""
+    for j in range(g.shape[0]):
+        v = g[j]
+        out[j] = v / (np.float32(1.0) + np.exp(-v)) * u[j]
+
+
+@nb.njit(cache=True, fastmath=False)
+def rope_one(x, cos, sin, neox, out):
+    """x: [nh, Hd] f32 (one token), cos, sin: [R/2] -> out: [nh, Hd]; pairs (2i, 2i+1) or, with neox,
+    (i, i + R/2), rotated as the reference: y0 = x0 c - x1 s, y1 = x0 s + x1 c; dims past R copied."""
+    nh, hd = x.shape
+    half = cos.shape[0]
+    for h in range(nh):
+        for d in range(2 * half, hd):
+            out[h, d] = x[h, d]
+        for i in range(half):
+            i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            x0, x1 = x[h, i0], x[h, i1]
+            out[h, i0] = x0 * cos[i] - x1 * sin[i]
+            out[h, i1] = x0 * sin[i] + x1 * cos[i]
 
 
 @nb.njit(parallel=True, cache=True, fastmath=False)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -240,12 +241,16 @@ class LlamaCpp:
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
         return self._decode([int(t) for t in tokens], 0, None, all_logits=False)[-1]
 
-    def greedy(self, tokens, max_tokens: int, stop_ids=()) -> list[int]:
-        """Greedy continuation (argmax of llama.cpp's logits = its temperature-0 sampler), token by token."""
+    def greedy(self, tokens, max_tokens: int, stop_ids=(), timing=None) -> list[int]:
+        """Greedy continuation (argmax of llama.cpp's logits = its temperature-0 sampler), token by token.
+
+        timing: a dict; gets "decode_s", the time from the end of the prompt's forward to the last token
+        (as GenerationResult.decode_s measures llorch-ref's)."""
         lc = self.llama_cpp
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
         tokens = [int(t) for t in tokens]
         logits = self._decode(tokens, 0, None, all_logits=False)
+        t0 = time.perf_counter()
         out, pos = [], len(tokens)
         for _ in range(max_tokens):
             nxt = int(np.argmax(logits[-1]))
@@ -256,6 +261,8 @@ class LlamaCpp:
                 break
             logits = self._decode([nxt], pos, None, all_logits=False)
             pos += 1
+        if timing is not None:
+            timing["decode_s"] = time.perf_counter() - t0
         return out
 
     def close(self):
