@@ -13,6 +13,7 @@ from . import Backend
 from . import numba_kernels as K
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+_NO_C = np.zeros((0, 0, 0), np.float32)
 
 
 class QuantBlocks:
@@ -36,7 +37,7 @@ class QuantBlocks:
         blk = np.asarray(raw).reshape(n, -1, size)
         d = np.ascontiguousarray(_f16(blk, 0).T)
         if qtype == "Q8_0":
-            self.kind, self.a, self.c = "bytes", d, np.zeros_like(d)
+            self.kind, self.a, self.c = "bytes", d, None                      # w = d * q: no c term
             self.qs = np.ascontiguousarray(blk[..., 2:34].view(np.int8).transpose(1, 2, 0))
             return
         self.kind, self.d = "nibbles", d
@@ -80,7 +81,9 @@ class QuantBlocks:
         self.c = np.ascontiguousarray(c.reshape(n, -1).T.astype(np.float32))
 
     def _fields(self):
-        return ("qs", "d", "m") if self.kind == "nibbles" else ("qs", "a", "c")
+        if self.kind == "nibbles":
+            return ("qs", "d", "m")
+        return ("qs", "a") if self.c is None else ("qs", "a", "c")
 
     @classmethod
     def stacked(cls, parts):
@@ -119,7 +122,7 @@ class QuantBlocks:
         if self.kind == "nibbles":
             K.matvec_nibbles(self.qs, self.d, self.m, self.offset, x, out)
         else:
-            K.matvec_bytes(self.qs, self.a, self.c, x, out)
+            K.matvec_bytes(self.qs, self.a, _NO_C if self.c is None else self.c, x, out)
         return out[:self.n]
 
 
@@ -142,7 +145,7 @@ class NumbaBackend(Backend):
         out = np.empty(1, np.float32)
         d = np.ones((1, 1, 1), np.float32)
         K.matvec_nibbles(np.zeros((1, 1, 16, 1), np.uint8), d, d, 8, x, out)
-        K.matvec_bytes(np.zeros((1, 1, 32, 1), np.int8), d, d, x, out)
+        K.matvec_bytes(np.zeros((1, 1, 32, 1), np.int8), d, _NO_C, x, out)
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.uint8), d, d, x, out)
         K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))
         K.silu_mul(np.ones(4, np.float32), np.ones(4, np.float32), np.empty(4, np.float32))

@@ -14,8 +14,8 @@ once). Two kernels serve every supported type:
 
   matvec_nibbles  Q4_0, Q4_1: two 4-bit codes per byte (element j low nibble, element j+16 high nibble),
                   w = d * (code - offset) + m
-  matvec_bytes    Q8_0 (int8 codes), Q4_K, Q6_K unpacked to one uint8 code per element in groups of
-                  gs = 32 or 16: w = a * code + c
+  matvec_bytes    Q8_0 (int8 codes, w = d * code), Q4_K, Q6_K unpacked to one uint8 code per element in
+                  groups of gs = 32 or 16: w = a * code + c
 """
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ def matvec_nibbles(qs, d, m, offset, x, out):
 
 
 @nb.njit(inline="always")
-def _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs):
-    """Chunk ci of matvec_bytes; gs is a constant at each call site."""
+def _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs, affine):
+    """Chunk ci of matvec_bytes; gs and affine are constants at each call site."""
     w = qs.shape[3]
     for g in range(qs.shape[1]):
         qg = qs[ci, g]
@@ -83,28 +83,39 @@ def _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs):
             xj, qj = x[g * gs + j], qg[j]
             for i in range(w):
                 s[i] += np.float32(qj[i]) * xj
-        ag, cg, xs = a[ci, g], c[ci, g], xsum[g]
-        for i in range(w):
-            acc[i] += ag[i] * s[i] + cg[i] * xs
+        ag = a[ci, g]
+        if affine:
+            cg, xs = c[ci, g], xsum[g]
+            for i in range(w):
+                acc[i] += ag[i] * s[i] + cg[i] * xs
+        else:
+            for i in range(w):
+                acc[i] += ag[i] * s[i]
 
 
 @nb.njit(parallel=True, cache=True, fastmath=False)
 def matvec_bytes(qs, a, c, x, out):
-    """qs: [C, G, S, R] uint8 or int8 codes, a, c: [C, G, R] f32, x: [G*S] f32 -> out[n] = sum_g a*sum_j q*x + c*sum_j x.
+    """qs: [C, G, S, R] uint8 or int8 codes, a, c: [C, G, R] f32 (c: [0, 0, 0] for none), x: [G*S] f32
+    -> out[n] = sum_g a*sum_j q*x + c*sum_j x.
 
-    Q8_0: int8 codes, S = 32, a = d, c = 0. K-quants after unpacking, w = a * q + c per group of S elements
+    Q8_0: int8 codes, S = 32, a = d, no c. K-quants after unpacking, w = a * q + c per group of S elements
     (S = 32 for Q4_K with a = d*scale, c = -dmin*min; S = 16 for Q6_K with a = d*scale, c = -32*d*scale)."""
     n_chunks, _, gs, w = qs.shape
     xsum = _block_sums(x, gs)
+    affine = c.shape[0] > 0
     for ci in nb.prange(n_chunks):
         acc = np.zeros(w, dtype=np.float64)
         s = np.empty(w, dtype=np.float32)
-        if gs == 32:
-            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, 32)
+        if not affine and gs == 32:
+            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, 32, False)
+        elif not affine:
+            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs, False)
+        elif gs == 32:
+            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, 32, True)
         elif gs == 16:
-            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, 16)
+            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, 16, True)
         else:
-            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs)
+            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs, True)
         for i in range(w):
             out[ci * w + i] = acc[i]
 
