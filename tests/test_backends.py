@@ -23,6 +23,30 @@ def test_numba_checkpoints_against_numpy_tiny(tiny, kw):
     assert res.greedy["equal_prefix"] == 16
 
 
+@pytest.mark.parametrize("kernel,first", [("rope_one", ("1B", "q@step")), ("attend_one", ("4", "kq@step")),
+                                          ("rms_norm_rows", ("1", "attn_norm@step"))])
+def test_a_planted_bug_in_a_one_token_kernel_is_caught_at_its_checkpoint(tiny, monkeypatch, kernel, first):
+    """The numba kernels run for one-token steps only: the decode-step rows of run_backend_diff must see them.
+    Planted: RoPE pairs rotated the other way (neox for adjacent), attention scores off by one position
+    (each score read from the next key), RMSNorm with epsilon 1e-2."""
+    need_backend("numba")
+    from llorch_ref.backends import numba_kernels as K
+    from llorch_ref.harness.run import run_backend_diff
+
+    path = tiny(vocab="bpe", weight_type="Q8_0")
+    real = getattr(K, kernel)
+    if kernel == "rope_one":
+        planted = lambda x, cos, sin, neox, out: real(x, cos, sin, not neox, out)
+    elif kernel == "attend_one":
+        planted = lambda q, k, v, mask, *rest: real(q, np.roll(k, -1, axis=0), v, mask, *rest)
+    else:
+        planted = lambda x, w, eps, out: real(x, w, 1e-2, out)
+    monkeypatch.setattr(K, kernel, planted)
+    res = run_backend_diff(llorch_ref.load(path, backend="numba"), llorch_ref.load(path), n_greedy=4)
+    bad = res.first_divergence
+    assert bad is not None and (bad["checkpoint"], bad["tensor"]) == first, bad
+
+
 def test_numba_checkpoints_against_numpy_default_model(default_model):
     need_backend("numba")
     from llorch_ref.harness.run import run_backend_diff

@@ -331,7 +331,11 @@ def _model_checkpoint(res, spec, band, ours_logits, ours_last, ref_logits, ref_l
 def run_backend_diff(engine, reference, prompt=DEFAULT_PROMPT, checkpoints=None, n_greedy=32,
                      band=None) -> DiffResult:
     """Every checkpoint of `engine` (numba, cupy, ...) against `reference` (the numpy oracle), on the same
-    file and tokens. Bands: checkpoints/backend_bands.json, per backend and dtype."""
+    file and tokens. Bands: checkpoints/backend_bands.json, per backend and dtype.
+
+    The layer checkpoints are compared twice: on the prompt's forward (T tokens at once), and on one
+    decode step after it (the last prompt token fed again at position T; tensor names end in "@step"),
+    since a backend may run other kernels for one token than for several (numba does)."""
     import json
 
     from .specs import _spec_dir
@@ -353,9 +357,13 @@ def run_backend_diff(engine, reference, prompt=DEFAULT_PROMPT, checkpoints=None,
     def recorded(eng):
         rec = {}
 
-        def record(name, layer, arr):
-            rec[(name, layer)] = np.array(eng.backend.to_numpy(arr), dtype=np.float32, copy=True)
-        logits = eng.backend.to_numpy(eng.forward(ids, eng.new_cache(), record=record))
+        def recorder(suffix):
+            def record(name, layer, arr):
+                rec[(name + suffix, layer)] = np.array(eng.backend.to_numpy(arr), dtype=np.float32, copy=True)
+            return record
+        cache = eng.new_cache()
+        logits = eng.backend.to_numpy(eng.forward(ids, cache, record=recorder("")))
+        eng.forward(ids[-1:], cache, rows=[0], record=recorder("@step"))         # one decode step
         last = eng.backend.to_numpy(eng.forward(ids, eng.new_cache(), rows=[len(ids) - 1]))[-1]
         return rec, logits, last
 
@@ -365,10 +373,12 @@ def run_backend_diff(engine, reference, prompt=DEFAULT_PROMPT, checkpoints=None,
     for s in specs:
         bandc = {"agreement": 1.0} if s.id in ("10", "12") else band
         if s.scope == "layer":
-            for layer in range(cfg.n_layers):
-                for t in s.tensors_for(cfg):
-                    m = compare(rec[(t.ours, layer)], ref_rec[(t.ours, layer)])
-                    res.rows.append(Row(s.id, s.name, layer, t.ours, m, bandc, within(m, bandc), (1, layer, t.order)))
+            for step, suffix in enumerate(("", "@step")):
+                for layer in range(cfg.n_layers):
+                    for t in s.tensors_for(cfg):
+                        m = compare(rec[(t.ours + suffix, layer)], ref_rec[(t.ours + suffix, layer)])
+                        res.rows.append(Row(s.id, s.name, layer, t.ours + suffix, m, bandc, within(m, bandc),
+                                            (1 + 0.5 * step, layer, t.order)))   # layers before logits
         elif s.name == "greedy_text":
             if n_greedy > 0:
                 a = list(engine.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True))
