@@ -53,6 +53,7 @@ class CupyBackend(Backend):
         (several tokens use cuBLAS), and fused RMSNorm, RoPE, attention and gated-activation kernels."""
         cp = self.xp
         ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})
+        ops.static_decode = False          # True while GraphDecoder runs a step over the preallocated cache
         K = _kernels(cp)
         i32, f32 = cp.int32, cp.float32
 
@@ -104,9 +105,10 @@ class CupyBackend(Backend):
             return linear(xp, h, w_down), h
 
         def attention(xp, q, k, v, mask, scale, kv_head):
-            """One fused kernel per layer (scores, softmax, P.V), one block per head and query token. Several
-            tokens (the forward the harness records): kq holds every raw dot, as the reference's. One token (a
-            decode step over the whole preallocated cache): masked keys are not read, and kq holds 0 there."""
+            """One fused kernel per layer (scores, softmax, P.V), one block per head and query token. Every
+            forward the harness can record: kq holds every raw dot, as the reference's. A decode step over the
+            whole preallocated cache (GraphDecoder sets ops.static_decode): masked keys are not read, and kq
+            holds 0 there."""
             hd = q.shape[2]
             threads = 1024 if hd <= 1024 else 0
             smem = 4 * (k.shape[0] + (threads // max(hd, 1)) * hd)      # scores + partial sums (48 KB max)
@@ -120,7 +122,7 @@ class CupyBackend(Backend):
             K["attend"]((h, t), (threads,), (cp.ascontiguousarray(q, dtype=cp.float32), cp.ascontiguousarray(k),
                                              cp.ascontiguousarray(v), cp.ascontiguousarray(mask, dtype=cp.float32),
                                              kq, probs, out, i32(t), i32(s_len), i32(h), i32(kv), i32(hd),
-                                             f32(scale), i32(t > 1)), shared_mem=smem)
+                                             f32(scale), i32(not ops.static_decode)), shared_mem=smem)
             return out, kq, probs
 
         kv_heads = {}
@@ -207,13 +209,13 @@ class GraphDecoder:
     def _step(self):
         from ..model import forward as forward_mod
 
-        c = self.cache
-        c.static = True
+        c, ops = self.cache, self.engine.ops
+        c.static = ops.static_decode = True
         try:
             return forward_mod.forward(self.xp, self.engine.config, self.engine.weights, self.tok, c, rows=None,
-                                       ops=self.engine.ops)
+                                       ops=ops)
         finally:
-            c.static = False
+            c.static = ops.static_decode = False
 
     def __call__(self, token):
         xp, c = self.xp, self.cache
