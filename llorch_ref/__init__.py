@@ -13,8 +13,9 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", 
     backend ("float16" for cupy only); numerics: "exact" (float32 math) or "ggml" (llama.cpp's CPU
     arithmetic, numpy backend); kv_dtype: "f32" or "f16" (the K/V cache type; llama.cpp's default is f16).
     weights: "lazy" (GGUF memory-mapped, each layer dequantized when it runs, through a cache of
-    weight_cache_mb; default: the whole model if it fits in half the available memory), "eager" (all
-    dequantized at load) or "auto" (lazy for GGUF files on the numpy backend with exact numerics).
+    weight_cache_mb; default: the whole model if it fits in half the available memory; the numba backend
+    keeps its kernels' blocks in memory besides), "eager" (all dequantized at load) or "auto" (lazy for
+    GGUF files on the numpy and numba backends with exact numerics).
     weight_dtype: storage of dequantized 2-D weights, "float32", "float16" or "bfloat16" (math stays float32)."""
     from pathlib import Path
 
@@ -29,10 +30,11 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", 
         raise ParameterError(f"weights={weights!r} must be 'auto', 'lazy' or 'eager'")
     import os
     bname = backend or os.environ.get("LLORCH_BACKEND") or "numpy"
-    if weights == "lazy" and (bname != "numpy" or numerics != "exact"):
-        raise ParameterError("lazy weights need the numpy backend with exact numerics "
+    if weights == "lazy" and (bname not in ("numpy", "numba") or numerics != "exact"):
+        raise ParameterError("lazy weights need the numpy or numba backend with exact numerics "
                              f"(got backend {bname}, numerics {numerics}); use --weights eager")
-    lazy = weights == "lazy" or (weights == "auto" and not path.is_dir() and bname == "numpy" and numerics == "exact")
+    lazy = weights == "lazy" or (weights == "auto" and not path.is_dir() and bname in ("numpy", "numba")
+                                 and numerics == "exact")
     if weight_dtype != "float32" and bname != "numpy":
         raise ParameterError(f"--weight-dtype {weight_dtype} is for the numpy backend (cupy has --dtype float16)")
     if path.is_dir():                       # a Hugging Face folder: same Config + Weights, exact numerics

@@ -29,6 +29,8 @@ def _load(args):
     wi = eng.weights_info()
     how = (f"lazy weights ({wi['dequantized_mb']:.0f} MB dequantized as {wi['storage']}, cache "
            f"{wi['budget_mb']:.0f} MB)" if wi["lazy"] else f"weights dequantized at load ({wi['storage']})")
+    if "kernel_blocks_mb" in wi:
+        how += f", kernel blocks {wi['kernel_blocks_mb']:.0f} MB"
     _log(f"llorch-ref: loaded {eng.path.name} ({eng.config.arch}, {eng.config.n_layers} layers) "
          f"in {time.perf_counter() - t0:.2f} s, backend {eng.backend.name}, numerics {eng.numerics}, "
          f"K/V cache {eng.kv_dtype}, {how}")
@@ -401,8 +403,8 @@ def build_parser():
                         help="K/V cache type (default f32; llama.cpp's own default is f16)")
         sp.add_argument("--weights", choices=["auto", "lazy", "eager"], default="auto",
                         help="lazy: keep the file mapped, dequantize each layer when it runs (default for GGUF "
-                             "on numpy with exact numerics; Hugging Face folders when asked); eager: everything "
-                             "at load")
+                             "on numpy and numba with exact numerics; Hugging Face folders when asked); eager: "
+                             "everything at load")
         sp.add_argument("--weight-cache-mb", type=float, default=None,
                         help="lazy weights: MB of dequantized layers kept between uses (default: the whole "
                              "model if it fits in half the available memory, else 0)")

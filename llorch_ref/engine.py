@@ -61,16 +61,7 @@ class Engine:
 
     def weights_info(self) -> dict:
         """Lazy or eager, storage dtype, dequantized size and (lazy) the cache's budget, use, hits, misses."""
-        w = self.weights
-        if getattr(w, "lazy", False):
-            return w.info()
-        import numpy as _np
-        arrays = [w.tok_embd, w.out_norm] + ([] if w.output is w.tok_embd else [w.output])
-        arrays += [a for lw in w.layers for a in vars(lw).values()]
-        sizes = [getattr(a, "nbytes", 0) for a in arrays]
-        dt = str(getattr(w.layers[0].wq, "dtype", "blocks"))
-        return {"lazy": False, "storage": dt, "dequantized_mb": round(sum(sizes) / 2**20, 1),
-                "budget_mb": None, "used_mb": round(sum(sizes) / 2**20, 1)} if _np else {}
+        return self.weights.info()
 
     # -- sequences -----------------------------------------------------------------------------------
     def new_cache(self) -> Cache:

@@ -13,12 +13,17 @@ from llorch_test_helpers import need_backend
 @pytest.mark.parametrize("kw", [dict(vocab="bpe", weight_type="Q8_0"), dict(vocab="bpe", weight_type="Q4_1"),
                                 dict(vocab="bpe", weight_type="Q4_0", n_kv_heads=4), dict(vocab="bpe")],
                          ids=["q8_0", "q4_1", "q4_0-mha", "f32"])
-def test_numba_checkpoints_against_numpy_tiny(tiny, kw):
+@pytest.mark.parametrize("weights", ["lazy", "eager"])
+def test_numba_checkpoints_against_numpy_tiny(tiny, kw, weights):
+    """Lazy weights (the default for GGUF): the kernels read blocks unpacked at load, several-token products
+    dequantize on use; eager: float32 weights kept for those."""
     need_backend("numba")
     from llorch_ref.harness.run import run_backend_diff
 
     path = tiny(**kw)
-    res = run_backend_diff(llorch_ref.load(path, backend="numba"), llorch_ref.load(path), n_greedy=16)
+    eng = llorch_ref.load(path, backend="numba", weights=weights)
+    assert eng.weights_info()["lazy"] is (weights == "lazy")
+    res = run_backend_diff(eng, llorch_ref.load(path), n_greedy=16)
     assert res.first_divergence is None, res.first_divergence
     assert res.greedy["equal_prefix"] == 16
 
@@ -52,7 +57,7 @@ def test_numba_checkpoints_against_numpy_default_model(default_model):
     from llorch_ref.harness.run import run_backend_diff
 
     eng = llorch_ref.load(default_model, backend="numba")
-    assert len(eng.backend.blocks) == 211             # every Q4_1 matrix and the tied Q8_0 output
+    assert eng.backend.n_matrices == 211              # every Q4_1 matrix and the tied Q8_0 output
     res = run_backend_diff(eng, llorch_ref.load(default_model), n_greedy=32)
     for s in res.summary():
         print(s["checkpoint"], s["name"], s["worst_nmse"], s["worst_max_abs"])

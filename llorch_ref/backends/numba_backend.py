@@ -29,7 +29,9 @@ class QuantBlocks:
         from ..numerics.ggml_cpu import _f16
 
         n = raw.shape[0]
-        self.qtype, self.n = qtype, n
+        block_bytes, block_len = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256),
+                                  "Q6_K": (210, 256)}[qtype]
+        self.qtype, self.n, self.k = qtype, n, raw.shape[1] // block_bytes * block_len
         if qtype in ("Q4_K", "Q6_K"):
             self._init_k(np.asarray(raw), qtype)
             return
@@ -126,6 +128,93 @@ class QuantBlocks:
         return out[:self.n]
 
 
+class QuantMatrix:
+    """A weight [N, K] as the numba backend holds it: rows lo..hi of tiled QuantBlocks (a stacked group's
+    member, or the whole of its own), and the float32 weight for several-token products, got on use
+    (eager: the array; lazy weights: dequantized through their cache, or streamed)."""
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, blocks, lo, hi, dense):
+        self.blocks, self.lo, self.hi, self._dense = blocks, lo, hi, dense
+
+    @property
+    def shape(self):
+        return (self.hi - self.lo, self.blocks.k)
+
+    def matmul(self, x):
+        """x: [T, K] f32 -> [T, N] f32: the kernel for one row, BLAS for several."""
+        if x.shape[0] == 1:
+            return self.blocks.matvec(x[0])[None, self.lo:self.hi]
+        return x @ self._dense().T
+
+
+class NumbaLayers:
+    """The model's layers with QuantMatrix handles in place of the kernel-served matrices; every other
+    field (norms, biases, matrices of other types) is read from the weights underneath, eager or lazy."""
+
+    def __init__(self, layers, handles):
+        self._handles = handles
+        self._views = [_NumbaLayer(layers, i, h) for i, h in enumerate(handles)]
+
+    def __len__(self):
+        return len(self._views)
+
+    def __getitem__(self, i):
+        return self._views[i]
+
+    def __iter__(self):
+        return iter(self._views)
+
+
+class _NumbaLayer:
+    """One layer's fields. Handles and 1-D fields (norms, biases: small) are kept after their first use,
+    so a decode step reads plain attributes; other matrices are fetched from the weights each time."""
+
+    def __init__(self, layers, i, handles):
+        self._layers, self._i, self._handles = layers, i, handles
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        h = self._handles.get(name)
+        if h is not None:
+            layers, i = self._layers, self._i
+            value = QuantMatrix(*h, lambda: getattr(layers[i], name))
+        else:
+            value = getattr(self._layers[self._i], name)
+            if getattr(value, "ndim", 2) != 1:
+                return value
+        self.__dict__[name] = value
+        return value
+
+
+class NumbaWeights:
+    """Weights as the numba backend sees them: same attributes as model.weights.Weights."""
+
+    def __init__(self, weights, handles, output):
+        self._w = weights
+        self.tok_embd, self.out_norm = weights.tok_embd, weights.out_norm
+        self.layers = NumbaLayers(weights.layers, handles)
+        self._output = output
+        self.lazy = getattr(weights, "lazy", False)
+
+    @property
+    def output(self):
+        if self._output is None:
+            return self._w.output
+        return QuantMatrix(*self._output, lambda: self._w.output)
+
+    def info(self) -> dict:
+        return {**self._w.info(), "kernel_blocks_mb": round(self.blocks_bytes() / 2**20, 1)}
+
+    def blocks_bytes(self) -> int:
+        seen = {id(h[0]): h[0] for layer in self.layers._handles for h in layer.values()}
+        if self._output is not None:
+            seen[id(self._output[0])] = self._output[0]
+        return sum(a.nbytes for q in seen.values() for a in vars(q).values() if isinstance(a, np.ndarray))
+
+
 class NumbaBackend(Backend):
     def __init__(self, threads=None):
         import numba
@@ -134,7 +223,7 @@ class NumbaBackend(Backend):
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         super().__init__(name="numba", xp=np, asarray=lambda a: a, to_numpy=lambda a: a, device="cpu",
                          info={"numba": numba.__version__, "threads": numba.get_num_threads(), "fastmath": False})
-        self.blocks, self.fused = {}, {}
+        self.n_matrices = 0
         t0 = time.perf_counter()
         self._warm_up()
         self.info["compile_or_cache_load_s"] = round(time.perf_counter() - t0, 3)
@@ -156,47 +245,51 @@ class NumbaBackend(Backend):
         K.attend_one(o, np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.float32), np.zeros(2, np.float32),
                      0.5, np.zeros(1, np.int64), o, np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
 
-    def prepare_weights(self, weights, raw_tensors=None):
-        """raw_tensors: {id(float32 weight): (ggml type name, raw uint8 blocks)} from the GGUF loader.
+    def prepare_weights(self, weights, raw_blocks=None):
+        """raw_blocks: (layer, field) and "output" -> (ggml type name, raw blocks) from the GGUF loader.
 
-        Q/K/V and gate/up of a layer, when their blocks are of one type, are stacked by rows
-        (QuantBlocks.stacked) so that a decode step runs one kernel for each group; blocks maps every
-        kernel-served weight to (blocks, first row, end row)."""
-        own = {key: QuantBlocks(raw, qtype) for key, (qtype, raw) in (raw_tensors or {}).items()
-               if qtype in KERNEL_TYPES}
-        chunks = self.info["threads"]
-        for lw in weights.layers:
-            for group in ((lw.wq, lw.wk, lw.wv), (lw.w_gate, lw.w_up)):
-                parts = [own.get(id(w)) for w in group]
+        Every matrix with blocks of a KERNEL_TYPES type becomes a QuantMatrix handle: one-token products by
+        the kernels, several-token ones by BLAS on the float32 weight (eager, or dequantized on use from lazy
+        weights). Q/K/V and gate/up of a layer, when their blocks are of one type, are stacked by rows
+        (QuantBlocks.stacked) so that a decode step runs one kernel for each group."""
+        raw = {k: v for k, v in (raw_blocks or {}).items() if v[0] in KERNEL_TYPES}
+        per_layer = [{} for _ in range(len(weights.layers))]
+        for key, (qtype, r) in raw.items():
+            if key != "output":
+                per_layer[key[0]][key[1]] = (qtype, r)
+        threads = self.info["threads"]
+        handles = []
+        for layer_raw in per_layer:
+            own = {fld: QuantBlocks(r, qtype) for fld, (qtype, r) in layer_raw.items()}
+            mats = {}
+            for group in (("wq", "wk", "wv"), ("w_gate", "w_up")):
+                parts = [own.get(fld) for fld in group]
                 if all(p is not None and p.compatible(parts[0]) for p in parts):
-                    f = QuantBlocks.stacked(parts).tile(chunks)
+                    f = QuantBlocks.stacked(parts).tile(threads)
                     bounds = np.cumsum([0] + [p.n for p in parts])
-                    self.fused[id(group[0])] = (f, bounds)
-                    for w, lo, hi in zip(group, bounds[:-1], bounds[1:]):
-                        self.blocks[id(w)] = (f, lo, hi)
-                        del own[id(w)]
-        for key, q in own.items():
-            self.blocks[key] = (q.tile(chunks), 0, q.n)
-        return weights
+                    for fld, lo, hi in zip(group, bounds[:-1], bounds[1:]):
+                        mats[fld] = (f, int(lo), int(hi))
+                        del own[fld]
+            mats.update({fld: (q.tile(threads), 0, q.n) for fld, q in own.items()})
+            handles.append(mats)
+        out = raw.get("output")
+        out = (QuantBlocks(out[1], out[0]).tile(threads), 0, out[1].shape[0]) if out else None
+        self.n_matrices = sum(map(len, handles)) + (out is not None)
+        return NumbaWeights(weights, handles, out)
 
     def make_ops(self, base_ops):
-        blocks, fused = self.blocks, self.fused
         ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})
 
         def linear(xp, x, w):
-            entry = blocks.get(id(w))
-            if entry is not None and x.shape[0] == 1:
-                q, lo, hi = entry                   # a stacked group's member: computed with its group
-                return q.matvec(x[0])[None, lo:hi]
-            return x @ w.T
+            return w.matmul(x) if isinstance(w, QuantMatrix) else base_ops.linear(xp, x, w)
 
-        def stacked(x, w_first):
+        def stacked(x, *ws):
             """-> the outputs of a stacked group for one row, one [1, N_i] array per weight, or None."""
-            f = fused.get(id(w_first))
-            if f is None or x.shape[0] != 1:
+            if x.shape[0] != 1 or not all(isinstance(w, QuantMatrix) for w in ws) \
+                    or not all(w.blocks is ws[0].blocks for w in ws) or ws[-1].hi != ws[0].blocks.n:
                 return None
-            y, bounds = f[0].matvec(x[0])[None, :], f[1]
-            return [y[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+            y = ws[0].blocks.matvec(x[0])[None, :]
+            return [y[:, w.lo:w.hi] for w in ws]
 
         # Numba kernels serve single-token steps only: for several rows the work goes to BLAS, and Numba's
         # worker threads would compete with BLAS's for the same cores.
@@ -211,7 +304,7 @@ class NumbaBackend(Backend):
         def swiglu(xp, x, w_gate, w_up, w_down):
             if x.shape[0] != 1:
                 return base_ops.swiglu(xp, x, w_gate, w_up, w_down)
-            g, u = stacked(x, w_gate) or (linear(xp, x, w_gate), linear(xp, x, w_up))
+            g, u = stacked(x, w_gate, w_up) or (linear(xp, x, w_gate), linear(xp, x, w_up))
             h = np.empty_like(g)
             K.silu_mul(np.ascontiguousarray(g[0]), np.ascontiguousarray(u[0]), h[0])
             return linear(xp, h, w_down), h
@@ -225,7 +318,7 @@ class NumbaBackend(Backend):
 
         def qkv(xp, x, wq, wk, wv, h, kv, hd):
             t = x.shape[0]
-            q, k, v = stacked(x, wq) or (linear(xp, x, wq), linear(xp, x, wk), linear(xp, x, wv))
+            q, k, v = stacked(x, wq, wk, wv) or (linear(xp, x, wq), linear(xp, x, wk), linear(xp, x, wv))
             return q.reshape(t, h, hd), k.reshape(t, kv, hd), v.reshape(t, kv, hd)
 
         def attention(xp, q, k, v, mask, scale, kv_head):

@@ -32,8 +32,8 @@ class GGUFModel:
     weights: Weights
     metadata: dict            # every key/value of the file (arrays of strings stay lists)
     tensor_types: dict        # name -> ggml type name (e.g. "Q4_1")
-    raw_blocks: dict = None   # id(float32 weight) -> (ggml type name, raw uint8 blocks): for backends whose
-                              # kernels read the quantized bytes directly (numba)
+    raw_blocks: dict = None   # (layer, field) or "output" -> (ggml type name, raw uint8 blocks [N, row bytes])
+                              # of every quantized matrix: for backends whose kernels read them (numba)
 
 
 MIN_KV_BYTES = 8 + 1 + 4            # key length, at least one key byte, value type
@@ -313,6 +313,22 @@ def split_fused(cfg, fields: dict) -> dict:
     return fields
 
 
+def raw_blocks_of(cfg, by_name) -> dict:
+    """(layer, field) and "output" -> (ggml type name, raw blocks [N, row bytes]) of every quantized matrix (not
+    F32/F16), as the file maps them (no copy); Phi-3's fused projections split by rows like the weights."""
+    out = {}
+    for i in range(cfg.n_layers):
+        found = {fld: by_name[f"blk.{i}.{suffix}"] for suffix, (fld, shp) in layer_tensors(cfg).items()
+                 if len(shp(cfg)) == 2 and by_name[f"blk.{i}.{suffix}"].tensor_type.name not in ("F32", "F16")}
+        kind = {fld: t.tensor_type.name for fld, t in found.items()}
+        for fld, raw in split_fused(cfg, {fld: t.data for fld, t in found.items()}).items():
+            out[(i, fld)] = (kind.get(fld) or kind[FUSED_OF[fld]], raw)
+    t = by_name["token_embd.weight" if cfg.tied_output else "output.weight"]
+    if t.tensor_type.name not in ("F32", "F16"):
+        out["output"] = (t.tensor_type.name, t.data)
+    return out
+
+
 FUSED_OF = {"wq": "_qkv", "wk": "_qkv", "wv": "_qkv", "w_gate": "_gate_up", "w_up": "_gate_up"}
 
 
@@ -393,8 +409,6 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
         return _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
     big = path.stat().st_size > (1 << 30)
 
-    raw_blocks = {}
-
     def tensor(name, shape, matrix=False):
         t = by_name.get(name)
         if t is None:
@@ -410,8 +424,6 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
             raise ModelFileError(f"{path}: {e}") from None
         except (ValueError, TypeError, IndexError) as e:
             raise ModelFileError(f"{path}: tensor {name!r} cannot be read ({type(e).__name__}: {e})") from None
-        if matrix and t.tensor_type.name not in ("F32", "F16"):
-            raw_blocks[id(arr)] = (t.tensor_type.name, t.data)
         if matrix and store != np.float32:
             arr = arr.astype(store)
         return arr
@@ -434,7 +446,7 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
                       output=out)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types,
-                     raw_blocks=raw_blocks)
+                     raw_blocks=raw_blocks_of(cfg, by_name))
 
 
 def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store) -> GGUFModel:
@@ -494,4 +506,5 @@ def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
                           lambda: deq(out_name, True), cfg.n_vocab * cfg.d_model * store.itemsize, cache, full,
                           store)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types, raw_blocks={})
+    return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types,
+                     raw_blocks=raw_blocks_of(cfg, by_name))

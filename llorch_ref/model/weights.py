@@ -36,6 +36,16 @@ class Weights:
     out_norm: np.ndarray    # [D]
     output: np.ndarray      # [V, D] (the same array as tok_embd when the output is tied)
 
+    lazy = False
+
+    def info(self) -> dict:
+        """Eager weights: storage dtype and size (as LazyWeights.info reports them)."""
+        arrays = [self.tok_embd, self.out_norm] + ([] if self.output is self.tok_embd else [self.output])
+        arrays += [a for lw in self.layers for a in vars(lw).values()]
+        mb = round(sum(getattr(a, "nbytes", 0) for a in arrays) / 2**20, 1)
+        return {"lazy": False, "storage": str(getattr(self.layers[0].wq, "dtype", "blocks")), "dequantized_mb": mb,
+                "budget_mb": None, "used_mb": mb}
+
     def map(self, fn) -> "Weights":
         """Apply fn to every array (e.g. upload to a GPU), keeping tied arrays tied."""
         tied = self.output is self.tok_embd
