@@ -18,7 +18,7 @@ _NO_C = np.zeros((0, 0, 0), np.float32)
 
 class QuantBlocks:
     """The GGUF blocks of one weight [N, K], unpacked once into what the kernels read (numba_kernels):
-    "nibbles" (Q4_0, Q4_1): qs [B, 16, N] uint8, d and m [B, N], offset; "bytes" (Q8_0, Q4_K, Q6_K):
+    "nibbles" (Q4_0, Q4_1, Q4_K): qs [B, 16, N] uint8, d and m [B, N], offset; "bytes" (Q8_0, Q6_K):
     qs [G, S, N] int8/uint8 codes, a and c [G, N]. Block-major and row-minor, so that stacked() can join
     the rows of several weights; tile(C) then splits the rows into C contiguous chunks, the layout the
     kernels read (numba_kernels)."""
@@ -50,33 +50,37 @@ class QuantBlocks:
         self.qs = np.ascontiguousarray(qs.transpose(1, 2, 0))
 
     def _init_k(self, raw, qtype):
-        """K-quants as affine groups: w = a * q + c, codes block-major and row-minor ([G, S, N])."""
+        """K-quants as affine groups, w = a * q + c: Q4_K as nibbles in groups of 32 (a, c held as d, m),
+        Q6_K as one byte per code in groups of 16; codes block-major and row-minor."""
         from ..numerics.ggml_cpu import _f16, _k4_scales
 
         n = self.n
-        if qtype == "Q4_K":
+        if qtype == "Q4_K":                      # as nibbles: groups of 32 with w = a * q + c (a, c as d, m)
             blk = raw.reshape(n, -1, 144)
             d, dmin = _f16(blk, 0), _f16(blk, 2)
             sc, mn = _k4_scales(blk[..., 4:16])                                      # [N, NB, 8]
-            qs = blk[..., 16:144].reshape(n, -1, 4, 32)
-            q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, 8, 32)           # [N, NB, 8, 32]
-            a = d[..., None] * sc.astype(np.float32)
-            c = -(dmin[..., None] * mn.astype(np.float32))
-            gs = 32
-        else:
-            blk = raw.reshape(n, -1, 210)
-            ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
-            sc = blk[..., 192:208].view(np.int8).astype(np.float32)                  # [N, NB, 16]
-            d = _f16(blk, 208)
-            parts = []
-            for j in range(2):
-                l0, l1, h = ql[..., 64 * j:64 * j + 32], ql[..., 64 * j + 32:64 * j + 64], qh[..., 32 * j:32 * j + 32]
-                parts += [(l0 & 15) | ((h & 3) << 4), (l1 & 15) | (((h >> 2) & 3) << 4),
-                          (l0 >> 4) | (((h >> 4) & 3) << 4), (l1 >> 4) | (((h >> 6) & 3) << 4)]
-            q = np.concatenate(parts, axis=-1).reshape(n, -1, 16, 16).astype(np.uint8)  # [N, NB, 16, 16]
-            a = d[..., None] * sc
-            c = np.float32(-32) * a
-            gs = 16
+            qs = blk[..., 16:144].reshape(n, -1, 4, 32)          # chunk c: group 2c low nibbles, 2c+1 high
+            q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, 32)              # [N, G, 32] in 0..15
+            packed = q[..., :16] | (q[..., 16:] << 4)                                # element j low, j+16 high
+            self.kind, self.offset = "nibbles", 0
+            self.qs = np.ascontiguousarray(packed.transpose(1, 2, 0))                # [G, 16, N]
+            self.d = np.ascontiguousarray((d[..., None] * sc.astype(np.float32)).reshape(n, -1).T)
+            self.m = np.ascontiguousarray((-(dmin[..., None] * mn.astype(np.float32))).reshape(n, -1).T)
+            return
+        # Q6_K: one byte per code, groups of 16
+        blk = raw.reshape(n, -1, 210)
+        ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
+        sc = blk[..., 192:208].view(np.int8).astype(np.float32)                  # [N, NB, 16]
+        d = _f16(blk, 208)
+        parts = []
+        for j in range(2):
+            l0, l1, h = ql[..., 64 * j:64 * j + 32], ql[..., 64 * j + 32:64 * j + 64], qh[..., 32 * j:32 * j + 32]
+            parts += [(l0 & 15) | ((h & 3) << 4), (l1 & 15) | (((h >> 2) & 3) << 4),
+                      (l0 >> 4) | (((h >> 4) & 3) << 4), (l1 >> 4) | (((h >> 6) & 3) << 4)]
+        q = np.concatenate(parts, axis=-1).reshape(n, -1, 16, 16).astype(np.uint8)  # [N, NB, 16, 16]
+        a = d[..., None] * sc
+        c = np.float32(-32) * a
+        gs = 16
         self.kind = "bytes"
         self.qs = np.ascontiguousarray(q.reshape(n, -1, gs).transpose(1, 2, 0).astype(np.uint8))
         self.a = np.ascontiguousarray(a.reshape(n, -1).T.astype(np.float32))

@@ -12,10 +12,10 @@ partial sum per row kept in a small scratch array: a contiguous, independent loo
 into 16-wide vector code with fastmath off (the sums are not reordered, only computed for 16 rows at
 once). Two kernels serve every supported type:
 
-  matvec_nibbles  Q4_0, Q4_1: two 4-bit codes per byte (element j low nibble, element j+16 high nibble),
-                  w = d * (code - offset) + m
-  matvec_bytes    Q8_0 (int8 codes, w = d * code), Q4_K, Q6_K unpacked to one uint8 code per element in
-                  groups of gs = 32 or 16: w = a * code + c
+  matvec_nibbles  Q4_0, Q4_1, Q4_K (repacked): two 4-bit codes per byte (element j low nibble, element
+                  j+16 high nibble) per group of 32, w = d * (code - offset) + m
+  matvec_bytes    Q8_0 (int8 codes, w = d * code), Q6_K unpacked to one uint8 code per element in groups
+                  of 16: w = a * code + c
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def matvec_nibbles(qs, d, m, offset, x, out):
     """qs: [C, B, 16, R] uint8, d, m: [C, B, R] f32, offset: 8 (Q4_0) or 0 (Q4_1), x: [B*32] f32 -> out: [C*R] f32.
 
     out[n] = sum_b d[b,n] * s_b + m[b,n] * sum(x_b), s_b = sum_j (lo_j - offset) x_j + (hi_j - offset) x_{j+16}
-    (Q4_0 passes m = 0: its term adds an exact zero)."""
+    (Q4_0 passes m = 0: its term adds an exact zero; Q4_K passes d = d*scale, m = -dmin*min per group)."""
     n_chunks, w = qs.shape[0], qs.shape[3]
     xsum = _block_sums(x, 32)
     for c in nb.prange(n_chunks):
@@ -98,8 +98,8 @@ def matvec_bytes(qs, a, c, x, out):
     """qs: [C, G, S, R] uint8 or int8 codes, a, c: [C, G, R] f32 (c: [0, 0, 0] for none), x: [G*S] f32
     -> out[n] = sum_g a*sum_j q*x + c*sum_j x.
 
-    Q8_0: int8 codes, S = 32, a = d, no c. K-quants after unpacking, w = a * q + c per group of S elements
-    (S = 32 for Q4_K with a = d*scale, c = -dmin*min; S = 16 for Q6_K with a = d*scale, c = -32*d*scale)."""
+    Q8_0: int8 codes, S = 32, a = d, no c. Q6_K after unpacking: w = a * q + c per group of S = 16 elements,
+    a = d*scale, c = -32*d*scale."""
     n_chunks, _, gs, w = qs.shape
     xsum = _block_sums(x, gs)
     affine = c.shape[0] > 0
