@@ -1,6 +1,7 @@
-"""The Numba backend: NumPy arrays, with decode-time matrix-vector products computed from the quantized
-GGUF blocks by Numba kernels (prefill keeps BLAS on the dequantized weights), and Numba RMSNorm, RoPE,
-SwiGLU and attention for one-token steps."""
+"""The Numba backend: NumPy arrays, with matrix products computed from the quantized GGUF blocks by Numba
+kernels for one-token steps (and for several tokens when the float32 weights are not at hand: lazy weights
+the cache does not keep; otherwise those go to BLAS), and Numba RMSNorm, RoPE, SwiGLU and attention for
+one-token steps."""
 from __future__ import annotations
 
 import os
@@ -119,37 +120,42 @@ class QuantBlocks:
         self.tiled = True
         return self
 
-    def matvec(self, x):
-        """x: [K] f32 -> [N] f32 (after tile())."""
+    def matmul(self, x):
+        """x: [T, K] f32 -> [T, N] f32 (after tile()); every row exactly as matvec computes it alone."""
         assert self.tiled, "QuantBlocks.tile(chunks) lays the rows out for the kernels first"
         c, r = self.qs.shape[0], self.qs.shape[-1]
-        out = np.empty(c * r, dtype=np.float32)
+        out = np.empty((x.shape[0], c * r), dtype=np.float32)
         x = np.ascontiguousarray(x, dtype=np.float32)
         if self.kind == "nibbles":
             K.matvec_nibbles(self.qs, self.d, self.m, self.offset, x, out)
         else:
             K.matvec_bytes(self.qs, self.a, _NO_C if self.c is None else self.c, x, out)
-        return out[:self.n]
+        return out[:, :self.n]
+
+    def matvec(self, x):
+        """x: [K] f32 -> [N] f32."""
+        return self.matmul(x[None, :])[0]
 
 
 class QuantMatrix:
     """A weight [N, K] as the numba backend holds it: rows lo..hi of tiled QuantBlocks (a stacked group's
-    member, or the whole of its own), and the float32 weight for several-token products, got on use
-    (eager: the array; lazy weights: dequantized through their cache, or streamed)."""
+    member, or the whole of its own), and the float32 weight for several-token products when it is at hand
+    (eager weights, or lazy ones the cache keeps or will keep): dense_ready() says so, dense() gets it."""
 
     dtype = np.dtype(np.float32)
 
-    def __init__(self, blocks, lo, hi, dense):
-        self.blocks, self.lo, self.hi, self._dense = blocks, lo, hi, dense
+    def __init__(self, blocks, lo, hi, dense, dense_ready):
+        self.blocks, self.lo, self.hi, self._dense, self._ready = blocks, lo, hi, dense, dense_ready
 
     @property
     def shape(self):
         return (self.hi - self.lo, self.blocks.k)
 
     def matmul(self, x):
-        """x: [T, K] f32 -> [T, N] f32: the kernel for one row, BLAS for several."""
-        if x.shape[0] == 1:
-            return self.blocks.matvec(x[0])[None, self.lo:self.hi]
+        """x: [T, K] f32 -> [T, N] f32: the kernel for one row, and for several when the float32 weight would
+        have to be dequantized first (lazy weights not cached); BLAS on the float32 weight otherwise."""
+        if x.shape[0] == 1 or not self._ready():
+            return self.blocks.matmul(x)[:, self.lo:self.hi]
         return x @ self._dense().T
 
 
@@ -184,7 +190,8 @@ class _NumbaLayer:
         h = self._handles.get(name)
         if h is not None:
             layers, i = self._layers, self._i
-            value = QuantMatrix(*h, lambda: getattr(layers[i], name))
+            ready = (lambda: True) if isinstance(layers, list) else (lambda: layers.keeps(i))
+            value = QuantMatrix(*h, lambda: getattr(layers[i], name), ready)
         else:
             value = getattr(self._layers[self._i], name)
             if getattr(value, "ndim", 2) != 1:
@@ -207,7 +214,8 @@ class NumbaWeights:
     def output(self):
         if self._output is None:
             return self._w.output
-        return QuantMatrix(*self._output, lambda: self._w.output)
+        ready = self._w.keeps_output if self.lazy else (lambda: True)
+        return QuantMatrix(*self._output, lambda: self._w.output, ready)
 
     def info(self) -> dict:
         return {**self._w.info(), "kernel_blocks_mb": round(self.blocks_bytes() / 2**20, 1)}
@@ -234,8 +242,8 @@ class NumbaBackend(Backend):
 
     def _warm_up(self):
         """Compile (or load from the on-disk cache) every kernel once, outside any timed region."""
-        x = np.ones(32, np.float32)
-        out = np.empty(1, np.float32)
+        x = np.ones((1, 32), np.float32)
+        out = np.empty((1, 1), np.float32)
         d = np.ones((1, 1, 1), np.float32)
         K.matvec_nibbles(np.zeros((1, 1, 16, 1), np.uint8), d, d, 8, x, out)
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.int8), d, _NO_C, x, out)

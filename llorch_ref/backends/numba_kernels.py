@@ -25,78 +25,82 @@ import numpy as np
 
 @nb.njit(cache=True)
 def _block_sums(x, gs):
-    """x: [G*gs] f32 -> [G] f32 sums of each group, in order (float32, as the kernels' m * sum(x) terms)."""
-    n = x.shape[0] // gs
-    out = np.empty(n, dtype=np.float32)
-    for g in range(n):
-        t = np.float32(0.0)
-        for j in range(gs):
-            t += x[g * gs + j]
-        out[g] = t
+    """x: [T, G*gs] f32 -> [T, G] f32 sums of each group, in order (float32, as the kernels' m * sum(x) terms)."""
+    n = x.shape[1] // gs
+    out = np.empty((x.shape[0], n), dtype=np.float32)
+    for t in range(x.shape[0]):
+        for g in range(n):
+            v = np.float32(0.0)
+            for j in range(gs):
+                v += x[t, g * gs + j]
+            out[t, g] = v
     return out
 
 
 @nb.njit(inline="always")
 def _nibbles_chunk(qs, d, m, x, xsum, acc, s, c, off):
-    """Chunk c of matvec_nibbles; off is a constant at each call site (0 or 8), folded by the compiler."""
+    """Chunk c of matvec_nibbles for every row t of x; off is a constant at each call site (0 or 8)."""
     w = qs.shape[3]
     for b in range(qs.shape[1]):
-        qb = qs[c, b]
-        s[:] = 0.0
-        for j in range(16):
-            xl, xh, qj = x[b * 32 + j], x[b * 32 + j + 16], qb[j]
+        qb, db, mb = qs[c, b], d[c, b], m[c, b]
+        for t in range(x.shape[0]):
+            s[:] = 0.0
+            for j in range(16):
+                xl, xh, qj = x[t, b * 32 + j], x[t, b * 32 + j + 16], qb[j]
+                for i in range(w):
+                    q = qj[i]
+                    s[i] += np.float32(np.int32(q & np.uint8(15)) - off) * xl + np.float32(np.int32(q >> np.uint8(4)) - off) * xh
+            xs = xsum[t, b]
             for i in range(w):
-                q = qj[i]
-                s[i] += np.float32(np.int32(q & np.uint8(15)) - off) * xl + np.float32(np.int32(q >> np.uint8(4)) - off) * xh
-        db, mb, xs = d[c, b], m[c, b], xsum[b]
-        for i in range(w):
-            acc[i] += db[i] * s[i] + mb[i] * xs
+                acc[t, i] += db[i] * s[i] + mb[i] * xs
 
 
 @nb.njit(parallel=True, cache=True, fastmath=False)
 def matvec_nibbles(qs, d, m, offset, x, out):
-    """qs: [C, B, 16, R] uint8, d, m: [C, B, R] f32, offset: 8 (Q4_0) or 0 (Q4_1), x: [B*32] f32 -> out: [C*R] f32.
+    """qs: [C, B, 16, R] uint8, d, m: [C, B, R] f32, offset: 8 (Q4_0) or 0 (Q4_1), x: [T, B*32] f32
+    -> out: [T, C*R] f32 (T = 1 for a decode step; each row t exactly as alone: the block is read once).
 
     out[n] = sum_b d[b,n] * s_b + m[b,n] * sum(x_b), s_b = sum_j (lo_j - offset) x_j + (hi_j - offset) x_{j+16}
     (Q4_0 passes m = 0: its term adds an exact zero; Q4_K passes d = d*scale, m = -dmin*min per group)."""
     n_chunks, w = qs.shape[0], qs.shape[3]
     xsum = _block_sums(x, 32)
     for c in nb.prange(n_chunks):
-        acc = np.zeros(w, dtype=np.float64)
+        acc = np.zeros((x.shape[0], w), dtype=np.float64)
         s = np.empty(w, dtype=np.float32)
         if offset == 0:
             _nibbles_chunk(qs, d, m, x, xsum, acc, s, c, 0)
         else:
             _nibbles_chunk(qs, d, m, x, xsum, acc, s, c, 8)
-        for i in range(w):
-            out[c * w + i] = acc[i]
+        for t in range(x.shape[0]):
+            for i in range(w):
+                out[t, c * w + i] = acc[t, i]
 
 
 @nb.njit(inline="always")
 def _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs, affine):
-    """Chunk ci of matvec_bytes; gs and affine are constants at each call site."""
+    """Chunk ci of matvec_bytes for every row t of x; gs and affine are constants at each call site."""
     w = qs.shape[3]
     for g in range(qs.shape[1]):
-        qg = qs[ci, g]
-        s[:] = 0.0
-        for j in range(gs):
-            xj, qj = x[g * gs + j], qg[j]
-            for i in range(w):
-                s[i] += np.float32(qj[i]) * xj
-        ag = a[ci, g]
-        if affine:
-            cg, xs = c[ci, g], xsum[g]
-            for i in range(w):
-                acc[i] += ag[i] * s[i] + cg[i] * xs
-        else:
-            for i in range(w):
-                acc[i] += ag[i] * s[i]
+        qg, ag = qs[ci, g], a[ci, g]
+        for t in range(x.shape[0]):
+            s[:] = 0.0
+            for j in range(gs):
+                xj, qj = x[t, g * gs + j], qg[j]
+                for i in range(w):
+                    s[i] += np.float32(qj[i]) * xj
+            if affine:
+                cg, xs = c[ci, g], xsum[t, g]
+                for i in range(w):
+                    acc[t, i] += ag[i] * s[i] + cg[i] * xs
+            else:
+                for i in range(w):
+                    acc[t, i] += ag[i] * s[i]
 
 
 @nb.njit(parallel=True, cache=True, fastmath=False)
 def matvec_bytes(qs, a, c, x, out):
-    """qs: [C, G, S, R] uint8 or int8 codes, a, c: [C, G, R] f32 (c: [0, 0, 0] for none), x: [G*S] f32
-    -> out[n] = sum_g a*sum_j q*x + c*sum_j x.
+    """qs: [C, G, S, R] uint8 or int8 codes, a, c: [C, G, R] f32 (c: [0, 0, 0] for none), x: [T, G*S] f32
+    -> out[t, n] = sum_g a*sum_j q*x + c*sum_j x (T = 1 for a decode step; each row t exactly as alone).
 
     Q8_0: int8 codes, S = 32, a = d, no c. Q6_K after unpacking: w = a * q + c per group of S = 16 elements,
     a = d*scale, c = -32*d*scale."""
@@ -104,7 +108,7 @@ def matvec_bytes(qs, a, c, x, out):
     xsum = _block_sums(x, gs)
     affine = c.shape[0] > 0
     for ci in nb.prange(n_chunks):
-        acc = np.zeros(w, dtype=np.float64)
+        acc = np.zeros((x.shape[0], w), dtype=np.float64)
         s = np.empty(w, dtype=np.float32)
         if not affine and gs == 32:
             _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, 32, False)
@@ -116,8 +120,9 @@ def matvec_bytes(qs, a, c, x, out):
             _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, 16, True)
         else:
             _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs, True)
-        for i in range(w):
-            out[ci * w + i] = acc[i]
+        for t in range(x.shape[0]):
+            for i in range(w):
+                out[t, ci * w + i] = acc[t, i]
 
 
 # The elementwise kernels below serve one token (a few thousand floats): serial, since starting the

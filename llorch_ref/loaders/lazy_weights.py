@@ -65,6 +65,11 @@ class WeightCache:
         self.used += _nbytes(v)
         return v
 
+    def keeps(self, key, nbytes) -> bool:
+        """Whether key's value is kept, or will be on its first use (a lookup that neither counts nor makes
+        anything): then reading it costs one dequantization in all, not one per use."""
+        return key in self.items or self.used + nbytes <= self.budget
+
     def stats(self) -> dict:
         return {"budget_mb": round(self.budget / 2**20, 1), "used_mb": round(self.used / 2**20, 1),
                 "entries": len(self.items), "hits": self.hits, "misses": self.misses}
@@ -126,6 +131,10 @@ class LazyLayers:
         for i in range(self.n):
             yield self[i]
 
+    def keeps(self, i) -> bool:
+        """Whether layer i's weights are (or will be) kept dequantized; else each read dequantizes anew."""
+        return self.cache.keeps(("layer", i % self.n), self.layer_bytes)
+
 
 class LazyWeights:
     """Same attributes as model.weights.Weights (tok_embd, layers, out_norm, output); arrays appear on use."""
@@ -140,6 +149,9 @@ class LazyWeights:
     @property
     def output(self):
         return self.cache.get("output", self._make_output, self._output_bytes)
+
+    def keeps_output(self) -> bool:
+        return self.cache.keeps("output", self._output_bytes)
 
     def map(self, fn):
         return self                     # numpy backend only (the engine refuses lazy weights elsewhere)
