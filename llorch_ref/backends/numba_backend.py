@@ -19,7 +19,8 @@ _NO_C = np.zeros((0, 0, 0), np.float32)
 
 class QuantBlocks:
     """The GGUF blocks of one weight [N, K], unpacked once into what the kernels read (numba_kernels):
-    "nibbles" (Q4_0, Q4_1, Q4_K): qs [B, 16, N] uint8, d and m [B, N], offset; "bytes" (Q8_0, Q6_K):
+    "nibbles" (Q4_0, Q4_1): qs [B, 16, N] uint8, d and m [B, N], offset; "q4k": qs [G, 16, N], sc and mn
+    [G, N] uint8, dsb and dminsb [G/8, N]; "bytes" (Q8_0, Q6_K):
     qs [G, S, N] int8/uint8 codes, a and c [G, N]. Block-major and row-minor, so that stacked() can join
     the rows of several weights; tile(C) then splits the rows into C contiguous chunks, the layout the
     kernels read (numba_kernels)."""
@@ -51,22 +52,23 @@ class QuantBlocks:
         self.qs = np.ascontiguousarray(qs.transpose(1, 2, 0))
 
     def _init_k(self, raw, qtype):
-        """K-quants as affine groups, w = a * q + c: Q4_K as nibbles in groups of 32 (a, c held as d, m),
-        Q6_K as one byte per code in groups of 16; codes block-major and row-minor."""
+        """K-quants, w = a * q + c per group: Q4_K as nibbles in groups of 32 with its 6-bit scales and
+        super-block d, dmin (a = d*sc, c = -dmin*mn in the kernel), Q6_K as one byte per code in groups of
+        16 with a, c in float32; codes block-major and row-minor."""
         from ..numerics.ggml_cpu import _f16, _k4_scales
 
         n = self.n
-        if qtype == "Q4_K":                      # as nibbles: groups of 32 with w = a * q + c (a, c as d, m)
+        if qtype == "Q4_K":             # nibbles repacked per group of 32; the scales as the file has them
             blk = raw.reshape(n, -1, 144)
-            d, dmin = _f16(blk, 0), _f16(blk, 2)
             sc, mn = _k4_scales(blk[..., 4:16])                                      # [N, NB, 8]
             qs = blk[..., 16:144].reshape(n, -1, 4, 32)          # chunk c: group 2c low nibbles, 2c+1 high
             q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, 32)              # [N, G, 32] in 0..15
             packed = q[..., :16] | (q[..., 16:] << 4)                                # element j low, j+16 high
-            self.kind, self.offset = "nibbles", 0
+            self.kind = "q4k"
             self.qs = np.ascontiguousarray(packed.transpose(1, 2, 0))                # [G, 16, N]
-            self.d = np.ascontiguousarray((d[..., None] * sc.astype(np.float32)).reshape(n, -1).T)
-            self.m = np.ascontiguousarray((-(dmin[..., None] * mn.astype(np.float32))).reshape(n, -1).T)
+            self.sc = np.ascontiguousarray(sc.reshape(n, -1).T.astype(np.uint8))     # [G, N]
+            self.mn = np.ascontiguousarray(mn.reshape(n, -1).T.astype(np.uint8))
+            self.dsb, self.dminsb = np.ascontiguousarray(_f16(blk, 0).T), np.ascontiguousarray(_f16(blk, 2).T)
             return
         # Q6_K: one byte per code, groups of 16
         blk = raw.reshape(n, -1, 210)
@@ -90,6 +92,8 @@ class QuantBlocks:
     def _fields(self):
         if self.kind == "nibbles":
             return ("qs", "d", "m")
+        if self.kind == "q4k":
+            return ("qs", "sc", "mn", "dsb", "dminsb")
         return ("qs", "a") if self.c is None else ("qs", "a", "c")
 
     @classmethod
@@ -128,6 +132,8 @@ class QuantBlocks:
         x = np.ascontiguousarray(x, dtype=np.float32)
         if self.kind == "nibbles":
             K.matvec_nibbles(self.qs, self.d, self.m, self.offset, x, out)
+        elif self.kind == "q4k":
+            K.matvec_q4_k(self.qs, self.sc, self.mn, self.dsb, self.dminsb, x, out)
         else:
             K.matvec_bytes(self.qs, self.a, _NO_C if self.c is None else self.c, x, out)
         return out[:, :self.n]
@@ -248,6 +254,8 @@ class NumbaBackend(Backend):
         K.matvec_nibbles(np.zeros((1, 1, 16, 1), np.uint8), d, d, 8, x, out)
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.int8), d, _NO_C, x, out)
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.uint8), d, d, x, out)
+        u8 = np.zeros((1, 1, 1), np.uint8)
+        K.matvec_q4_k(np.zeros((1, 1, 16, 1), np.uint8), u8, u8, d, d, x, out)
         K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))
         K.silu_mul(np.ones(4, np.float32), np.ones(4, np.float32), np.empty(4, np.float32))
         for neox in (False, True):

@@ -10,10 +10,12 @@ padding), and each chunk's codes are stored block-major and row-minor, qs[c, b, 
 streams one contiguous region. The innermost loop runs over the rows r of a chunk, with one float32
 partial sum per row kept in a small scratch array: a contiguous, independent loop the compiler turns
 into 16-wide vector code with fastmath off (the sums are not reordered, only computed for 16 rows at
-once). Two kernels serve every supported type:
+once). Three kernels serve every supported type:
 
-  matvec_nibbles  Q4_0, Q4_1, Q4_K (repacked): two 4-bit codes per byte (element j low nibble, element
-                  j+16 high nibble) per group of 32, w = d * (code - offset) + m
+  matvec_nibbles  Q4_0, Q4_1: two 4-bit codes per byte (element j low nibble, element j+16 high nibble)
+                  per block of 32, w = d * (code - offset) + m
+  matvec_q4_k     Q4_K, its nibbles repacked the same way per group of 32, w = d*sc * code - dmin*mn with
+                  the 6-bit sc, mn and the super-block's d, dmin read as the file has them
   matvec_bytes    Q8_0 (int8 codes, w = d * code), Q6_K unpacked to one uint8 code per element in groups
                   of 16: w = a * code + c
 """
@@ -38,18 +40,24 @@ def _block_sums(x, gs):
 
 
 @nb.njit(inline="always")
+def _nibble_block(qb, x, t, b, s, off):
+    """s[i] = sum_j (lo_j - off) x_j + (hi_j - off) x_{j+16} over the 16 bytes of block b, row t of x."""
+    s[:] = 0.0
+    for j in range(16):
+        xl, xh, qj = x[t, b * 32 + j], x[t, b * 32 + j + 16], qb[j]
+        for i in range(s.shape[0]):
+            q = qj[i]
+            s[i] += np.float32(np.int32(q & np.uint8(15)) - off) * xl + np.float32(np.int32(q >> np.uint8(4)) - off) * xh
+
+
+@nb.njit(inline="always")
 def _nibbles_chunk(qs, d, m, x, xsum, acc, s, c, off):
     """Chunk c of matvec_nibbles for every row t of x; off is a constant at each call site (0 or 8)."""
     w = qs.shape[3]
     for b in range(qs.shape[1]):
         qb, db, mb = qs[c, b], d[c, b], m[c, b]
         for t in range(x.shape[0]):
-            s[:] = 0.0
-            for j in range(16):
-                xl, xh, qj = x[t, b * 32 + j], x[t, b * 32 + j + 16], qb[j]
-                for i in range(w):
-                    q = qj[i]
-                    s[i] += np.float32(np.int32(q & np.uint8(15)) - off) * xl + np.float32(np.int32(q >> np.uint8(4)) - off) * xh
+            _nibble_block(qb, x, t, b, s, off)
             xs = xsum[t, b]
             for i in range(w):
                 acc[t, i] += db[i] * s[i] + mb[i] * xs
@@ -61,7 +69,7 @@ def matvec_nibbles(qs, d, m, offset, x, out):
     -> out: [T, C*R] f32 (T = 1 for a decode step; each row t exactly as alone: the block is read once).
 
     out[n] = sum_b d[b,n] * s_b + m[b,n] * sum(x_b), s_b = sum_j (lo_j - offset) x_j + (hi_j - offset) x_{j+16}
-    (Q4_0 passes m = 0: its term adds an exact zero; Q4_K passes d = d*scale, m = -dmin*min per group)."""
+    (Q4_0 passes m = 0: its term adds an exact zero)."""
     n_chunks, w = qs.shape[0], qs.shape[3]
     xsum = _block_sums(x, 32)
     for c in nb.prange(n_chunks):
@@ -71,6 +79,32 @@ def matvec_nibbles(qs, d, m, offset, x, out):
             _nibbles_chunk(qs, d, m, x, xsum, acc, s, c, 0)
         else:
             _nibbles_chunk(qs, d, m, x, xsum, acc, s, c, 8)
+        for t in range(x.shape[0]):
+            for i in range(w):
+                out[t, c * w + i] = acc[t, i]
+
+
+@nb.njit(parallel=True, cache=True, fastmath=False)
+def matvec_q4_k(qs, sc, mn, dsb, dminsb, x, out):
+    """Q4_K from its own scales: qs [C, G, 16, R] uint8 (groups of 32 as matvec_nibbles reads them), sc, mn:
+    [C, G, R] uint8 (6-bit scale and min of each group), dsb, dminsb: [C, G/8, R] f32 (d and dmin of each
+    super-block), x: [T, G*32] f32 -> out: [T, C*R] f32.
+
+    Group g: w = d*sc * q - dmin*mn, so out[n] = sum_g (d*sc) s_g - (dmin*mn) sum(x_g): the same float32
+    values as matvec_nibbles with d = d*sc and m = -dmin*mn (both products exact in float32), from 19
+    bytes per 32 weights instead of 24."""
+    n_chunks, n_groups, _, w = qs.shape
+    xsum = _block_sums(x, 32)
+    for c in nb.prange(n_chunks):
+        acc = np.zeros((x.shape[0], w), dtype=np.float64)
+        s = np.empty(w, dtype=np.float32)
+        for g in range(n_groups):
+            qb, scg, mng, dg, dmg = qs[c, g], sc[c, g], mn[c, g], dsb[c, g // 8], dminsb[c, g // 8]
+            for t in range(x.shape[0]):
+                _nibble_block(qb, x, t, g, s, 0)
+                xs = xsum[t, g]
+                for i in range(w):
+                    acc[t, i] += (dg[i] * np.float32(scg[i])) * s[i] + (-(dmg[i] * np.float32(mng[i]))) * xs
         for t in range(x.shape[0]):
             for i in range(w):
                 out[t, c * w + i] = acc[t, i]
