@@ -19,11 +19,11 @@ _NO_C = np.zeros((0, 0, 0), np.float32)
 
 class QuantBlocks:
     """The GGUF blocks of one weight [N, K], unpacked once into what the kernels read (numba_kernels):
-    "nibbles" (Q4_0, Q4_1): qs [B, 16, N] uint8, d and m [B, N], offset; "q4k": qs [G, 16, N], sc and mn
-    [G, N] uint8, dsb and dminsb [G/8, N]; "bytes" (Q8_0, Q6_K):
-    qs [G, S, N] int8/uint8 codes, a and c [G, N]. Block-major and row-minor, so that stacked() can join
-    the rows of several weights; tile(C) then splits the rows into C contiguous chunks, the layout the
-    kernels read (numba_kernels)."""
+    "nibbles" (Q4_0, Q4_1): qs [B, 16, N] uint8, d and m [B, N] f32, offset;
+    "q4k" (Q4_K): qs [G, 16, N] uint8, sc and mn [G, N] uint8, dsb and dminsb [G/8, N] f32;
+    "bytes" (Q8_0, Q6_K): qs [G, S, N] int8/uint8 codes, a and c [G, N] f32 (Q8_0: no c).
+    Block-major and row-minor, so that stacked() can join the rows of several weights; tile() then splits
+    the rows into contiguous chunks, the layout the kernels read."""
 
     tiled = False
 
