@@ -146,9 +146,9 @@ def worker_main(argv):
         out = measure_transformers(path, prefill, decode, repeats, threads)
     else:
         backend, _, dtype = engine.partition(":")
-        numerics = "ggml" if backend == "numpy-ggml" else "exact"
+        numerics = "ggml" if backend.endswith("-ggml") else "exact"
         weights = {"numpy-eager": "eager", "numpy-lazy": "lazy"}.get(backend, "auto")
-        backend = "numpy" if backend.startswith("numpy") else backend
+        backend = backend.split("-")[0]
         out = measure_llorch(path, backend, prefill, decode, repeats, threads, dtype or "float32", numerics, weights)
     print("BENCH " + json.dumps(out), flush=True)
 

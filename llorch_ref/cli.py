@@ -363,7 +363,7 @@ def cmd_bench(args):
     if not path.exists():
         raise ParameterError(f"{path}: no such file")
     engines = [e for e in args.engines.split(",") if e]
-    known = {"numpy", "numpy-eager", "numpy-lazy", "numpy-ggml", "numba", "cupy", "cupy:float16", "llamacpp",
+    known = {"numpy", "numpy-eager", "numpy-lazy", "numpy-ggml", "numba", "numba-ggml", "cupy", "cupy:float16", "llamacpp",
              "transformers"}
     bad = [e for e in engines if e not in known]
     if bad:
@@ -451,7 +451,7 @@ def build_parser():
     b = sub.add_parser("bench", help="load time, prefill/decode tokens/s and peak memory per engine")
     b.add_argument("--model", help="GGUF file (default: the default model)")
     b.add_argument("--engines", default="numpy,numba,llamacpp",
-                   help="comma list of numpy (lazy weights for GGUF), numpy-eager, numpy-lazy, numpy-ggml, numba, cupy, "
+                   help="comma list of numpy (lazy weights for GGUF), numpy-eager, numpy-lazy, numpy-ggml, numba, numba-ggml, cupy, "
                         "cupy:float16, llamacpp, transformers")
     b.add_argument("--weight-cache-mb", type=float, default=None,
                    help="cache budget for the lazy-weight engines (default: theirs)")

@@ -233,6 +233,34 @@ class NumbaWeights:
         return sum(a.nbytes for q in seen.values() for a in vars(q).values() if isinstance(a, np.ndarray))
 
 
+class GgmlQuantMatrix:
+    """numerics="ggml": a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight (numerics.ggml_cpu.QuantMatrix) whose product runs
+    the numba kernel ggml_q8_dot, bit for bit the NumPy emulation's result (and so llama.cpp's)."""
+
+    def __init__(self, qm, threads):
+        from ..numerics.ggml_cpu import ACT_TYPE
+
+        self.qtype, self.shape, self.threads = qm.qtype, qm.shape, threads
+        n, k = qm.shape
+        self.q = np.ascontiguousarray(qm.q_lanes.reshape(-1, 32, n).astype(np.int8))     # [B, 32, N]
+        self.d = np.ascontiguousarray(qm.d.T)
+        self.m = np.ascontiguousarray(qm.m.T) if qm.m is not None else np.zeros((0, 0), np.float32)
+        self.with_sum = ACT_TYPE[qm.qtype] == "Q8_1"
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32)
+
+    def matmul(self, x):
+        from ..numerics.ggml_cpu import quantize_q8
+
+        qa, da, sa = quantize_q8(np.asarray(x, dtype=np.float32), with_sum=self.with_sum)
+        out = np.empty((x.shape[0], self.shape[0]), np.float32)
+        K.ggml_q8_dot(self.q, self.d, self.m, np.ascontiguousarray(qa.astype(np.int8)), da,
+                      sa if sa is not None else da, out, self.threads * 4 if self.shape[0] >= 1024 else self.threads)
+        return out
+
+
 class NumbaBackend(Backend):
     def __init__(self, threads=None):
         import numba
@@ -254,6 +282,8 @@ class NumbaBackend(Backend):
         K.matvec_nibbles(np.zeros((1, 1, 16, 1), np.uint8), d, d, 8, x, out)
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.int8), d, _NO_C, x, out)
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.uint8), d, d, x, out)
+        K.ggml_q8_dot(np.zeros((1, 32, 1), np.int8), d[0], d[0], np.zeros((1, 1, 32), np.int8), d[0], d[0],
+                      np.empty((1, 1), np.float32), 1)
         u8 = np.zeros((1, 1, 1), np.uint8)
         K.matvec_q4_k(np.zeros((1, 1, 16, 1), np.uint8), u8, u8, d, d, x, out)
         K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))
@@ -264,6 +294,19 @@ class NumbaBackend(Backend):
         o = np.empty((1, 4), np.float32)
         K.attend_one(o, np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.float32), np.zeros(2, np.float32),
                      0.5, np.zeros(1, np.int64), o, np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
+
+    def prepare_ggml_weights(self, weights):
+        """numerics="ggml": the legacy-quant matrices (ggml_cpu.QuantMatrix) get the numba kernel; K-quant
+        and float matrices keep their NumPy emulation."""
+        from ..numerics.ggml_cpu import QuantMatrix as GgmlNumpy
+
+        threads = self.info["threads"]
+        swap = lambda a: GgmlQuantMatrix(a, threads) if isinstance(a, GgmlNumpy) else a
+        self.n_matrices = sum(isinstance(a, GgmlNumpy) for lw in weights.layers for a in vars(lw).values())
+        return type(weights)(
+            tok_embd=weights.tok_embd,
+            layers=[type(lw)(**{k: swap(v) for k, v in vars(lw).items()}) for lw in weights.layers],
+            out_norm=weights.out_norm, output=swap(weights.output))
 
     def prepare_weights(self, weights, raw_blocks=None):
         """raw_blocks: (layer, field) and "output" -> (ggml type name, raw blocks) from the GGUF loader.
