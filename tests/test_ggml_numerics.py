@@ -8,6 +8,8 @@ import llorch_ref
 from llorch_ref.harness.metrics import compare
 from llorch_ref.numerics import ggml_cpu
 
+from llorch_test_helpers import need_backend
+
 PROMPT = "Once upon a time, there was a little"
 IDS = [1, 17, 5, 99, 42, 7, 64, 3, 120, 11]
 
@@ -29,6 +31,26 @@ def test_q8_1_sum_field():
     np.testing.assert_allclose(s, (d * q.sum(-1)).astype(np.float16).astype(np.float32), rtol=1e-3)
 
 
+@pytest.mark.parametrize("qt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_numba_ggml_products_equal_the_numpy_emulation(qt):
+    """The numba kernel against ggml_cpu.QuantMatrix, bit for bit: one row and several, activations of very
+    different scales, a row of zeros (its Q8 scale is 0)."""
+    need_backend("numba")
+    import gguf
+
+    from llorch_ref.backends.numba_backend import GgmlQuantMatrix
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((200, 256)).astype(np.float32)
+    qm = ggml_cpu.QuantMatrix(gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt]), qt, w.shape)
+    fast = GgmlQuantMatrix(qm, threads=2)
+    x = (rng.standard_normal((6, 256)) * np.array([[1e-4], [1], [50], [1], [3e3], [0]])).astype(np.float32)
+    for rows in (x[:1], x):
+        assert np.array_equal(fast.matmul(rows), qm.matmul(rows))
+    assert not np.array_equal(fast.matmul(x[1:2]), x[1:2] @ gguf.quants.dequantize(
+        gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt]), gguf.GGMLQuantizationType[qt]).T)
+
+
 def test_v_expf_is_within_two_ulp_of_exp():
     x = np.linspace(-87, 88, 100001, dtype=np.float32)
     got, want = ggml_cpu.v_expf(x), np.exp(x.astype(np.float64))
@@ -39,12 +61,16 @@ def test_v_expf_is_within_two_ulp_of_exp():
 
 @pytest.mark.parametrize("wt", ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "mixed"])
 @pytest.mark.parametrize("kv", ["f32", "f16"])
-def test_tiny_models_bit_identical_to_llamacpp(tiny, llamacpp, wt, kv):
-    """Prefill (every row), then single-token decode steps: every logit equal to llama.cpp's, bit for bit."""
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_tiny_models_bit_identical_to_llamacpp(tiny, llamacpp, wt, kv, backend):
+    """Prefill (every row), then single-token decode steps: every logit equal to llama.cpp's, bit for bit.
+    numba: the legacy-quant products run its kernel (the rest stays the NumPy emulation)."""
     from llorch_ref.references.llamacpp import LlamaCpp
 
+    if backend == "numba":
+        need_backend("numba")
     path = tiny(vocab="none", weight_type=wt)
-    eng = llorch_ref.load(path, numerics="ggml", kv_dtype=kv)
+    eng = llorch_ref.load(path, numerics="ggml", kv_dtype=kv, backend=backend)
     ref = LlamaCpp(path, n_ctx=128, kv_type=kv)
     m = compare(eng.logits(IDS), ref.eval(IDS))
     assert m["max_abs"] == 0.0, m

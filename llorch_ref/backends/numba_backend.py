@@ -17,6 +17,19 @@ KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 _NO_C = np.zeros((0, 0, 0), np.float32)
 
 
+def tile_rows(obj, names, n, threads, max_rows=1024):
+    """obj's arrays `names`: [.., N] -> [C, .., R], N padded with zero rows to C*R, R % 16 == 0. C is a
+    multiple of the thread count, with R <= max_rows so that a chunk's partial sums stay in L1; each chunk
+    is one contiguous region, which one thread streams."""
+    chunks = threads * -(-n // (threads * max_rows))
+    r = -(-n // (16 * chunks)) * 16
+    for name in names:
+        a = getattr(obj, name)
+        a = np.concatenate([a, np.zeros(a.shape[:-1] + (chunks * r - n,), a.dtype)], axis=-1)
+        a = a.reshape(a.shape[:-1] + (chunks, r))
+        setattr(obj, name, np.ascontiguousarray(np.moveaxis(a, -2, 0)))
+
+
 class QuantBlocks:
     """The GGUF blocks of one weight [N, K], unpacked once into what the kernels read (numba_kernels):
     "nibbles" (Q4_0, Q4_1): qs [B, 16, N] uint8, d and m [B, N] f32, offset;
@@ -111,16 +124,8 @@ class QuantBlocks:
         return (self.qtype, self.kind, self.qs.shape[:2]) == (other.qtype, other.kind, other.qs.shape[:2])
 
     def tile(self, threads, max_rows=1024):
-        """Lay the rows out for the kernels: [.., N] -> [C, .., R], N padded with zero rows to C*R, R % 16 == 0.
-
-        C is a multiple of the thread count, with R <= max_rows so that a chunk's partial sums stay in L1."""
-        chunks = threads * -(-self.n // (threads * max_rows))
-        r = -(-self.n // (16 * chunks)) * 16
-        for name in self._fields():
-            a = getattr(self, name)
-            a = np.concatenate([a, np.zeros(a.shape[:-1] + (chunks * r - self.n,), a.dtype)], axis=-1)
-            a = a.reshape(a.shape[:-1] + (chunks, r))
-            setattr(self, name, np.ascontiguousarray(np.moveaxis(a, -2, 0)))
+        """Lay the rows out for the kernels (tile_rows)."""
+        tile_rows(self, self._fields(), self.n, threads, max_rows)
         self.tiled = True
         return self
 
@@ -240,11 +245,14 @@ class GgmlQuantMatrix:
     def __init__(self, qm, threads):
         from ..numerics.ggml_cpu import ACT_TYPE
 
-        self.qtype, self.shape, self.threads = qm.qtype, qm.shape, threads
+        self.qtype, self.shape = qm.qtype, qm.shape
         n, k = qm.shape
-        self.q = np.ascontiguousarray(qm.q_lanes.reshape(-1, 32, n).astype(np.int8))     # [B, 32, N]
-        self.d = np.ascontiguousarray(qm.d.T)
-        self.m = np.ascontiguousarray(qm.m.T) if qm.m is not None else np.zeros((0, 0), np.float32)
+        self.q = qm.q_lanes.reshape(-1, 32, n).astype(np.int8)                         # [B, 32, N]
+        self.d = qm.d.T
+        self.m = qm.m.T if qm.m is not None else None
+        tile_rows(self, ("q", "d") if self.m is None else ("q", "d", "m"), n, threads)  # [C, B, 32, R], [C, B, R]
+        if self.m is None:
+            self.m = np.zeros((0, 0, 0), np.float32)
         self.with_sum = ACT_TYPE[qm.qtype] == "Q8_1"
 
     @property
@@ -255,10 +263,11 @@ class GgmlQuantMatrix:
         from ..numerics.ggml_cpu import quantize_q8
 
         qa, da, sa = quantize_q8(np.asarray(x, dtype=np.float32), with_sum=self.with_sum)
-        out = np.empty((x.shape[0], self.shape[0]), np.float32)
+        c, r = self.q.shape[0], self.q.shape[-1]
+        out = np.empty((x.shape[0], c * r), np.float32)
         K.ggml_q8_dot(self.q, self.d, self.m, np.ascontiguousarray(qa.astype(np.int8)), da,
-                      sa if sa is not None else da, out, self.threads * 4 if self.shape[0] >= 1024 else self.threads)
-        return out
+                      sa if sa is not None else da, out)
+        return out[:, :self.shape[0]]
 
 
 class NumbaBackend(Backend):
@@ -282,8 +291,8 @@ class NumbaBackend(Backend):
         K.matvec_nibbles(np.zeros((1, 1, 16, 1), np.uint8), d, d, 8, x, out)
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.int8), d, _NO_C, x, out)
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.uint8), d, d, x, out)
-        K.ggml_q8_dot(np.zeros((1, 32, 1), np.int8), d[0], d[0], np.zeros((1, 1, 32), np.int8), d[0], d[0],
-                      np.empty((1, 1), np.float32), 1)
+        K.ggml_q8_dot(np.zeros((1, 1, 32, 1), np.int8), d, d, np.zeros((1, 1, 32), np.int8), d[0], d[0],
+                      np.empty((1, 1), np.float32))
         u8 = np.zeros((1, 1, 1), np.uint8)
         K.matvec_q4_k(np.zeros((1, 1, 16, 1), np.uint8), u8, u8, d, d, x, out)
         K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))

@@ -250,38 +250,38 @@ def attend_one(q, k, v, mask, scale, kv_head, out, kq, probs):
 # -- numerics="ggml": llama.cpp's quantized dot products (ggml_cpu.QuantMatrix), bit for bit ---------------
 
 @nb.njit(parallel=True, cache=True, fastmath=False)
-def ggml_q8_dot(q, d, m, qa, da, sa, out, n_chunks):
-    """q: [B, 32, N] int8 weight codes, d, m: [B, N] f32 (m: [0, 0] for none), qa: [T, B, 32] int8 activation
-    codes, da, sa: [T, B] f32 -> out: [T, N] f32, exactly as numerics.ggml_cpu.QuantMatrix computes it:
-    per block, lane l holds the integer sum of elements 4l..4l+3 and acc_l = fma(d*da, lane, acc_l) (the FMA
-    emulated in float64, as there); then ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), plus sum_b m*sa in float32."""
-    n_blocks, n_rows = q.shape[0], q.shape[2]
+def ggml_q8_dot(q, d, m, qa, da, sa, out):
+    """q: [C, B, 32, R] int8 weight codes, d, m: [C, B, R] f32 (m: [0, 0, 0] for none), qa: [T, B, 32] int8
+    activation codes, da, sa: [T, B] f32 -> out: [T, C*R] f32, exactly as numerics.ggml_cpu.QuantMatrix
+    computes it: per block, lane l holds the integer sum of elements 4l..4l+3 and acc_l = fma(d*da, lane,
+    acc_l) (the FMA emulated in float64, as there); then ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), plus
+    sum_b m*sa in float32."""
+    n_chunks, n_blocks, _, w = q.shape
     has_m = m.shape[0] > 0
     for c in nb.prange(n_chunks):
-        lo, hi = c * n_rows // n_chunks, (c + 1) * n_rows // n_chunks
-        w = hi - lo
         acc = np.empty((8, w), np.float32)
         isum = np.empty(w, np.int32)
+        dd = np.empty(w, np.float32)
         summs = np.empty(w, np.float32)
         for t in range(qa.shape[0]):
             acc[:] = 0.0
             summs[:] = 0.0
             for b in range(n_blocks):
-                dab = da[t, b]
+                qb, db, dab = q[c, b], d[c, b], da[t, b]
+                for i in range(w):
+                    dd[i] = db[i] * dab
                 for l in range(8):
                     isum[:] = 0
                     for k in range(4):
-                        e = 4 * l + k
-                        qe, xe = q[b, e, lo:hi], np.int32(qa[t, b, e])
+                        qe, xe = qb[4 * l + k], np.int32(qa[t, b, 4 * l + k])
                         for i in range(w):
                             isum[i] += np.int32(qe[i]) * xe
                     for i in range(w):
-                        dd = d[b, lo + i] * dab
-                        acc[l, i] = np.float32(np.float64(dd) * np.float64(isum[i]) + np.float64(acc[l, i]))
+                        acc[l, i] = np.float32(np.float64(dd[i]) * np.float64(isum[i]) + np.float64(acc[l, i]))
                 if has_m:
-                    sab = sa[t, b]
+                    mb, sab = m[c, b], sa[t, b]
                     for i in range(w):
-                        summs[i] = summs[i] + m[b, lo + i] * sab
+                        summs[i] = summs[i] + mb[i] * sab
             for i in range(w):
                 y = ((acc[0, i] + acc[4, i]) + (acc[2, i] + acc[6, i])) + ((acc[1, i] + acc[5, i]) + (acc[3, i] + acc[7, i]))
-                out[t, lo + i] = y + summs[i] if has_m else y
+                out[t, c * w + i] = y + summs[i] if has_m else y
