@@ -34,6 +34,10 @@ def _load(args):
     _log(f"llorch-ref: loaded {eng.path.name} ({eng.config.arch}, {eng.config.n_layers} layers) "
          f"in {time.perf_counter() - t0:.2f} s, backend {eng.backend.name}, numerics {eng.numerics}, "
          f"K/V cache {eng.kv_dtype}, {how}")
+    if eng.backend.name == "numba" and eng.numerics == "exact" and not eng.backend.info.get("kernel_matrices"):
+        _log("llorch-ref: warning: no matrix of this model has a numba kernel (kernels: "
+             "Q4_0, Q4_1, Q8_0, Q4_K, Q6_K GGUF blocks); every product goes to BLAS, whose threads contend with "
+             "numba's: decode is much slower than on --backend numpy")
     return eng
 
 

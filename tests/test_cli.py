@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 
 def run(*args, env=None):
@@ -28,6 +29,19 @@ def test_generate_streams_only_the_continuation(tiny):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() != "" and "loaded" not in r.stdout
     assert "loaded" in r.stderr and "stop: max_tokens" in r.stderr
+
+
+def test_numba_says_when_no_matrix_has_a_kernel(tiny):
+    """F32 weights: every product goes to BLAS on the numba backend; the user is told, and sees the kernel
+    blocks on a quantized file instead."""
+    pytest.importorskip("numba", reason="numba is not installed")
+    r = run("generate", "Once upon", "--model", tiny(vocab="bpe"), "--backend", "numba", "--max-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert "warning: no matrix of this model has a numba kernel" in r.stderr and "--backend numpy" in r.stderr
+    r = run("generate", "Once upon", "--model", tiny(vocab="bpe", weight_type="Q8_0"), "--backend", "numba",
+            "--max-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert "warning" not in r.stderr and "kernel blocks" in r.stderr
 
 
 def test_generate_default_model_matches_api(default_model, engine_q41):

@@ -347,6 +347,7 @@ class NumbaBackend(Backend):
         out = raw.get("output")
         out = (QuantBlocks(out[1], out[0]).tile(threads), 0, out[1].shape[0]) if out else None
         self.n_matrices = sum(map(len, handles)) + (out is not None)
+        self.info["kernel_matrices"] = self.n_matrices
         return NumbaWeights(weights, handles, out)
 
     def make_ops(self, base_ops):
