@@ -35,9 +35,8 @@ def _load(args):
          f"in {time.perf_counter() - t0:.2f} s, backend {eng.backend.name}, numerics {eng.numerics}, "
          f"K/V cache {eng.kv_dtype}, {how}")
     if eng.backend.name == "numba" and eng.numerics == "exact" and not eng.backend.info.get("kernel_matrices"):
-        _log("llorch-ref: warning: no matrix of this model has a numba kernel (kernels: "
-             "Q4_0, Q4_1, Q8_0, Q4_K, Q6_K GGUF blocks); every product goes to BLAS, whose threads contend with "
-             "numba's: decode is much slower than on --backend numpy")
+        _log("llorch-ref: note: no matrix of this model has a numba kernel (kernels: Q4_0, Q4_1, Q8_0, Q4_K, "
+             "Q6_K GGUF blocks); every product goes to BLAS, as on --backend numpy")
     return eng
 
 

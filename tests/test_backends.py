@@ -164,6 +164,14 @@ def test_numba_decode_attention_matches_the_reference(n_pos, window):
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == np.float32
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+    # the parallel kernel (models whose products all run on kernels) gives the same bits as the serial one
+    from llorch_ref.backends import numba_kernels as K
+    outs = []
+    for attend in (K.attend_one, K.attend_one_serial):
+        o, kq, pr = np.empty((6, 24), np.float32), np.empty((6, n_pos), np.float32), np.empty((6, n_pos), np.float32)
+        attend(np.ascontiguousarray(q[0]), k, v, mask[0], 0.2, kv_head, o, kq, pr)
+        outs.append((o, kq, pr))
+    assert all(np.array_equal(a, b) for a, b in zip(*outs))
     # a planted bug: every query head reading KV head 0 (no GQA repeat) must not pass
     bad = ops.attention(np, q, k, v, mask, 0.2, np.zeros(6, dtype=kv_head.dtype))
     assert not np.allclose(bad[0], want[0], rtol=2e-5, atol=2e-6)

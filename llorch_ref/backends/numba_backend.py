@@ -15,6 +15,7 @@ from . import numba_kernels as K
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 _NO_C = np.zeros((0, 0, 0), np.float32)
+MATRIX_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def tile_rows(obj, names, n, threads, max_rows=1024):
@@ -278,7 +279,7 @@ class NumbaBackend(Backend):
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         super().__init__(name="numba", xp=np, asarray=lambda a: a, to_numpy=lambda a: a, device="cpu",
                          info={"numba": numba.__version__, "threads": numba.get_num_threads(), "fastmath": False})
-        self.n_matrices = 0
+        self.n_matrices, self.all_kernels = 0, False
         t0 = time.perf_counter()
         self._warm_up()
         self.info["compile_or_cache_load_s"] = round(time.perf_counter() - t0, 3)
@@ -301,8 +302,9 @@ class NumbaBackend(Backend):
             K.rope_one(np.ones((1, 4), np.float32), np.ones(2, np.float32), np.ones(2, np.float32), neox,
                        np.empty((1, 4), np.float32))
         o = np.empty((1, 4), np.float32)
-        K.attend_one(o, np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.float32), np.zeros(2, np.float32),
-                     0.5, np.zeros(1, np.int64), o, np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
+        for attend in (K.attend_one, K.attend_one_serial):
+            attend(o, np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.float32), np.zeros(2, np.float32),
+                   0.5, np.zeros(1, np.int64), o, np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
 
     def prepare_ggml_weights(self, weights):
         """numerics="ggml": the legacy-quant matrices (ggml_cpu.QuantMatrix) get the numba kernel; K-quant
@@ -348,6 +350,8 @@ class NumbaBackend(Backend):
         out = (QuantBlocks(out[1], out[0]).tile(threads), 0, out[1].shape[0]) if out else None
         self.n_matrices = sum(map(len, handles)) + (out is not None)
         self.info["kernel_matrices"] = self.n_matrices
+        # a decode step with any product left to BLAS runs numba's attention serially (attend_one_serial)
+        self.all_kernels = out is not None and all(set(h) >= set(MATRIX_FIELDS) for h in handles)
         return NumbaWeights(weights, handles, out)
 
     def make_ops(self, base_ops):
@@ -401,7 +405,8 @@ class NumbaBackend(Backend):
             n_pos = k.shape[0]
             out = np.empty((h, hd), np.float32)
             kq, probs = np.empty((h, 1, n_pos), np.float32), np.empty((h, 1, n_pos), np.float32)
-            K.attend_one(np.ascontiguousarray(q[0]), k, v, mask[0], scale, kv_head, out, kq[:, 0], probs[:, 0])
+            attend = K.attend_one if self.all_kernels else K.attend_one_serial
+            attend(np.ascontiguousarray(q[0]), k, v, mask[0], scale, kv_head, out, kq[:, 0], probs[:, 0])
             return out.reshape(1, h * hd), kq, probs
 
         ops.linear, ops.rms_norm, ops.swiglu, ops.qkv, ops.attention, ops.rope = linear, rms_norm, swiglu, qkv, attention, rope
