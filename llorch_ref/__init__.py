@@ -11,7 +11,7 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", 
 
     backend: "numpy" (default, or $LLORCH_BACKEND), "numba" or "cupy"; dtype: weight storage on the
     backend ("float16" for cupy only); numerics: "exact" (float32 math) or "ggml" (llama.cpp's CPU
-    arithmetic, numpy backend); kv_dtype: "f32" or "f16" (the K/V cache type; llama.cpp's default is f16).
+    arithmetic, numpy and numba backends); kv_dtype: "f32" or "f16" (the K/V cache type; llama.cpp's default is f16).
     weights: "lazy" (GGUF memory-mapped, each layer dequantized when it runs, through a cache of
     weight_cache_mb; default: the whole model if it fits in half the available memory; the numba backend
     keeps its kernels' blocks in memory besides), "eager" (all dequantized at load) or "auto" (lazy for

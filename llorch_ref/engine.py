@@ -44,10 +44,7 @@ class Engine:
         if numerics == "ggml" and self.backend.name not in ("numpy", "numba"):
             raise ParameterError("numerics='ggml' runs on the numpy and numba backends only")
         self.xp = self.backend.xp
-        if numerics == "ggml" and self.backend.name == "numba":     # numba kernels for the legacy-quant products
-            self.weights = self.backend.prepare_ggml_weights(weights)
-        else:
-            self.weights = self.backend.prepare_weights(weights, raw_blocks)
+        self.weights = self.backend.prepare_weights(weights, raw_blocks, numerics)
         if n_ctx is not None and not (0 < int(n_ctx) <= config.context_length):
             raise ParameterError(f"n_ctx={n_ctx} must be in 1..{config.context_length} (the model's context)")
         # default: the model's context up to DEFAULT_CTX, since the K/V cache is preallocated (a 128k-token

@@ -30,7 +30,9 @@ class Backend:
         """-> the layer-function namespace for this backend (base_ops with hot kernels overridden)."""
         return base_ops
 
-    def prepare_weights(self, weights, raw_tensors=None):
+    def prepare_weights(self, weights, raw_blocks=None, numerics="exact"):
+        """-> the weights as this backend computes with them. raw_blocks: the GGUF loader's quantized blocks
+        (kernels that read them: numba); numerics: "exact" or "ggml" (matrix objects that stay as they are)."""
         return weights.map(self.asarray)
 
     def synchronize(self):

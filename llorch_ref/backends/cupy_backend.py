@@ -33,7 +33,7 @@ class CupyBackend(Backend):
     def make_decoder(self, engine, cache):
         return GraphDecoder(engine, cache)
 
-    def prepare_weights(self, weights, raw_tensors=None):
+    def prepare_weights(self, weights, raw_blocks=None, numerics="exact"):
         cp = self.xp
         if self.dtype == "float32":
             return weights.map(cp.asarray)

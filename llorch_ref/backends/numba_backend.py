@@ -45,13 +45,12 @@ class QuantBlocks:
         from ..numerics.ggml_cpu import _f16
 
         n = raw.shape[0]
-        block_bytes, block_len = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256),
-                                  "Q6_K": (210, 256)}[qtype]
-        self.qtype, self.n, self.k = qtype, n, raw.shape[1] // block_bytes * block_len
+        size, block_len = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256),
+                           "Q6_K": (210, 256)}[qtype]
+        self.qtype, self.n, self.k = qtype, n, raw.shape[1] // size * block_len
         if qtype in ("Q4_K", "Q6_K"):
             self._init_k(np.asarray(raw), qtype)
             return
-        size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
         blk = np.asarray(raw).reshape(n, -1, size)
         d = np.ascontiguousarray(_f16(blk, 0).T)
         if qtype == "Q8_0":
@@ -202,8 +201,8 @@ class _NumbaLayer:
         h = self._handles.get(name)
         if h is not None:
             layers, i = self._layers, self._i
-            ready = (lambda: True) if isinstance(layers, list) else (lambda: layers.keeps(i))
-            value = QuantMatrix(*h, lambda: getattr(layers[i], name), ready)
+            keeps = getattr(layers, "keeps", None)                  # lazy layers; eager ones are always at hand
+            value = QuantMatrix(*h, lambda: getattr(layers[i], name), (lambda: keeps(i)) if keeps else (lambda: True))
         else:
             value = getattr(self._layers[self._i], name)
             if getattr(value, "ndim", 2) != 1:
@@ -221,13 +220,13 @@ class NumbaWeights:
         self.layers = NumbaLayers(weights.layers, handles)
         self._output = output
         self.lazy = getattr(weights, "lazy", False)
+        if output is not None:
+            ready = weights.keeps_output if self.lazy else (lambda: True)
+            self._handle = QuantMatrix(*output, lambda: weights.output, ready)
 
     @property
     def output(self):
-        if self._output is None:
-            return self._w.output
-        ready = self._w.keeps_output if self.lazy else (lambda: True)
-        return QuantMatrix(*self._output, lambda: self._w.output, ready)
+        return self._w.output if self._output is None else self._handle
 
     def info(self) -> dict:
         return {**self._w.info(), "kernel_blocks_mb": round(self.blocks_bytes() / 2**20, 1)}
@@ -306,7 +305,7 @@ class NumbaBackend(Backend):
             attend(o, np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.float32), np.zeros(2, np.float32),
                    0.5, np.zeros(1, np.int64), o, np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
 
-    def prepare_ggml_weights(self, weights):
+    def _prepare_ggml(self, weights):
         """numerics="ggml": the legacy-quant matrices (ggml_cpu.QuantMatrix) get the numba kernel; K-quant
         and float matrices keep their NumPy emulation."""
         from ..numerics.ggml_cpu import QuantMatrix as GgmlNumpy
@@ -319,13 +318,16 @@ class NumbaBackend(Backend):
             layers=[type(lw)(**{k: swap(v) for k, v in vars(lw).items()}) for lw in weights.layers],
             out_norm=weights.out_norm, output=swap(weights.output))
 
-    def prepare_weights(self, weights, raw_blocks=None):
+    def prepare_weights(self, weights, raw_blocks=None, numerics="exact"):
         """raw_blocks: (layer, field) and "output" -> (ggml type name, raw blocks) from the GGUF loader.
 
         Every matrix with blocks of a KERNEL_TYPES type becomes a QuantMatrix handle: one-token products by
         the kernels, several-token ones by BLAS on the float32 weight (eager, or dequantized on use from lazy
         weights). Q/K/V and gate/up of a layer, when their blocks are of one type, are stacked by rows
-        (QuantBlocks.stacked) so that a decode step runs one kernel for each group."""
+        (QuantBlocks.stacked) so that a decode step runs one kernel for each group. numerics="ggml": see
+        _prepare_ggml."""
+        if numerics == "ggml":
+            return self._prepare_ggml(weights)
         raw = {k: v for k, v in (raw_blocks or {}).items() if v[0] in KERNEL_TYPES}
         per_layer = [{} for _ in range(len(weights.layers))]
         for key, (qtype, r) in raw.items():
@@ -368,8 +370,8 @@ class NumbaBackend(Backend):
             y = ws[0].blocks.matvec(x[0])[None, :]
             return [y[:, w.lo:w.hi] for w in ws]
 
-        # Numba kernels serve single-token steps only: for several rows the work goes to BLAS, and Numba's
-        # worker threads would compete with BLAS's for the same cores.
+        # The elementwise and attention kernels serve one-token steps; several rows go to the reference
+        # (numpy, BLAS), whose threads would otherwise compete with numba's for the same cores.
         def rms_norm(xp, x, w, eps):
             if x.shape[0] != 1:
                 return base_ops.rms_norm(xp, x, w, eps)
@@ -409,5 +411,7 @@ class NumbaBackend(Backend):
             attend(np.ascontiguousarray(q[0]), k, v, mask[0], scale, kv_head, out, kq[:, 0], probs[:, 0])
             return out.reshape(1, h * hd), kq, probs
 
-        ops.linear, ops.rms_norm, ops.swiglu, ops.qkv, ops.attention, ops.rope = linear, rms_norm, swiglu, qkv, attention, rope
+        for name, fn in (("linear", linear), ("rms_norm", rms_norm), ("swiglu", swiglu), ("qkv", qkv),
+                         ("attention", attention), ("rope", rope)):
+            setattr(ops, name, fn)
         return ops

@@ -47,7 +47,8 @@ def _nibble_block(qb, x, t, b, s, off):
         xl, xh, qj = x[t, b * 32 + j], x[t, b * 32 + j + 16], qb[j]
         for i in range(s.shape[0]):
             q = qj[i]
-            s[i] += np.float32(np.int32(q & np.uint8(15)) - off) * xl + np.float32(np.int32(q >> np.uint8(4)) - off) * xh
+            s[i] += (np.float32(np.int32(q & np.uint8(15)) - off) * xl
+                     + np.float32(np.int32(q >> np.uint8(4)) - off) * xh)
 
 
 @nb.njit(inline="always")
@@ -298,5 +299,6 @@ def ggml_q8_dot(q, d, m, qa, da, sa, out):
                     for i in range(w):
                         summs[i] = summs[i] + mb[i] * sab
             for i in range(w):
-                y = ((acc[0, i] + acc[4, i]) + (acc[2, i] + acc[6, i])) + ((acc[1, i] + acc[5, i]) + (acc[3, i] + acc[7, i]))
+                y = (((acc[0, i] + acc[4, i]) + (acc[2, i] + acc[6, i]))
+                     + ((acc[1, i] + acc[5, i]) + (acc[3, i] + acc[7, i])))
                 out[t, c * w + i] = y + summs[i] if has_m else y

@@ -154,7 +154,7 @@ class LazyWeights:
         return self.cache.keeps("output", self._output_bytes)
 
     def map(self, fn):
-        return self                     # numpy backend only (the engine refuses lazy weights elsewhere)
+        return self                     # lazy weights stay on the CPU (numpy; numba wraps them, cupy refuses them)
 
     def info(self) -> dict:
         return {"lazy": True, "storage": str(self.dtype), "dequantized_mb": round(self.full_bytes / 2**20, 1),
