@@ -129,6 +129,8 @@ def cmd_convert(args):
     from .convert import convert_gguf, convert_gguf_to_hf, convert_hf_to_gguf
 
     t0 = time.perf_counter()
+    if not Path(args.input).exists():
+        raise ParameterError(f"{args.input}: no such file or folder")
     if Path(args.input).is_dir():
         if args.to != "gguf":
             raise ParameterError(f"{args.input} is a Hugging Face folder: it converts --to gguf")
@@ -267,15 +269,12 @@ def _run_transformers(args):
 
 
 def cmd_dump(args):
-    from pathlib import Path
-
     from .harness.run import DEFAULT_PROMPT
 
-    out = Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise ParameterError(f"{out} exists (pass --overwrite to replace it)")
-    if not out.parent.is_dir():
-        raise ParameterError(f"{out.parent}: no such folder for --out")
+    from .loaders.default_model import resolve_model
+    from .output_paths import check_output
+
+    out = check_output(args.out, inputs=[resolve_model(args.model)], overwrite=args.overwrite, what="--out").path
     ids = None
     if args.token_ids:
         try:
@@ -293,12 +292,10 @@ def cmd_dump(args):
         if given:
             raise ParameterError(f"{', '.join(given)} do(es) not apply to --engine {args.engine}")
     if args.engine == "llamacpp":
-        from .loaders.default_model import resolve_model
         from .references.engines import dump_llamacpp
         rec = dump_llamacpp(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
                             kv_type=args.kv_dtype, checkpoints=args.checkpoint)
     elif args.engine == "transformers":
-        from .loaders.default_model import resolve_model
         from .references.engines import dump_transformers
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; transformers dumps hold all")
@@ -313,7 +310,7 @@ def cmd_dump(args):
                 raise ParameterError("this model has no vocabulary: pass --token-ids")
             ids = eng.tokenizer.encode(prompt)
         rec = record_engine(eng, ids, prompt=prompt, n_greedy=args.greedy)
-    rec.save(out)
+    rec.save(out, overwrite=args.overwrite)
     print(f"wrote {out}: {len(rec.tensors)} tensors from {rec.engine} {rec.version}, {len(rec.token_ids)} tokens, "
           f"layouts {rec.layouts}")
     return 0
@@ -330,11 +327,12 @@ def cmd_diff(args):
 
 
 def cmd_prove(args):
-    from .harness.bundle import write_bundles
+    from .harness.bundle import check_bundle_target, write_bundles
 
     t0 = time.perf_counter()
+    out_dir, run_id = check_bundle_target(args.out, args.run_id)     # before the run, not after it
     eng, res = _run(args)
-    paths = write_bundles(res, eng, out_dir=args.out, run_id=args.run_id, argv=["llorch-ref"] + sys.argv[1:])
+    paths = write_bundles(res, eng, out_dir=out_dir, run_id=run_id, argv=["llorch-ref"] + sys.argv[1:])
     _print_result(res, False)
     print(f"proof bundles: {len(paths['bundles'])} checkpoints under {paths['index'].parent}/cp*/"
           f"{paths['index'].stem}/")
@@ -343,28 +341,95 @@ def cmd_prove(args):
     return 0 if res.first_divergence is None else 1
 
 
+def _api_token(args) -> str | None:
+    """--api-token-file, then $LLORCH_API_TOKEN, then --api-token (visible in ps); an empty token is an error,
+    never auth turned off."""
+    given = [(n, v) for n, v in (("--api-token", args.api_token), ("--api-token-file", args.api_token_file))
+             if v is not None]
+    if len(given) > 1:
+        raise ParameterError("give --api-token or --api-token-file, not both")
+    if args.api_token_file is not None:
+        try:
+            with open(args.api_token_file, encoding="utf-8") as f:
+                token = f.read(4097).strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ParameterError(f"--api-token-file {args.api_token_file}: cannot read it ({e})") from None
+        where = f"--api-token-file {args.api_token_file}"
+    elif args.api_token is not None:
+        token, where = args.api_token, "--api-token"
+    elif os.environ.get("LLORCH_API_TOKEN") is not None:
+        token, where = os.environ["LLORCH_API_TOKEN"], "$LLORCH_API_TOKEN"
+    else:
+        return None
+    if not token or len(token) > 4096 or not token.isprintable() or token != token.strip():
+        raise ParameterError(f"{where}: the token must be 1-4096 printable characters without surrounding spaces "
+                             f"(an empty token does not turn authentication off)")
+    return token
+
+
 def cmd_serve(args):
     import uvicorn
 
     from .server.app import create_app
 
+    token = _api_token(args)
     eng = _load(args)
-    app = create_app(eng, api_token=args.api_token, max_queue=args.max_queue)
+    app = create_app(eng, api_token=token, max_queue=args.max_queue)
+    if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        _log(f"llorch-ref: warning: serving on {args.host} without a token: anyone who can reach this address can "
+             f"run generations (set $LLORCH_API_TOKEN or --api-token-file)")
     _log(f"llorch-ref: serving on http://{args.host}:{args.port} (POST /execute, /v1/completions, "
-         f"/v1/chat/completions; GET /health, /v1/models){'; bearer token required' if args.api_token else ''}")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=5)
+         f"/v1/chat/completions; GET /health, /v1/models){'; bearer token required' if token else ''}")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=5,
+                timeout_graceful_shutdown=args.shutdown_grace)
     return 0
 
 
-def cmd_bench(args):
-    from pathlib import Path
+def _int_in(lo, hi):
+    """argparse type: an integer in lo..hi (hi None: no upper bound)."""
+    def parse(v):
+        try:
+            x = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
+        if x < lo or (hi is not None and x > hi):
+            raise argparse.ArgumentTypeError(f"{x} is not in {lo}..{hi if hi is not None else ''}")
+        return x
+    return parse
 
+
+def _preflight(args):
+    """What can be checked before a model is loaded or a comparison runs, so a bad value costs nothing."""
+    from .backends import available
+    from .generate.sampling import SamplingParams
+
+    backend = getattr(args, "backend", None) or os.environ.get("LLORCH_BACKEND")
+    if backend:
+        reason = available().get(backend, f"not one of {', '.join(available())}")
+        if reason:
+            raise ParameterError(f"--backend {backend}: {reason}")
+    if hasattr(args, "temperature"):
+        errs = SamplingParams(**_sampling(args)).errors()
+        if errs:
+            raise ParameterError("; ".join(f"--{k.replace('_', '-')}: {v}" for k, v in errs.items()))
+        if args.max_tokens < 0:
+            raise ParameterError(f"--max-tokens must be >= 0, got {args.max_tokens}")
+    if getattr(args, "ctx", None) is not None and args.ctx < 1:
+        raise ParameterError(f"--ctx must be >= 1, got {args.ctx}")
+    if args.cmd == "generate" and not args.prompt.strip():
+        raise ParameterError("empty prompt (or only whitespace): give some text to continue")
+
+
+def cmd_bench(args):
     from .bench import markdown, run_bench
     from .loaders.default_model import resolve_model
 
     path = resolve_model(args.model)
     if not path.exists():
         raise ParameterError(f"{path}: no such file")
+    if args.json:
+        from .output_paths import check_output
+        json_out = check_output(args.json, inputs=[path], overwrite=args.overwrite, what="--json")
     engines = [e for e in args.engines.split(",") if e]
     known = {"numpy", "numpy-eager", "numpy-lazy", "numpy-ggml", "numba", "numba-ggml", "cupy", "cupy:float16", "llamacpp",
              "transformers"}
@@ -382,7 +447,8 @@ def cmd_bench(args):
     md = markdown(report)
     print(md)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        with json_out.staged_file() as tmp:
+            tmp.write_text(json.dumps(report, indent=2) + "\n")
         _log(f"llorch-ref: wrote {args.json}")
     return 0 if all("error" not in r for r in report["results"]) else 1
 
@@ -445,9 +511,14 @@ def build_parser():
     sv = sub.add_parser("serve", help="HTTP worker: /execute (SSE) and OpenAI-compatible routes")
     model_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8080)
-    sv.add_argument("--api-token", default=None, help="require Authorization: Bearer TOKEN")
-    sv.add_argument("--max-queue", type=int, default=16, help="requests queued or running before 503")
+    sv.add_argument("--port", type=_int_in(1, 65535), default=8080)
+    sv.add_argument("--api-token", default=None, help="require Authorization: Bearer TOKEN (visible in ps: prefer "
+                    "--api-token-file or $LLORCH_API_TOKEN)")
+    sv.add_argument("--api-token-file", default=None, help="read the bearer token from this file")
+    sv.add_argument("--max-queue", type=_int_in(1, 10000), default=16,
+                    help="requests queued or running (prompts being tokenized included) before 503")
+    sv.add_argument("--shutdown-grace", type=_int_in(0, 3600), default=10,
+                    help="seconds running requests get to finish on shutdown")
     sv.add_argument("--ctx", type=int, default=None, help="context size (default: the model's, at most 8192; the K/V cache is preallocated)")
     sv.set_defaults(fn=cmd_serve)
 
@@ -463,6 +534,7 @@ def build_parser():
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--threads", type=int, default=None, help="threads for every engine (default: all cores)")
     b.add_argument("--json", help="write the full report here")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     b.set_defaults(fn=cmd_bench)
 
     i = sub.add_parser("inspect", help="print architecture, hyper-parameters, tensor types and vocabulary")
@@ -528,6 +600,7 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
+        _preflight(args)
         return args.fn(args)
     except LlorchError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -6,15 +6,16 @@ the F32 copy computes plain float32 math, which is what the tight checkpoint ban
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-from .errors import LlorchError, ParameterError
+from .errors import ParameterError
 from .loaders.gguf_file import dequantize, open_reader
+from .output_paths import check_output
 
 FILE_TYPES = {"f32": 0, "f16": 1}   # llama_ftype ALL_F32, MOSTLY_F16
+HF_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 def _copy_fields(reader, writer, file_type, overrides=None):
@@ -48,18 +49,15 @@ def _copy_fields(reader, writer, file_type, overrides=None):
         raise ParameterError(f"metadata key(s) {', '.join(overrides)} not in the file; nothing to override")
 
 
-def _write_gguf(writer, tmp: Path, dst: Path) -> Path:
-    """Write a filled GGUFWriter to tmp and rename it into place (nothing half-written is left at dst)."""
-    try:
-        writer.write_header_to_file()
+def _write_gguf(writer, out) -> Path:
+    """Write a filled GGUFWriter (made with no path) through out's staging file: nothing half-written is
+    ever at the output, and nothing but the output is replaced."""
+    with out.staged_file() as tmp:
+        writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return dst
+    return out.path
 
 
 def convert_gguf(src, dst, dtype="f32", overwrite=False, kv_overrides=None, tensor_fn=None) -> Path:
@@ -69,15 +67,11 @@ def convert_gguf(src, dst, dtype="f32", overwrite=False, kv_overrides=None, tens
 
     if dtype not in FILE_TYPES:
         raise ParameterError(f"--dtype {dtype!r} must be one of {', '.join(FILE_TYPES)}")
-    src, dst = Path(src), Path(dst)
-    if dst.exists() and not overwrite:
-        raise LlorchError(f"{dst}: already exists (pass --overwrite to replace it)")
-    if src.resolve() == dst.resolve():
-        raise ParameterError("input and output are the same file")
+    src = Path(src)
+    out = check_output(dst, inputs=[src], overwrite=overwrite)
     reader = open_reader(src)
     arch = reader.fields["general.architecture"].contents()
-    tmp = dst.with_name(dst.name + ".part")
-    writer = gguf.GGUFWriter(str(tmp), arch)
+    writer = gguf.GGUFWriter(None, arch)
     _copy_fields(reader, writer, FILE_TYPES[dtype], kv_overrides)
     for t in reader.tensors:
         arr = dequantize(t)
@@ -86,7 +80,7 @@ def convert_gguf(src, dst, dtype="f32", overwrite=False, kv_overrides=None, tens
         if dtype == "f16" and arr.ndim >= 2:      # ggml keeps norms (1-D) in F32 in f16 files
             arr = arr.astype(np.float16)
         writer.add_tensor(t.name, arr)
-    return _write_gguf(writer, tmp, dst)
+    return _write_gguf(writer, out)
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -154,16 +148,14 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     config.json, tokenizer.json built from the GGUF vocabulary, tokenizer_config.json (special tokens,
     chat template) and generation_config.json. Written to DST.part and renamed when complete."""
     import json
-    import shutil
 
     from safetensors.numpy import save_file
 
     from .loaders.gguf_file import load_gguf
     from .tokenizer import from_gguf_metadata
 
-    src, dst = Path(src), Path(dst)
-    if dst.exists() and not overwrite:
-        raise LlorchError(f"{dst}: already exists (pass --overwrite to replace it)")
+    src = Path(src)
+    out = check_output(dst, kind="folder", inputs=[src], overwrite=overwrite, owned=HF_FILES, make_parents=True)
     m = load_gguf(src)
     cfg, w = m.config, m.weights
     if cfg.rope_dim != cfg.head_dim:
@@ -241,23 +233,13 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     }
     eog = sorted(tok.eog_ids)
     gen_config = {"bos_token_id": tok.bos_id, "eos_token_id": eog if len(eog) > 1 else tok.eos_id}
-    tmp = dst.with_name(dst.name + ".part")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with out.staged_folder() as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
         _hf_tokenizer_with_specials(tok).save(str(tmp / "tokenizer.json"))
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return dst
+    return out.path
 
 
 # Probe texts for identifying a byte-level BPE pre-tokenizer by what it does (as llama.cpp's converter
@@ -312,15 +294,13 @@ def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
 
     if dtype not in FILE_TYPES:
         raise ParameterError(f"--dtype {dtype!r} must be one of {', '.join(FILE_TYPES)}")
-    src, dst = Path(src), Path(dst)
-    if dst.exists() and not overwrite:
-        raise LlorchError(f"{dst}: already exists (pass --overwrite to replace it)")
+    src = Path(src)
+    out = check_output(dst, inputs=[src], overwrite=overwrite)
     m = load_hf_folder(src)              # Wq/Wk rows already in the canonical adjacent layout = llama.cpp's
     cfg, w, tok = m.config, m.weights, m.tokenizer
     model_json = json.loads(tok.hf.to_str())["model"]
     merges = [" ".join(x) if isinstance(x, list) else x for x in model_json.get("merges", [])]
-    tmp = dst.with_name(dst.name + ".part")
-    wr = gguf.GGUFWriter(str(tmp), cfg.arch)
+    wr = gguf.GGUFWriter(None, cfg.arch)
     wr.add_name(str(m.metadata.get("_name_or_path") or src.name))
     wr.add_block_count(cfg.n_layers)
     wr.add_context_length(cfg.context_length)
@@ -394,4 +374,4 @@ def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
         wr.add_tensor("output.weight", big(np.ascontiguousarray(w.output, dtype=np.float32)))
     if cfg.rope_freq_factors is not None:
         wr.add_tensor("rope_freqs.weight", np.asarray(cfg.rope_freq_factors, dtype=np.float32))
-    return _write_gguf(wr, tmp, dst)
+    return _write_gguf(wr, out)

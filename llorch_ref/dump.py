@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,22 +172,20 @@ class Recorder:
         validate_manifest(man, "<recorder>")
         return Dump(manifest=man, tensors=dict(self.tensors), source="<recorder>")
 
-    def save(self, path) -> Path:
-        """Write the dump atomically (a temporary file renamed into place)."""
+    def save(self, path, overwrite: bool = True) -> Path:
+        """Write the dump atomically (a unique staging file renamed into place); an existing file is
+        replaced only with overwrite, and never a folder, a special file or the model it was made from."""
         from safetensors.numpy import save_file
+
+        from .output_paths import check_output
 
         man = self.manifest()
         validate_manifest(man, str(path))
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
+        out = check_output(path, overwrite=overwrite, inputs=[self.model_path] if self.model_path else [])
+        with out.staged_file() as tmp:
             save_file({k: np.ascontiguousarray(v) for k, v in self.tensors.items()}, str(tmp),
                       metadata={MANIFEST_KEY: json.dumps(man)})
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        return path
+        return out.path
 
 
 def _parse_name(name: str, cat: dict):

@@ -29,6 +29,21 @@ class GenerationResult:
 DEFAULT_CTX = 8192
 
 
+class _Cancelled(Exception):
+    """Raised between two layers of a prefill whose cancel Event was set."""
+
+
+def _cancel_between_layers(cancel):
+    """-> a recorder that stops a long prefill at the next layer boundary once `cancel` is set (None: none)."""
+    if cancel is None:
+        return None
+
+    def record(name, layer, arr):
+        if name == "l_out" and cancel.is_set():
+            raise _Cancelled
+    return record
+
+
 class Engine:
     def __init__(self, config, weights, tokenizer, *, path=None, metadata=None, tensor_types=None,
                  backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", dtype="float32", threads=None,
@@ -103,6 +118,8 @@ class Engine:
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(messages)))
         if not isinstance(prompt, str) or prompt == "":
             raise PromptError("empty prompt: give some text to continue")
+        if not prompt.strip():
+            raise PromptError(f"the prompt is only whitespace ({len(prompt)} characters): give some text to continue")
         if chat:
             msgs = ([{"role": "system", "content": system}] if system else []) + \
                    [{"role": "user", "content": prompt}]
@@ -126,7 +143,11 @@ class Engine:
         res.seed = sampler.seed
         cache = self.new_cache()                        # per-request state: a fresh cache every time
         t0 = time.perf_counter()
-        logits = self.forward(ids, cache, rows=[len(ids) - 1])
+        try:
+            logits = self.forward(ids, cache, rows=[len(ids) - 1], record=_cancel_between_layers(cancel))
+        except _Cancelled:
+            res.prefill_s, res.stop_reason = time.perf_counter() - t0, "cancelled"
+            return
         decode = self.backend.make_decoder(self, cache)
         res.prefill_s = time.perf_counter() - t0
         eog = self.tokenizer.eog_ids if self.tokenizer is not None else frozenset()

@@ -43,3 +43,11 @@ class HarnessError(LlorchError):
 
 class DumpError(LlorchError):
     """A tensor dump (llorch-dump format) or its manifest is malformed or does not fit the model."""
+
+
+class OutputPathError(LlorchError):
+    """An output path cannot be written, or writing it would replace an input or something the command did not create."""
+
+
+class SamplingError(LlorchError):
+    """The sampler met a distribution it cannot draw from (a bug: every accepted parameter must be safe)."""

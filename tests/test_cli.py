@@ -92,7 +92,7 @@ def test_prompt_longer_than_context(tiny):
 
 def test_out_of_range_sampling_parameters_are_rejected(tiny):
     assert_one_line_error(run("generate", "hi", "--model", tiny(), "--temperature", "-0.8"), "temperature")
-    assert_one_line_error(run("generate", "hi", "--model", tiny(), "--top-p", "1.5"), "top_p")
+    assert_one_line_error(run("generate", "hi", "--model", tiny(), "--top-p", "1.5"), "--top-p")
 
 
 def test_sampling_with_a_seed_is_reproducible(tiny):

@@ -118,3 +118,42 @@ def test_invalid_parameters_are_rejected_with_the_field(kw, field):
 def test_unknown_parameter_is_rejected():
     with pytest.raises(ParameterError, match="unknown sampling parameter"):
         S.SamplingParams.from_kwargs(temprature=0.5)
+
+
+# -- every value validation accepts is numerically safe (hostile round two: temperature 1e-38 gave NaN
+#    probabilities and the last token id every time) ----------------------------------------------------
+TINY = [1e-38, 1e-45, 1e-300, 5e-324]
+
+
+@pytest.mark.parametrize("temperature", TINY)
+def test_tiny_temperature_is_greedy_not_nan(temperature):
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        logits = random_logits(rng)
+        top = int(np.argmax(logits))
+        assert S.SamplingParams(temperature=temperature).errors() == {}
+        x = S.filtered_logits(logits, S.SamplingParams(temperature=temperature))
+        p = S.softmax(x)
+        assert np.isfinite(p).all() and abs(p.sum() - 1) < 1e-12
+        assert p[top] >= 0.5                                    # all the mass on the top logit (ties share)
+        smp = S.Sampler(S.SamplingParams(temperature=temperature, seed=trial))
+        assert smp(logits) == top
+
+
+@pytest.mark.parametrize("penalty", TINY + [100.0])
+def test_extreme_repetition_penalty_stays_finite(penalty):
+    """A penalty below 1 is a bonus: a tiny one lifts every recent token with a positive logit to the top
+    (saturated at float32's largest value, never inf); 100 pushes them down. Never NaN."""
+    rng = np.random.default_rng(4)
+    for trial in range(20):
+        logits = random_logits(rng)
+        history = [int(i) for i in rng.choice(V, 8, replace=False)]
+        for temperature in (0.0, 0.7, 1e-38):
+            params = S.SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=trial)
+            x = S.filtered_logits(logits, params, history)
+            assert not np.isnan(x).any()
+            tok = S.Sampler(params, history=history)(logits)
+            assert 0 <= tok < V
+            lifted = [t for t in history if logits[t] > 0]
+            if penalty < 1e-30 and lifted:
+                assert tok in lifted

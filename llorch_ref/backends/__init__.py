@@ -55,12 +55,17 @@ def available() -> dict:
         out["numba"] = None
     except ImportError as e:
         out["numba"] = f"numba is not installed ({e}); pip install 'llorch-ref[numba]'"
+    need = "the cupy backend needs an NVIDIA GPU with a CUDA 12 driver and pip install 'llorch-ref[cupy]'"
     try:
         import cupy
+    except ImportError:
+        out["cupy"] = f"cupy is not installed; {need}"
+        return out
+    try:
         n = cupy.cuda.runtime.getDeviceCount()
-        out["cupy"] = None if n > 0 else "no CUDA device"
-    except Exception as e:  # ImportError, CUDARuntimeError, ...
-        out["cupy"] = f"cupy unusable here ({type(e).__name__}: {e})".splitlines()[0]
+        out["cupy"] = None if n > 0 else f"no CUDA device found; {need}"
+    except Exception as e:  # CUDARuntimeError: no driver, no device
+        out["cupy"] = f"no usable CUDA device ({type(e).__name__}: {e}".splitlines()[0] + f"); {need}"
     return out
 
 

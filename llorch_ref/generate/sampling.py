@@ -11,7 +11,9 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ..errors import ParameterError
+from ..errors import ParameterError, SamplingError
+
+_F32_MAX = np.finfo(np.float32).max
 
 
 @dataclass(frozen=True)
@@ -86,13 +88,26 @@ def apply_penalties(logits, history, repetition=1.0, presence=0.0, frequency=0.0
     ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
     out = logits.copy()
     x = out[ids]
-    x = np.where(x > 0, x / np.float32(repetition), x * np.float32(repetition)).astype(np.float32)
-    out[ids] = x - counts.astype(np.float32) * np.float32(frequency) - np.float32(presence)
+    with np.errstate(over="ignore", under="ignore", divide="ignore", invalid="ignore"):
+        x = np.where(x > 0, x / np.float32(repetition), x * np.float32(repetition)).astype(np.float32)
+        x = x - counts.astype(np.float32) * np.float32(frequency) - np.float32(presence)
+    # a tiny repetition penalty scales a logit past float32's range: saturate, never inf (inf - inf = NaN later)
+    out[ids] = np.clip(x, -_F32_MAX, _F32_MAX)
     return out
 
 
 def apply_temperature(logits, temperature):
-    return (logits / np.float32(temperature)).astype(np.float32)
+    """logits / temperature in float32; where that overflows (a tiny temperature), the same distribution
+    from (logits - max) / temperature in float64: the top logit at 0, the others at -inf when far below."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        y = (logits / np.float32(temperature)).astype(np.float32)
+    if np.isfinite(y[np.isfinite(logits)]).all():
+        return y
+    x = np.asarray(logits, dtype=np.float64)
+    finite = np.isfinite(x)
+    top = x[finite].max() if finite.any() else 0.0
+    with np.errstate(over="ignore", under="ignore"):
+        return ((x - top) / temperature).astype(np.float32)
 
 
 def top_k(logits, k):
@@ -152,6 +167,9 @@ def draw(logits, rng: np.random.Generator) -> int:
     """Inverse-CDF draw from softmax(logits) with one uniform number from rng."""
     probs = softmax(logits)
     cdf = np.cumsum(probs)
+    if not (np.isfinite(cdf[-1]) and cdf[-1] > 0):      # never a token drawn from NaN probabilities
+        raise SamplingError("the filtered distribution is not finite (NaN or no token left); this is a bug in "
+                            "the sampler: please report the sampling parameters")
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
 
 

@@ -16,11 +16,13 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import HarnessError
+from ..errors import HarnessError, OutputPathError
+from ..output_paths import check_container, check_run_id
 from .metrics import fmt, fmt_cos, fmt_match
 
 
@@ -202,20 +204,26 @@ def _report_md(spec, rows, man, run_id, passed, rerun):
     return "\n".join(lines)
 
 
+def check_bundle_target(out_dir=None, run_id=None) -> tuple[Path, str]:
+    """-> (out_dir, run_id), checked before any work: the folder is one (or can be made), the run id is a
+    safe file name, and no completed run of that id is there (bundles are never overwritten)."""
+    out_dir = check_container(out_dir or default_dir(), what="--out")
+    run_id = check_run_id(run_id or default_run_id())
+    index = out_dir / f"{run_id}.md"
+    if os.path.lexists(index):
+        raise HarnessError(f"run id {run_id!r} already exists ({index}); bundles are never overwritten: "
+                           f"pick another --run-id or LLORCH_RUN_ID")
+    return out_dir, run_id
+
+
 def write_bundles(result, engine, out_dir=None, run_id=None, argv=None, seed=0, plot=True) -> dict:
     """-> {"index": path, "bundles": {checkpoint_id: path}}."""
-    out_dir = Path(out_dir or default_dir())
-    run_id = run_id or default_run_id()
-    if not run_id or "/" in run_id or run_id.startswith("."):
-        raise HarnessError(f"invalid run id {run_id!r}")
+    out_dir, run_id = check_bundle_target(out_dir, run_id)
     argv = argv or sys.argv
     specs = [s for s in result.specs if any(r.checkpoint == s.id for r in result.rows)
              or any(u["checkpoint"] == s.id for u in result.not_covered)]
     finals = {s.id: out_dir / f"cp{s.id}_{s.name}" / run_id for s in specs}
     index = out_dir / f"{run_id}.md"
-    if index.exists():
-        raise HarnessError(f"run id {run_id!r} already exists ({index}); bundles are never overwritten: "
-                           f"pick another --run-id or LLORCH_RUN_ID")
     for p in finals.values():
         if p.exists():
             if (p / "INCOMPLETE").exists():
@@ -224,10 +232,7 @@ def write_bundles(result, engine, out_dir=None, run_id=None, argv=None, seed=0, 
                 raise HarnessError(f"run id {run_id!r} already exists ({p}); bundles are never overwritten: "
                                    f"pick another --run-id or LLORCH_RUN_ID")
     out_dir.mkdir(parents=True, exist_ok=True)
-    staging = out_dir / f".incomplete-{run_id}-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
+    staging = Path(tempfile.mkdtemp(prefix=f".incomplete-{run_id}-", dir=out_dir))   # unique: never a user's folder
     man = manifest(result, engine, argv, seed)
     rerun = " ".join(argv) if argv else "llorch-ref prove"
     written = {}
@@ -267,6 +272,9 @@ def write_bundles(result, engine, out_dir=None, run_id=None, argv=None, seed=0, 
         os.rename(idx, index)                     # the run is complete from here on
         for p in written.values():
             (p / "INCOMPLETE").unlink()
+    except OSError as e:
+        raise OutputPathError(f"{out_dir}: could not write the bundles ({e.strerror or e}: "
+                              f"{e.filename or ''})") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"index": index, "bundles": written}

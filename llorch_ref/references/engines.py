@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..dump import Recorder
-from ..errors import ParameterError, ReferenceError_
+from ..errors import ParameterError, PromptError, ReferenceError_
 
 
 def gguf_config(path):
@@ -17,6 +17,20 @@ def gguf_config(path):
     r = open_reader(path)
     shapes = {t.name: tuple(int(x) for x in reversed([int(s) for s in t.shape])) for t in r.tensors}
     return config_from_metadata(read_metadata(r), Path(path), shapes, rope_freqs_of({t.name: t for t in r.tensors}))
+
+
+def check_token_ids(token_ids, n_vocab: int, n_ctx: int) -> list[int]:
+    """-> the ids as ints; PromptError (one line) for an empty list, an id outside the vocabulary, or more
+    ids than the model's context, before any engine runs them."""
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise PromptError("no token ids: at least one is needed")
+    bad = [t for t in ids if not 0 <= t < n_vocab]
+    if bad:
+        raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
+    if len(ids) > n_ctx:
+        raise PromptError(f"{len(ids)} token ids but the model's context holds {n_ctx}")
+    return ids
 
 
 def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32", array_order="ggml",
@@ -37,7 +51,7 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
         if prompt is None:
             raise ParameterError("give a prompt or token ids")
         token_ids = tokenize(path, prompt)
-    ids = [int(t) for t in token_ids]
+    ids = check_token_ids(token_ids, cfg.n_vocab, cfg.context_length)
     t = len(ids)
     specs = load_specs(checkpoints)
     rec = Recorder("llama.cpp", f"{_lcp.__version__} (llama-cpp-python)", model_path=path, token_ids=ids,
@@ -139,7 +153,7 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
         if tok is None:
             raise ParameterError("give a prompt or token ids")
         token_ids = tok(prompt, add_special_tokens=True)["input_ids"]
-    ids = [int(i) for i in token_ids]
+    ids = check_token_ids(token_ids, model.config.vocab_size, model.config.max_position_embeddings)
     c = model.config
     h, kv = c.num_attention_heads, c.num_key_value_heads
     hd = getattr(c, "head_dim", None) or c.hidden_size // h

@@ -17,10 +17,11 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..generate.sampling import SamplingParams
-from .worker import QueueFull, Worker
+from ..errors import LlorchError
+from .worker import JobIdInUse, QueueFull, Worker
 
 STOP_REASONS = {"max_tokens": "MAX_TOKENS", "eos": "EOS", "stop_sequence": "STOP_SEQUENCE",
                 "cancelled": "CANCELLED", "context_full": "MAX_TOKENS"}
@@ -29,7 +30,8 @@ OPENAI_FINISH = {"max_tokens": "length", "context_full": "length", "eos": "stop"
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are refused, and nothing is coerced: "2" is not a number, true is not 1."""
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Sampling(Strict):
@@ -45,30 +47,95 @@ class Sampling(Strict):
     max_tokens: int | None = Field(default=None)
 
 
+# job ids go into the X-Job-Id header: visible ASCII only, so the response can never fail after queueing
+JOB_ID_PATTERN = r"^[!-~]{1,200}$"
+
+
 class ExecuteRequest(Sampling):
-    job_id: str | None = Field(default=None, min_length=1, max_length=200)
+    job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
     prompt: str = Field(min_length=1)
 
 
-class CompletionRequest(Sampling):
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class OpenAIRequest(Sampling):
+    """Fields the official client sends that llorch-ref applies, or accepts only at their no-op value."""
     model: str | None = None
-    prompt: str = Field(min_length=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: Literal[1] = 1
-    user: str | None = None
+    user: str | None = None               # an end-user id for the provider's abuse monitoring: nothing to apply
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
+    logprobs: bool | int | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v not in (None, False) or v is True:     # false / 0 / null: the no-op values
+            raise ValueError("log-probabilities are not implemented by llorch-ref; send false or leave it out")
+        return v
+
+    @model_validator(mode="after")
+    def _options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true")
+        return self
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str = Field(min_length=1)
+    echo: Literal[False] = False
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+
+class ContentPart(Strict):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"content part type {self.type!r} is not supported (text parts only)")
+        return self
 
 
 class Message(Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    def plain(self) -> dict:
+        """-> {role, content} for the chat template: developer is the system role of newer models; text
+        parts are joined as the OpenAI API joins them."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
-class ChatRequest(Sampling):
-    model: str | None = None
+class ResponseFormat(Strict):
+    type: Literal["text"]
+
+
+class ChatRequest(OpenAIRequest):
     messages: list[Message] = Field(min_length=1)
-    stream: bool = False
-    n: Literal[1] = 1
-    user: str | None = None
+    max_completion_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    top_logprobs: None = None
+
+    @model_validator(mode="after")
+    def _one_max(self):
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens differ: give one")
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+# OpenAI fields llorch-ref does not implement: refused by name, never ignored
+OPENAI_UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+                      "modalities", "prediction", "reasoning_effort", "service_tier", "store", "metadata",
+                      "web_search_options", "name", "tool_calls", "tool_call_id", "refusal"}
 
 
 def _error(status, code, message, fields=None, headers=None):
@@ -79,16 +146,33 @@ def _error(status, code, message, fields=None, headers=None):
 
 
 class GuardMiddleware:
-    """Pure ASGI guard in front of the app: POST bodies must be JSON (415), at most max_body bytes (413),
-    and arrive within body_timeout seconds (408), so a slow or endless client cannot pin the server."""
+    """Pure ASGI guard in front of the app (pure, so the app still sees the client's disconnect): the bearer
+    token on every route but /health (401, before any body is read); POST bodies must be JSON (415), at most
+    max_body bytes (413), and arrive within body_timeout seconds (408), so a slow or endless client cannot
+    pin the server."""
 
-    def __init__(self, app, max_body: int, body_timeout: float):
+    def __init__(self, app, max_body: int, body_timeout: float, api_token: str | None = None):
         self.app, self.max_body, self.body_timeout = app, max_body, body_timeout
+        self.api_token = api_token.encode() if api_token else None
+
+    def _auth_error(self, headers):
+        h = headers.get(b"authorization", b"")
+        if not h.startswith(b"Bearer "):
+            return "MISSING_API_KEY", "missing bearer token (Authorization: Bearer <token>)"
+        if not hmac.compare_digest(h[7:], self.api_token):
+            return "INVALID_API_KEY", "invalid bearer token"
+        return None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
+        if self.api_token and scope["path"] != "/health":
+            err = self._auth_error(headers)
+            if err:
+                return await _send_error(send, 401, *err)
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if ctype != b"application/json":
             return await _send_error(send, 415, "UNSUPPORTED_MEDIA_TYPE",
@@ -130,33 +214,32 @@ async def _send_error(send, status, code, message):
 
 def create_app(engine, api_token: str | None = None, max_queue: int = 16, model_name: str | None = None,
                default_temperature_openai: float = 1.0, max_body: int = 1 << 20, body_timeout: float = 10.0) -> FastAPI:
+    if api_token is not None and not api_token:
+        raise ValueError("api_token is empty: pass None for no authentication")
     app = FastAPI(title="llorch-ref worker", version=__import__("llorch_ref").__version__)
-    app.add_middleware(GuardMiddleware, max_body=max_body, body_timeout=body_timeout)
+    app.add_middleware(GuardMiddleware, max_body=max_body, body_timeout=body_timeout, api_token=api_token)
     worker = Worker(engine, max_queue=max_queue)
     app.state.worker = worker
     name = model_name or (engine.path.name if engine.path else "llorch-ref")
+    watchers: set[asyncio.Task] = set()
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request, exc):
         fields = {}
         for err in exc.errors():
             loc = ".".join(str(x) for x in err["loc"] if x != "body") or "body"
-            fields[loc] = err["msg"] if err["type"] != "extra_forbidden" else "unknown field"
+            last = str(err["loc"][-1]) if err["loc"] else ""
+            if err["type"] != "extra_forbidden":
+                fields[loc] = err["msg"]
+            elif last in OPENAI_UNSUPPORTED:
+                fields[loc] = "an OpenAI field that llorch-ref does not implement"
+            else:
+                fields[loc] = "unknown field"
         return _error(400, "INVALID_REQUEST", "invalid request: " + "; ".join(f"{k}: {v}" for k, v in fields.items()),
                       fields)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_token and request.url.path != "/health":
-            h = request.headers.get("authorization", "")
-            if not h.startswith("Bearer "):
-                return _error(401, "MISSING_API_KEY", "missing bearer token (Authorization: Bearer <token>)")
-            if not hmac.compare_digest(h[7:].encode(), api_token.encode()):
-                return _error(401, "INVALID_API_KEY", "invalid bearer token")
-        return await call_next(request)
-
-    def gen_kwargs(req, openai: bool):
-        """Request -> Engine.generate kwargs, or a 400 response listing every bad field."""
+    def prepare(req, openai: bool):
+        """Request -> (Engine.generate kwargs, {field: message}). Tokenizes: runs in a thread, off the loop."""
         data = req.model_dump(exclude_none=True)
         sampling = {k: data[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                          "presence_penalty", "frequency_penalty", "seed") if k in data}
@@ -172,47 +255,68 @@ def create_app(engine, api_token: str | None = None, max_queue: int = 16, model_
             fields["stop"] = "at most 4 non-empty strings of at most 100 characters"
         kw = dict(max_tokens=max_tokens, stop=stop, **sampling)
         if isinstance(req, ChatRequest):
-            kw["messages"] = [m.model_dump() for m in req.messages]
+            kw["messages"] = [m.plain() for m in req.messages]
         else:
             kw["prompt"] = req.prompt
-        try:
-            ids = engine.encode_prompt(kw.get("prompt"), messages=kw.get("messages"))
-            if len(ids) + 1 > engine.n_ctx:
-                fields["prompt" if "prompt" in kw else "messages"] = \
-                    f"{len(ids)} tokens leave no room in the context of {engine.n_ctx}"
-        except Exception as e:  # LlorchError from the tokenizer or template
-            fields["prompt" if "prompt" in kw else "messages"] = str(e)
-        if fields:
-            return None, _error(400, "INVALID_REQUEST",
-                                "invalid request: " + "; ".join(f"{k}: {v}" for k, v in fields.items()), fields)
-        return kw, None
+        where = "prompt" if "prompt" in kw else "messages"
+        if not fields:                  # tokenize only a request that is otherwise valid
+            try:
+                ids = engine.encode_prompt(kw.get("prompt"), messages=kw.get("messages"))
+                if len(ids) + 1 > engine.n_ctx:
+                    fields[where] = f"{len(ids)} tokens leave no room in the context of {engine.n_ctx}"
+            except LlorchError as e:    # the tokenizer or the chat template
+                fields[where] = str(e)
+        return kw, fields
 
-    def submit(kw, job_id=None):
+    async def start_job(req, request: Request, openai: bool, job_id: str):
+        """Admission, preparation off the event loop, then the queue; -> (job, None) or (None, response).
+        The slot taken at admission is given back on every path that does not make a job, and the job is
+        tied to its connection from the moment it is queued."""
         try:
-            return worker.submit(kw, job_id), None
+            worker.admit()
         except QueueFull as e:
             return None, _error(503, "QUEUE_FULL", f"server busy: {e}; retry later", headers={"Retry-After": "1"})
+        job = None
+        try:
+            kw, fields = await asyncio.to_thread(prepare, req, openai)
+            if fields:
+                return None, _error(400, "INVALID_REQUEST",
+                                    "invalid request: " + "; ".join(f"{k}: {v}" for k, v in fields.items()), fields)
+            try:
+                job = worker.submit(kw, job_id, admitted=True)
+            except JobIdInUse as e:
+                return None, _error(409, "JOB_ID_IN_USE", str(e), {"job_id": "already queued or running"})
+        finally:
+            if job is None:
+                worker.release()
+        watch = asyncio.create_task(_cancel_on_disconnect(job, request.receive))
+        watchers.add(watch)
+        watch.add_done_callback(watchers.discard)
+        job.watch = watch
+        return job, None
 
-    async def events(job, request: Request):
-        """Yields (kind, payload) until the job ends; cancels the job if the client goes away (the
-        response generator is closed, or the connection is seen closed while waiting)."""
+    async def _cancel_on_disconnect(job, receive):
+        """The job's tie to its connection: when the client goes away, the job is cancelled (a queued job
+        leaves the queue at once). Ended when the job's response is done."""
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                worker.cancel_job(job)
+                return
+
+    async def events(job):
+        """Yields (kind, payload) until the job ends; if the consumer stops early (the response stream was
+        closed: the client went away), the job is cancelled."""
         done = False
         try:
-            while True:
-                try:
-                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
-                if kind in ("end", "error"):
-                    done = True
+            while not done:
+                kind, payload = await job.events.get()
+                done = kind in ("end", "error")
                 yield kind, payload
-                if done:
-                    return
         finally:
+            job.watch.cancel()
             if not done:
-                job.cancel.set()
+                worker.cancel_job(job)
 
     def sse(obj) -> str:
         return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
@@ -221,7 +325,7 @@ def create_app(engine, api_token: str | None = None, max_queue: int = 16, model_
     async def health():
         return {"status": "healthy", "model": name, "backend": engine.backend.name, "numerics": engine.numerics,
                 "state": worker.state, "queued": worker.pending, "max_queue": worker.max_queue,
-                "served": worker.served}
+                "served": worker.served, "cancelled": worker.cancelled}
 
     @app.get("/v1/models")
     async def models():
@@ -232,20 +336,18 @@ def create_app(engine, api_token: str | None = None, max_queue: int = 16, model_
         job_id = body.get("job_id") if isinstance(body, dict) else None
         if not isinstance(job_id, str) or not job_id or set(body) != {"job_id"}:
             return _error(400, "INVALID_REQUEST", "body must be {\"job_id\": \"...\"}", {"job_id": "required"})
-        worker.cancel(job_id)
+        if not worker.cancel(job_id):
+            return _error(404, "NO_SUCH_JOB", f"no queued or running job has job_id {job_id[:200]!r}")
         return JSONResponse({"job_id": job_id, "status": "cancelling"}, status_code=202)
 
     @app.post("/execute")
     async def execute(req: ExecuteRequest, request: Request):
-        kw, err = gen_kwargs(req, openai=False)
-        if err:
-            return err
-        job, err = submit(kw, req.job_id)
+        job, err = await start_job(req, request, openai=False, job_id=req.job_id or uuid.uuid4().hex)
         if err:
             return err
 
         async def stream():
-            async for kind, p in events(job, request):
+            async for kind, p in events(job):
                 if kind == "started":
                     yield sse({"type": "started", "job_id": job.job_id, "model": name,
                                "started_at": p["started_at"]})
@@ -263,14 +365,13 @@ def create_app(engine, api_token: str | None = None, max_queue: int = 16, model_
                                  headers={"Cache-Control": "no-cache", "X-Job-Id": job.job_id})
 
     async def run_openai(req, request, chat: bool):
-        kw, err = gen_kwargs(req, openai=True)
+        oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        job, err = await start_job(req, request, openai=True, job_id=oid)
         if err:
             return err
-        job, err = submit(kw)
-        if err:
-            return err
-        created, oid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
+        headers = {"X-Job-Id": oid}
 
         def choice(text=None, finish=None, first=False):
             if chat:
@@ -278,43 +379,53 @@ def create_app(engine, api_token: str | None = None, max_queue: int = 16, model_
                 return {"index": 0, "delta": delta, "finish_reason": finish}
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
+        def usage(r):
+            return {"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.token_ids),
+                    "total_tokens": len(r.prompt_ids) + len(r.token_ids)}
+
         if req.stream:
+            chunk_obj = obj + ".chunk" if chat else obj
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+            def chunk(choices, **extra):
+                return sse({"id": oid, "object": chunk_obj, "created": created, "model": name, "choices": choices,
+                            **({"usage": None} if include_usage else {}), **extra})
+
             async def stream():
-                async for kind, p in events(job, request):
+                async for kind, p in events(job):
                     if kind == "started" and chat:
-                        yield sse({"id": oid, "object": obj + ".chunk", "created": created, "model": name,
-                                   "choices": [choice(first=True)]})
+                        yield chunk([choice(first=True)])
                     elif kind == "token":
-                        yield sse({"id": oid, "object": obj + ".chunk" if chat else obj, "created": created,
-                                   "model": name, "choices": [choice(p["t"])]})
+                        yield chunk([choice(p["t"])])
                     elif kind == "end":
-                        yield sse({"id": oid, "object": obj + ".chunk" if chat else obj, "created": created,
-                                   "model": name, "choices": [choice(finish=OPENAI_FINISH[p.stop_reason])],
-                                   "usage": {"prompt_tokens": len(p.prompt_ids),
-                                             "completion_tokens": len(p.token_ids),
-                                             "total_tokens": len(p.prompt_ids) + len(p.token_ids)}})
+                        yield chunk([choice(finish=OPENAI_FINISH[p.stop_reason])],
+                                    **({} if include_usage else {"usage": usage(p)}))
+                        if include_usage:
+                            yield sse({"id": oid, "object": chunk_obj, "created": created, "model": name,
+                                       "choices": [], "usage": usage(p)})
                         yield "data: [DONE]\n\n"
                     elif kind == "error":
                         yield sse({"error": p})
-            return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", **headers})
 
         text, result = "", None
-        async for kind, p in events(job, request):
+        async for kind, p in events(job):
             if kind == "token":
                 text += p["t"]
             elif kind == "end":
                 result = p
             elif kind == "error":
                 return _error(500 if p["code"] == "INFERENCE_FAILED" else 400, p["code"], p["message"])
-        if result is None:          # client went away
-            return _error(499, "CANCELLED", "client disconnected")
+        if result.stop_reason == "cancelled":       # the client went away, or /cancel named this job
+            return _error(499, "CANCELLED", "cancelled: the client disconnected or the job was cancelled",
+                          headers=headers)
         finish = OPENAI_FINISH[result.stop_reason]
-        usage = {"prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
-                 "total_tokens": len(result.prompt_ids) + len(result.token_ids)}
         ch = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
               else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
-        return {"id": oid, "object": obj, "created": created, "model": name, "choices": [ch], "usage": usage,
-                "system_fingerprint": f"llorch-ref-seed-{result.seed}"}
+        return JSONResponse({"id": oid, "object": obj, "created": created, "model": name, "choices": [ch],
+                             "usage": usage(result), "system_fingerprint": f"llorch-ref-seed-{result.seed}"},
+                            headers=headers)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -1,13 +1,18 @@
 """One generation at a time per engine, in a worker thread; requests wait in a bounded queue.
 
-Each job streams events back to the asyncio side through a thread-safe hand-off. A job whose client went
-away is cancelled (its cancel Event is checked before every token). Nothing of one job (cache, RNG)
-survives into the next: Engine.generate makes both per request.
+The job lifecycle, in one place:
+- admit(): a slot is reserved before any work on the request (tokenization included), so --max-queue bounds
+  everything a client can make the server do; a slot not turned into a job is given back with release().
+- submit(): the job enters the queue under its id (ids are unique among queued and running jobs).
+- cancel(): a queued job leaves the queue at once (its slot freed, "end" with stop_reason "cancelled"
+  emitted); a running one stops before its next token or between the layers of its prefill.
+Each job streams events back to the asyncio side through a thread-safe hand-off. Nothing of one job
+(cache, RNG) survives into the next: Engine.generate makes both per request.
 """
 from __future__ import annotations
 
 import asyncio
-import queue
+import collections
 import threading
 import time
 import uuid
@@ -21,6 +26,10 @@ class QueueFull(Exception):
     pass
 
 
+class JobIdInUse(Exception):
+    pass
+
+
 @dataclass
 class Job:
     kwargs: dict
@@ -29,6 +38,7 @@ class Job:
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancel: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult = field(default_factory=GenerationResult)
+    watch: object = None            # the server's task that cancels the job when its client goes away
 
     def emit(self, kind, payload=None):
         try:
@@ -39,49 +49,82 @@ class Job:
 
 class Worker:
     def __init__(self, engine, max_queue: int = 16):
+        if max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
         self.engine = engine
         self.max_queue = max_queue
-        self._q: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self.pending = 0                 # queued + running
+        self._queue: collections.deque[Job] = collections.deque()
+        self._jobs: dict[str, Job] = {}              # queued and running, by id
+        self._cond = threading.Condition()
+        self.pending = 0                             # slots taken: admitted (tokenizing), queued, running
         self.running: Job | None = None
         self.served = 0
+        self.cancelled = 0                           # jobs cancelled (queued or running) since start
         self.state = "idle"
         self._thread = threading.Thread(target=self._run, name="llorch-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, kwargs: dict, job_id: str | None = None) -> Job:
-        loop = asyncio.get_running_loop()
-        with self._lock:
+    # -- the asyncio side ------------------------------------------------------------------------------
+    def admit(self):
+        """Reserve a slot, or QueueFull. Pair with submit() or release()."""
+        with self._cond:
             if self.pending >= self.max_queue:
-                raise QueueFull(f"{self.pending} requests queued or running (limit {self.max_queue})")
+                raise QueueFull(f"{self.pending} requests being prepared, queued or running (limit {self.max_queue})")
             self.pending += 1
-        job = Job(kwargs=kwargs, loop=loop, events=asyncio.Queue())
+
+    def release(self):
+        """Give back a slot from admit() that did not become a job (the request was refused)."""
+        with self._cond:
+            self.pending -= 1
+
+    def submit(self, kwargs: dict, job_id: str | None = None, admitted: bool = False) -> Job:
+        """Queue a job (in a slot from admit() when admitted, else one taken now: QueueFull); JobIdInUse if a
+        queued or running job has that id (an admitted slot is then still held: release() it)."""
+        if not admitted:
+            self.admit()
+        job = Job(kwargs=kwargs, loop=asyncio.get_running_loop(), events=asyncio.Queue())
         if job_id:
             job.job_id = job_id
-        self._q.put(job)
+        with self._cond:
+            if job.job_id in self._jobs:
+                if not admitted:
+                    self.pending -= 1
+                raise JobIdInUse(f"job_id {job.job_id!r} is already queued or running")
+            self._jobs[job.job_id] = job
+            self._queue.append(job)
+            self._cond.notify()
         return job
 
     def cancel(self, job_id: str) -> bool:
-        job = self.running
-        if job is not None and job.job_id == job_id:
-            job.cancel.set()
-            return True
-        for j in list(self._q.queue):
-            if j.job_id == job_id:
-                j.cancel.set()
-                return True
-        return False
+        """Cancel a queued or running job by id -> whether there was one."""
+        with self._cond:
+            job = self._jobs.get(job_id)
+        return job is not None and self.cancel_job(job)
 
+    def cancel_job(self, job: Job) -> bool:
+        """Cancel this job if it is still queued or running -> whether it was."""
+        with self._cond:
+            if self._jobs.get(job.job_id) is not job:
+                return False
+            job.cancel.set()
+            if job is not self.running:
+                self._queue.remove(job)
+                del self._jobs[job.job_id]
+                self.pending -= 1
+                self.cancelled += 1
+                job.result.stop_reason = "cancelled"
+                job.emit("end", job.result)
+        return True
+
+    # -- the worker thread -----------------------------------------------------------------------------
     def _run(self):
         while True:
-            job = self._q.get()
-            self.running, self.state = job, "busy"
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                job = self._queue.popleft()
+                self.running, self.state = job, "busy"
             try:
-                if job.cancel.is_set():
-                    job.result.stop_reason = "cancelled"
-                    job.emit("end", job.result)
-                    continue
                 job.emit("started", {"started_at": time.time()})
                 i = 0
                 for piece in self.engine.generate(result=job.result, cancel=job.cancel, **job.kwargs):
@@ -93,7 +136,9 @@ class Worker:
             except Exception as e:  # a bug: report it on the stream, keep serving
                 job.emit("error", {"code": "INFERENCE_FAILED", "message": f"{type(e).__name__}: {e}"})
             finally:
-                self.served += 1
-                self.running, self.state = None, "idle"
-                with self._lock:
+                with self._cond:
+                    self.served += 1
+                    self.cancelled += job.cancel.is_set()
+                    self._jobs.pop(job.job_id, None)
+                    self.running, self.state = None, "idle"
                     self.pending -= 1
