@@ -237,15 +237,14 @@ def check_container(path, *, what: str = "--out") -> Path:
     p = Path(os.path.abspath(os.fspath(path)))
     if _CONTROL.search(str(path)):
         raise OutputPathError(f"{what} {str(path)!r}: the path holds a control character (newline, tab, ...)")
+    long = [part for part in p.parts if len(os.fsencode(part)) > 255]
+    if long:
+        raise OutputPathError(f"{what} {str(path)[:60]}...: a name is {len(os.fsencode(long[0]))} bytes; file "
+                              f"systems allow 255")
     if p.exists() and not p.is_dir():
         raise OutputPathError(f"{what} {path} exists and is not a folder")
     base = _nearest_existing(p)
     if not base.is_dir():
         raise OutputPathError(f"{what} {path}: {base} is not a folder")
-    limit = _name_max(base)
-    long = [part for part in p.parts if len(os.fsencode(part)) > limit]
-    if long:
-        raise OutputPathError(f"{what} {str(path)[:60]}...: a name is {len(os.fsencode(long[0]))} bytes; this file "
-                              f"system allows {limit}")
     _probe(base, path, what)
     return p
