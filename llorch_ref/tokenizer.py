@@ -99,7 +99,9 @@ class Tokenizer:
         except UnicodeEncodeError as e:
             raise TokenizerError(f"text is not valid UTF-8: character {e.start} is {text[e.start]!r} "
                                  f"(a lone surrogate, e.g. from undecodable bytes)") from None
-        ids = self.hf.encode(text, add_special_tokens=False).ids if text else []
+        # encode_batch releases the GIL while it works (encode does not): a 1 MB prompt tokenized in a server
+        # thread no longer stalls the event loop for half a second; the ids are the same
+        ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids if text else []
         if add_special and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id] + ids
         if add_special and self.add_eos and self.eos_id is not None:

@@ -301,6 +301,7 @@ def create_app(engine, api_token: str | None = None, max_queue: int = 16, model_
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
+                job.client_left = True
                 worker.cancel_job(job)
                 return
 
@@ -325,7 +326,8 @@ def create_app(engine, api_token: str | None = None, max_queue: int = 16, model_
     async def health():
         return {"status": "healthy", "model": name, "backend": engine.backend.name, "numerics": engine.numerics,
                 "state": worker.state, "queued": worker.pending, "max_queue": worker.max_queue,
-                "served": worker.served, "cancelled": worker.cancelled}
+                "served": worker.served, "cancelled": worker.cancelled, "tokens_out": worker.tokens_out,
+                "tokens_after_client_left": worker.tokens_after_client_left}
 
     @app.get("/v1/models")
     async def models():

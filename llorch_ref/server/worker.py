@@ -39,6 +39,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult = field(default_factory=GenerationResult)
     watch: object = None            # the server's task that cancels the job when its client goes away
+    client_left: bool = False       # set by that task: tokens made after it are work for nobody
 
     def emit(self, kind, payload=None):
         try:
@@ -60,6 +61,8 @@ class Worker:
         self.running: Job | None = None
         self.served = 0
         self.cancelled = 0                           # jobs cancelled (queued or running) since start
+        self.tokens_out = 0                          # tokens generated since start, over every job
+        self.tokens_after_client_left = 0            # of those, made after the job's client had gone
         self.state = "idle"
         self._thread = threading.Thread(target=self._run, name="llorch-worker", daemon=True)
         self._thread.start()
@@ -130,6 +133,7 @@ class Worker:
                 for piece in self.engine.generate(result=job.result, cancel=job.cancel, **job.kwargs):
                     job.emit("token", {"t": piece, "i": i})
                     i += 1
+                    self.tokens_after_client_left += job.client_left
                 job.emit("end", job.result)
             except LlorchError as e:
                 job.emit("error", {"code": "INVALID_REQUEST", "message": str(e)})
@@ -138,6 +142,7 @@ class Worker:
             finally:
                 with self._cond:
                     self.served += 1
+                    self.tokens_out += len(job.result.token_ids)
                     self.cancelled += job.cancel.is_set()
                     self._jobs.pop(job.job_id, None)
                     self.running, self.state = None, "idle"
