@@ -368,9 +368,8 @@ def _api_token(args) -> str | None:
 
 
 def cmd_serve(args):
-    import uvicorn
-
     from .server.app import create_app
+    from .server.connections import make_server, raise_open_file_limit
 
     token = _api_token(args)
     eng = _load(args)
@@ -380,8 +379,8 @@ def cmd_serve(args):
              f"run generations (set $LLORCH_API_TOKEN or --api-token-file)")
     _log(f"llorch-ref: serving on http://{args.host}:{args.port} (POST /execute, /v1/completions, "
          f"/v1/chat/completions; GET /health, /v1/models){'; bearer token required' if token else ''}")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=5,
-                timeout_graceful_shutdown=args.shutdown_grace)
+    raise_open_file_limit()
+    make_server(app, args.host, args.port, shutdown_grace=args.shutdown_grace).run()
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 import uuid
 from typing import Literal
@@ -48,12 +49,19 @@ class Sampling(Strict):
 
 
 # job ids go into the X-Job-Id header: visible ASCII only, so the response can never fail after queueing
-JOB_ID_PATTERN = r"^[!-~]{1,200}$"
+JOB_ID_PATTERN = r"[!-~]{1,200}"
 
 
 class ExecuteRequest(Sampling):
-    job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
+    job_id: str | None = None
     prompt: str = Field(min_length=1)
+
+    @field_validator("job_id")
+    @classmethod
+    def _header_safe(cls, v):
+        if v is not None and not re.fullmatch(JOB_ID_PATTERN, v):
+            raise ValueError("1-200 visible ASCII characters, no spaces (it is sent back in the X-Job-Id header)")
+        return v
 
 
 class StreamOptions(Strict):

@@ -8,16 +8,16 @@ import time
 
 class LiveServer:
     def __init__(self, engine, **kw):
-        import uvicorn
-
         from llorch_ref.server.app import create_app
+        from llorch_ref.server.connections import make_server
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
+        header_timeout = kw.pop("header_timeout", 10.0)
         self.app = create_app(engine, **kw)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", timeout_keep_alive=2))
+        self.server = make_server(self.app, "127.0.0.1", self.port, header_timeout=header_timeout,
+                                  timeout_keep_alive=2)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 20
