@@ -24,7 +24,8 @@ def _load(args):
 
     t0 = time.perf_counter()
     eng = llorch_ref.load(args.model, backend=getattr(args, "backend", None), dtype=args.dtype,
-                          n_ctx=getattr(args, "ctx", None), numerics=args.numerics, kv_dtype=args.kv_dtype,
+                          n_ctx=getattr(args, "ctx", None), numerics=args.numerics or "exact",
+                          kv_dtype=args.kv_dtype or "f32",
                           weights=args.weights, weight_cache_mb=args.weight_cache_mb, weight_dtype=args.weight_dtype)
     wi = eng.weights_info()
     how = (f"lazy weights ({wi['dequantized_mb']:.0f} MB dequantized as {wi['storage']}, cache "
@@ -155,19 +156,30 @@ def _print_result(res, verbose, file=None):
 
     from .harness.metrics import fmt, fmt_cos, fmt_match
 
-    con = Console(file=file or sys.stdout, width=160)      # sys.stdout at call time (pytest's capture)
+    con = Console(file=file or sys.stdout, width=200 if res.local_declaration else 160)      # sys.stdout at call time (pytest's capture)
     ref_name = "the numpy backend" if res.band_class.startswith("backend:") else res.reference_label
     t = Table(title=f"{res.subject_label} vs {ref_name}: {len(res.token_ids)} tokens, band class {res.band_class}")
-    for col in ("checkpoint", "name", "comparisons", "failed", "worst NMSE", "worst max abs", "min cosine / agreement",
-                "worst at", "band", "verdict"):
+    local = res.local_declaration is not None
+    cols = ["checkpoint", "name", "comparisons", "failed", "worst NMSE", "worst max abs", "min cosine / agreement",
+            "worst at", "band", "verdict"]
+    if local:
+        t.title += f"; local errors in {res.local_declaration} arithmetic"
+        cols += ["worst local NMSE", "local band", "local failed"]
+    for col in cols:
         t.add_column(col)
     for s in res.summary():
         at = s["worst_at"]
-        t.add_row(s["checkpoint"], s["name"], str(s["rows"]), str(s["failed"]), fmt(s["worst_nmse"]),
-                  fmt(s["worst_max_abs"]), fmt_match(s),
-                  f"L{at['layer']} {at['tensor']}" if at["layer"] is not None else at["tensor"],
-                  json.dumps(s["band"]), "NOT COVERED" if s["passed"] is None else
-                  ("pass" if s["passed"] else "FAIL") + (f" ({s['not_covered']} not covered)" if s.get("not_covered") else ""))
+        cells = [s["checkpoint"], s["name"], str(s["rows"]), str(s["failed"]), fmt(s["worst_nmse"]),
+                 fmt(s["worst_max_abs"]), fmt_match(s),
+                 f"L{at['layer']} {at['tensor']}" if at["layer"] is not None else at["tensor"],
+                 json.dumps(s["band"]), "NOT COVERED" if s["passed"] is None else
+                 ("pass" if s["passed"] else "FAIL") + (f" ({s['not_covered']} not covered)" if s.get("not_covered") else "")]
+        if local:
+            lrows = [r for r in res.rows if r.checkpoint == s["checkpoint"] and r.local is not None]
+            cells += [fmt(max(r.local["nmse"] for r in lrows)) if lrows else "-",
+                      json.dumps(lrows[0].local_band) if lrows else "-",
+                      str(sum(not r.local_passed for r in lrows)) if lrows else "-"]
+        t.add_row(*cells)
     con.print(t)
     if verbose:
         d = Table(title="every comparison")
@@ -196,9 +208,14 @@ def _print_result(res, verbose, file=None):
         con.print(f"warning: {w}")
     fd = res.first_divergence
     con.print("first divergence: " + ("none (every comparison inside its band)" if fd is None else
-                                      f"checkpoint {fd['checkpoint']}, layer {fd['layer']}, tensor {fd['tensor']}"))
+                                      f"checkpoint {fd['checkpoint']}, layer {fd['layer']}, tensor {fd['tensor']} "
+                                      f"(by {fd['by']})"))
     if fd is not None:
-        row = min((r for r in res.rows if not r.passed), key=lambda r: r.order)
+        row = min((r for r in res.rows if r.diverges), key=lambda r: r.order)
+        if row.local is not None:
+            con.print(f"  local error (the reference's operation on the subject's own inputs): NMSE "
+                      f"{fmt(row.local['nmse'])}, max abs {fmt(row.local['max_abs'])}, cosine {fmt_cos(row.local['cosine'])} "
+                      f"(band {json.dumps(row.local_band)}); end to end: NMSE {fmt(row.metrics.get('nmse'))}")
         if row.metrics.get("error"):
             con.print(f"  {row.metrics['error']}")
 
@@ -241,8 +258,20 @@ def _run_subject(args):
         raise ParameterError("--subject compares a dump with llorch-ref on --model: --reference and "
                              "--reference-model do not apply")
     sub = load_dump(args.subject)
+    decl = sub.arithmetic or {}
+    if decl:
+        args.numerics = args.numerics or decl["numerics"]
+        args.kv_dtype = args.kv_dtype or decl["kv_dtype"]
+        _log(f"llorch-ref: the dump declares {decl['numerics']} arithmetic, K/V {decl['kv_dtype']}; the reference "
+             f"runs numerics {args.numerics}, K/V {args.kv_dtype} (local errors are measured in that arithmetic)")
+    else:
+        _log("llorch-ref: the dump declares no arithmetic (format llorch-dump/1): local errors are measured in "
+             "exact float32 unless --numerics/--kv-dtype say otherwise")
     eng = _load(args)
-    return eng, run_subject(eng, sub, _band_class(args, eng), checkpoints=args.checkpoint,
+    # end to end, the weight class's bands (inherited error included); the declared arithmetic is held to
+    # its own local bands, op by op
+    from .harness.specs import engine_band_class
+    return eng, run_subject(eng, sub, args.band_class or engine_band_class(eng), checkpoints=args.checkpoint,
                             subject_label=f"{sub.engine} (dump {args.subject})", log=_log)
 
 
@@ -286,15 +315,15 @@ def cmd_dump(args):
     prompt = None if ids is not None and args.prompt is None else (args.prompt or DEFAULT_PROMPT)
     if args.engine != "llorch":
         given = [f"--{k.replace('_', '-')} {v}" for k, v, d in (("backend", args.backend, None),
-                 ("dtype", args.dtype, "float32"), ("numerics", args.numerics, "exact")) if v != d]
-        if args.engine == "transformers" and args.kv_dtype != "f32":
+                 ("dtype", args.dtype, "float32"), ("numerics", args.numerics, None)) if v != d]
+        if args.engine == "transformers" and args.kv_dtype not in (None, "f32"):
             given.append(f"--kv-dtype {args.kv_dtype}")
         if given:
             raise ParameterError(f"{', '.join(given)} do(es) not apply to --engine {args.engine}")
     if args.engine == "llamacpp":
         from .references.engines import dump_llamacpp
         rec = dump_llamacpp(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
-                            kv_type=args.kv_dtype, checkpoints=args.checkpoint)
+                            kv_type=args.kv_dtype or "f32", checkpoints=args.checkpoint)
     elif args.engine == "transformers":
         from .references.engines import dump_transformers
         if args.checkpoint:
@@ -464,11 +493,13 @@ def build_parser():
                         help="array backend (default numpy, or $LLORCH_BACKEND)")
         sp.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                         help="weight storage on the backend (float16: cupy only)")
-        sp.add_argument("--numerics", choices=["exact", "ggml"], default="exact",
+        sp.add_argument("--numerics", choices=["exact", "ggml"], default=None,
                         help="exact: float32 math (default); ggml: llama.cpp's CPU arithmetic (quantized "
-                             "activations, its dot-product order, its exp), bit for bit")
-        sp.add_argument("--kv-dtype", choices=["f32", "f16"], default="f32",
-                        help="K/V cache type (default f32; llama.cpp's own default is f16)")
+                             "activations, its dot-product order, its exp), bit for bit. With --subject, the "
+                             "default is the arithmetic the dump declares")
+        sp.add_argument("--kv-dtype", choices=["f32", "f16"], default=None,
+                        help="K/V cache type (default f32, or what a --subject dump declares; llama.cpp's own "
+                             "default is f16)")
         sp.add_argument("--weights", choices=["auto", "lazy", "eager"], default="auto",
                         help="lazy: keep the file mapped, dequantize each layer when it runs (default for GGUF "
                              "on numpy and numba with exact numerics; Hugging Face folders when asked); eager: "

@@ -26,7 +26,9 @@ import numpy as np
 
 from .errors import DumpError
 
-FORMAT = "llorch-dump/1"
+FORMAT = "llorch-dump/2"          # 2: the manifest may declare the arithmetic; /1 files still read
+FORMATS = ("llorch-dump/1", FORMAT)
+ARITHMETIC_NUMERICS, ARITHMETIC_KV = ("exact", "ggml"), ("f32", "f16")
 MANIFEST_KEY = "llorch.manifest"
 NAME_RE = re.compile(r"^cp(?P<cp>[0-9]+[A-Z]?)\.(?P<tensor>[a-z][a-z0-9_]*)(?:\.layer(?P<layer>[0-9]+))?$")
 CANONICAL_LAYOUTS = {"rope_pairs": "adjacent", "heads": "token_major", "array_order": "numpy"}
@@ -239,6 +241,13 @@ class Dump:
     def engine(self) -> str:
         e = self.manifest["engine"]
         return f"{e['name']} {e['version']}".strip()
+
+    @property
+    def arithmetic(self) -> dict | None:
+        """What the engine declares it does with activations and caches: {"numerics": "exact" (float32 on
+        dequantized weights) | "ggml" (llama.cpp's activation quantization and order), "kv_dtype": "f32" |
+        "f16"}; None for dumps that declare nothing (format /1)."""
+        return self.manifest.get("arithmetic")
 
     @property
     def layouts(self) -> dict:

@@ -163,7 +163,8 @@ def test_tiny_self_dump_and_a_planted_change_is_the_first_divergence(tiny, tmp_p
     t["cp6.ffn_out.layer1"] = t["cp6.ffn_out.layer1"] * np.float32(1.01)
     d2 = type(d)(manifest=d.manifest, tensors=t, source="edited")
     res = compare_dumps(d2, ref, eng.config, "F32")
-    assert res.first_divergence == {"checkpoint": "6", "layer": 1, "tensor": "ffn_out"}
+    fd = res.first_divergence
+    assert (fd["checkpoint"], fd["layer"], fd["tensor"], fd["by"]) == ("6", 1, "ffn_out", "end-to-end error")
     # a checkpoint the subject leaves out is reported, never passed
     t = {k: v for k, v in d.tensors.items() if not k.startswith("cp3.")}
     res = compare_dumps(type(d)(manifest=d.manifest, tensors=t, source="partial"), ref, eng.config, "F32")

@@ -37,6 +37,15 @@ class Row:
     band: dict
     passed: bool
     order: tuple
+    local: dict | None = None          # teacher-forced: the reference op on the subject's inputs vs its output
+    local_band: dict | None = None
+    local_passed: bool | None = None
+
+    @property
+    def diverges(self) -> bool:
+        """Where a local figure exists, it decides (the end-to-end error may be inherited); else the
+        end-to-end one."""
+        return not (self.local_passed if self.local_passed is not None else self.passed)
 
 
 @dataclass
@@ -58,14 +67,18 @@ class DiffResult:
     capture_files: tuple = ("ours.npz", "llamacpp.npz")
     not_covered: list = field(default_factory=list)      # [{checkpoint, name, layer, tensor, why}]
     warnings: list = field(default_factory=list)         # lines a reader must see (e.g. different model files)
+    local_declaration: str | None = None                 # the arithmetic of the local comparison, when one ran
 
     @property
     def first_divergence(self):
-        bad = [r for r in self.rows if not r.passed]
+        """The first row in forward order that diverges: by its local (teacher-forced) error where the
+        comparison has one, else by its end-to-end error."""
+        bad = [r for r in self.rows if r.diverges]
         if not bad:
             return None
         r = min(bad, key=lambda r: r.order)
-        return {"checkpoint": r.checkpoint, "layer": r.layer, "tensor": r.tensor}
+        return {"checkpoint": r.checkpoint, "layer": r.layer, "tensor": r.tensor,
+                "by": "local error" if r.local_passed is not None else "end-to-end error"}
 
     def passed(self, checkpoint=None) -> bool:
         return all(r.passed for r in self.rows if checkpoint is None or r.checkpoint == checkpoint)
@@ -110,8 +123,11 @@ class DiffResult:
             "summary": self.summary(), "greedy": self.greedy, "timings": self.timings,
             "llamacpp_settings": self.llamacpp_settings, "subject": self.subject_label,
             "reference": self.reference_label, "not_covered": self.not_covered, "warnings": self.warnings,
+            "local_declaration": self.local_declaration,
             "rows": [{"checkpoint": r.checkpoint, "name": r.name, "layer": r.layer, "tensor": r.tensor,
-                      **r.metrics, "band": r.band, "passed": r.passed} for r in self.rows],
+                      **r.metrics, "band": r.band, "passed": r.passed,
+                      **({"local": r.local, "local_band": r.local_band, "local_passed": r.local_passed}
+                         if r.local is not None else {})} for r in self.rows],
         }
 
 

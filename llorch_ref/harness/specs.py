@@ -1,6 +1,7 @@
 """Checkpoint specs: JSON files in checkpoints/ (data, not code). See checkpoints/README.md."""
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,3 +145,24 @@ def engine_band_class(engine) -> str:
 
 def coarser(a: str, b: str) -> str:
     return max(a, b, key=CLASS_ORDER.index)
+
+
+# -- local (teacher-forced) bands: per declared arithmetic, calibrated (checkpoints/local_bands.json) -----
+def declaration(engine) -> str:
+    """The arithmetic a local comparison reproduces: numerics and K/V cache type, e.g. 'exact/f32', 'ggml/f16'."""
+    return f"{engine.numerics}/{engine.kv_dtype}"
+
+
+@functools.lru_cache(maxsize=2)
+def _local_bands(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def local_band(decl: str, tensor: str) -> dict:
+    """The band a local error must stay inside, for this declaration and tensor."""
+    bands = _local_bands(str(_spec_dir() / "local_bands.json"))["bands"]
+    if decl not in bands:
+        raise HarnessError(f"no local bands for the arithmetic {decl!r} (calibrated: {', '.join(bands)}); "
+                           f"run tools/calibrate_local_bands.py")
+    b = bands[decl]
+    return b.get(tensor, b["default"])

@@ -15,7 +15,7 @@ from ..dump import Dump, Recorder, catalogue, expected_shape, to_canonical
 from ..errors import DumpError, HarnessError
 from .metrics import compare, within
 from .run import WARMUP_PROMPT, DiffResult, Row, _softmax64, band_schedule
-from .specs import greedy_band, load_specs
+from .specs import declaration, greedy_band, load_specs, local_band
 
 LAYOUT_CHOICES = {"rope_pairs": ("adjacent", "neox"), "heads": ("token_major", "head_major"),
                   "array_order": ("numpy", "ggml")}
@@ -36,7 +36,9 @@ def record_engine(engine, token_ids, prompt=None, n_greedy=32) -> Recorder:
 
     rec = Recorder("llorch-ref", f"{__version__} ({engine.backend.name}, {engine.numerics})",
                    model_path=engine.path, token_ids=token_ids, prompt=prompt,
-                   layouts={"rope_pairs": engine.config.rope_style})     # Q/K rows as this model holds them
+                   layouts={"rope_pairs": engine.config.rope_style},     # Q/K rows as this model holds them
+                   extra={"arithmetic": {"numerics": engine.numerics, "kv_dtype": engine.kv_dtype,
+                                         "settings": {"backend": engine.backend.name}}})
     ids = list(token_ids)
     if prompt is not None and engine.tokenizer is not None:
         rec.add("cp0.token_ids", np.array(engine.tokenizer.encode(prompt), dtype=np.int64))
@@ -84,9 +86,12 @@ def _layout_hint(sub: Dump, cp, tensor, layer, entry, dims, ref, band, sub_shape
 
 
 def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, subject_label=None,
-                  reference_label=None, model=None, reference_model=None) -> DiffResult:
+                  reference_label=None, model=None, reference_model=None, local_engine=None) -> DiffResult:
     """subject, reference: Dump or Recorder; cfg: the model's Config (for the shapes). -> DiffResult whose
-    rows compare subject (as 'ours') with reference; uncovered checkpoints listed in result.not_covered."""
+    rows compare subject (as 'ours') with reference; uncovered checkpoints listed in result.not_covered.
+    local_engine: the reference engine; every layer tensor (and the head) is then also compared with the
+    engine's operation run on the subject's own inputs (the local, teacher-forced error), under the local
+    bands of the engine's declared arithmetic, and the first divergence is named by that."""
     sub, ref = _as_dump(subject), _as_dump(reference)
     specs = load_specs(checkpoints)
     cat = catalogue()
@@ -104,6 +109,10 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
     res.not_covered = []
     t0 = time.perf_counter()
     cap_sub, cap_ref = {}, {}
+    local_of = _local_reader(local_engine, sub, cat, dims, ids) if local_engine is not None else None
+    local_decl = declaration(local_engine) if local_engine is not None else None
+    if local_engine is not None:
+        res.local_declaration = local_decl
 
     def uncovered(spec, layer, tensor, why):
         res.not_covered.append({"checkpoint": spec.id, "name": spec.name, "layer": layer, "tensor": tensor,
@@ -142,7 +151,13 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
         cap_ref[key] = r
         if s is not None:
             cap_sub[key] = s
-        res.rows.append(Row(spec.id, spec.name, layer, t, m, band, ok, order))
+        row = Row(spec.id, spec.name, layer, t, m, band, ok, order)
+        lo = local_of(spec.id, t, layer) if local_of is not None and s is not None and shape_ok else None
+        if lo is not None:
+            row.local = compare(s, lo)
+            row.local_band = local_band(local_decl, t)
+            row.local_passed = within(row.local, row.local_band)
+        res.rows.append(row)
 
     # a dump written by llama.cpp carries its reduced-precision nodes (spec field band_class): as in run_diff,
     # that class's bands apply from the node on
@@ -215,6 +230,35 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
     return res
 
 
+def _local_reader(engine, sub: Dump, cat: dict, dims: dict, token_ids):
+    """-> local(cp, tensor, layer): the engine's op on the subject's inputs, or None (inputs not held).
+    Layers are computed once, on first use."""
+    from .local import local_outputs, model_outputs
+
+    where = {name: cp for (cp, name) in cat}
+    memo = {}
+
+    def get(name, layer):
+        cp = where.get(name)
+        if cp is None or not sub.has(cp, name, layer):
+            return None
+        try:
+            a = sub.get(cp, name, layer, dims)
+        except ValueError:
+            return None
+        return a if list(a.shape) == expected_shape(cat[(cp, name)], dims) else None
+
+    def local(cp, tensor, layer):
+        key = "head" if layer is None else layer
+        if key not in memo:
+            memo[key] = model_outputs(engine, get) if layer is None else local_outputs(engine, get, layer, token_ids)
+        lo = memo[key].get(tensor)
+        if cp == "9" and lo is not None:            # the last row alone, from the subject's own result_norm
+            return lo[-1]
+        return lo
+    return local
+
+
 def _argmax(d: Dump):
     if d.has("10", "argmax"):
         return d.raw("10", "argmax").astype(np.int64), "argmax"
@@ -251,7 +295,7 @@ def run_subject(engine, sub: Dump, band_class: str, checkpoints=None, subject_la
     ref = record_engine(engine, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n)
     res = compare_dumps(sub, ref, engine.config, band_class, checkpoints=checkpoints,
                         subject_label=subject_label or sub.engine, reference_label=engine_label(engine),
-                        model=sub.source, reference_model=str(engine.path))
+                        model=sub.source, reference_model=str(engine.path), local_engine=engine)
     if warn:
         res.warnings.append(warn)
     return res

@@ -56,7 +56,9 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
     specs = load_specs(checkpoints)
     rec = Recorder("llama.cpp", f"{_lcp.__version__} (llama-cpp-python)", model_path=path, token_ids=ids,
                    prompt=prompt, layouts={"array_order": array_order, "rope_pairs": cfg.rope_style},
-                   notes=f"K/V cache {kv_type}, flash attention off, GGML_CPU_TILED_MM=0")
+                   notes=f"K/V cache {kv_type}, flash attention off, GGML_CPU_TILED_MM=0",
+                   extra={"arithmetic": {"numerics": "ggml", "kv_dtype": kv_type,
+                                         "settings": {"flash_attn": False, "GGML_CPU_TILED_MM": "0"}}})
 
     def put(name, a):
         a = np.ascontiguousarray(a, dtype=np.float32)
@@ -160,7 +162,9 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
     t = len(ids)
     rec = Recorder("transformers", f"{transformers.__version__} (torch {torch.__version__})",
                    model_path=folder, token_ids=ids, prompt=prompt, layouts={"rope_pairs": "neox"},
-                   notes="float32, eager attention, CPU; RoPE outputs captured by wrapping apply_rotary_pos_emb")
+                   notes="float32, eager attention, CPU; RoPE outputs captured by wrapping apply_rotary_pos_emb",
+                   extra={"arithmetic": {"numerics": "exact", "kv_dtype": "f32",
+                                         "settings": {"dtype": "float32", "attn_implementation": "eager"}}})
     if tok is not None:
         rec.add("cp0.token_ids", np.array(tok(prompt, add_special_tokens=True)["input_ids"], dtype=np.int64))
 

@@ -1,0 +1,114 @@
+"""Teacher-forced (local) comparison: every layer operation of the reference, run on the subject's own inputs.
+
+For a tensor y = op(x1, x2, ...) of the forward pass, the local error compares the subject's y with the
+reference's op applied to the subject's own x's: what this one operation added. The end-to-end error (the
+subject's y against the reference's y) is that plus everything it inherited. On quantized weights the
+inherited part dominates after a few layers, and a 5% error in one weight matrix hides in it; the local
+error does not inherit, so it is named where it starts.
+
+The reference's operations are the engine's own (`engine.ops`, `engine.weights`): `--numerics exact`
+(float32 on dequantized weights) or `--numerics ggml` (llama.cpp's activation quantization and summation
+order), with the engine's K/V cache type: the arithmetic the subject declares. Inputs and outputs are the
+canonical arrays of the dump (the layouts undone by its manifest).
+
+    local_outputs(engine, get, layer, n_tokens) -> {tensor name: the reference op on the subject's inputs}
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# y <- op(inputs): which subject tensors feed each local operation (documentation and the bundle's report)
+INPUTS = {
+    "attn_norm": ("l_out[L-1] (the embedding at layer 0)",), "q_proj": ("attn_norm",), "k_proj": ("attn_norm",),
+    "v": ("attn_norm",), "q_normed": ("q_proj",), "k_normed": ("k_proj",), "q": ("q_proj or q_normed",),
+    "k": ("k_proj or k_normed",), "k_cache": ("k",), "v_cache": ("v",), "kq": ("q", "k_cache"),
+    "kq_soft_max": ("q", "k_cache"), "kqv_out": ("q", "k_cache", "v_cache"), "attn_out": ("kqv_out",),
+    "attn_post_norm": ("attn_out",), "ffn_inp": ("l_out[L-1]", "attn_out or attn_post_norm"),
+    "ffn_norm": ("ffn_inp",), "ffn_swiglu": ("ffn_norm",), "ffn_out": ("ffn_swiglu",),
+    "ffn_post_norm": ("ffn_out",), "l_out": ("ffn_inp", "ffn_out or ffn_post_norm"),
+    "result_norm": ("l_out[last]",), "logits": ("result_norm",),
+}
+
+
+def embedding(engine, token_ids) -> np.ndarray:
+    """The reference's embedding rows (layer 0's input): a lookup, exact in every arithmetic."""
+    cfg, w = engine.config, engine.weights
+    x = engine.backend.to_numpy(w.tok_embd[np.asarray(token_ids)]).astype(np.float32)
+    return x * np.float32(cfg.embed_scale) if cfg.embed_scale is not None else x
+
+
+def local_outputs(engine, get, layer: int, token_ids) -> dict:
+    """get(name, layer) -> the subject's canonical array or None. -> {name: reference op on the subject's
+    inputs} for every tensor of this layer whose inputs the subject holds."""
+    cfg, ops, xp = engine.config, engine.ops, engine.xp
+    lw = engine.weights.layers[layer]
+    t = len(token_ids)
+    out = {}
+    asx = engine.backend.asarray
+    npy = engine.backend.to_numpy
+
+    def have(*names):
+        vals = [get(n, layer) if isinstance(n, str) else n for n in names]
+        return None if any(v is None for v in vals) else [asx(v) for v in vals]
+
+    x_in = embedding(engine, token_ids) if layer == 0 else get("l_out", layer - 1)
+    if x_in is not None:
+        out["attn_norm"] = ops.rms_norm(xp, asx(x_in), lw.attn_norm, cfg.rms_eps)
+    if (a := have("attn_norm")) is not None:
+        q, k, v = ops.qkv(xp, a[0], lw.wq, lw.wk, lw.wv, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qkv_bias:
+            q, k, v = (q + lw.bq.reshape(q.shape[1:]), k + lw.bk.reshape(k.shape[1:]), v + lw.bv.reshape(v.shape[1:]))
+        out.update(q_proj=q, k_proj=k, v=v)
+    if cfg.qk_norm:
+        if (a := have("q_proj")) is not None:
+            out["q_normed"] = ops.rms_norm(xp, a[0], lw.q_norm, cfg.rms_eps)
+        if (a := have("k_proj")) is not None:
+            out["k_normed"] = ops.rms_norm(xp, a[0], lw.k_norm, cfg.rms_eps)
+    cache = engine.new_cache()                                  # position 0: the dump's one fresh forward
+    local = cfg.is_local(layer)
+    cos, sin = cache.rope_rows(t, local)
+    for name, src in (("q", "q_normed" if cfg.qk_norm else "q_proj"), ("k", "k_normed" if cfg.qk_norm else "k_proj")):
+        if (a := have(src)) is not None:
+            out[name] = ops.rope(xp, a[0], cos, sin, cfg.rope_style)
+    if (a := have("k", "v")) is not None:
+        k_all, v_all = cache.store(layer, a[0], a[1])          # the cache's type (f16 rounds here)
+        out.update(k_cache=k_all, v_cache=v_all)
+    if (a := have("q", "k_cache", "v_cache")) is not None:
+        kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
+        mask = cache.mask(t, cfg.sliding_window if local else 0)
+        att, kq, probs = ops.attention(xp, a[0], a[1], a[2], mask, cfg.scale, kv_head)
+        out.update(kq=kq, kq_soft_max=probs, kqv_out=att)
+    if (a := have("kqv_out")) is not None:
+        out["attn_out"] = ops.linear(xp, a[0], lw.wo)
+    if cfg.post_norms and (a := have("attn_out")) is not None:
+        out["attn_post_norm"] = ops.rms_norm(xp, a[0], lw.post_attn_norm, cfg.rms_eps)
+    if x_in is not None and (a := have("attn_post_norm" if cfg.post_norms else "attn_out")) is not None \
+            and a[0].shape == x_in.shape:
+        out["ffn_inp"] = asx(x_in) + a[0]
+    if (a := have("ffn_inp")) is not None:
+        out["ffn_norm"] = ops.rms_norm(xp, a[0], lw.ffn_norm, cfg.rms_eps)
+    glu = ops.swiglu if cfg.ffn_act == "silu" else ops.geglu
+    if (a := have("ffn_norm")) is not None:
+        out["ffn_swiglu"] = glu(xp, a[0], lw.w_gate, lw.w_up, lw.w_down)[1]
+    if (a := have("ffn_swiglu")) is not None:
+        out["ffn_out"] = ops.linear(xp, a[0], lw.w_down)
+    if cfg.post_norms and (a := have("ffn_out")) is not None:
+        out["ffn_post_norm"] = ops.rms_norm(xp, a[0], lw.post_ffn_norm, cfg.rms_eps)
+    if (a := have("ffn_inp", "ffn_post_norm" if cfg.post_norms else "ffn_out")) is not None \
+            and a[0].shape == a[1].shape:
+        out["l_out"] = a[0] + a[1]
+    return {k: npy(v) for k, v in out.items()}
+
+
+def model_outputs(engine, get) -> dict:
+    """The head: result_norm from the last layer's l_out, logits from result_norm (the subject's own)."""
+    cfg, ops, xp, w = engine.config, engine.ops, engine.xp, engine.weights
+    asx = engine.backend.asarray
+    out = {}
+    x = get("l_out", cfg.n_layers - 1)
+    if x is not None:
+        out["result_norm"] = ops.rms_norm(xp, asx(x), w.out_norm, cfg.rms_eps)
+    h = get("result_norm", None)
+    if h is not None:
+        out["logits"] = ops.linear(xp, asx(h), w.output)
+    return {k: engine.backend.to_numpy(v) for k, v in out.items()}
