@@ -313,6 +313,12 @@ def cmd_dump(args):
         if not ids:
             raise ParameterError("--token-ids is empty")
     prompt = None if ids is not None and args.prompt is None else (args.prompt or DEFAULT_PROMPT)
+    if args.engine != "llamacpp":
+        lcp = [f for f, on in (("--flash-attn", args.flash_attn), ("--tiled-mm", args.tiled_mm),
+                               ("--ubatch", args.ubatch != 512), ("--threads", args.threads is not None)) if on]
+        if lcp:
+            raise ParameterError(f"{', '.join(lcp)}: llama.cpp settings, for --engine llamacpp")
+    args.threads = args.threads or 2
     if args.engine != "llorch":
         given = [f"--{k.replace('_', '-')} {v}" for k, v, d in (("backend", args.backend, None),
                  ("dtype", args.dtype, "float32"), ("numerics", args.numerics, None)) if v != d]
@@ -322,8 +328,11 @@ def cmd_dump(args):
             raise ParameterError(f"{', '.join(given)} do(es) not apply to --engine {args.engine}")
     if args.engine == "llamacpp":
         from .references.engines import dump_llamacpp
+        if args.tiled_mm:
+            os.environ["GGML_CPU_TILED_MM"] = "1"      # read once, before llama.cpp's first product
         rec = dump_llamacpp(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
-                            kv_type=args.kv_dtype or "f32", checkpoints=args.checkpoint)
+                            kv_type=args.kv_dtype or "f32", checkpoints=args.checkpoint, flash_attn=args.flash_attn,
+                            n_ubatch=args.ubatch, n_threads=args.threads)
     elif args.engine == "transformers":
         from .references.engines import dump_transformers
         if args.checkpoint:
@@ -617,6 +626,12 @@ def build_parser():
     du.add_argument("--checkpoint", action="append", help="checkpoint id or name (repeatable; default all)")
     du.add_argument("--out", required=True, help="dump file to write (.safetensors)")
     du.add_argument("--overwrite", action="store_true")
+    du.add_argument("--flash-attn", action="store_true", help="llamacpp: flash attention on (fused: checkpoint 4 "
+                    "is then not covered)")
+    du.add_argument("--ubatch", type=_int_in(1, 65536), default=512, help="llamacpp: n_batch = n_ubatch")
+    du.add_argument("--threads", type=_int_in(1, 1024), default=None, help="llamacpp: threads (default 2)")
+    du.add_argument("--tiled-mm", action="store_true", help="llamacpp: ggml's tiled K-quant products "
+                    "(GGML_CPU_TILED_MM=1; another summation order than the vec_dot path --numerics ggml reproduces)")
     du.set_defaults(fn=cmd_dump)
 
     pr = sub.add_parser("prove", help="run the checkpoints and write proof bundles")

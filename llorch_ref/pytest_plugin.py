@@ -104,7 +104,7 @@ class CheckpointItem(pytest.Item):
         res = _State.result
         rows = [r for r in res.rows if r.checkpoint == self.spec.id and r.layer == self.layer]
         missing = [u for u in res.not_covered if u["checkpoint"] == self.spec.id and u["layer"] == self.layer]
-        bad = [r for r in rows if not r.passed]
+        bad = [r for r in rows if r.diverges]        # by local error where there is one, else end to end
         if bad:
             raise CheckpointFailure(self.spec, bad, res)
         if not rows:
@@ -132,10 +132,13 @@ class CheckpointFailure(AssertionError):
             lines.append(f"  {r.tensor}: shape {m.get('shape')} max abs {fmt(m.get('max_abs'))} max rel "
                          f"{fmt(m.get('max_rel'))} NMSE {fmt(m.get('nmse'))} cosine "
                          f"{fmt_cos(m.get('cosine', m.get('agreement')))} band {r.band}"
+                         + (f"\n    local (the reference's op on the subject's inputs): NMSE {fmt(r.local['nmse'])} max abs "
+                            f"{fmt(r.local['max_abs'])} band {r.local_band} [{res.local_declaration}]"
+                            if r.local is not None else "")
                          + (f"\n    {m['error']}" if m.get("error") else ""))
         fd = res.first_divergence
         lines.append(f"first divergence of the run: checkpoint {fd['checkpoint']}, layer {fd['layer']}, "
-                     f"tensor {fd['tensor']}")
+                     f"tensor {fd['tensor']} (by {fd['by']})")
         super().__init__("\n".join(lines))
 
 

@@ -22,7 +22,7 @@ INPUTS = {
     "attn_norm": ("l_out[L-1] (the embedding at layer 0)",), "q_proj": ("attn_norm",), "k_proj": ("attn_norm",),
     "v": ("attn_norm",), "q_normed": ("q_proj",), "k_normed": ("k_proj",), "q": ("q_proj or q_normed",),
     "k": ("k_proj or k_normed",), "k_cache": ("k",), "v_cache": ("v",), "kq": ("q", "k_cache"),
-    "kq_soft_max": ("q", "k_cache"), "kqv_out": ("q", "k_cache", "v_cache"), "attn_out": ("kqv_out",),
+    "kq_soft_max": ("q", "k_cache"), "kqv_out": ("q", "k_cache", "v_cache"), "attn_out": ("kqv_out (q, k_cache, v_cache when fused)",),
     "attn_post_norm": ("attn_out",), "ffn_inp": ("l_out[L-1]", "attn_out or attn_post_norm"),
     "ffn_norm": ("ffn_inp",), "ffn_swiglu": ("ffn_norm",), "ffn_out": ("ffn_swiglu",),
     "ffn_post_norm": ("ffn_out",), "l_out": ("ffn_inp", "ffn_out or ffn_post_norm"),
@@ -80,6 +80,8 @@ def local_outputs(engine, get, layer: int, token_ids) -> dict:
         out.update(kq=kq, kq_soft_max=probs, kqv_out=att)
     if (a := have("kqv_out")) is not None:
         out["attn_out"] = ops.linear(xp, a[0], lw.wo)
+    elif "kqv_out" in out:                  # a fused attention (flash attention): attn_out from q, k, v
+        out["attn_out"] = ops.linear(xp, out["kqv_out"], lw.wo)
     if cfg.post_norms and (a := have("attn_out")) is not None:
         out["attn_post_norm"] = ops.rms_norm(xp, a[0], lw.post_attn_norm, cfg.rms_eps)
     if x_in is not None and (a := have("attn_post_norm" if cfg.post_norms else "attn_out")) is not None \

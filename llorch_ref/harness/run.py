@@ -81,7 +81,8 @@ class DiffResult:
                 "by": "local error" if r.local_passed is not None else "end-to-end error"}
 
     def passed(self, checkpoint=None) -> bool:
-        return all(r.passed for r in self.rows if checkpoint is None or r.checkpoint == checkpoint)
+        """No row diverges (by local error where measured, else end to end)."""
+        return not any(r.diverges for r in self.rows if checkpoint is None or r.checkpoint == checkpoint)
 
     def summary(self) -> list[dict]:
         """One line per checkpoint: worst figures over its tensors and layers."""

@@ -148,9 +148,12 @@ def coarser(a: str, b: str) -> str:
 
 
 # -- local (teacher-forced) bands: per declared arithmetic, calibrated (checkpoints/local_bands.json) -----
-def declaration(engine) -> str:
-    """The arithmetic a local comparison reproduces: numerics and K/V cache type, e.g. 'exact/f32', 'ggml/f16'."""
-    return f"{engine.numerics}/{engine.kv_dtype}"
+def declaration(engine, subject_arithmetic: dict | None = None) -> str:
+    """The arithmetic a local comparison reproduces: the reference engine's numerics and K/V cache type, e.g.
+    'exact/f32', 'ggml/f16'; '+flash_attn' when the subject declares flash attention (a fused attention whose
+    f16 arithmetic the reference does not reproduce: its bands are its own)."""
+    fa = bool(((subject_arithmetic or {}).get("settings") or {}).get("flash_attn"))
+    return f"{engine.numerics}/{engine.kv_dtype}" + ("+flash_attn" if fa else "")
 
 
 @functools.lru_cache(maxsize=2)
@@ -163,6 +166,6 @@ def local_band(decl: str, tensor: str) -> dict:
     bands = _local_bands(str(_spec_dir() / "local_bands.json"))["bands"]
     if decl not in bands:
         raise HarnessError(f"no local bands for the arithmetic {decl!r} (calibrated: {', '.join(bands)}); "
-                           f"run tools/calibrate_local_bands.py")
+                           f"calibrate them with: python tools/local_sensitivity.py calibrate")
     b = bands[decl]
     return b.get(tensor, b["default"])

@@ -86,12 +86,14 @@ def _layout_hint(sub: Dump, cp, tensor, layer, entry, dims, ref, band, sub_shape
 
 
 def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, subject_label=None,
-                  reference_label=None, model=None, reference_model=None, local_engine=None) -> DiffResult:
+                  reference_label=None, model=None, reference_model=None, local_engine=None,
+                  local_bands=local_band) -> DiffResult:
     """subject, reference: Dump or Recorder; cfg: the model's Config (for the shapes). -> DiffResult whose
     rows compare subject (as 'ours') with reference; uncovered checkpoints listed in result.not_covered.
     local_engine: the reference engine; every layer tensor (and the head) is then also compared with the
     engine's operation run on the subject's own inputs (the local, teacher-forced error), under the local
-    bands of the engine's declared arithmetic, and the first divergence is named by that."""
+    bands of the engine's declared arithmetic, and the first divergence is named by that. local_bands(decl,
+    tensor) -> band (calibration passes its own)."""
     sub, ref = _as_dump(subject), _as_dump(reference)
     specs = load_specs(checkpoints)
     cat = catalogue()
@@ -110,7 +112,7 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
     t0 = time.perf_counter()
     cap_sub, cap_ref = {}, {}
     local_of = _local_reader(local_engine, sub, cat, dims, ids) if local_engine is not None else None
-    local_decl = declaration(local_engine) if local_engine is not None else None
+    local_decl = declaration(local_engine, sub.arithmetic) if local_engine is not None else None
     if local_engine is not None:
         res.local_declaration = local_decl
 
@@ -155,7 +157,7 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
         lo = local_of(spec.id, t, layer) if local_of is not None and s is not None and shape_ok else None
         if lo is not None:
             row.local = compare(s, lo)
-            row.local_band = local_band(local_decl, t)
+            row.local_band = local_bands(local_decl, t)
             row.local_passed = within(row.local, row.local_band)
         res.rows.append(row)
 

@@ -120,7 +120,7 @@ def _read_tensor(ptr) -> tuple[str, str, tuple, np.ndarray | None]:
 class LlamaCpp:
     """One llama.cpp model + context. eval(tokens) runs a fresh sequence and returns logits [T, V]."""
 
-    def __init__(self, path, n_ctx=512, kv_type="f32", n_threads=2, n_ubatch=512, seed=0):
+    def __init__(self, path, n_ctx=512, kv_type="f32", n_threads=2, n_ubatch=512, seed=0, flash_attn=False):
         llama_cpp, _ = _import()
         self.llama_cpp = llama_cpp
         if kv_type not in KV_TYPES:
@@ -147,7 +147,8 @@ class LlamaCpp:
         cp.n_batch = n_ubatch
         cp.n_ubatch = n_ubatch
         cp.n_threads = cp.n_threads_batch = n_threads
-        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         cp.type_k = cp.type_v = KV_TYPES[kv_type]
         cp.offload_kqv = False
         self._capture: Capture | None = None
@@ -158,7 +159,7 @@ class LlamaCpp:
         if not self.ctx:
             raise ReferenceError_("llama.cpp could not create a context")
         self.settings = {"n_ctx": n_ctx, "n_batch": n_ubatch, "n_ubatch": n_ubatch, "n_threads": n_threads,
-                         "flash_attn": False, "type_k": kv_type, "type_v": kv_type, "use_extra_bufts": False,
+                         "flash_attn": bool(flash_attn), "type_k": kv_type, "type_v": kv_type, "use_extra_bufts": False,
                          "logits": "all tokens (llama_batch_init)", "llama_cpp_python": llama_cpp.__version__,
                          "GGML_CPU_TILED_MM": os.environ.get("GGML_CPU_TILED_MM")}
         self.n_ctx, self.n_ubatch = n_ctx, n_ubatch
