@@ -348,3 +348,11 @@ def load_dump(path) -> Dump:
         raise DumpError(f"{p}: no manifest (metadata key '{MANIFEST_KEY}' or sidecar {side.name})")
     validate_manifest(man, str(p))
     return Dump(manifest=man, tensors=tensors, source=str(p))
+
+
+def capture_invariance(captured, uncaptured) -> dict:
+    """Logits of the captured run against a run without the capture: they should be equal (a capture is an
+    observer); a difference is reported in the manifest and, by the comparison, as a warning."""
+    a, b = np.asarray(captured, dtype=np.float64), np.asarray(uncaptured, dtype=np.float64)
+    return {"logits_max_abs_diff": float(np.max(np.abs(a - b))) if a.shape == b.shape else float("inf"),
+            "what": "logits of the captured forward minus those of the same forward without the capture"}

@@ -93,7 +93,7 @@ def test_manifest_is_validated_against_the_schema(tmp_path):
     good = Recorder("t", "1", token_ids=[1, 2]).manifest()
     for key, bad, msg in [("layouts", None, "'layouts' is a required property"),
                           ("token_ids", [], "should be non-empty"),
-                          ("format", "llorch-dump/0", "was expected"),
+                          ("format", "llorch-dump/0", "is not one of"),
                           ("layouts", {"rope_pairs": "sideways", "heads": "token_major", "array_order": "numpy"},
                            "is not one of")]:
         man = dict(good)

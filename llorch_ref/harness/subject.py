@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from ..dump import Dump, Recorder, catalogue, expected_shape, to_canonical
+from ..dump import Dump, Recorder, capture_invariance, catalogue, expected_shape, to_canonical
 from ..errors import DumpError, HarnessError
 from .metrics import compare, within
 from .run import WARMUP_PROMPT, DiffResult, Row, _softmax64, band_schedule
@@ -50,6 +50,7 @@ def record_engine(engine, token_ids, prompt=None, n_greedy=32) -> Recorder:
     b = engine.backend
     logits = b.to_numpy(engine.forward(ids, cache, record=lambda n, l, a: rec(n, l, b.to_numpy(a))))
     rec.add("cp8.logits", logits)
+    rec.extra["capture_invariance"] = capture_invariance(logits, b.to_numpy(engine.forward(ids, engine.new_cache())))
     rec.add("cp9.logits", b.to_numpy(engine.forward(ids, engine.new_cache(), rows=[len(ids) - 1]))[-1])
     rec.add("cp10.argmax", np.array([sampling.greedy(r) for r in logits], dtype=np.int64))
     rec.add("cp11.probs", sampling.softmax(logits))
@@ -115,6 +116,11 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
     local_decl = declaration(local_engine, sub.arithmetic) if local_engine is not None else None
     if local_engine is not None:
         res.local_declaration = local_decl
+    for d, who in ((sub, res.subject_label), (ref, res.reference_label)):
+        ci = d.manifest.get("capture_invariance") or {}
+        if ci.get("logits_max_abs_diff", 0.0) != 0.0:
+            res.warnings.append(f"{who}: the captured run's logits differ from an uncaptured run's by up to "
+                                f"{ci['logits_max_abs_diff']:.3g} (the capture changed the computation)")
 
     def uncovered(spec, layer, tensor, why):
         res.not_covered.append({"checkpoint": spec.id, "name": spec.name, "layer": layer, "tensor": tensor,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..dump import Recorder
+from ..dump import Recorder, capture_invariance
 from ..errors import ParameterError, PromptError, ReferenceError_
 
 
@@ -91,6 +91,7 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
             rec.add("cp0.token_ids", np.array(tokenize(path, prompt), dtype=np.int64))
         cap = Capture(names=names | {"result_output"})
         logits = ref.eval(ids, cap)
+        rec.extra["capture_invariance"] = capture_invariance(logits, ref.eval(ids))
         for s in specs:
             for ts in s.tensors_for(cfg):
                 lc = ts.node(cfg)
@@ -259,6 +260,9 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
             rec.add(f"cp3.v_cache.layer{i}", vc[0].transpose(0, 1))
         rec.add(f"cp4.kq_soft_max.layer{i}", out.attentions[i][0])     # [H, T, S]
     rec.add("cp8.logits", out.logits[0])
+    with torch.no_grad():                                  # the same forward without hooks or wrapped RoPE
+        plain = model(torch.tensor([ids]), use_cache=True, output_attentions=True).logits[0]
+    rec.extra["capture_invariance"] = capture_invariance(out.logits[0].numpy(), plain.numpy())
     with torch.no_grad():
         last = model(x, logits_to_keep=1).logits[0, -1]
         rec.add("cp9.logits", last)
