@@ -1,9 +1,10 @@
 """Can the harness name a 1% error in one weight matrix? Planted scale errors, three subjects, local errors.
 
-    python tools/local_sensitivity.py calibrate [--model M] [--subjects llamacpp,numba,transformers]
+    python tools/local_sensitivity.py calibrate|check [--model M] [--subjects llamacpp,numba,transformers]
     python tools/local_sensitivity.py sweep [--model M] [--layers 1,15,28] [--factors 1.005,1.01,1.02,1.05]
                                             [--matrices q,k,v,o,gate,up,down] [--subjects ...] [--out PREFIX]
 
+check: the false-alarm half of calibrate alone, under the stored bands (any model).
 calibrate: the clean model, every subject, 5 prompts: the largest local NMSE of each tensor, per declared
 arithmetic; writes checkpoints/local_bands.json (band = 100 x the largest clean figure, at least 1e-12) with
 the raw figures, and reports whether any clean run diverges (a false alarm).
@@ -97,7 +98,7 @@ def compare(refs, sub, decl, ids, measure_only=False):
 
 
 def calibrate(args, refs, tok):
-    figures, alarms = {}, []
+    figures = {}
     for kind in args.subjects:
         for prompt in PROMPTS:
             ids = tok.encode(prompt)
@@ -133,15 +134,28 @@ def calibrate(args, refs, tok):
     print(f"wrote {path}")
     from llorch_ref.harness import specs
     specs._local_bands.cache_clear()
-    for kind in args.subjects:                      # false alarms under the new bands
+    check(args, refs, tok)
+
+
+def check(args, refs, tok):
+    """False alarms: the clean model, every subject, 5 prompts, under the stored bands."""
+    alarms, worst = [], {}
+    for kind in args.subjects:                      # false alarms under the stored bands
         for prompt in PROMPTS:
             ids = tok.encode(prompt)
             with tempfile.TemporaryDirectory() as d:
                 sub, decl = subject_dump(kind, refs.model, ids, Path(d))
-            fd = compare(refs, sub, decl, ids).first_divergence
-            if fd is not None:
-                alarms.append((kind, prompt, fd))
-    print(f"false alarms on the clean model: {len(alarms)} of {len(args.subjects) * len(PROMPTS)} runs {alarms}")
+            res = compare(refs, sub, decl, ids)
+            if res.first_divergence is not None:
+                alarms.append((kind, prompt, res.first_divergence))
+            w = max(((r.local["nmse"] / r.local_band["nmse"], r.tensor) for r in res.rows if r.local), default=(0, "-"))
+            worst[kind] = max(worst.get(kind, (0, "-")), w)
+    line = (f"false alarms on the clean model ({Path(refs.model).name}): {len(alarms)} of "
+            f"{len(args.subjects) * len(PROMPTS)} runs {alarms}; largest local NMSE / band per subject: "
+            + ", ".join(f"{k} {v[0]:.3g} ({v[1]})" for k, v in worst.items()))
+    print(line)
+    if args.out:
+        Path(args.out + "-false-alarms.md").write_text(f"`python {' '.join(sys.argv)}` on {cpu_model()}\n\n{line}\n")
 
 
 def sweep(args, refs, tok):
@@ -193,7 +207,7 @@ def sweep(args, refs, tok):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["calibrate", "sweep"])
+    ap.add_argument("what", choices=["calibrate", "check", "sweep"])
     ap.add_argument("--model", default=None)
     ap.add_argument("--subjects", default="llamacpp,llamacpp-f16,llamacpp-fa,numba,transformers")
     ap.add_argument("--layers", default="1,15,28")
@@ -209,7 +223,7 @@ def main():
     refs = References(resolve_model(args.model))
     tok = refs.engines["exact/f32"].tokenizer
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    (calibrate if args.what == "calibrate" else sweep)(args, refs, tok)
+    {"calibrate": calibrate, "check": check, "sweep": sweep}[args.what](args, refs, tok)
 
 
 if __name__ == "__main__":

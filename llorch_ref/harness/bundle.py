@@ -171,7 +171,10 @@ def _report_md(spec, rows, man, run_id, passed, rerun):
     lines = [f"# Checkpoint {spec.id}: {spec.title}", "",
              f"**Verdict: {('PASS' if passed else 'FAIL') if rows else 'NOT COVERED'}** "
              f"({sum(r.passed for r in rows)}/{len(rows)} comparisons "
-             f"inside the band for weight class `{man['band_class']}`)", "",
+             f"inside the band for weight class `{man['band_class']}`"
+             + (f"; {sum(bool(r.local_passed) for r in rows if r.local)}/{sum(r.local is not None for r in rows)} "
+                f"local errors inside their bands: the local error decides" if any(r.local for r in rows) else "")
+             + ")", "",
              f"What is compared: {spec.checks}", "",
              f"- model: `{man['model']}` (sha256 `{man['model_sha256']}`)",
              f"- subject: {man['subject']}",
