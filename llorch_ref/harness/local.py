@@ -37,9 +37,10 @@ def embedding(engine, token_ids) -> np.ndarray:
     return x * np.float32(cfg.embed_scale) if cfg.embed_scale is not None else x
 
 
-def local_outputs(engine, get, layer: int, token_ids) -> dict:
+def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = False) -> dict:
     """get(name, layer) -> the subject's canonical array or None. -> {name: reference op on the subject's
-    inputs} for every tensor of this layer whose inputs the subject holds."""
+    inputs} for every tensor of this layer whose inputs the subject holds. fused_attention: the subject ran
+    llama.cpp's flash attention (ggml numerics, F16 cache): attn_out is then checked through its emulation."""
     cfg, ops, xp = engine.config, engine.ops, engine.xp
     lw = engine.weights.layers[layer]
     t = len(token_ids)
@@ -81,7 +82,13 @@ def local_outputs(engine, get, layer: int, token_ids) -> dict:
     if (a := have("kqv_out")) is not None:
         out["attn_out"] = ops.linear(xp, a[0], lw.wo)
     elif "kqv_out" in out:                  # a fused attention (flash attention): attn_out from q, k, v
-        out["attn_out"] = ops.linear(xp, out["kqv_out"], lw.wo)
+        att = out["kqv_out"]
+        if fused_attention and engine.numerics == "ggml":
+            from ..numerics.ggml_cpu import flash_attention
+            a = have("q", "k_cache", "v_cache")
+            att = flash_attention(xp, a[0], a[1], a[2], cache.mask(t, cfg.sliding_window if local else 0),
+                                  cfg.scale, ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads))
+        out["attn_out"] = ops.linear(xp, att, lw.wo)
     if cfg.post_norms and (a := have("attn_out")) is not None:
         out["attn_post_norm"] = ops.rms_norm(xp, a[0], lw.post_attn_norm, cfg.rms_eps)
     if x_in is not None and (a := have("attn_post_norm" if cfg.post_norms else "attn_out")) is not None \

@@ -245,6 +245,7 @@ def _local_reader(engine, sub: Dump, cat: dict, dims: dict, token_ids):
 
     where = {name: cp for (cp, name) in cat}
     memo = {}
+    fused = bool(((sub.arithmetic or {}).get("settings") or {}).get("flash_attn"))
 
     def get(name, layer):
         cp = where.get(name)
@@ -259,7 +260,8 @@ def _local_reader(engine, sub: Dump, cat: dict, dims: dict, token_ids):
     def local(cp, tensor, layer):
         key = "head" if layer is None else layer
         if key not in memo:
-            memo[key] = model_outputs(engine, get) if layer is None else local_outputs(engine, get, layer, token_ids)
+            memo[key] = (model_outputs(engine, get) if layer is None else
+                         local_outputs(engine, get, layer, token_ids, fused_attention=fused))
         lo = memo[key].get(tensor)
         if cp == "9" and lo is not None:            # the last row alone, from the subject's own result_norm
             return lo[-1]

@@ -346,6 +346,36 @@ def make_attention(kv_dtype: str):
     return attention
 
 
+def flash_attention(xp, q, k, v, mask, scale, kv_head):
+    """llama.cpp's CPU flash attention on an F16 K/V cache (the fused FLASH_ATTN_EXT op): Q rounded to f16;
+    per query, the keys in order with the online softmax (running max M and sum S, libm expf); the weighted
+    sum of V kept in f16, every multiply-add and rescale rounded to f16; divided by S at the end.
+    q: [T, H, Hd]; k, v: [S, KV, Hd] (f16 values); mask: [T, S] -> [T, H*Hd] (no kq or probs: fused)."""
+    t, h, hd = q.shape
+    q16 = q.astype(F16).astype(F64)
+    kh = k[:, kv_head, :].astype(F64)                                       # [S, H, Hd]
+    vh = v[:, kv_head, :].astype(F32)
+    scores = np.einsum("thd,shd->ths", q16, kh).astype(F32)                 # [T, H, S] ggml_vec_dot_f16
+    scores = (scores * F32(scale)).astype(F32) + np.asarray(mask, F32)[:, None, :].astype(F16).astype(F32)
+    m = np.full((t, h), -np.inf, F32)
+    ssum = np.zeros((t, h), F32)
+    acc = np.zeros((t, h, hd), F16)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for j in range(scores.shape[-1]):
+            sj = scores[:, :, j]
+            live = sj != -np.inf                                             # masked keys are skipped
+            up = live & (sj > m)
+            ms = np.where(up, np.exp(np.where(up, m - sj, 0).astype(F32)), F32(1)).astype(F32)
+            vs = np.where(up | ~live, F32(1), np.exp(np.where(live, sj - m, 0).astype(F32))).astype(F32)
+            m = np.where(up, sj, m)
+            acc = np.where(up[..., None], (acc.astype(F32) * ms[..., None]).astype(F16), acc)
+            mad = (acc.astype(F64) + vh[j][None].astype(F64) * vs[..., None].astype(F64)).astype(F32).astype(F16)
+            acc = np.where(live[..., None], mad, acc)
+            ssum = np.where(live, (ssum * ms + vs).astype(F32), ssum)
+    inv = np.where(ssum == 0, F32(0), (F32(1) / ssum).astype(F32))
+    return (acc.astype(F32) * inv[..., None]).astype(F32).reshape(t, h * hd)
+
+
 def make_ops(kv_dtype: str = "f32"):
     """The layer-function namespace for numerics='ggml': the reference layers with ggml's kernels swapped in."""
     import types

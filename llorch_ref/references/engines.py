@@ -76,6 +76,8 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
         "kq": lambda a: a.reshape(h, t, -1)[..., :t], "kq_soft_max": lambda a: a.reshape(h, t, -1)[..., :t],
         "kqv_out": lambda a: a.reshape(t, h * hd),
     }
+    if flash_attn:                  # llama.cpp stores V transposed only without flash attention
+        canon["v_cache"] = canon["k_cache"]
     names = set()
     for s in specs:
         for ts in s.tensors_for(cfg):
