@@ -176,7 +176,9 @@ def _print_result(res, verbose, file=None):
                  ("pass" if s["passed"] else "FAIL") + (f" ({s['not_covered']} not covered)" if s.get("not_covered") else "")]
         if local:
             lrows = [r for r in res.rows if r.checkpoint == s["checkpoint"] and r.local is not None]
-            cells += [fmt(max(r.local["nmse"] for r in lrows)) if lrows else "-",
+            nm = [r.local["nmse"] for r in lrows if "nmse" in r.local]
+            cells += [fmt(max(nm)) if nm else (f"agreement {min(r.local['agreement'] for r in lrows):.3f}" if lrows
+                                               else "-"),
                       json.dumps(lrows[0].local_band) if lrows else "-",
                       str(sum(not r.local_passed for r in lrows)) if lrows else "-"]
         t.add_row(*cells)
@@ -212,7 +214,9 @@ def _print_result(res, verbose, file=None):
                                       f"(by {fd['by']})"))
     if fd is not None:
         row = min((r for r in res.rows if r.diverges), key=lambda r: r.order)
-        if row.local is not None:
+        if row.local is not None and "nmse" not in row.local:
+            con.print(f"  local check: the subject's tokens against the argmax of its own logits: {row.local}")
+        elif row.local is not None:
             con.print(f"  local error (the reference's operation on the subject's own inputs): NMSE "
                       f"{fmt(row.local['nmse'])}, max abs {fmt(row.local['max_abs'])}, cosine {fmt_cos(row.local['cosine'])} "
                       f"(band {json.dumps(row.local_band)}); end to end: NMSE {fmt(row.metrics.get('nmse'))}")

@@ -132,9 +132,10 @@ class CheckpointFailure(AssertionError):
             lines.append(f"  {r.tensor}: shape {m.get('shape')} max abs {fmt(m.get('max_abs'))} max rel "
                          f"{fmt(m.get('max_rel'))} NMSE {fmt(m.get('nmse'))} cosine "
                          f"{fmt_cos(m.get('cosine', m.get('agreement')))} band {r.band}"
-                         + (f"\n    local (the reference's op on the subject's inputs): NMSE {fmt(r.local['nmse'])} max abs "
-                            f"{fmt(r.local['max_abs'])} band {r.local_band} [{res.local_declaration}]"
-                            if r.local is not None else "")
+                         + ("\n    local (the reference's op on the subject's inputs): "
+                            + (f"NMSE {fmt(r.local['nmse'])} max abs {fmt(r.local['max_abs'])}" if "nmse" in r.local
+                               else f"agreement {r.local.get('agreement')}")
+                            + f" band {r.local_band} [{res.local_declaration}]" if r.local is not None else "")
                          + (f"\n    {m['error']}" if m.get("error") else ""))
         fd = res.first_divergence
         lines.append(f"first divergence of the run: checkpoint {fd['checkpoint']}, layer {fd['layer']}, "

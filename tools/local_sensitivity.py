@@ -107,12 +107,12 @@ def calibrate(args, refs, tok):
             res = compare(refs, sub, decl, ids, measure_only=True)
             decl = res.local_declaration
             for r in res.rows:
-                if r.local is not None:
+                if r.local is not None and "nmse" in r.local:
                     f = figures.setdefault(decl, {}).setdefault(r.tensor, {"nmse": 0.0, "max_abs": 0.0, "runs": []})
                     f["nmse"] = max(f["nmse"], r.local["nmse"])
                     f["max_abs"] = max(f["max_abs"], r.local["max_abs"])
             print(f"{kind:13s} {prompt[:30]!r:34s} worst local NMSE "
-                  f"{max((r.local['nmse'] for r in res.rows if r.local), default=0):.3e}", flush=True)
+                  f"{max((r.local['nmse'] for r in res.rows if r.local and 'nmse' in r.local), default=0):.3e}", flush=True)
             figures[decl].setdefault("_runs", []).append(f"{kind}: {prompt!r}")
     bands = {}
     for decl, per in figures.items():
@@ -148,7 +148,8 @@ def check(args, refs, tok):
             res = compare(refs, sub, decl, ids)
             if res.first_divergence is not None:
                 alarms.append((kind, prompt, res.first_divergence))
-            w = max(((r.local["nmse"] / r.local_band["nmse"], r.tensor) for r in res.rows if r.local), default=(0, "-"))
+            w = max(((r.local["nmse"] / r.local_band["nmse"], r.tensor) for r in res.rows
+                     if r.local and "nmse" in r.local), default=(0, "-"))
             worst[kind] = max(worst.get(kind, (0, "-")), w)
     line = (f"false alarms on the clean model ({Path(refs.model).name}): {len(alarms)} of "
             f"{len(args.subjects) * len(PROMPTS)} runs {alarms}; largest local NMSE / band per subject: "

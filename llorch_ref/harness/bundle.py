@@ -190,7 +190,8 @@ def _report_md(spec, rows, man, run_id, passed, rerun):
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r.metrics
-        lo = ([fmt(r.local["nmse"]), f"`{json.dumps(r.local_band)}`", "yes" if r.local_passed else "**NO**"]
+        lo = ([fmt(r.local["nmse"]) if "nmse" in r.local else f"agreement {r.local.get('agreement')}",
+               f"`{json.dumps(r.local_band)}`", "yes" if r.local_passed else "**NO**"]
               if r.local is not None else ["-", "-", "-"])
         lines.append(f"| {'' if r.layer is None else r.layer} | {r.tensor} | {m.get('shape')} | "
                      f"{fmt(m.get('max_abs', ''))} | {fmt(m.get('max_rel', ''))} | {fmt(m.get('nmse', ''))} | "

@@ -206,7 +206,11 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
             else:
                 m = {"shape": list(a.shape), "agreement": float((a == b).mean()) if a.shape == b.shape else 0.0,
                      "ours": a.tolist(), "reference": b.tolist()}
-                res.rows.append(Row("10", spec.name, None, how_a, m, band, within(m, band), order))
+                row = Row("10", spec.name, None, how_a, m, band, within(m, band), order)
+                if local_engine is not None and sub.has("8", "logits"):
+                    own = sub.raw("8", "logits").reshape(len(ids), -1).argmax(-1)   # argmax of its own logits
+                    _token_local(row, {"agreement": float((a == own).mean()) if a.shape == own.shape else 0.0})
+                res.rows.append(row)
                 cap_sub["cp10.argmax"], cap_ref["cp10.argmax"] = a, b
         elif spec.id == "11":
             a, how = _probs(sub, dims)
@@ -229,13 +233,31 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
                 res.greedy = {"n": n, "equal_prefix": same, "ours": a, "reference": b, "ours_text": "",
                               "reference_text": ""}
                 gb = greedy_band(band, n)
-                res.rows.append(Row("12", spec.name, None, "greedy_tokens", m, gb, within(m, gb), (3, 99, 0)))
+                row = Row("12", spec.name, None, "greedy_tokens", m, gb, within(m, gb), (3, 99, 0))
+                if local_engine is not None and a and sub.has("8", "logits"):
+                    # teacher-forced, the first greedy token is the argmax of the subject's own last logits;
+                    # later tokens need the subject's decode steps (not in a one-forward dump)
+                    own = int(sub.raw("8", "logits").reshape(len(ids), -1)[-1].argmax())
+                    _token_local(row, {"agreement": 1.0 if a[0] == own else 0.0, "first_token": a[0],
+                                       "argmax_of_own_logits": own})
+                    if not row.passed:
+                        res.warnings.append(
+                            f"greedy tokens part at token {same} of {n} end to end, with every local check inside "
+                            f"its band: a near-tie flip of the declared arithmetic, or a bug in the decode steps, "
+                            f"which a one-forward dump cannot localize")
+                res.rows.append(row)
                 cap_sub["cp12.greedy_tokens"], cap_ref["cp12.greedy_tokens"] = np.array(a), np.array(b)
         else:
             raise HarnessError(f"{spec.path}: checkpoint {spec.id} has no dump comparison")
     res.captures_ours, res.captures_ref = cap_sub, cap_ref
     res.timings["compare_s"] = time.perf_counter() - t0
     return res
+
+
+def _token_local(row, m: dict):
+    """A token checkpoint's local figure: the subject's tokens against its own logits (exact agreement)."""
+    row.local, row.local_band = {"shape": row.metrics.get("shape"), **m}, {"agreement": 1.0}
+    row.local_passed = within(row.local, row.local_band)
 
 
 def _local_reader(engine, sub: Dump, cat: dict, dims: dict, token_ids):
