@@ -138,6 +138,8 @@ def test_queue_full_is_503_with_retry_after(engine_q41):
         body = {"prompt": "Once upon", "max_tokens": 300}
         with httpx.stream("POST", s.url + "/execute", json=body, timeout=60) as r1:
             next(r1.iter_lines())                      # the first request is running
+            h = httpx.get(s.url + "/health").json()
+            assert h["state"] == "busy" and h["queued"] == 1, h   # its slot is held (else say why not)
             r2 = httpx.post(s.url + "/execute", json=body)
             assert r2.status_code == 503 and r2.headers["retry-after"] == "1"
             assert r2.json()["error"]["code"] == "QUEUE_FULL"
