@@ -82,26 +82,24 @@ class Output:
 
     def _make_parents(self):
         if self.make_parents:
-            try:
+            with _os_errors(self.path.parent, "cannot make the folder"):
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise OutputPathError(f"{self.path.parent}: cannot make the folder ({e.strerror or e})") from None
 
     @contextlib.contextmanager
     def staged_file(self):
         """Yields a unique staging path beside the output; renamed onto the output when the block ends
         without an error, removed otherwise."""
         self._make_parents()
-        fd, tmp = _mkstemp(self.path)
+        with _os_errors(self.path.parent, "cannot write there"):
+            fd, tmp = tempfile.mkstemp(**_staging(self.path))
         os.close(fd)
         tmp = Path(tmp)
         try:
-            yield tmp
-            os.chmod(tmp, _mode(0o666))
-            _recheck(self)
-            os.replace(tmp, self.path)
-        except OSError as e:
-            raise OutputPathError(f"{self.path}: could not write it ({e.strerror or e})") from None
+            with _os_errors(self.path, "could not write it"):
+                yield tmp
+                os.chmod(tmp, _mode(0o666))
+                _recheck(self)
+                os.replace(tmp, self.path)
         finally:
             if os.path.lexists(tmp):
                 os.unlink(tmp)
@@ -112,36 +110,39 @@ class Output:
         without an error (an existing output folder loses only the names the command writes), and is
         removed otherwise."""
         self._make_parents()
+        with _os_errors(self.path.parent, "cannot write there"):
+            tmp = Path(tempfile.mkdtemp(**_staging(self.path)))
         try:
-            tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name[:40]}.", suffix=_STAGING_SUFFIX,
-                                        dir=self.path.parent))
-        except OSError as e:
-            raise OutputPathError(f"{self.path.parent}: cannot write there ({e.strerror or e})") from None
-        try:
-            yield tmp
-            os.chmod(tmp, _mode(0o777))
-            for f in tmp.iterdir():                   # some writers (safetensors) create files 0600
-                if f.is_file() and not f.is_symlink():
-                    os.chmod(f, _mode(0o666))
-            _recheck(self)
-            if os.path.lexists(self.path):
-                for name in self.owned:
-                    if os.path.lexists(self.path / name):
-                        os.unlink(self.path / name)
-                os.rmdir(self.path)
-            os.rename(tmp, self.path)
-        except OSError as e:
-            raise OutputPathError(f"{self.path}: could not write it ({e.strerror or e})") from None
+            with _os_errors(self.path, "could not write it"):
+                yield tmp
+                os.chmod(tmp, _mode(0o777))
+                for f in tmp.iterdir():               # some writers (safetensors) create files 0600
+                    if f.is_file() and not f.is_symlink():
+                        os.chmod(f, _mode(0o666))
+                _recheck(self)
+                if os.path.lexists(self.path):
+                    for name in self.owned:
+                        if os.path.lexists(self.path / name):
+                            os.unlink(self.path / name)
+                    os.rmdir(self.path)
+                os.rename(tmp, self.path)
         finally:
             if os.path.lexists(tmp):
                 shutil.rmtree(tmp)
 
 
-def _mkstemp(path: Path):
+@contextlib.contextmanager
+def _os_errors(where, doing: str):
+    """An OSError inside becomes one OutputPathError line: '<where>: <doing> (<reason>)'."""
     try:
-        return tempfile.mkstemp(prefix=f".{path.name[:40]}.", suffix=_STAGING_SUFFIX, dir=path.parent)
+        yield
     except OSError as e:
-        raise OutputPathError(f"{path.parent}: cannot write there ({e.strerror or e})") from None
+        raise OutputPathError(f"{where}: {doing} ({e.strerror or e})") from None
+
+
+def _staging(path: Path) -> dict:
+    """tempfile arguments for a unique staging name beside path."""
+    return {"prefix": f".{path.name[:40]}.", "suffix": _STAGING_SUFFIX, "dir": path.parent}
 
 
 def _recheck(out: Output):
@@ -223,10 +224,8 @@ def _check_existing(out: Output, shown, what):
 def _probe(base: Path, shown, what):
     """Create and remove a staging file where the output goes: a read-only or pseudo file system (/proc)
     is named now, before the work, not after it."""
-    try:
+    with _os_errors(f"{what} {shown}", f"cannot write in {base}"):
         fd, tmp = tempfile.mkstemp(prefix=".llorch-probe.", suffix=_STAGING_SUFFIX, dir=base)
-    except OSError as e:
-        raise OutputPathError(f"{what} {shown}: cannot write in {base} ({e.strerror or e})") from None
     os.close(fd)
     os.unlink(tmp)
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from llorch_ref.harness.bundle import cpu_model
 
 PROMPTS = ["The capital of France is", "Once upon a time, there was a little",
            "def fibonacci(n):\n    if n < 2:", "In 1969, the first humans to walk on the Moon were",
@@ -33,16 +34,6 @@ MATRICES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "ga
 # where a scale error in each matrix first shows, locally: (checkpoint, tensor)
 EXPECT = {"q": ("2", "q_proj"), "k": ("2", "k_proj"), "v": ("2", "v"), "o": ("5", "attn_out"),
           "gate": ("6", "ffn_swiglu"), "up": ("6", "ffn_swiglu"), "down": ("6", "ffn_out")}
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class References:

@@ -21,7 +21,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import random
 import socket
 import subprocess
@@ -32,15 +31,7 @@ from pathlib import Path
 
 import httpx
 
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from llorch_ref.harness.bundle import cpu_model
 
 
 def free_port() -> int:

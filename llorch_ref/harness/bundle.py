@@ -47,6 +47,17 @@ def _git_commit() -> str | None:
     return None
 
 
+def cpu_model() -> str:
+    """The CPU's model name (named beside every speed figure)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
