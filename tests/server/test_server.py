@@ -137,7 +137,8 @@ def test_queue_full_is_503_with_retry_after(engine_q41):
     try:
         body = {"prompt": "Once upon", "max_tokens": 300}
         with httpx.stream("POST", s.url + "/execute", json=body, timeout=60) as r1:
-            next(r1.iter_lines())                      # the first request is running
+            lines = r1.iter_lines()                    # held: a discarded httpx line iterator closes the
+            next(lines)                                # connection when the GC collects it (the job is cancelled)
             h = httpx.get(s.url + "/health").json()
             assert h["state"] == "busy" and h["queued"] == 1, h   # its slot is held (else say why not)
             r2 = httpx.post(s.url + "/execute", json=body)
