@@ -249,14 +249,14 @@ def _run(args):
 
 
 def _band_class(args, eng):
-    from .harness.specs import engine_band_class
+    from .checkpoints import engine_band_class
     return args.band_class or ("ggml" if eng.numerics == "ggml" else engine_band_class(eng))
 
 
 def _run_subject(args):
     """--subject DUMP: the dump is under test; llorch-ref on --model is the reference."""
     from .dump import load_dump
-    from .harness.subject import run_subject
+    from .harness.run import run_subject
 
     if args.reference != "llamacpp" or args.reference_model:
         raise ParameterError("--subject compares a dump with llorch-ref on --model: --reference and "
@@ -274,7 +274,7 @@ def _run_subject(args):
     eng = _load(args)
     # end to end, the weight class's bands (inherited error included); the declared arithmetic is held to
     # its own local bands, op by op
-    from .harness.specs import engine_band_class
+    from .checkpoints import engine_band_class
     return eng, run_subject(eng, sub, args.band_class or engine_band_class(eng), checkpoints=args.checkpoint,
                             subject_label=f"{sub.engine} (dump {args.subject})", log=_log)
 
@@ -282,7 +282,8 @@ def _run_subject(args):
 def _run_transformers(args):
     """--reference transformers: llorch-ref on --model under test; transformers on --reference-model (a
     Hugging Face folder; default: --model, converted to one if it is a GGUF file) as the reference."""
-    from .harness.subject import compare_dumps, engine_label, record_engine
+    from .harness.compare import compare_dumps
+    from .references.llorch import engine_label, record_engine
     from .references.engines import dump_transformers
 
     eng = _load(args)
@@ -343,7 +344,7 @@ def cmd_dump(args):
             raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; transformers dumps hold all")
         rec = dump_transformers(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy)
     else:
-        from .harness.subject import record_engine
+        from .references.llorch import record_engine
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp dumps")
         eng = _load(args)
@@ -608,7 +609,7 @@ def build_parser():
                              "--reference-model (a Hugging Face folder; default --model, converted if GGUF)")
         sp.add_argument("--subject", metavar="DUMP", help="compare this llorch-dump file (any engine's tensors) "
                         "against llorch-ref on --model, instead of llorch-ref against a reference")
-        from .harness.specs import CLASS_ORDER
+        from .checkpoints import CLASS_ORDER
         sp.add_argument("--band-class", choices=CLASS_ORDER + ["ggml"], default=None,
                         help="bands to apply with --subject / --reference transformers (default: from the "
                              "weight types of --model)")

@@ -1,6 +1,6 @@
 """The llorch-dump format: any engine's intermediate tensors, in a safetensors file, named by checkpoint.
 
-Format (checkpoints/DUMP_FORMAT.md, manifest schema checkpoints/dump.schema.json):
+Format (llorch_ref/checkpoints/DUMP_FORMAT.md, manifest schema llorch_ref/checkpoints/dump.schema.json):
 
 - tensor names `cp<id>.<tensor>` (model checkpoints) or `cp<id>.<tensor>.layer<L>` (layer checkpoints);
   the tensors each checkpoint knows are listed in its spec file under "dump" (with their canonical shape);
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .checkpoints import catalogue_path, load_specs
 from .errors import DumpError
 
 FORMAT = "llorch-dump/2"          # 2: the manifest may declare the arithmetic; /1 files still read
@@ -38,22 +39,19 @@ FORWARD_NAMES = {"result_output": ("8", "logits")}
 
 
 def schema_path() -> Path:
-    from .harness.specs import _spec_dir
-    return _spec_dir() / "dump.schema.json"
+    return catalogue_path() / "dump.schema.json"
 
 
 def catalogue(specs=None) -> dict:
     """-> {(checkpoint id, tensor name): {"scope", "shape", "dtype", "head_major"?, "rope_pairs"?, "derive"?}}.
     Read once per spec folder (every tensor lookup of a comparison consults it); do not mutate the result."""
-    from .harness.specs import _spec_dir
     if specs is not None:
         return _build_catalogue(specs)
-    return _catalogue_of(str(_spec_dir()))
+    return _catalogue_of(str(catalogue_path()))
 
 
 @functools.lru_cache(maxsize=4)
 def _catalogue_of(spec_dir: str) -> dict:
-    from .harness.specs import load_specs
     return _build_catalogue(load_specs())
 
 
@@ -256,6 +254,11 @@ class Dump:
     @property
     def token_ids(self) -> list:
         return list(self.manifest["token_ids"])
+
+    @property
+    def past_token_ids(self) -> list:
+        """Ids already in the cache when this forward ran (a decode step); [] for a fresh cache."""
+        return list(self.manifest.get("past_token_ids") or [])
 
     def has(self, cp, tensor, layer=None) -> bool:
         return (cp, tensor, layer) in self.index

@@ -51,6 +51,7 @@ class Engine:
         from .backends import get_backend
 
         self.config = config
+        self.qk_rows = config.rope_style      # the row order of Wq/Wk as loaded: what a dump of Q/K declares
         self.tokenizer = tokenizer
         self.path = Path(path) if path else None
         self.metadata = metadata or {}

@@ -60,8 +60,8 @@ def _compute(config, eng):
     """Run the subject (or read the dump), run the reference, compare; once per session."""
     from .dump import Dump, Recorder, load_dump
     from .harness.run import DEFAULT_PROMPT
-    from .harness.specs import engine_band_class
-    from .harness.subject import run_subject
+    from .checkpoints import engine_band_class
+    from .harness.run import run_subject
 
     opt = config.getoption
     if opt("llorch_dump"):
@@ -154,7 +154,7 @@ def pytest_collection_modifyitems(session, config, items):
     if config.getoption("llorch_subject") and config.getoption("llorch_dump"):
         raise pytest.UsageError("give --llorch-subject or --llorch-dump, not both")
     from .errors import LlorchError
-    from .harness.specs import load_specs
+    from .checkpoints import load_specs
     import llorch_ref
     try:
         eng = llorch_ref.load(config.getoption("llorch_model"))

@@ -26,16 +26,16 @@ def test_bundle_layout_and_contents(tiny_result, tmp_path):
     assert out["index"] == tmp_path / "r1.md" and out["index"].exists()
     assert len(out["bundles"]) == 14
     d = tmp_path / "cp4_attention_scores" / "r1"
-    assert sorted(p.name for p in d.iterdir()) == ["error_by_layer.png", "llamacpp.npz", "manifest.json",
-                                                   "ours.npz", "report.json", "report.md"]
+    assert sorted(p.name for p in d.iterdir()) == ["error_by_layer.png", "manifest.json",
+                                                   "reference.npz", "report.json", "report.md", "subject.npz"]
     man = json.loads((d / "manifest.json").read_text())
     for key in ("llorch_ref_version", "git_commit", "numpy", "gguf", "llama_cpp_python", "cpu_flags",
-                "model_sha256", "backend", "prompt", "token_ids", "llamacpp_settings", "seed", "command"):
+                "model_sha256", "backend", "prompt", "token_ids", "sides", "seed", "command"):
         assert key in man, key
-    assert man["llamacpp_settings"]["flash_attn"] is False and man["llamacpp_settings"]["type_k"] == "f32"
-    ours, ref = np.load(d / "ours.npz"), np.load(d / "llamacpp.npz")
-    assert {"kq.layer0", "kq_soft_max.layer1"} <= set(ours.files)
-    assert "kq-0#MUL_MAT#0" in ref.files
+    llama = man["sides"]["reference"]["arithmetic"]["settings"]
+    assert llama["flash_attn"] is False and llama["type_k"] == "f32"
+    ours, ref = np.load(d / "subject.npz"), np.load(d / "reference.npz")
+    assert {"cp4.kq.layer0", "cp4.kq_soft_max.layer1"} <= set(ours.files) and set(ours.files) == set(ref.files)
     rep = json.loads((d / "report.json").read_text())
     assert rep["passed"] is True and len(rep["rows"]) == 2 * eng.config.n_layers
     assert {"max_abs", "max_rel", "nmse", "cosine", "band"} <= set(rep["rows"][0])
@@ -87,7 +87,7 @@ def test_run_id_and_dir_from_environment(tiny_result, tmp_path, monkeypatch):
 
 
 def test_greedy_band_never_asks_for_more_tokens_than_generated():
-    from llorch_ref.harness.specs import greedy_band
+    from llorch_ref.checkpoints import greedy_band
     assert greedy_band({"equal_prefix": 6}, 4) == {"equal_prefix": 4}
     assert greedy_band({"equal_prefix": 6}, 64) == {"equal_prefix": 6}
     assert greedy_band({"agreement": 1.0}, 4) == {"agreement": 1.0}

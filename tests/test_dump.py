@@ -149,7 +149,8 @@ def test_torch_tensors_are_accepted():
 
 def test_tiny_self_dump_and_a_planted_change_is_the_first_divergence(tiny, tmp_path):
     import llorch_ref
-    from llorch_ref.harness.subject import compare_dumps, record_engine
+    from llorch_ref.harness.compare import compare_dumps
+    from llorch_ref.references.llorch import record_engine
 
     eng = llorch_ref.load(tiny())
     ids = eng.tokenizer.encode("Once upon a time")
@@ -202,7 +203,7 @@ def lc_dump(llamacpp, default_f32, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(engine_f32, lc_dump):
-    from llorch_ref.harness.subject import record_engine
+    from llorch_ref.references.llorch import record_engine
     d = load_dump(lc_dump)
     return record_engine(engine_f32, d.token_ids, prompt=PROMPT, n_greedy=16).to_dump()
 
@@ -210,7 +211,7 @@ def reference(engine_f32, lc_dump):
 @pytest.mark.default_model
 @pytest.mark.llamacpp
 def test_llamacpp_dump_passes_every_checkpoint(lc_dump, engine_f32, reference):
-    from llorch_ref.harness.subject import compare_dumps
+    from llorch_ref.harness.compare import compare_dumps
     d = load_dump(lc_dump)
     assert d.layouts["array_order"] == "ggml"
     res = compare_dumps(d, reference, engine_f32.config, "F32")
@@ -229,7 +230,7 @@ def test_llamacpp_dump_passes_every_checkpoint(lc_dump, engine_f32, reference):
 ])
 def test_a_wrong_layout_declaration_is_named_at_the_first_checkpoint_it_affects(lc_dump, engine_f32, reference,
                                                                               tmp_path, layouts, where):
-    from llorch_ref.harness.subject import compare_dumps
+    from llorch_ref.harness.compare import compare_dumps
     d = load_dump(_relabel(lc_dump, tmp_path / "wrong.safetensors", **layouts))
     res = compare_dumps(d, reference, engine_f32.config, "F32")
     fd = res.first_divergence
@@ -250,7 +251,8 @@ def torch_subject(default_f32):
 
 @pytest.mark.default_model
 def test_torch_engine_with_other_layouts_passes(torch_subject, engine_f32):
-    from llorch_ref.harness.subject import compare_dumps, record_engine
+    from llorch_ref.harness.compare import compare_dumps
+    from llorch_ref.references.llorch import record_engine
     mod, folder = torch_subject
     ids = engine_f32.tokenizer.encode(PROMPT)
     sub = mod.run(folder, ids, n_greedy=8).to_dump()
@@ -270,7 +272,8 @@ def test_torch_engine_with_other_layouts_passes(torch_subject, engine_f32):
     ("scale", ("4", 0, "kq_soft_max")),
 ])
 def test_torch_engine_planted_bugs_fail_at_their_checkpoint(torch_subject, engine_f32, bug, where):
-    from llorch_ref.harness.subject import compare_dumps, record_engine
+    from llorch_ref.harness.compare import compare_dumps
+    from llorch_ref.references.llorch import record_engine
     mod, folder = torch_subject
     ids = engine_f32.tokenizer.encode(PROMPT)
     res = compare_dumps(mod.run(folder, ids, bug=bug, n_greedy=0).to_dump(), record_engine(engine_f32, ids, n_greedy=0),

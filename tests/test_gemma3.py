@@ -42,7 +42,8 @@ def transformers_dump(gemma):
     (dict(ffn_act="silu"), ("6", 0, "ffn_swiglu")),             # SwiGLU instead of GeGLU
 ])
 def test_each_gemma3_switch_is_needed(gemma, transformers_dump, switch, where):
-    from llorch_ref.harness.subject import compare_dumps, record_engine
+    from llorch_ref.harness.compare import compare_dumps
+    from llorch_ref.references.llorch import record_engine
     _, g, _ = gemma
     ids, ref = transformers_dump
     eng = llorch_ref.load(g)
@@ -153,7 +154,8 @@ def test_backends_run_gemma3_like_numpy(gemma, backend):
 def test_a_llamacpp_dump_of_gemma3_meets_the_same_bands(llamacpp, gemma, tmp_path):
     """The dump path (llama.cpp as a dump writer, compared as a subject) applies the spec's reduced-precision
     node the way `diff` does, and carries Gemma 3's QK-norm tensors in their canonical layout."""
-    from llorch_ref.harness.subject import compare_dumps, record_engine
+    from llorch_ref.harness.compare import compare_dumps
+    from llorch_ref.references.llorch import record_engine
     from llorch_ref.references.engines import dump_llamacpp
     _, g, _ = gemma
     eng = llorch_ref.load(g)

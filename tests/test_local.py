@@ -8,8 +8,9 @@ import pytest
 
 import llorch_ref
 from llorch_ref.dump import load_dump
-from llorch_ref.harness.specs import engine_band_class
-from llorch_ref.harness.subject import compare_dumps, record_engine
+from llorch_ref.checkpoints import engine_band_class
+from llorch_ref.harness.compare import compare_dumps
+from llorch_ref.references.llorch import record_engine
 from llorch_ref.testing.plant import plant_scale
 
 PROMPTS = ["Once upon a time", "The cat sat on the mat", "one two three four five", "Hello world, this is",

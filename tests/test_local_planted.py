@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 import llorch_ref
-from llorch_ref.harness.specs import engine_band_class
-from llorch_ref.harness.subject import compare_dumps, record_engine
+from llorch_ref.checkpoints import engine_band_class
+from llorch_ref.harness.compare import compare_dumps
+from llorch_ref.references.llorch import record_engine
 
 sys.path.insert(0, str(Path(__file__).parent / "checkpoints"))
 import planted_bugs as B  # noqa: E402

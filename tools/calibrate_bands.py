@@ -45,7 +45,7 @@ def main():
     sys.path.insert(0, str(Path(__file__).parent))
     import llorch_ref
     from llorch_ref.harness.run import run_diff
-    from llorch_ref.harness.specs import load_specs
+    from llorch_ref.checkpoints import load_specs
     from llorch_ref.loaders.default_model import default_model_path, home
     from make_quant_copies import make_copies
 
@@ -130,7 +130,7 @@ def calibrate_ggml(a):
     sys.path.insert(0, str(Path(__file__).parent))
     import llorch_ref
     from llorch_ref.harness.run import run_diff
-    from llorch_ref.harness.specs import load_specs
+    from llorch_ref.checkpoints import load_specs
     from llorch_ref.loaders.default_model import default_model_path, home
     from make_quant_copies import make_copies
 

@@ -37,7 +37,8 @@ def main():
     a = ap.parse_args()
     import llorch_ref
     from llorch_ref.harness.run import DEFAULT_PROMPT, run_diff
-    from llorch_ref.harness.subject import compare_dumps, record_engine
+    from llorch_ref.harness.compare import compare_dumps
+    from llorch_ref.references.llorch import record_engine
     from llorch_ref.references.engines import dump_transformers
     from llorch_ref.references.llamacpp import tokenize
 

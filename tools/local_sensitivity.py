@@ -49,7 +49,7 @@ class References:
         self.records = {}
 
     def record(self, decl, ids):
-        from llorch_ref.harness.subject import record_engine
+        from llorch_ref.references.llorch import record_engine
 
         key = (decl, tuple(ids))
         if key not in self.records:
@@ -67,7 +67,7 @@ def subject_dump(kind, model_path, ids, work: Path):
                 f"ggml/{kv}" + ("+flash_attn" if fa else ""))
     if kind == "numba":
         import llorch_ref
-        from llorch_ref.harness.subject import record_engine
+        from llorch_ref.references.llorch import record_engine
         return record_engine(llorch_ref.load(model_path, backend="numba"), ids, n_greedy=2), "exact/f32"
     if kind == "transformers":
         from llorch_ref.convert import convert_gguf_to_hf
@@ -79,8 +79,8 @@ def subject_dump(kind, model_path, ids, work: Path):
 
 
 def compare(refs, sub, decl, ids, measure_only=False):
-    from llorch_ref.harness.specs import engine_band_class, local_band
-    from llorch_ref.harness.subject import compare_dumps
+    from llorch_ref.checkpoints import engine_band_class, local_band
+    from llorch_ref.harness.compare import compare_dumps
 
     eng = refs.engines[decl.split("+")[0]]
     bands = (lambda d, t: {"nmse": float("inf")}) if measure_only else local_band
@@ -116,15 +116,16 @@ def calibrate(args, refs, tok):
            "bands": bands,
            "measured": {d: {t: {"nmse": f["nmse"], "max_abs": f["max_abs"]} for t, f in per.items()
                             if not t.startswith("_")} | {"runs": per["_runs"]} for d, per in figures.items()}}
-    path = Path(__file__).resolve().parents[1] / "checkpoints" / "local_bands.json"
+    from llorch_ref.checkpoints import catalogue_path
+    path = catalogue_path() / "local_bands.json"
     if path.exists():                               # keep the declarations this run did not measure
         old = json.loads(path.read_text())
         out["bands"] = {**old.get("bands", {}), **out["bands"]}
         out["measured"] = {**old.get("measured", {}), **out["measured"]}
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
-    from llorch_ref.harness import specs
-    specs._local_bands.cache_clear()
+    from llorch_ref import checkpoints
+    checkpoints._local_bands.cache_clear()
     check(args, refs, tok)
 
 

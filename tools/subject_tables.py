@@ -30,8 +30,10 @@ def main():
     import llorch_ref
     from llorch_ref.dump import load_dump
     from llorch_ref.harness.metrics import summary_markdown
-    from llorch_ref.harness.specs import band_class_of
-    from llorch_ref.harness.subject import check_same_model, compare_dumps, record_engine
+    from llorch_ref.checkpoints import band_class_of
+    from llorch_ref.harness.compare import compare_dumps
+    from llorch_ref.references.llorch import record_engine
+    from llorch_ref.harness.run import check_same_model
 
     eng = llorch_ref.load(a.model)
     ids = eng.tokenizer.encode(a.prompt)

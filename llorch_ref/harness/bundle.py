@@ -1,4 +1,4 @@
-"""Proof bundles: proof_bundle/<checkpoint>/<run_id>/ {manifest.json, ours.npz, llamacpp.npz, report.json,
+"""Proof bundles: proof_bundle/<checkpoint>/<run_id>/ {manifest.json, subject.npz, reference.npz, report.json,
 report.md}, an index proof_bundle/<run_id>.md, and a PNG of error by layer.
 
 Atomic: everything is written under proof_bundle/.incomplete-<run_id>-<pid>/; each bundle carries an
@@ -111,7 +111,7 @@ def manifest(result, engine, argv, seed=0) -> dict:
         "peak_rss_mb": round(_peak_rss_mb(), 1),
         "prompt": result.prompt,
         "token_ids": result.token_ids,
-        "llamacpp_settings": result.llamacpp_settings,
+        "sides": result.sides,
         "seed": seed,
         "command": " ".join(argv),
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(),
@@ -132,43 +132,18 @@ def _dist_version(name):
         return None
 
 
+def _settings_of(side) -> str:
+    """'; arithmetic `{...}`' of one side's manifest (numerics, K/V type, engine settings), or ''."""
+    ar = (side or {}).get("arithmetic")
+    return f"; arithmetic `{json.dumps(ar)}`" if ar else ""
+
+
 def _spec_captures(result, spec):
-    """The tensors of both sides that this checkpoint compared (our names; llama.cpp node keys)."""
-    if result.capture_files != ("ours.npz", "llamacpp.npz"):          # dump comparison: cp<id>.<tensor>[.layer<L>]
-        pre = f"cp{spec.id}."
-        return ({k: v for k, v in result.captures_ours.items() if k.startswith(pre)},
-                {k: v for k, v in result.captures_ref.items() if k.startswith(pre)})
-    ours, ref = {}, {}
-    for t in spec.tensors:
-        for k, a in result.captures_ours.items():
-            if k == t.ours or k.startswith(t.ours + ".layer"):
-                ours[k] = a
-        pat = t.llamacpp["name"]
-        for k, a in result.captures_ref.items():
-            name, op, _ = k.split("#")
-            ops = {t.llamacpp["op"], (t.llamacpp_with_bias or {}).get("op")} | {
-                n["op"] for n in (t.llamacpp_by_arch or {}).values() if n}
-            if op in ops and _matches(pat, name):
-                ref[k] = a
-    if spec.scope == "model" and spec.name in ("logits", "last_token_logits", "greedy_argmax", "softmax_probs"):
-        ours["result_output"] = result.captures_ours.get("result_output")
-        ref["result_output#MUL_MAT#0"] = result.captures_ref.get("result_output#MUL_MAT#0")
-    if spec.name == "greedy_text" and result.greedy:
-        ours["greedy_tokens"] = np.array(result.greedy["ours"], dtype=np.int64)
-        ref["greedy_tokens"] = np.array(result.greedy["reference"], dtype=np.int64)
-    if spec.name == "tokenizer":
-        row = next(r for r in result.rows if r.checkpoint == "0")
-        ours["token_ids"] = np.array(row.metrics["ours"], dtype=np.int64)
-        ref["token_ids"] = np.array(row.metrics["reference"], dtype=np.int64)
-    return ({k: v for k, v in ours.items() if v is not None}, {k: v for k, v in ref.items() if v is not None})
-
-
-def _matches(pattern, name):
-    if "{L}" not in pattern:
-        return pattern == name
-    pre, post = pattern.split("{L}")
-    mid = name[len(pre): len(name) - len(post) if post else None]
-    return name.startswith(pre) and name.endswith(post) and mid.isdigit()
+    """The tensors of both sides that this checkpoint compared: dump names (cp<id>.<tensor>[.layer<L>]), both
+    in the canonical layout."""
+    pre = f"cp{spec.id}."
+    return ({k: v for k, v in result.captures_ours.items() if k.startswith(pre)},
+            {k: v for k, v in result.captures_ref.items() if k.startswith(pre)})
 
 
 def _row_json(r):
@@ -213,12 +188,8 @@ def _report_md(spec, rows, man, run_id, passed, rerun):
         lines += ["", f"**Not covered: {len(missing)} comparisons** (not covered is not passed): {missing[0]['why']}."]
     for w in man["warnings"]:
         lines += ["", f"Warning: {w}"]
-    if man["reference"] == "llama.cpp":
-        lines += ["", "Captured tensors: `ours.npz` (llorch-ref names, `<tensor>.layer<L>`) and `llamacpp.npz`",
-                  "(llama.cpp node `name#op#occurrence`, ggml order already reversed to NumPy order)."]
-    else:
-        lines += ["", "Captured tensors: `subject.npz` and `reference.npz`, dump names (`cp<id>.<tensor>.layer<L>`),",
-                  "both in the canonical layout (each side's declared layouts undone)."]
+    lines += ["", "Captured tensors: `subject.npz` and `reference.npz`, dump names (`cp<id>.<tensor>.layer<L>`),",
+              "both in the canonical layout (each side's declared layouts undone)."]
     lines += ["",
               "Re-run:", "", "```", rerun, "```", ""]
     return "\n".join(lines)
@@ -263,8 +234,8 @@ def write_bundles(result, engine, out_dir=None, run_id=None, argv=None, seed=0, 
             d.mkdir()
             (d / "INCOMPLETE").write_text(f"run {run_id} has not finished; its index {index.name} does not exist yet\n")
             ours, ref = _spec_captures(result, s)
-            np.savez_compressed(d / result.capture_files[0], **ours)
-            np.savez_compressed(d / result.capture_files[1], **ref)
+            np.savez_compressed(d / "subject.npz", **ours)
+            np.savez_compressed(d / "reference.npz", **ref)
             passed = bool(rows) and not any(r.diverges for r in rows)   # local error decides where measured
             (d / "manifest.json").write_text(json.dumps({**man, "checkpoint": s.id, "spec": s.path.name},
                                                         indent=2) + "\n")
@@ -321,8 +292,7 @@ def _index_md(result, man, run_id, rerun):
              f"- model `{man['model']}` (sha256 `{man['model_sha256']}`), band class `{result.band_class}`",
              f"- subject: {man['subject']}",
              f"- reference: {man['reference']} on `{man['reference_model']}`"
-             + (f" (llama-cpp-python {man['llama_cpp_python']}); settings `{json.dumps(man['llamacpp_settings'])}`"
-                if man["reference"] == "llama.cpp" else ""),
+             + _settings_of(man["sides"].get("reference")),
              f"- prompt {json.dumps(result.prompt) if result.prompt else '(none: token ids given)'}: "
              f"{len(result.token_ids)} tokens",
              f"- llorch-ref {man['llorch_ref_version']} at {man['git_commit']}, numpy {man['numpy']}, "

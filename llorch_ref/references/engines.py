@@ -38,12 +38,14 @@ def check_token_ids(token_ids, n_vocab: int, n_ctx: int) -> list[int]:
 
 
 def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32", array_order="ggml",
-                  checkpoints=None, flash_attn=False, n_ubatch=512, n_threads=2) -> Recorder:
+                  checkpoints=None, flash_attn=False, n_ubatch=512, n_threads=2, context=None) -> Recorder:
     """llama.cpp on a GGUF file -> Recorder. Tensors are written as ggml holds them (array_order "ggml":
-    shapes listed as ne[], innermost first), K/V views cut to the T positions written, kq to its T columns."""
+    shapes listed as ne[], innermost first), K/V views cut to the T positions written, kq to its T columns.
+    context: an open LlamaCpp on the same file to reuse (its settings must be those asked for); it is left
+    open. Else one is made for this dump and closed."""
     import llama_cpp as _lcp
 
-    from ..harness.specs import load_specs
+    from ..checkpoints import load_specs
     from .llamacpp import Capture, LlamaCpp, tokenize
 
     path = Path(path)
@@ -86,7 +88,10 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
     n_ctx = max(256, 64 * ((t + n_greedy + 63) // 64))
     if n_ubatch < 1 or n_threads < 1:
         raise ParameterError(f"n_ubatch ({n_ubatch}) and n_threads ({n_threads}) must be >= 1")
-    ref = LlamaCpp(path, n_ctx=n_ctx, kv_type=kv_type, flash_attn=flash_attn, n_ubatch=n_ubatch, n_threads=n_threads)
+    if context is not None:
+        _check_context(context, path, n_ctx=t + n_greedy, type_k=kv_type, flash_attn=flash_attn)
+    ref = context or LlamaCpp(path, n_ctx=n_ctx, kv_type=kv_type, flash_attn=flash_attn, n_ubatch=n_ubatch,
+                              n_threads=n_threads)
     rec.extra["arithmetic"] = {"numerics": "ggml", "kv_dtype": kv_type, "settings": dict(ref.settings)}
     try:
         if prompt is not None and any(s.id == "0" for s in specs):
@@ -116,8 +121,22 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
         if "12" in ids_of and n_greedy > 0:
             rec.add("cp12.greedy_tokens", np.array(ref.greedy(ids, n_greedy), dtype=np.int64))
     finally:
-        ref.close()
+        if context is None:
+            ref.close()
     return rec
+
+
+def _check_context(ctx, path, n_ctx: int, **settings):
+    """An open llama.cpp context reused for a dump must run the same file, hold the positions, and have the
+    settings asked for: else the dump would silently describe another run."""
+    if Path(ctx.path).resolve() != Path(path).resolve():
+        raise ParameterError(f"the llama.cpp context given runs {ctx.path}, not {path}")
+    if ctx.n_ctx < n_ctx:
+        raise ParameterError(f"the llama.cpp context given holds {ctx.n_ctx} positions; this run needs {n_ctx}")
+    for k, v in settings.items():
+        if ctx.settings.get(k) != v:
+            raise ParameterError(f"the llama.cpp context given has {k}={ctx.settings.get(k)!r}; this run asks "
+                                 f"for {v!r}")
 
 
 def hf_folder_for(path) -> Path:

@@ -162,7 +162,7 @@ class LlamaCpp:
                          "flash_attn": bool(flash_attn), "type_k": kv_type, "type_v": kv_type, "use_extra_bufts": False,
                          "logits": "all tokens (llama_batch_init)", "llama_cpp_python": llama_cpp.__version__,
                          "GGML_CPU_TILED_MM": os.environ.get("GGML_CPU_TILED_MM")}
-        self.n_ctx, self.n_ubatch = n_ctx, n_ubatch
+        self.n_ctx, self.n_ubatch, self.path = n_ctx, n_ubatch, str(path)
 
     @staticmethod
     def _quiet():

@@ -20,7 +20,7 @@ def diff_f32(engine_f32, llama_f32):
     from llorch_ref.harness.run import run_diff
 
     assert engine_f32.config.n_layers == N_LAYERS
-    return run_diff(engine_f32, n_greedy=128, ref=llama_f32)
+    return run_diff(engine_f32, n_greedy=128, context=llama_f32)
 
 
 @pytest.fixture(scope="session")
@@ -37,5 +37,5 @@ def planted(engine_f32, llama_f32, monkeypatch):
 
     def run(bug, n_greedy=8):
         bug(monkeypatch, engine_f32)
-        return run_diff(engine_f32, n_greedy=n_greedy, ref=llama_f32)
+        return run_diff(engine_f32, n_greedy=n_greedy, context=llama_f32)
     return run

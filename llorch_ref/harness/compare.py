@@ -1,9 +1,10 @@
-"""Any engine against any other, through dumps: checkpoint by checkpoint, layer by layer.
-
-`compare_dumps(subject, reference, ...)` is the one comparison: both sides are llorch-dump files (or
-Recorders) in their own layouts, brought to the canonical layout by their manifests. What the subject
-does not hold is reported as not covered, never as passed. `record_engine` turns llorch-ref itself into
-a dump, so it can be either side.
+"""The one comparison: two dumps of the same tokens (any engine, any layout), checkpoint by checkpoint and
+layer by layer, each case under its own band; llama.cpp's test-backend-ops is the model. Every source of
+tensors (llorch-ref on any backend or numerics, llama.cpp's capture, transformers, a dump file) gives a
+Dump or Recorder, and `compare_dumps` compares two of them. What the subject does not hold is reported as
+not covered, never as passed. With a local engine, each layer tensor is also compared with the reference
+operation run on the subject's own inputs (the teacher-forced, local error), which names the first
+divergence where end-to-end errors are inherited.
 """
 from __future__ import annotations
 
@@ -11,53 +12,20 @@ import time
 
 import numpy as np
 
-from ..dump import Dump, Recorder, capture_invariance, catalogue, expected_shape, to_canonical
-from ..errors import DumpError, HarnessError
+from ..dump import Dump, Recorder, catalogue, expected_shape, to_canonical
+from ..errors import HarnessError
 from .metrics import compare, within
-from .run import WARMUP_PROMPT, DiffResult, Row, _softmax64, band_schedule
-from .specs import declaration, greedy_band, load_specs, local_band
+from .result import DiffResult, Row
+from ..checkpoints import coarser, declaration, greedy_band, load_specs, local_band
 
 LAYOUT_CHOICES = {"rope_pairs": ("adjacent", "neox"), "heads": ("token_major", "head_major"),
                   "array_order": ("numpy", "ggml")}
 
 
-def dims_of(cfg, n_tokens: int) -> dict:
-    """Symbolic dims of the dump shapes for one fresh forward over n_tokens."""
-    return {"T": n_tokens, "S": n_tokens, "H": cfg.n_heads, "KV": cfg.n_kv_heads, "Hd": cfg.head_dim,
+def dims_of(cfg, n_tokens: int, past: int = 0) -> dict:
+    """Symbolic dims of the dump shapes for one forward over n_tokens after `past` cached ones."""
+    return {"T": n_tokens, "S": past + n_tokens, "H": cfg.n_heads, "KV": cfg.n_kv_heads, "Hd": cfg.head_dim,
             "D": cfg.d_model, "F": cfg.d_ff, "V": cfg.n_vocab, "R": cfg.rope_dim}
-
-
-def record_engine(engine, token_ids, prompt=None, n_greedy=32) -> Recorder:
-    """llorch-ref as a dump (canonical layout): every checkpoint tensor of one forward over token_ids on a
-    cache that first ran (and reset after) a warm-up sequence; the last row alone as generation asks for
-    it; its argmax and softmax; n_greedy greedy tokens (EOS ignored)."""
-    from .. import __version__
-    from ..generate import sampling
-
-    rec = Recorder("llorch-ref", f"{__version__} ({engine.backend.name}, {engine.numerics})",
-                   model_path=engine.path, token_ids=token_ids, prompt=prompt,
-                   layouts={"rope_pairs": engine.config.rope_style},     # Q/K rows as this model holds them
-                   extra={"arithmetic": {"numerics": engine.numerics, "kv_dtype": engine.kv_dtype,
-                                         "settings": {"backend": engine.backend.name}}})
-    ids = list(token_ids)
-    if prompt is not None and engine.tokenizer is not None:
-        rec.add("cp0.token_ids", np.array(engine.tokenizer.encode(prompt), dtype=np.int64))
-    cache = engine.new_cache()
-    if engine.tokenizer is not None:
-        warm = engine.tokenizer.encode(WARMUP_PROMPT)
-        engine.forward(warm, cache, rows=[len(warm) - 1])
-        cache.reset()
-    b = engine.backend
-    logits = b.to_numpy(engine.forward(ids, cache, record=lambda n, l, a: rec(n, l, b.to_numpy(a))))
-    rec.add("cp8.logits", logits)
-    rec.extra["capture_invariance"] = capture_invariance(logits, b.to_numpy(engine.forward(ids, engine.new_cache())))
-    rec.add("cp9.logits", b.to_numpy(engine.forward(ids, engine.new_cache(), rows=[len(ids) - 1]))[-1])
-    rec.add("cp10.argmax", np.array([sampling.greedy(r) for r in logits], dtype=np.int64))
-    rec.add("cp11.probs", sampling.softmax(logits))
-    if n_greedy > 0:
-        rec.add("cp12.greedy_tokens", np.array(list(engine.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True)),
-                                              dtype=np.int64))
-    return rec
 
 
 def _as_dump(x) -> Dump:
@@ -88,13 +56,15 @@ def _layout_hint(sub: Dump, cp, tensor, layer, entry, dims, ref, band, sub_shape
 
 def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, subject_label=None,
                   reference_label=None, model=None, reference_model=None, local_engine=None,
-                  local_bands=local_band) -> DiffResult:
+                  local_bands=local_band, bands=None) -> DiffResult:
     """subject, reference: Dump or Recorder; cfg: the model's Config (for the shapes). -> DiffResult whose
     rows compare subject (as 'ours') with reference; uncovered checkpoints listed in result.not_covered.
     local_engine: the reference engine; every layer tensor (and the head) is then also compared with the
     engine's operation run on the subject's own inputs (the local, teacher-forced error), under the local
     bands of the engine's declared arithmetic, and the first divergence is named by that. local_bands(decl,
-    tensor) -> band (calibration passes its own)."""
+    tensor) -> band (calibration passes its own). bands(spec, pos) -> band: the tolerance of each case (default:
+    the spec's bands of band_class, coarser from a reduced-precision llama.cpp node on; pos None for token
+    checkpoints). Either dump may be a decode step (past_token_ids): both must have run the same past."""
     sub, ref = _as_dump(subject), _as_dump(reference)
     specs = load_specs(checkpoints)
     cat = catalogue()
@@ -102,16 +72,23 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
     if ref.token_ids != ids:
         raise HarnessError(f"the two dumps ran different token ids ({len(ids)} vs {len(ref.token_ids)} tokens; "
                            f"first difference at {next((i for i, (a, b) in enumerate(zip(ids, ref.token_ids)) if a != b), min(len(ids), len(ref.token_ids)))})")
-    dims = dims_of(cfg, len(ids))
+    past = sub.past_token_ids
+    if ref.past_token_ids != past:
+        raise HarnessError(f"the two dumps ran different pasts ({len(past)} vs {len(ref.past_token_ids)} cached "
+                           f"tokens before this forward)")
+    dims = dims_of(cfg, len(ids), past=len(past))
     res = DiffResult(model=model or sub.source, reference_model=reference_model or ref.source,
                      prompt=sub.manifest.get("prompt", ""), token_ids=ids, band_class=band_class, specs=specs)
     res.subject_label = subject_label or sub.engine
     res.reference_label = reference_label or ref.engine
-    res.llamacpp_settings = {"subject": sub.manifest, "reference": {k: v for k, v in ref.manifest.items()}}
-    res.capture_files = ("subject.npz", "reference.npz")
+    res.sides = {"subject": sub.manifest, "reference": ref.manifest}
     res.not_covered = []
     t0 = time.perf_counter()
     cap_sub, cap_ref = {}, {}
+    if local_engine is not None and past:
+        res.warnings.append(f"no local (teacher-forced) figures: the dumps hold a decode step after {len(past)} "
+                            f"cached tokens, and the local comparison runs fresh-cache forwards only")
+        local_engine = None
     local_of = _local_reader(local_engine, sub, cat, dims, ids) if local_engine is not None else None
     local_decl = declaration(local_engine, sub.arithmetic) if local_engine is not None else None
     if local_engine is not None:
@@ -167,15 +144,17 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
             row.local_passed = within(row.local, row.local_band)
         res.rows.append(row)
 
-    # a dump written by llama.cpp carries its reduced-precision nodes (spec field band_class): as in run_diff,
-    # that class's bands apply from the node on
+    # a dump written by llama.cpp carries its reduced-precision nodes (spec field band_class): as the
+    # spec says, that class's bands apply from the node on
     by_llamacpp = any(str(d.manifest.get("engine", {}).get("name", "")) == "llama.cpp" for d in (sub, ref))
-    band_at, why = band_schedule(specs, cfg, band_class, llamacpp=by_llamacpp)
-    if why:
-        res.warnings.append(why)
+    band_at = bands
+    if band_at is None:
+        band_at, why = band_schedule(specs, cfg, band_class, llamacpp=by_llamacpp)
+        if why:
+            res.warnings.append(why)
 
     for spec in specs:
-        band = spec.band(band_class)
+        band = band_at(spec, None)
         if spec.scope == "layer":
             for layer in range(cfg.n_layers):
                 for t in spec.tensors_for(cfg):
@@ -215,6 +194,8 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
         elif spec.id == "11":
             a, how = _probs(sub, dims)
             b, _ = _probs(ref, dims, float64=True)
+            if b is not None and a is not None and how == "probs":
+                b = b.astype(a.dtype)          # a dump stores probs as float32: compare at that precision
             if a is None or b is None:
                 uncovered(spec, None, "probs", "no cp11.probs and no cp8.logits to derive them from")
             else:
@@ -303,55 +284,47 @@ def _probs(d: Dump, dims, float64=False):
     if d.has("11", "probs") and not float64:
         return d.get("11", "probs", None, dims), "probs"
     if d.has("8", "logits"):
-        return _softmax64(d.get("8", "logits", None, dims)), "softmax(cp8.logits)"
+        return softmax64(d.get("8", "logits", None, dims)), "softmax(cp8.logits)"
     if d.has("11", "probs"):
         return d.get("11", "probs", None, dims), "probs"
     return None, None
 
 
-def engine_label(engine) -> str:
-    from .. import __version__
-    return f"llorch-ref {__version__} ({engine.backend.name}, {engine.numerics}, K/V {engine.kv_dtype})"
+
+def band_schedule(specs, cfg, band_class, llamacpp: bool = True):
+    """-> (band_at(spec, pos), warning or None): the band of a comparison at forward position pos; where one
+    side is llama.cpp, the class is made coarser from a reduced-precision llama.cpp node on
+    (reduced_precision_from)."""
+    floor = reduced_precision_from(specs, cfg, band_class) if llamacpp else None
+
+    def band_at(spec, pos):
+        late = floor and pos is not None and pos >= floor["pos"]
+        return spec.band(coarser(band_class, floor["class"]) if late else band_class)
+    return band_at, (floor["why"] if floor else None)
 
 
-def run_subject(engine, sub: Dump, band_class: str, checkpoints=None, subject_label=None, n_greedy=None,
-                log=None) -> DiffResult:
-    """A dump under test against llorch-ref on `engine` (the reference), on the dump's token ids; the greedy
-    continuation as long as the subject's (or n_greedy). Shared by `diff --subject` and the pytest plugin."""
-    check_dump_fits(sub, engine.config)
-    warn = check_same_model(sub, engine)
-    n = n_greedy or (len(sub.raw("12", "greedy_tokens")) if sub.has("12", "greedy_tokens") else 0)
-    if log:
-        log(f"llorch-ref: running the reference on the dump's {len(sub.token_ids)} tokens"
-            + (f" and {n} greedy tokens" if n else "") + " ...")
-    ref = record_engine(engine, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n)
-    res = compare_dumps(sub, ref, engine.config, band_class, checkpoints=checkpoints,
-                        subject_label=subject_label or sub.engine, reference_label=engine_label(engine),
-                        model=sub.source, reference_model=str(engine.path), local_engine=engine)
-    if warn:
-        res.warnings.append(warn)
-    return res
+def reduced_precision_from(specs, cfg, band_class) -> dict | None:
+    """The first (forward order) llama.cpp node of this model that declares a coarser band class
+    (node field "band_class", with "why"): {"pos", "class", "why"}, or None. Not for numerics="ggml"."""
+    if band_class == "ggml":
+        return None
+    found = []
+    for s in specs:
+        for t in s.tensors_for(cfg):
+            lc = t.node(cfg) or {}
+            if lc.get("band_class") and s.scope == "layer":
+                found.append(((1, 0, t.order), lc["band_class"], s, t, lc))
+    if not found:
+        return None
+    pos, cls, s, t, lc = min(found, key=lambda f: f[0])
+    if coarser(band_class, cls) == band_class:
+        return None
+    return {"pos": pos, "class": cls,
+            "why": f"bands of class {cls} from checkpoint {s.id} layer 0 {t.ours} on: {lc.get('why', 'llama.cpp computes this node at reduced precision')}"}
 
 
-def check_same_model(sub: Dump, engine) -> str | None:
-    """-> a warning line when the subject ran another file than the reference model (or None)."""
-    from ..dump import model_sha256
-    theirs = sub.manifest["model"].get("sha256", "unknown")
-    ours = model_sha256(engine.path)
-    if theirs == "unknown":
-        return f"the subject's manifest gives no model sha256: cannot check it ran {engine.path}"
-    if theirs != ours:
-        return (f"the subject ran model sha256 {theirs[:12]}… ({sub.manifest['model'].get('path', '')}); the "
-                f"reference runs {engine.path} (sha256 {ours[:12]}…): different files (a conversion?)")
-    return None
-
-
-def check_dump_fits(sub: Dump, cfg):
-    """Layer indices inside the model (the shapes are checked per tensor)."""
-    for (cp, t, layer) in sub.index:
-        if layer is not None and layer >= cfg.n_layers:
-            raise DumpError(f"{sub.source}: tensor {sub.index[(cp, t, layer)]} names layer {layer}, but the model "
-                            f"has {cfg.n_layers} layers (0..{cfg.n_layers - 1})")
-    if max(sub.token_ids) >= cfg.n_vocab:
-        raise DumpError(f"{sub.source}: token id {max(sub.token_ids)} in the manifest is outside the model's "
-                        f"vocabulary of {cfg.n_vocab}")
+def softmax64(x):
+    """Independent float64 softmax of the reference's logits (not the function under test)."""
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)

@@ -1,4 +1,6 @@
-"""Checkpoint specs: JSON files in checkpoints/ (data, not code). See checkpoints/README.md."""
+"""The checkpoint catalogue: specs (cp*.json), the dump schema, backend and local bands, as package data in
+this folder (data, not code; see README.md here). Below everything that uses it: the dump format, the
+references that write dumps and the harness that judges them all read it; it imports none of them."""
 from __future__ import annotations
 
 import functools
@@ -10,8 +12,8 @@ import numpy as np
 
 from ..errors import HarnessError
 
-# Where the specs live: the repository's checkpoints/ folder (or LLORCH_CHECKPOINTS).
-SPEC_DIR = Path(__file__).resolve().parents[2] / "checkpoints"
+# Where the specs live: this package's folder (or LLORCH_CHECKPOINTS, for a catalogue of one's own).
+SPEC_DIR = Path(__file__).resolve().parent
 
 # Band class of a GGUF weight type: which band in each spec applies.
 BAND_CLASS = {"F32": "F32", "F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0",
@@ -26,7 +28,7 @@ CLASS_ORDER = ["F32", "F16", "BF16", "Q8_0", "K", "Q4_x"]       # coarser to the
 class TensorSpec:
     ours: str                 # name our forward records (llorch_ref.model.forward)
     llamacpp: dict            # {"name": "Qcur-{L}", "op": "ROPE", "occurrence": 0}
-    layout: str               # how to bring llama.cpp's tensor to our shape (harness.run.LAYOUTS)
+    layout: str               # how to bring llama.cpp's tensor to our shape (references/engines.py)
     order: int                # position in the forward pass within its scope (for first divergence)
     llamacpp_with_bias: dict | None = None   # the node after the bias add, for models with Q/K/V biases
     # arch -> the node its llama.cpp graph has instead (Phi-3: views of the fused qkv; "divide_by_scale": the
@@ -75,7 +77,8 @@ class Spec:
         return {k: v for k, v in self.bands[band_class].items() if not k.startswith("_")}
 
 
-def _spec_dir() -> Path:
+def catalogue_path() -> Path:
+    """The folder the catalogue is read from."""
     import os
 
     d = Path(os.environ.get("LLORCH_CHECKPOINTS") or SPEC_DIR)
@@ -86,7 +89,7 @@ def _spec_dir() -> Path:
 
 def load_specs(ids=None) -> list[Spec]:
     specs = []
-    for p in sorted(_spec_dir().glob("cp*.json")):
+    for p in sorted(catalogue_path().glob("cp*.json")):
         try:
             d = json.loads(p.read_text())
             specs.append(Spec(
@@ -147,7 +150,7 @@ def coarser(a: str, b: str) -> str:
     return max(a, b, key=CLASS_ORDER.index)
 
 
-# -- local (teacher-forced) bands: per declared arithmetic, calibrated (checkpoints/local_bands.json) -----
+# -- local (teacher-forced) bands: per declared arithmetic, calibrated (local_bands.json) -----
 def declaration(engine, subject_arithmetic: dict | None = None) -> str:
     """The arithmetic a local comparison reproduces: the reference engine's numerics and K/V cache type, e.g.
     'exact/f32', 'ggml/f16'; '+flash_attn' when the subject declares flash attention (a fused attention whose
@@ -163,7 +166,7 @@ def _local_bands(path: str) -> dict:
 
 def local_band(decl: str, tensor: str) -> dict:
     """The band a local error must stay inside, for this declaration and tensor."""
-    bands = _local_bands(str(_spec_dir() / "local_bands.json"))["bands"]
+    bands = _local_bands(str(catalogue_path() / "local_bands.json"))["bands"]
     if decl not in bands:
         raise HarnessError(f"no local bands for the arithmetic {decl!r} (calibrated: {', '.join(bands)}); "
                            f"calibrate them with: python tools/local_sensitivity.py calibrate")

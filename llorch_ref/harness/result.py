@@ -1,0 +1,109 @@
+"""The result of one comparison: a row per compared tensor (end-to-end and, where measured, local figures),
+what was not covered and why, and the summaries the faces print."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Row:
+    checkpoint: str
+    name: str
+    layer: int | None
+    tensor: str
+    metrics: dict
+    band: dict
+    passed: bool
+    order: tuple
+    local: dict | None = None          # teacher-forced: the reference op on the subject's inputs vs its output
+    local_band: dict | None = None
+    local_passed: bool | None = None
+
+    @property
+    def diverges(self) -> bool:
+        """Where a local figure exists, it decides (the end-to-end error may be inherited); else the
+        end-to-end one."""
+        return not (self.local_passed if self.local_passed is not None else self.passed)
+
+
+@dataclass
+class DiffResult:
+    model: str
+    reference_model: str
+    prompt: str
+    token_ids: list
+    band_class: str
+    rows: list = field(default_factory=list)
+    captures_ours: dict = field(default_factory=dict)
+    captures_ref: dict = field(default_factory=dict)
+    sides: dict = field(default_factory=dict)            # {"subject", "reference"}: each side's dump manifest
+    greedy: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    specs: list = field(default_factory=list)
+    subject_label: str = "llorch-ref"
+    reference_label: str = "llama.cpp"
+    not_covered: list = field(default_factory=list)      # [{checkpoint, name, layer, tensor, why}]
+    warnings: list = field(default_factory=list)         # lines a reader must see (e.g. different model files)
+    local_declaration: str | None = None                 # the arithmetic of the local comparison, when one ran
+
+    @property
+    def first_divergence(self):
+        """The first row in forward order that diverges: by its local (teacher-forced) error where the
+        comparison has one, else by its end-to-end error."""
+        bad = [r for r in self.rows if r.diverges]
+        if not bad:
+            return None
+        r = min(bad, key=lambda r: r.order)
+        return {"checkpoint": r.checkpoint, "layer": r.layer, "tensor": r.tensor,
+                "by": "local error" if r.local_passed is not None else "end-to-end error"}
+
+    def passed(self, checkpoint=None) -> bool:
+        """No row diverges (by local error where measured, else end to end)."""
+        return not any(r.diverges for r in self.rows if checkpoint is None or r.checkpoint == checkpoint)
+
+    def summary(self) -> list[dict]:
+        """One line per checkpoint: worst figures over its tensors and layers."""
+        out = []
+        for spec in self.specs:
+            rows = [r for r in self.rows if r.checkpoint == spec.id]
+            missing = [u for u in self.not_covered if u["checkpoint"] == spec.id]
+            if not rows:
+                if missing:
+                    out.append({"checkpoint": spec.id, "name": spec.name, "rows": 0, "failed": 0,
+                                "not_covered": len(missing), "why": missing[0]["why"], "worst_nmse": None,
+                                "worst_max_abs": None, "min_cosine": None, "min_agreement": None,
+                                "equal_prefix": None, "worst_at": {"layer": None, "tensor": "-"},
+                                "band": spec.band(self.band_class), "passed": None})
+                continue
+            worst = max(rows, key=lambda r: (not r.passed, r.metrics.get("nmse", 0.0)))
+            # token checkpoints have agreement figures instead of tensor metrics
+            out.append({
+                "checkpoint": spec.id, "name": spec.name, "rows": len(rows),
+                "failed": sum(not r.passed for r in rows),
+                "worst_nmse": max((r.metrics["nmse"] for r in rows if "nmse" in r.metrics), default=None),
+                "worst_max_abs": max((r.metrics["max_abs"] for r in rows if "max_abs" in r.metrics), default=None),
+                "min_cosine": min((r.metrics["cosine"] for r in rows if "cosine" in r.metrics), default=None),
+                "min_agreement": min((r.metrics["agreement"] for r in rows if "agreement" in r.metrics),
+                                     default=None),
+                "equal_prefix": min((r.metrics["equal_prefix"] for r in rows if "equal_prefix" in r.metrics),
+                                    default=None),
+                "worst_at": {"layer": worst.layer, "tensor": worst.tensor},
+                "band": worst.band, "passed": all(r.passed for r in rows),     # the band at the worst row
+                "not_covered": len(missing), "why": missing[0]["why"] if missing else None,
+            })
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model, "reference_model": self.reference_model, "prompt": self.prompt,
+            "token_ids": self.token_ids, "band_class": self.band_class,
+            "first_divergence": self.first_divergence, "passed": self.passed(),
+            "summary": self.summary(), "greedy": self.greedy, "timings": self.timings,
+            "sides": self.sides, "subject": self.subject_label,
+            "reference": self.reference_label, "not_covered": self.not_covered, "warnings": self.warnings,
+            "local_declaration": self.local_declaration,
+            "rows": [{"checkpoint": r.checkpoint, "name": r.name, "layer": r.layer, "tensor": r.tensor,
+                      **r.metrics, "band": r.band, "passed": r.passed,
+                      **({"local": r.local, "local_band": r.local_band, "local_passed": r.local_passed}
+                         if r.local is not None else {})} for r in self.rows],
+        }

@@ -1,0 +1,66 @@
+"""llorch-ref itself as a source of tensors: a dump of one forward (or one decode step) on any backend and
+numerics, in the canonical layout, so it can be either side of a comparison."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..dump import Recorder, capture_invariance
+
+# run through the cache (then reset) before the recorded forward: a cache leaking state between sequences
+# then shows up as a divergence
+WARMUP_PROMPT = "The quick brown fox jumps over the lazy dog, again and again and again."
+
+
+def _recorder(engine, token_ids, prompt=None, **extra) -> Recorder:
+    from .. import __version__
+    return Recorder("llorch-ref", f"{__version__} ({engine.backend.name}, {engine.numerics})",
+                    model_path=engine.path, token_ids=token_ids, prompt=prompt,
+                    layouts={"rope_pairs": engine.qk_rows},       # Q/K rows as loaded (not as the forward rotates)
+                    extra={"arithmetic": {"numerics": engine.numerics, "kv_dtype": engine.kv_dtype,
+                                          "settings": {"backend": engine.backend.name}}, **extra})
+
+
+def record_engine(engine, token_ids, prompt=None, n_greedy=32) -> Recorder:
+    """llorch-ref as a dump (canonical layout): every checkpoint tensor of one forward over token_ids on a
+    cache that first ran (and reset after) a warm-up sequence; the last row alone as generation asks for
+    it; its argmax and softmax; n_greedy greedy tokens (EOS ignored)."""
+    from ..generate import sampling
+
+    rec = _recorder(engine, token_ids, prompt)
+    ids = list(token_ids)
+    if prompt is not None and engine.tokenizer is not None:
+        rec.add("cp0.token_ids", np.array(engine.tokenizer.encode(prompt), dtype=np.int64))
+    cache = engine.new_cache()
+    if engine.tokenizer is not None:
+        warm = engine.tokenizer.encode(WARMUP_PROMPT)
+        engine.forward(warm, cache, rows=[len(warm) - 1])
+        cache.reset()
+    b = engine.backend
+    logits = b.to_numpy(engine.forward(ids, cache, record=lambda n, l, a: rec(n, l, b.to_numpy(a))))
+    rec.add("cp8.logits", logits)
+    rec.extra["capture_invariance"] = capture_invariance(logits, b.to_numpy(engine.forward(ids, engine.new_cache())))
+    rec.add("cp9.logits", b.to_numpy(engine.forward(ids, engine.new_cache(), rows=[len(ids) - 1]))[-1])
+    rec.add("cp10.argmax", np.array([sampling.greedy(r) for r in logits], dtype=np.int64))
+    rec.add("cp11.probs", sampling.softmax(logits))
+    if n_greedy > 0:
+        rec.add("cp12.greedy_tokens", np.array(list(engine.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True)),
+                                              dtype=np.int64))
+    return rec
+
+
+def record_decode_step(engine, token_ids) -> Recorder:
+    """One decode step as a dump: token_ids fill a fresh cache, then the last id is fed again at position T
+    (one token, as generation feeds it; a backend may run other kernels for it). The dump's token_ids are
+    [that id], its past_token_ids the prompt's; every layer checkpoint of the step and its logits."""
+    ids = [int(t) for t in token_ids]
+    rec = _recorder(engine, ids[-1:], past_token_ids=ids)
+    cache = engine.new_cache()
+    engine.forward(ids, cache, rows=[len(ids) - 1])
+    b = engine.backend
+    rec.add("cp8.logits", b.to_numpy(engine.forward(ids[-1:], cache, record=lambda n, l, a: rec(n, l, b.to_numpy(a)))))
+    return rec
+
+
+def engine_label(engine) -> str:
+    from .. import __version__
+    return f"llorch-ref {__version__} ({engine.backend.name}, {engine.numerics}, K/V {engine.kv_dtype})"
