@@ -6,12 +6,15 @@ the F32 copy computes plain float32 math, which is what the tight checkpoint ban
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from .errors import ParameterError
+from .loaders.default_model import FILENAME, default_model_path
 from .loaders.gguf_file import dequantize, open_reader
+from .loaders.qk_rows import unpermute_qk
 from .output_paths import check_output
 
 FILE_TYPES = {"f32": 0, "f16": 1}   # llama_ftype ALL_F32, MOSTLY_F16
@@ -83,16 +86,6 @@ def convert_gguf(src, dst, dtype="f32", overwrite=False, kv_overrides=None, tens
     return _write_gguf(writer, out)
 
 
-def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """[n_heads*Hd, D] rows in llama.cpp's adjacent-pair layout -> Hugging Face's half-split layout.
-
-    The inverse of convert_hf_to_gguf.py's permute: within each head, row 2i (first of pair i) goes to
-    row i and row 2i+1 goes to row i + Hd/2."""
-    rows, d = w.shape
-    hd = rows // n_heads
-    return np.ascontiguousarray(w.reshape(n_heads, hd // 2, 2, d).swapaxes(1, 2).reshape(rows, d))
-
-
 def _int_if_whole(x: float):
     """transformers types query_pre_attn_scalar as int: 16.000000000000004 (1/scale^2) -> 16."""
     return int(round(x)) if abs(x - round(x)) < 1e-9 * max(1.0, abs(x)) else x
@@ -116,13 +109,6 @@ def _gemma3_hf_config(cfg, base: dict) -> dict:
             "rope_theta": cfg.rope_base, "rope_local_base_freq": local_base,
             "rope_scaling": None if full["rope_type"] == "default" else {"rope_type": "linear", "factor": full["factor"]},
             "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False}
-
-
-def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Hugging Face's half-split rows -> llama.cpp's adjacent pairs (what its converter does)."""
-    rows, d = w.shape
-    hd = rows // n_heads
-    return np.ascontiguousarray(w.reshape(n_heads, 2, hd // 2, d).swapaxes(1, 2).reshape(rows, d))
 
 
 def _hf_tokenizer_with_specials(tok):
@@ -375,3 +361,13 @@ def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
     if cfg.rope_freq_factors is not None:
         wr.add_tensor("rope_freqs.weight", np.asarray(cfg.rope_freq_factors, dtype=np.float32))
     return _write_gguf(wr, out)
+
+
+def default_model_copy(dtype="f32") -> Path:
+    """A dequantized copy of the default model (llorch-ref convert), cached next to it."""
+    src = default_model_path()
+    dst = src.with_name(FILENAME.replace("Q4_1", dtype.upper()))
+    if not dst.exists():
+        print(f"llorch-ref: writing the {dtype.upper()} copy of the default model to {dst}", file=sys.stderr)
+        convert_gguf(src, dst, dtype=dtype)
+    return dst

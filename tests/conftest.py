@@ -28,7 +28,7 @@ def default_model() -> Path:
 
 @pytest.fixture(scope="session")
 def default_f32() -> Path:
-    from llorch_ref.loaders.default_model import default_model_copy
+    from llorch_ref.convert import default_model_copy
 
     return default_model_copy("f32")
 

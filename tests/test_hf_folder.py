@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import llorch_ref
-from llorch_ref.convert import convert_gguf_to_hf, permute_qk, unpermute_qk
+from llorch_ref.convert import convert_gguf_to_hf
+from llorch_ref.loaders.qk_rows import permute_qk, unpermute_qk
 from llorch_ref.errors import LlorchError, ModelFileError, UnsupportedModelError
 from llorch_ref.loaders.hf_folder import load_hf_folder, read_safetensors
 from test_cli import assert_one_line_error, run

@@ -116,15 +116,3 @@ def known_model_path(name: str, verify_cached: bool = False) -> Path:
         stamp.write_text(sha + "\n")
         _log(f"llorch-ref: sha256 verified, cached at {dest}")
     return dest
-
-
-def default_model_copy(dtype="f32") -> Path:
-    """A dequantized copy of the default model (llorch-ref convert), cached next to it."""
-    from ..convert import convert_gguf
-
-    src = default_model_path()
-    dst = src.with_name(FILENAME.replace("Q4_1", dtype.upper()))
-    if not dst.exists():
-        _log(f"llorch-ref: writing the {dtype.upper()} copy of the default model to {dst}")
-        convert_gguf(src, dst, dtype=dtype)
-    return dst

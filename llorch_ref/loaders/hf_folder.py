@@ -23,6 +23,7 @@ import numpy as np
 from ..config import Config
 from ..errors import ModelFileError, ParameterError, TokenizerError, UnsupportedModelError
 from ..model.weights import LayerWeights, Weights
+from .qk_rows import permute_qk
 
 HF_LAYER_TENSORS = {  # HF name suffix -> LayerWeights field (NumPy shape checked against the config)
     "input_layernorm.weight": "attn_norm",
@@ -326,7 +327,6 @@ def load_hf_folder(folder, qk_layout: str | None = None, lazy: bool = False, wei
     lazy: keep the safetensors files mapped and convert each layer when it runs (as for GGUF files; shapes
     are checked at load, NaN/Inf when a tensor is first read). weight_dtype: storage of 2-D weights."""
     from .lazy_weights import storage_dtype
-    from ..convert import permute_qk
 
     folder = Path(folder)
     c = _read_json(folder / "config.json")
