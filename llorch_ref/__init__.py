@@ -17,7 +17,6 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", 
     keeps its kernels' blocks in memory besides), "eager" (all dequantized at load) or "auto" (lazy for
     GGUF files on the numpy and numba backends with exact numerics).
     weight_dtype: storage of dequantized 2-D weights, "float32", "float16" or "bfloat16" (math stays float32)."""
-    from pathlib import Path
 
     from .engine import Engine
     from .errors import ParameterError

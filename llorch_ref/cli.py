@@ -283,8 +283,8 @@ def _run_transformers(args):
     """--reference transformers: llorch-ref on --model under test; transformers on --reference-model (a
     Hugging Face folder; default: --model, converted to one if it is a GGUF file) as the reference."""
     from .harness.compare import compare_dumps
-    from .references.llorch import engine_label, record_engine
     from .references.engines import dump_transformers
+    from .references.llorch import engine_label, record_engine
 
     eng = _load(args)
     if eng.tokenizer is None:
@@ -304,7 +304,6 @@ def _run_transformers(args):
 
 def cmd_dump(args):
     from .harness.run import DEFAULT_PROMPT
-
     from .loaders.default_model import resolve_model
     from .output_paths import check_output
 

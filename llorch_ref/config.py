@@ -1,7 +1,7 @@
 """The one canonical model configuration. Loaders fill it; the model reads it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field
 
 from .errors import UnsupportedModelError
 

@@ -119,7 +119,7 @@ class Recorder:
         self.tensors: dict[str, np.ndarray] = {}
         self._cat = catalogue()
         self._by_tensor = {}
-        for (cp, t), e in self._cat.items():
+        for cp, t in self._cat:
             self._by_tensor.setdefault(t, []).append(cp)
 
     def add(self, name: str, array, layer: int | None = None):

@@ -58,10 +58,9 @@ def _load_subject(spec: str):
 
 def _compute(config, eng):
     """Run the subject (or read the dump), run the reference, compare; once per session."""
-    from .dump import Dump, Recorder, load_dump
-    from .harness.run import DEFAULT_PROMPT
     from .checkpoints import engine_band_class
-    from .harness.run import run_subject
+    from .dump import Dump, Recorder, load_dump
+    from .harness.run import DEFAULT_PROMPT, run_subject
 
     opt = config.getoption
     if opt("llorch_dump"):
@@ -153,9 +152,10 @@ def pytest_collection_modifyitems(session, config, items):
         return
     if config.getoption("llorch_subject") and config.getoption("llorch_dump"):
         raise pytest.UsageError("give --llorch-subject or --llorch-dump, not both")
-    from .errors import LlorchError
-    from .checkpoints import load_specs
     import llorch_ref
+
+    from .checkpoints import load_specs
+    from .errors import LlorchError
     try:
         eng = llorch_ref.load(config.getoption("llorch_model"))
         cfg = eng.config

@@ -169,7 +169,8 @@ def _special_added_tokens(tokens, types):
 
 
 def _build_gpt2(tokens, types, merges, pre):
-    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
 
     if pre in UNSUPPORTED_PRE or pre not in PRE_TOKENIZERS and pre.startswith("jina"):
         raise TokenizerError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not implemented; "
@@ -199,7 +200,8 @@ def _build_gpt2(tokens, types, merges, pre):
 
 
 def _build_spm(tokens, types, scores, add_space_prefix, unk_id):
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
 
     vocab = {}
     for i, t in enumerate(tokens):

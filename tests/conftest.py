@@ -5,7 +5,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from llorch_test_helpers import machine_config
 
 

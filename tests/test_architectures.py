@@ -47,8 +47,8 @@ def test_every_checkpoint_against_llamacpp(llamacpp, arch_model):
 
 def test_every_checkpoint_against_transformers(arch_model):
     from llorch_ref.harness.compare import compare_dumps
-    from llorch_ref.references.llorch import record_engine
     from llorch_ref.references.engines import dump_transformers
+    from llorch_ref.references.llorch import record_engine
     arch, folder, g = arch_model
     for path in (g, folder):                                  # the GGUF path and the HF-folder path
         eng = llorch_ref.load(path)
@@ -63,8 +63,8 @@ def test_a_dropped_architecture_switch_is_caught(arch_model):
     """Planted bugs: Qwen2 without its Q/K/V biases, Llama 3 without its RoPE frequency factors, Phi-3 with the
     halves of its fused gate|up projection swapped."""
     from llorch_ref.harness.compare import compare_dumps
-    from llorch_ref.references.llorch import record_engine
     from llorch_ref.references.engines import dump_transformers
+    from llorch_ref.references.llorch import record_engine
     arch, folder, g = arch_model
     eng = llorch_ref.load(g)
     if arch == "qwen2":

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from llorch_test_helpers import need_backend
 
 import llorch_ref
 from llorch_ref.errors import ParameterError
-
-from llorch_test_helpers import need_backend
 
 
 @pytest.mark.parametrize("kw", [dict(vocab="bpe", weight_type="Q8_0"), dict(vocab="bpe", weight_type="Q4_1"),

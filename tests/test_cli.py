@@ -108,6 +108,7 @@ def test_no_vocab_model_needs_token_ids(tiny):
 
 def test_convert_f32_roundtrip(tiny, tmp_path):
     import numpy as np
+
     import llorch_ref
 
     src = tiny(weight_type="Q8_0")

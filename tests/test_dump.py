@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llorch_ref.dump import Recorder, load_dump, to_canonical, catalogue
+from llorch_ref.dump import Recorder, catalogue, load_dump, to_canonical
 from llorch_ref.errors import DumpError
 
 PROMPT = "Once upon a time, there was a little girl who"      # 11 tokens: T != H (9), so layouts show in shapes
@@ -245,6 +245,7 @@ def torch_subject(default_f32):
     pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]')")
     sys.path.insert(0, str(HERE))
     from subjects import torch_llama
+
     from llorch_ref.references.engines import hf_folder_for
     return torch_llama, hf_folder_for(default_f32)
 

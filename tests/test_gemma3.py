@@ -155,8 +155,8 @@ def test_a_llamacpp_dump_of_gemma3_meets_the_same_bands(llamacpp, gemma, tmp_pat
     """The dump path (llama.cpp as a dump writer, compared as a subject) applies the spec's reduced-precision
     node the way `diff` does, and carries Gemma 3's QK-norm tensors in their canonical layout."""
     from llorch_ref.harness.compare import compare_dumps
-    from llorch_ref.references.llorch import record_engine
     from llorch_ref.references.engines import dump_llamacpp
+    from llorch_ref.references.llorch import record_engine
     _, g, _ = gemma
     eng = llorch_ref.load(g)
     ids = eng.tokenizer.encode(PROMPT)

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from llorch_test_helpers import need_backend
 
 import llorch_ref
 from llorch_ref.harness.metrics import compare
 from llorch_ref.numerics import ggml_cpu
-
-from llorch_test_helpers import need_backend
 
 PROMPT = "Once upon a time, there was a little"
 IDS = [1, 17, 5, 99, 42, 7, 64, 3, 120, 11]

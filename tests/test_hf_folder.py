@@ -6,13 +6,13 @@ import shutil
 
 import numpy as np
 import pytest
+from test_cli import assert_one_line_error, run
 
 import llorch_ref
 from llorch_ref.convert import convert_gguf_to_hf
-from llorch_ref.loaders.qk_rows import permute_qk, unpermute_qk
 from llorch_ref.errors import LlorchError, ModelFileError, UnsupportedModelError
 from llorch_ref.loaders.hf_folder import load_hf_folder, read_safetensors
-from test_cli import assert_one_line_error, run
+from llorch_ref.loaders.qk_rows import permute_qk, unpermute_qk
 
 TEXTS = ["Hello, world! It's 2026.", "  two  spaces\tand\nnewlines", "ünïcödé 日本語 🙂", "abc123 def"]
 
@@ -181,6 +181,7 @@ def test_diff_on_a_folder_needs_a_gguf_reference(pair, llamacpp):
 def test_hf_folder_back_to_gguf_round_trip(llamacpp, pair, tmp_path, dtype):
     """GGUF -> HF -> GGUF: llama.cpp tokenizes alike and (f32) computes the same logits bit for bit."""
     import gguf
+
     from llorch_ref.convert import convert_hf_to_gguf
     from llorch_ref.references.llamacpp import LlamaCpp, tokenize
     g, d = pair

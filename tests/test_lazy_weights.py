@@ -51,6 +51,7 @@ def eager_layer(p, i):
 
 def test_parallel_chunked_dequantization_is_bit_identical(tiny, monkeypatch):
     import gguf
+
     from llorch_ref.loaders import gguf_file
     p = tiny(weight_type="Q8_0")
     r = gguf.GGUFReader(str(p))

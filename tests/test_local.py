@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import llorch_ref
-from llorch_ref.dump import load_dump
 from llorch_ref.checkpoints import engine_band_class
+from llorch_ref.dump import load_dump
 from llorch_ref.harness.compare import compare_dumps
 from llorch_ref.references.llorch import record_engine
 from llorch_ref.testing.plant import plant_scale

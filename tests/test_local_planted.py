@@ -17,6 +17,7 @@ from llorch_ref.references.llorch import record_engine
 sys.path.insert(0, str(Path(__file__).parent / "checkpoints"))
 import planted_bugs as B  # noqa: E402
 
+
 def rope_kernel_swapped(mp, eng):            # cp1B: the RoPE kernel rotates half-split pairs on adjacent rows
     orig = B.layers.rope                     # (the config, and so the dump's layout declaration, stay right)
     mp.setattr(B.layers, "rope", lambda xp, x, cos, sin, style: orig(xp, x, cos, sin,

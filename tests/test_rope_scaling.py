@@ -34,6 +34,7 @@ def test_scaled_rope_matches_llamacpp_and_dropping_it_is_caught(llamacpp, tiny, 
 
 def test_unknown_rope_scaling_is_rejected(tiny, tmp_path):
     import gguf
+
     from llorch_ref.testing.tiny import write_tiny_model
     p = write_tiny_model(tmp_path / "yarn.gguf", vocab="none")
     # rewrite with a YaRN scaling type: not implemented, so refused by name
@@ -54,8 +55,8 @@ def test_unknown_rope_scaling_is_rejected(tiny, tmp_path):
 def test_hf_llama3_rope_scaling_matches_transformers(tmp_path):
     torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]')")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-    from llorch_ref.loaders.hf_folder import load_hf_folder
     from llorch_ref.engine import Engine
+    from llorch_ref.loaders.hf_folder import load_hf_folder
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -64,8 +65,9 @@ def test_hf_llama3_rope_scaling_matches_transformers(tmp_path):
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(str(tmp_path / "m"), safe_serialization=True)
-    from llorch_ref.testing.tiny import bpe_vocab
     from tokenizers import Tokenizer, models
+
+    from llorch_ref.testing.tiny import bpe_vocab
     toks, _, merges = bpe_vocab()
     Tokenizer(models.BPE({t: i for i, t in enumerate(toks[:97])}, [])).save(str(tmp_path / "m" / "tokenizer.json"))
     m = load_hf_folder(tmp_path / "m")

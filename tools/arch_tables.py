@@ -17,11 +17,11 @@ def main():
     a = ap.parse_args()
     import llorch_ref
     from llorch_ref.convert import convert_hf_to_gguf
+    from llorch_ref.harness.compare import compare_dumps
     from llorch_ref.harness.metrics import fmt, fmt_match
     from llorch_ref.harness.run import DEFAULT_PROMPT, run_diff
-    from llorch_ref.harness.compare import compare_dumps
-    from llorch_ref.references.llorch import record_engine
     from llorch_ref.references.engines import dump_transformers
+    from llorch_ref.references.llorch import record_engine
     from llorch_ref.testing.tiny_hf import write_tiny_hf
 
     tmp = Path(tempfile.mkdtemp(prefix="llorch-archs-"))

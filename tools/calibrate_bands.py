@@ -43,11 +43,12 @@ def main():
     if a.ggml:
         return calibrate_ggml(a)
     sys.path.insert(0, str(Path(__file__).parent))
-    import llorch_ref
-    from llorch_ref.harness.run import run_diff
-    from llorch_ref.checkpoints import load_specs
-    from llorch_ref.loaders.default_model import default_model_path, home
     from make_quant_copies import make_copies
+
+    import llorch_ref
+    from llorch_ref.checkpoints import load_specs
+    from llorch_ref.harness.run import run_diff
+    from llorch_ref.loaders.default_model import default_model_path, home
 
     orig = default_model_path()
     copies = make_copies(orig, home() / "models", ["f32", "f16", "q8_0", "q4_k_m"])
@@ -128,11 +129,12 @@ def calibrate_ggml(a):
     """numerics='ggml' reproduces llama.cpp's arithmetic: the band is bit-identity (max abs 0) when every
     measurement is 0, else margin x the worst NMSE measured (reported loudly)."""
     sys.path.insert(0, str(Path(__file__).parent))
-    import llorch_ref
-    from llorch_ref.harness.run import run_diff
-    from llorch_ref.checkpoints import load_specs
-    from llorch_ref.loaders.default_model import default_model_path, home
     from make_quant_copies import make_copies
+
+    import llorch_ref
+    from llorch_ref.checkpoints import load_specs
+    from llorch_ref.harness.run import run_diff
+    from llorch_ref.loaders.default_model import default_model_path, home
 
     orig = default_model_path()
     copies = make_copies(orig, home() / "models", ["f32", "f16", "q8_0"])

@@ -36,11 +36,11 @@ def main():
     ap.add_argument("--out")
     a = ap.parse_args()
     import llorch_ref
-    from llorch_ref.harness.run import DEFAULT_PROMPT, run_diff
     from llorch_ref.harness.compare import compare_dumps
-    from llorch_ref.references.llorch import record_engine
+    from llorch_ref.harness.run import DEFAULT_PROMPT, run_diff
     from llorch_ref.references.engines import dump_transformers
     from llorch_ref.references.llamacpp import tokenize
+    from llorch_ref.references.llorch import record_engine
 
     eng = llorch_ref.load(a.model)
     c = eng.config

@@ -1,10 +1,17 @@
-import os, sys, time, json
+import gc
+import json
+import os
+import sys
+import time
+
 os.environ.setdefault("CUPY_TF32", "0")
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "tools"))
 import cupy as cp
-from gpu_run import random_engine
-from llorch_ref.config import Config
 from cupyx.profiler import benchmark
+from gpu_run import random_engine
+
+from llorch_ref.config import Config
+
 shapes = {"smol": Config(arch="llama", n_vocab=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536, context_length=2048, rms_eps=1e-5, rope_base=100000.0, rope_dim=64, rope_style="adjacent", tied_output=False),
           "7b": Config(arch="llama", n_vocab=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128, d_ff=11008, context_length=4096, rms_eps=1e-5, rope_base=10000.0, rope_dim=128, rope_style="neox", tied_output=False)}
 for name, cfg in shapes.items():
@@ -13,7 +20,7 @@ for name, cfg in shapes.items():
         cache = eng.new_cache()
         eng.forward(list(range(1, 9)), cache, rows=[7])
         dec = eng.backend.make_decoder(eng, cache)
-        for t in range(5): dec(5)
+        for _ in range(5): dec(5)
         s = dec.stream
         N = 50
         cp.cuda.Device().synchronize(); t0 = time.perf_counter()
@@ -45,7 +52,9 @@ for name, cfg in shapes.items():
         res["logits"] = benchmark(ops.linear, (xp, x, eng.weights.output), n_repeat=50).gpu_times.mean()
         print(json.dumps({"shape": name, "dtype": dtype, "graph_replay_ms": t_graph * 1e3, "decoder_call_ms": t_call * 1e3,
                           **{k: round(float(v) * 1e6, 1) for k, v in res.items()}}), flush=True)
-        del eng, dec, cache; import gc; gc.collect(); cp.get_default_memory_pool().free_all_blocks()
+        del eng, dec, cache
+        gc.collect()
+        cp.get_default_memory_pool().free_all_blocks()
 
 # prefill: 128 tokens, per-op GPU times (7B float32)
 cfg = shapes["7b"]

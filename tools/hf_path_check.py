@@ -14,8 +14,8 @@ from pathlib import Path
 import llorch_ref
 from llorch_ref.convert import convert_gguf_to_hf
 from llorch_ref.engine import Engine
-from llorch_ref.loaders.hf_folder import load_hf_folder
 from llorch_ref.harness.metrics import compare
+from llorch_ref.loaders.hf_folder import load_hf_folder
 
 
 def main():

@@ -148,7 +148,7 @@ def main():
                 break
             except httpx.HTTPError:
                 if server.poll() is not None or time.time() > deadline:
-                    raise SystemExit(f"server did not start: {server.stderr.read()}")
+                    raise SystemExit(f"server did not start: {server.stderr.read()}") from None
                 time.sleep(0.2)
         stop, tally = threading.Event(), Tally()
         threads = ([threading.Thread(target=openai_client, args=(url, stop, tally, i)) for i in range(3)]

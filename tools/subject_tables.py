@@ -28,12 +28,12 @@ def main():
     ap.add_argument("--out")
     a = ap.parse_args()
     import llorch_ref
-    from llorch_ref.dump import load_dump
-    from llorch_ref.harness.metrics import summary_markdown
     from llorch_ref.checkpoints import band_class_of
+    from llorch_ref.dump import load_dump
     from llorch_ref.harness.compare import compare_dumps
-    from llorch_ref.references.llorch import record_engine
+    from llorch_ref.harness.metrics import summary_markdown
     from llorch_ref.harness.run import check_same_model
+    from llorch_ref.references.llorch import record_engine
 
     eng = llorch_ref.load(a.model)
     ids = eng.tokenizer.encode(a.prompt)
@@ -62,7 +62,7 @@ def main():
              f"{a.prompt!r} ({len(ids)} tokens). Each engine writes a llorch-dump file, compared with the code of "
              f"`llorch-ref diff --subject` (reference: llorch-ref, numpy, exact). Worst figure over all layers and "
              f"tensors of each checkpoint; `n/c` = not covered by that engine's dump.", ""]
-    for e, (sub, res, cmd, warn) in results.items():
+    for sub, res, cmd, warn in results.values():
         lines += [f"## {sub.engine}", "", f"- dump: `{cmd}`; layouts `{sub.layouts}`",
                   f"- first divergence: {res.first_divergence or 'none'}"]
         if warn:

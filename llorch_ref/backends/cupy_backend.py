@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import types
 
-from . import Backend
 from ..model.cache import visible_mask
+from . import Backend
 
 
 class CupyBackend(Backend):

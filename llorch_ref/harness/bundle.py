@@ -73,6 +73,7 @@ def _cpu_flags() -> str:
 
 def manifest(result, engine, argv, seed=0) -> dict:
     import gguf
+
     import llorch_ref
 
     try:

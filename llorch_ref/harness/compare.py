@@ -12,11 +12,11 @@ import time
 
 import numpy as np
 
+from ..checkpoints import coarser, declaration, greedy_band, load_specs, local_band
 from ..dump import Dump, Recorder, catalogue, expected_shape, to_canonical
 from ..errors import HarnessError
 from .metrics import compare, within
 from .result import DiffResult, Row
-from ..checkpoints import coarser, declaration, greedy_band, load_specs, local_band
 
 LAYOUT_CHOICES = {"rope_pairs": ("adjacent", "neox"), "heads": ("token_major", "head_major"),
                   "array_order": ("numpy", "ggml")}

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import time
 
-from ..errors import HarnessError, PromptError
+from ..checkpoints import band_class_of, catalogue_path, coarser, engine_band_class, load_specs
+from ..dump import Dump
+from ..errors import DumpError, HarnessError, PromptError
 from ..references.llorch import engine_label, record_decode_step, record_engine
 from .compare import compare_dumps
-from ..checkpoints import band_class_of, catalogue_path, coarser, engine_band_class, load_specs
+from .result import DiffResult
 
 DEFAULT_PROMPT = "Once upon a time, there was a little"
 

@@ -7,8 +7,8 @@ GGUF llama files hold Wq/Wk rows permuted by llama.cpp's converter so that RoPE 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

@@ -13,7 +13,6 @@ import sys
 
 import numpy as np
 
-
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -163,8 +162,8 @@ class LazyWeights:
 
 def dequantize_rows(t, rows) -> np.ndarray:
     """rows of one GGUF matrix -> float32 [len(rows), D], reading only those rows' blocks."""
-    from gguf import quants
     from gguf import GGMLQuantizationType as Q
+    from gguf import quants
 
     data = t.data
     if t.tensor_type == Q.F32:

@@ -149,8 +149,9 @@ def hf_folder_for(path) -> Path:
         return p
     out = home() / "hf" / f"{p.stem}-{sha256_file(p)[:12]}"
     if not (out / "config.json").exists():
-        from ..convert import convert_gguf_to_hf
         import sys
+
+        from ..convert import convert_gguf_to_hf
         print(f"llorch-ref: converting {p.name} to a Hugging Face folder for transformers: {out}", file=sys.stderr)
         convert_gguf_to_hf(p, out, overwrite=True)
     return out

@@ -20,8 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..generate.sampling import SamplingParams
 from ..errors import LlorchError
+from ..generate.sampling import SamplingParams
 from .worker import JobIdInUse, QueueFull, Worker
 
 STOP_REASONS = {"max_tokens": "MAX_TOKENS", "eos": "EOS", "stop_sequence": "STOP_SEQUENCE",

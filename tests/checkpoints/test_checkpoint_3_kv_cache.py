@@ -1,7 +1,6 @@
 """Checkpoint 3 (kv_cache) against llama.cpp, live. Spec: checkpoints/cp03_kv_cache.json"""
-import pytest
-
 import planted_bugs
+import pytest
 from checkpoint_asserts import N_LAYERS, assert_first_divergence, assert_in_band
 
 CP = "3"

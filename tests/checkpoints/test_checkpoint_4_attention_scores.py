@@ -1,7 +1,6 @@
 """Checkpoint 4 (attention_scores) against llama.cpp, live. Spec: checkpoints/cp04_attention_scores.json"""
-import pytest
-
 import planted_bugs
+import pytest
 from checkpoint_asserts import N_LAYERS, assert_first_divergence, assert_in_band
 
 CP = "4"

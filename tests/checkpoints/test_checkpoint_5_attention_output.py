@@ -1,7 +1,6 @@
 """Checkpoint 5 (attention_output) against llama.cpp, live. Spec: checkpoints/cp05_attention_output.json"""
-import pytest
-
 import planted_bugs
+import pytest
 from checkpoint_asserts import N_LAYERS, assert_first_divergence, assert_in_band
 
 CP = "5"

@@ -1,7 +1,6 @@
 """Checkpoint 6 (swiglu) against llama.cpp, live. Spec: checkpoints/cp06_swiglu.json"""
-import pytest
-
 import planted_bugs
+import pytest
 from checkpoint_asserts import N_LAYERS, assert_first_divergence, assert_in_band
 
 CP = "6"

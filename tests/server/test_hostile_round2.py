@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-
 from live_server import LiveServer
 
 

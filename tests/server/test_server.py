@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from live_server import LiveServer
 
 
@@ -120,7 +119,7 @@ def test_eight_concurrent_clients_each_get_their_own_text(server, tiny_engine):
 def test_cancel_mid_stream_then_same_request_is_unaffected(server, tiny_engine):
     body = {"prompt": "Once upon", "max_tokens": 100, "temperature": 0.8, "seed": 11}
     with httpx.stream("POST", server.url + "/execute", json=body, timeout=60) as r:
-        for n, line in enumerate(r.iter_lines()):
+        for n, _line in enumerate(r.iter_lines()):
             if n > 6:
                 break                                  # the client hangs up mid-stream
     deadline = time.time() + 10
