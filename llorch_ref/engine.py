@@ -11,6 +11,7 @@ from .errors import ParameterError, PromptError, TokenizerError
 from .model import forward as forward_mod
 from .model import layers
 from .model.cache import Cache
+from .numerics import KV_DTYPES
 
 
 @dataclass
@@ -66,8 +67,8 @@ class Engine:
         # default: the model's context up to DEFAULT_CTX, since the K/V cache is preallocated (a 128k-token
         # Llama 3.1 context would take 34 GB of float32 K/V); --ctx asks for more
         self.n_ctx = int(n_ctx or min(config.context_length, DEFAULT_CTX))
-        if kv_dtype not in ("f32", "f16"):
-            raise ParameterError(f"kv_dtype {kv_dtype!r} must be 'f32' or 'f16'")
+        if kv_dtype not in KV_DTYPES:
+            raise ParameterError(f"kv_dtype {kv_dtype!r} must be one of {', '.join(KV_DTYPES)}")
         self.numerics, self.kv_dtype = numerics, kv_dtype
         if numerics == "ggml":
             from .numerics.ggml_cpu import make_ops

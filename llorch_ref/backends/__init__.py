@@ -69,8 +69,13 @@ def available() -> dict:
     return out
 
 
+def backend_name(name: str | None = None) -> str:
+    """The backend a run uses: the one named, else $LLORCH_BACKEND, else numpy (read here only)."""
+    return name or os.environ.get("LLORCH_BACKEND") or "numpy"
+
+
 def get_backend(name=None, dtype: str = "float32", threads: int | None = None) -> Backend:
-    name = name or os.environ.get("LLORCH_BACKEND") or "numpy"
+    name = backend_name(name)
     if name not in BACKENDS:
         raise ParameterError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
     if dtype not in ("float32", "float16"):

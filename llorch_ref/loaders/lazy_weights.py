@@ -8,9 +8,6 @@ served from memory. The quantized bytes stay in the page cache, shared with othe
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
@@ -172,10 +169,3 @@ def dequantize_rows(t, rows) -> np.ndarray:
         return np.asarray(data[rows]).astype(np.float32)
     out = quants.dequantize(np.asarray(data[rows]), t.tensor_type)
     return np.ascontiguousarray(out.reshape(len(rows), -1), dtype=np.float32)
-
-
-def log_plan(path, weights):
-    i = weights.info()
-    whole = "all of it" if i["budget_mb"] >= i["dequantized_mb"] else f"{i['budget_mb']:.0f} MB of it"
-    print(f"llorch-ref: lazy weights from {os.path.basename(str(path))}: {i['dequantized_mb']:.0f} MB dequantized "
-          f"({i['storage']}), cache keeps {whole}", file=sys.stderr, flush=True)
