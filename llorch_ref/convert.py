@@ -1,4 +1,4 @@
-"""`llorch-ref convert --to gguf --dtype f32|f16 IN.gguf OUT.gguf`: a copy with every tensor dequantized.
+"""`llorch-ref convert --to gguf --dtype float32|float16 IN.gguf OUT.gguf`: a copy with every tensor dequantized.
 
 Metadata is kept key by key (with its GGUF value type); only general.file_type changes. llama.cpp run on
 the F32 copy computes plain float32 math, which is what the tight checkpoint bands are measured on.
@@ -11,13 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .dtypes import SHORT, dtype_name
 from .errors import ParameterError
 from .loaders.default_model import FILENAME, default_model_path
 from .loaders.gguf_file import dequantize, open_reader
 from .loaders.qk_rows import unpermute_qk
 from .output_paths import check_output
 
-FILE_TYPES = {"f32": 0, "f16": 1}   # llama_ftype ALL_F32, MOSTLY_F16
+FILE_TYPES = {"float32": 0, "float16": 1}   # llama_ftype ALL_F32, MOSTLY_F16
 HF_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -63,13 +64,12 @@ def _write_gguf(writer, out) -> Path:
     return out.path
 
 
-def convert_gguf(src, dst, dtype="f32", overwrite=False, kv_overrides=None, tensor_fn=None) -> Path:
+def convert_gguf(src, dst, dtype="float32", overwrite=False, kv_overrides=None, tensor_fn=None) -> Path:
     """Write a dequantized copy. kv_overrides: {key: value} replaced in the metadata (same value type);
     tensor_fn(name, float32 array) -> array lets tools plant a change in chosen weights."""
     import gguf
 
-    if dtype not in FILE_TYPES:
-        raise ParameterError(f"--dtype {dtype!r} must be one of {', '.join(FILE_TYPES)}")
+    dtype = dtype_name(dtype, tuple(FILE_TYPES), "--dtype")
     src = Path(src)
     out = check_output(dst, inputs=[src], overwrite=overwrite)
     reader = open_reader(src)
@@ -80,7 +80,7 @@ def convert_gguf(src, dst, dtype="f32", overwrite=False, kv_overrides=None, tens
         arr = dequantize(t)
         if tensor_fn is not None:
             arr = np.ascontiguousarray(tensor_fn(t.name, arr), dtype=np.float32)
-        if dtype == "f16" and arr.ndim >= 2:      # ggml keeps norms (1-D) in F32 in f16 files
+        if dtype == "float16" and arr.ndim >= 2:      # ggml keeps norms (1-D) in F32 in f16 files
             arr = arr.astype(np.float16)
         writer.add_tensor(t.name, arr)
     return _write_gguf(writer, out)
@@ -268,7 +268,7 @@ def _check_gemma3_for_llamacpp(cfg, src):
         raise ParameterError(f"{src}: this Gemma 3 model has no gemma3 GGUF form: " + "; ".join(problems))
 
 
-def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
+def convert_hf_to_gguf(src, dst, dtype="float32", overwrite=False) -> Path:
     """Hugging Face llama folder -> GGUF (F32, or F16 for 2-D weights), as llama.cpp's converter writes it:
     Wq/Wk rows permuted to adjacent RoPE pairs, tokenizer metadata (gpt2 with the pre-tokenizer identified by
     its behaviour, or llama/SentencePiece with scores from the BPE merge ranks), chat template, special ids,
@@ -278,8 +278,7 @@ def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
     from .loaders.hf_folder import load_hf_folder
     from .tokenizer import TOKEN_NORMAL
 
-    if dtype not in FILE_TYPES:
-        raise ParameterError(f"--dtype {dtype!r} must be one of {', '.join(FILE_TYPES)}")
+    dtype = dtype_name(dtype, tuple(FILE_TYPES), "--dtype")
     src = Path(src)
     out = check_output(dst, inputs=[src], overwrite=overwrite)
     m = load_hf_folder(src)              # Wq/Wk rows already in the canonical adjacent layout = llama.cpp's
@@ -334,7 +333,7 @@ def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
     wr.add_add_eos_token(bool(tok.add_eos))
     if tok.chat_template:
         wr.add_chat_template(tok.chat_template)
-    big = (lambda a: a.astype(np.float16)) if dtype == "f16" else (lambda a: a)
+    big = (lambda a: a.astype(np.float16)) if dtype == "float16" else (lambda a: a)
     wr.add_tensor("token_embd.weight", big(np.ascontiguousarray(w.tok_embd, dtype=np.float32)))
     for i, lw in enumerate(w.layers):
         p = f"blk.{i}."
@@ -363,11 +362,13 @@ def convert_hf_to_gguf(src, dst, dtype="f32", overwrite=False) -> Path:
     return _write_gguf(wr, out)
 
 
-def default_model_copy(dtype="f32") -> Path:
+def default_model_copy(dtype="float32") -> Path:
     """A dequantized copy of the default model (llorch-ref convert), cached next to it."""
     src = default_model_path()
-    dst = src.with_name(FILENAME.replace("Q4_1", dtype.upper()))
+    dtype = dtype_name(dtype, tuple(FILE_TYPES))
+    kind = SHORT[dtype].upper()                       # the GGUF type name: F32, F16
+    dst = src.with_name(FILENAME.replace("Q4_1", kind))
     if not dst.exists():
-        print(f"llorch-ref: writing the {dtype.upper()} copy of the default model to {dst}", file=sys.stderr)
+        print(f"llorch-ref: writing the {kind} copy of the default model to {dst}", file=sys.stderr)
         convert_gguf(src, dst, dtype=dtype)
     return dst

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoints import catalogue_path, load_specs
+from .dtypes import KV_DTYPES, dtype_name
 from .errors import DumpError
 
 FORMAT = "llorch-dump/2"          # 2: the manifest may declare the arithmetic; /1 files still read
@@ -242,9 +243,10 @@ class Dump:
     @property
     def arithmetic(self) -> dict | None:
         """What the engine declares it does with activations and caches: {"numerics": "exact" (float32 on
-        dequantized weights) | "ggml" (llama.cpp's activation quantization and order), "kv_dtype": "f32" |
-        "f16"}; None for dumps that declare nothing (format /1)."""
-        return self.manifest.get("arithmetic")
+        dequantized weights) | "ggml" (llama.cpp's activation quantization and order), "kv_dtype": "float32" |
+        "float16" (f32/f16 of earlier files read as those)}; None for dumps that declare nothing (format /1)."""
+        ar = self.manifest.get("arithmetic")
+        return None if ar is None else {**ar, "kv_dtype": dtype_name(ar["kv_dtype"], KV_DTYPES, "kv_dtype")}
 
     @property
     def layouts(self) -> dict:

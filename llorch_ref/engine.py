@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .dtypes import KV_DTYPES, dtype_name
 from .errors import ParameterError, PromptError, TokenizerError
 from .model import forward as forward_mod
 from .model import layers
 from .model.cache import Cache
-from .numerics import KV_DTYPES
 
 
 @dataclass
@@ -47,7 +47,7 @@ def _cancel_between_layers(cancel):
 
 class Engine:
     def __init__(self, config, weights, tokenizer, *, path=None, metadata=None, tensor_types=None,
-                 backend=None, n_ctx=None, numerics="exact", kv_dtype="f32", dtype="float32", threads=None,
+                 backend=None, n_ctx=None, numerics="exact", kv_dtype="float32", dtype="float32", threads=None,
                  raw_blocks=None):
         from .backends import get_backend
 
@@ -67,8 +67,7 @@ class Engine:
         # default: the model's context up to DEFAULT_CTX, since the K/V cache is preallocated (a 128k-token
         # Llama 3.1 context would take 34 GB of float32 K/V); --ctx asks for more
         self.n_ctx = int(n_ctx or min(config.context_length, DEFAULT_CTX))
-        if kv_dtype not in KV_DTYPES:
-            raise ParameterError(f"kv_dtype {kv_dtype!r} must be one of {', '.join(KV_DTYPES)}")
+        kv_dtype = dtype_name(kv_dtype, KV_DTYPES, "kv_dtype")
         self.numerics, self.kv_dtype = numerics, kv_dtype
         if numerics == "ggml":
             from .numerics.ggml_cpu import make_ops
@@ -83,7 +82,7 @@ class Engine:
     # -- sequences -----------------------------------------------------------------------------------
     def new_cache(self) -> Cache:
         cls = self.backend.cache_class(Cache)
-        return cls(self.xp, self.config, self.n_ctx, kv_dtype={"f32": "float32", "f16": "float16"}[self.kv_dtype],
+        return cls(self.xp, self.config, self.n_ctx, kv_dtype=self.kv_dtype,
                    ops=self.ops)
 
     def forward(self, token_ids, cache, rows=None, record=None):

@@ -29,7 +29,7 @@ def default_model() -> Path:
 def default_f32() -> Path:
     from llorch_ref.convert import default_model_copy
 
-    return default_model_copy("f32")
+    return default_model_copy("float32")
 
 
 @pytest.fixture(scope="session")

@@ -113,7 +113,7 @@ def test_convert_f32_roundtrip(tiny, tmp_path):
 
     src = tiny(weight_type="Q8_0")
     out = tmp_path / "f32.gguf"
-    r = run("convert", "--to", "gguf", "--dtype", "f32", src, out)
+    r = run("convert", "--to", "gguf", "--dtype", "float32", src, out)
     assert r.returncode == 0, r.stderr
     a, b = llorch_ref.load(src), llorch_ref.load(out)
     assert set(b.tensor_types.values()) == {"F32"}

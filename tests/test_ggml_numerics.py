@@ -59,7 +59,7 @@ def test_v_expf_is_within_two_ulp_of_exp():
 
 
 @pytest.mark.parametrize("wt", ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "mixed"])
-@pytest.mark.parametrize("kv", ["f32", "f16"])
+@pytest.mark.parametrize("kv", ["float32", "float16"])
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
 def test_tiny_models_bit_identical_to_llamacpp(tiny, llamacpp, wt, kv, backend):
     """Prefill (every row), then single-token decode steps: every logit equal to llama.cpp's, bit for bit.
@@ -70,7 +70,7 @@ def test_tiny_models_bit_identical_to_llamacpp(tiny, llamacpp, wt, kv, backend):
         need_backend("numba")
     path = tiny(vocab="none", weight_type=wt)
     eng = llorch_ref.load(path, numerics="ggml", kv_dtype=kv, backend=backend)
-    ref = LlamaCpp(path, n_ctx=128, kv_type=kv)
+    ref = LlamaCpp(path, n_ctx=128, kv_dtype=kv)
     m = compare(eng.logits(IDS), ref.eval(IDS))
     assert m["max_abs"] == 0.0, m
     cache = eng.new_cache()
@@ -85,11 +85,11 @@ def test_tiny_models_bit_identical_to_llamacpp(tiny, llamacpp, wt, kv, backend):
     ref.close()
 
 
-@pytest.mark.parametrize("kv", ["f32", "f16"])
+@pytest.mark.parametrize("kv", ["float32", "float16"])
 def test_default_model_logits_identical_and_exact_mode_is_not(default_model, llamacpp, kv):
     from llorch_ref.references.llamacpp import LlamaCpp
 
-    ref = LlamaCpp(default_model, n_ctx=256, kv_type=kv)
+    ref = LlamaCpp(default_model, n_ctx=256, kv_dtype=kv)
     exact = llorch_ref.load(default_model, numerics="exact", kv_dtype=kv)
     ggml = llorch_ref.load(default_model, numerics="ggml", kv_dtype=kv)
     ids = exact.tokenizer.encode(PROMPT)
@@ -104,16 +104,16 @@ def test_default_model_logits_identical_and_exact_mode_is_not(default_model, lla
 def test_default_model_greedy_256_identical(default_model, llamacpp):
     from llorch_ref.references.llamacpp import LlamaCpp
 
-    eng = llorch_ref.load(default_model, numerics="ggml", kv_dtype="f16")
+    eng = llorch_ref.load(default_model, numerics="ggml", kv_dtype="float16")
     ids = eng.tokenizer.encode(PROMPT)
     ours = list(eng.generate_ids(ids, max_tokens=256, ignore_eos=True))
-    assert ours == LlamaCpp(default_model, n_ctx=512, kv_type="f16").greedy(ids, 256)
+    assert ours == LlamaCpp(default_model, n_ctx=512, kv_dtype="float16").greedy(ids, 256)
 
 
 def test_diff_in_ggml_mode_passes_with_zero_band(default_model, llamacpp):
     from llorch_ref.harness.run import run_diff
 
-    eng = llorch_ref.load(default_model, numerics="ggml", kv_dtype="f32")
+    eng = llorch_ref.load(default_model, numerics="ggml", kv_dtype="float32")
     res = run_diff(eng, n_greedy=16)
     assert res.band_class == "ggml" and res.first_divergence is None
     assert all(r.metrics.get("max_abs", 0.0) == 0.0 for r in res.rows)
@@ -129,7 +129,7 @@ def _llamacpp_quantize(llamacpp, src, dst, ftype, pure=False):
     return dst
 
 
-@pytest.mark.parametrize("kv", ["f32", "f16"])
+@pytest.mark.parametrize("kv", ["float32", "float16"])
 @pytest.mark.parametrize("ftype, ktypes", [("Q4_K_M", {"Q4_K", "Q6_K"}), ("Q5_K_M", {"Q5_K", "Q6_K"}),
                                            ("Q2_K", {"Q3_K"}), ("Q2_K-pure", {"Q2_K"})])
 def test_k_quant_copies_bit_identical(tmp_path_factory, default_f32, llamacpp, kv, ftype, ktypes):
@@ -145,11 +145,11 @@ def test_k_quant_copies_bit_identical(tmp_path_factory, default_f32, llamacpp, k
                            pure=ftype.endswith("pure"))
     eng = llorch_ref.load(path, numerics="ggml", kv_dtype=kv)
     assert ktypes <= set(eng.tensor_types.values())
-    ref = LlamaCpp(path, n_ctx=256, kv_type=kv)
+    ref = LlamaCpp(path, n_ctx=256, kv_dtype=kv)
     ids = eng.tokenizer.encode(PROMPT)
     m = compare(eng.logits(ids), ref.eval(ids))
     assert m["max_abs"] == 0.0, m
-    exact = compare(llorch_ref.load(path).logits(ids), ref.eval(ids)) if kv == "f32" else None
+    exact = compare(llorch_ref.load(path).logits(ids), ref.eval(ids)) if kv == "float32" else None
     if exact:
         print(f"{ftype} copy: exact-mode NMSE {exact['nmse']:.3e}, ggml mode 0")
     assert list(eng.generate_ids(ids, max_tokens=32, ignore_eos=True)) == ref.greedy(ids, 32)

@@ -177,8 +177,8 @@ def test_diff_on_a_folder_needs_a_gguf_reference(pair, llamacpp):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
-def test_hf_folder_back_to_gguf_round_trip(llamacpp, pair, tmp_path, dtype):
+@pytest.mark.parametrize("dtype, gguf_type", [("float32", "F32"), ("float16", "F16")])
+def test_hf_folder_back_to_gguf_round_trip(llamacpp, pair, tmp_path, dtype, gguf_type):
     """GGUF -> HF -> GGUF: llama.cpp tokenizes alike and (f32) computes the same logits bit for bit."""
     import gguf
 
@@ -192,7 +192,7 @@ def test_hf_folder_back_to_gguf_round_trip(llamacpp, pair, tmp_path, dtype):
         if key in r0.fields:
             assert r1.fields[key].contents() == r0.fields[key].contents(), key
     types = {t.name: t.tensor_type.name for t in r1.tensors}
-    assert types["blk.0.attn_q.weight"] == dtype.upper() and types["blk.0.attn_norm.weight"] == "F32"
+    assert types["blk.0.attn_q.weight"] == gguf_type and types["blk.0.attn_norm.weight"] == "F32"
     for t in TEXTS:
         assert tokenize(out, t) == tokenize(g, t), t
     ids = tokenize(g, "Once upon a time, there was")
@@ -201,7 +201,7 @@ def test_hf_folder_back_to_gguf_round_trip(llamacpp, pair, tmp_path, dtype):
         la, lb = a.eval(ids), b.eval(ids)
     finally:
         a.close(), b.close()
-    if dtype == "f32":
+    if dtype == "float32":
         assert np.array_equal(la, lb)                 # same weights, same Q/K permutation, same graph
     else:
         assert 0 < nmse(la, lb) < 1e-4

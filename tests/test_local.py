@@ -109,3 +109,17 @@ def test_format_1_dumps_still_read_and_declare_nothing(ref_engine, tmp_path):
     res = compare_dumps(d, record_engine(ref_engine, ids, n_greedy=2), ref_engine.config, "F32",
                         local_engine=ref_engine)
     assert res.first_divergence is None
+
+
+def test_earlier_short_kv_names_are_read_as_the_long_ones(ref_engine, tmp_path):
+    """Dumps written before the one vocabulary declared K/V f32/f16: read as float32/float16, and the local
+    bands of that declaration apply."""
+    ids = ref_engine.tokenizer.encode(PROMPTS[0])
+    rec = record_engine(ref_engine, ids, n_greedy=2)
+    assert rec.extra["arithmetic"]["kv_dtype"] == "float32"
+    rec.extra["arithmetic"]["kv_dtype"] = "f32"
+    d = load_dump(rec.save(tmp_path / "old.safetensors"))
+    assert d.arithmetic["kv_dtype"] == "float32"
+    res = compare_dumps(d, record_engine(ref_engine, ids, n_greedy=2), ref_engine.config, "F32",
+                        local_engine=ref_engine)
+    assert res.local_declaration == "exact/float32" and res.first_divergence is None

@@ -51,7 +51,7 @@ def test_default_f32_logits_match_llamacpp(engine_f32, default_f32, llamacpp):
     from llorch_ref.references.llamacpp import LlamaCpp
 
     ids = engine_f32.tokenizer.encode(PROMPT)
-    ours, ref = engine_f32.logits(ids), LlamaCpp(default_f32, n_ctx=256, kv_type="f32").eval(ids)
+    ours, ref = engine_f32.logits(ids), LlamaCpp(default_f32, n_ctx=256, kv_dtype="float32").eval(ids)
     m = compare(ours, ref)
     print(f"default model F32 copy, {len(ids)} positions: max_abs {m['max_abs']:.3e} nmse {m['nmse']:.3e} "
           f"cosine {m['cosine']:.12f}")
@@ -78,7 +78,7 @@ def test_f32_greedy_128_equals_llamacpp(engine_f32, default_f32, llamacpp):
 
     ids = engine_f32.tokenizer.encode(PROMPT)
     ours = list(engine_f32.generate_ids(ids, max_tokens=128, ignore_eos=True))
-    ref = LlamaCpp(default_f32, n_ctx=512, kv_type="f32").greedy(ids, 128)
+    ref = LlamaCpp(default_f32, n_ctx=512, kv_dtype="float32").greedy(ids, 128)
     assert ours == ref
 
 

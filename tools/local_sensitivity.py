@@ -43,9 +43,9 @@ class References:
         import llorch_ref
 
         self.model = model
-        self.engines = {"ggml/f32": llorch_ref.load(model, numerics="ggml"),
-                        "ggml/f16": llorch_ref.load(model, numerics="ggml", kv_dtype="f16"),
-                        "exact/f32": llorch_ref.load(model, numerics="exact", weights="eager")}
+        self.engines = {"ggml/float32": llorch_ref.load(model, numerics="ggml"),
+                        "ggml/float16": llorch_ref.load(model, numerics="ggml", kv_dtype="float16"),
+                        "exact/float32": llorch_ref.load(model, numerics="exact", weights="eager")}
         self.records = {}
 
     def record(self, decl, ids):
@@ -61,20 +61,20 @@ def subject_dump(kind, model_path, ids, work: Path):
     """-> (Recorder, declaration) of one subject engine run on model_path."""
     if kind in ("llamacpp", "llamacpp-f16", "llamacpp-fa"):
         from llorch_ref.references.engines import dump_llamacpp
-        kv = "f32" if kind == "llamacpp" else "f16"
+        kv = "float32" if kind == "llamacpp" else "float16"
         fa = kind == "llamacpp-fa"
-        return (dump_llamacpp(model_path, token_ids=ids, n_greedy=2, kv_type=kv, flash_attn=fa),
+        return (dump_llamacpp(model_path, token_ids=ids, n_greedy=2, kv_dtype=kv, flash_attn=fa),
                 f"ggml/{kv}" + ("+flash_attn" if fa else ""))
     if kind == "numba":
         import llorch_ref
         from llorch_ref.references.llorch import record_engine
-        return record_engine(llorch_ref.load(model_path, backend="numba"), ids, n_greedy=2), "exact/f32"
+        return record_engine(llorch_ref.load(model_path, backend="numba"), ids, n_greedy=2), "exact/float32"
     if kind == "transformers":
         from llorch_ref.convert import convert_gguf_to_hf
         from llorch_ref.references.engines import dump_transformers
         hf = work / "hf"
         convert_gguf_to_hf(model_path, hf, overwrite=True)
-        return dump_transformers(hf, token_ids=ids, n_greedy=2), "exact/f32"
+        return dump_transformers(hf, token_ids=ids, n_greedy=2), "exact/float32"
     raise SystemExit(f"unknown subject {kind}")
 
 
@@ -214,7 +214,7 @@ def main():
     args.factors = [float(x) for x in args.factors.split(",")]
     from llorch_ref.loaders.default_model import resolve_model
     refs = References(resolve_model(args.model))
-    tok = refs.engines["exact/f32"].tokenizer
+    tok = refs.engines["exact/float32"].tokenizer
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     {"calibrate": calibrate, "check": check, "sweep": sweep}[args.what](args, refs, tok)
 

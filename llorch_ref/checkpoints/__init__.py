@@ -153,7 +153,7 @@ def coarser(a: str, b: str) -> str:
 # -- local (teacher-forced) bands: per declared arithmetic, calibrated (local_bands.json) -----
 def declaration(engine, subject_arithmetic: dict | None = None) -> str:
     """The arithmetic a local comparison reproduces: the reference engine's numerics and K/V cache type, e.g.
-    'exact/f32', 'ggml/f16'; '+flash_attn' when the subject declares flash attention (a fused attention whose
+    'exact/float32', 'ggml/float16'; '+flash_attn' when the subject declares flash attention (a fused attention whose
     f16 arithmetic the reference does not reproduce: its bands are its own)."""
     fa = bool(((subject_arithmetic or {}).get("settings") or {}).get("flash_attn"))
     return f"{engine.numerics}/{engine.kv_dtype}" + ("+flash_attn" if fa else "")

@@ -44,9 +44,9 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
         raise HarnessError("this model has no vocabulary: the harness needs a text prompt")
     if not prompt:
         raise PromptError("empty prompt")
-    if engine.numerics == "exact" and engine.kv_dtype != "f32":
-        raise HarnessError("the exact-numerics bands are measured with an F32 K/V cache; use --kv-dtype f32, "
-                           "or --numerics ggml to compare against llama.cpp with an f16 cache")
+    if engine.numerics == "exact" and engine.kv_dtype != "float32":
+        raise HarnessError("the exact-numerics bands are measured with an F32 K/V cache; use --kv-dtype float32, "
+                           "or --numerics ggml to compare against llama.cpp with a float16 cache")
     if band_class is None:
         band_class = "ggml" if engine.numerics == "ggml" else engine_band_class(engine)
         if reference_model is not None and band_class != "ggml":
@@ -57,7 +57,7 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     timings = {}
     t0 = time.perf_counter()
     theirs = _timed(timings, "llamacpp_s", dump_llamacpp, ref_path, prompt=prompt, token_ids=ids, n_greedy=n_greedy,
-                    kv_type=engine.kv_dtype, checkpoints=checkpoints, context=context)
+                    kv_dtype=engine.kv_dtype, checkpoints=checkpoints, context=context)
     ours = _timed(timings, "ours_s", record_engine, engine, ids, prompt=prompt, n_greedy=n_greedy)
     res = compare_dumps(ours, theirs, engine.config, band_class, checkpoints=checkpoints,
                         subject_label=engine_label(engine), reference_label="llama.cpp", model=str(engine.path),

@@ -318,14 +318,14 @@ def _pad(a, n):
 def make_attention(kv_dtype: str):
     """-> attention(xp, q, k, v, mask, scale, kv_head) reproducing llama.cpp's non-flash CPU attention.
 
-    kv_dtype 'f32': Q.K^T by ggml_vec_dot_f32 (the permuted Q is not contiguous), P.V by tinyBLAS f32.
-    kv_dtype 'f16': Q and P rounded to f16; both products by tinyBLAS f16. With one new token, llama.cpp
+    kv_dtype 'float32': Q.K^T by ggml_vec_dot_f32 (the permuted Q is not contiguous), P.V by tinyBLAS f32.
+    kv_dtype 'float16': Q and P rounded to f16; both products by tinyBLAS f16. With one new token, llama.cpp
     uses its own vec_dot (f32 or f16) instead of tinyBLAS for every product; so do we."""
 
     def attention(xp, q, k, v, mask, scale, kv_head):
         t, h, hd = q.shape
         s = k.shape[0]
-        f16 = kv_dtype == "f16"
+        f16 = kv_dtype == "float16"
         rnd = (lambda a: a.astype(F16).astype(F32)) if f16 else (lambda a: a)
         qh = rnd(q).transpose(1, 0, 2)[:, :, None, :]                             # [H, T, 1, Hd]
         kh = k[:, kv_head, :].transpose(1, 0, 2)[:, None, :, :]                  # [H, 1, S, Hd]
@@ -376,7 +376,7 @@ def flash_attention(xp, q, k, v, mask, scale, kv_head):
     return (acc.astype(F32) * inv[..., None]).astype(F32).reshape(t, h * hd)
 
 
-def make_ops(kv_dtype: str = "f32"):
+def make_ops(kv_dtype: str = "float32"):
     """The layer-function namespace for numerics='ggml': the reference layers with ggml's kernels swapped in."""
     import types
 

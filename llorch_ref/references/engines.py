@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dtypes import KV_DTYPES, SHORT, dtype_name
 from ..dump import Recorder, capture_invariance
 from ..errors import ParameterError, PromptError, ReferenceError_
 
@@ -37,7 +38,7 @@ def check_token_ids(token_ids, n_vocab: int, n_ctx: int) -> list[int]:
     return ids
 
 
-def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32", array_order="ggml",
+def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="float32", array_order="ggml",
                   checkpoints=None, flash_attn=False, n_ubatch=512, n_threads=2, context=None) -> Recorder:
     """llama.cpp on a GGUF file -> Recorder. Tensors are written as ggml holds them (array_order "ggml":
     shapes listed as ne[], innermost first), K/V views cut to the T positions written, kq to its T columns.
@@ -48,6 +49,7 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
     from ..checkpoints import load_specs
     from .llamacpp import Capture, LlamaCpp, tokenize
 
+    kv_dtype = dtype_name(kv_dtype, KV_DTYPES, "kv_dtype")
     path = Path(path)
     if path.is_dir():
         raise ParameterError(f"{path}: llama.cpp needs a GGUF file (make one from a Hugging Face folder with "
@@ -62,7 +64,7 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
     specs = load_specs(checkpoints)
     rec = Recorder("llama.cpp", f"{_lcp.__version__} (llama-cpp-python)", model_path=path, token_ids=ids,
                    prompt=prompt, layouts={"array_order": array_order, "rope_pairs": cfg.rope_style},
-                   notes=f"K/V cache {kv_type}, flash attention {'on' if flash_attn else 'off'}, n_ubatch {n_ubatch}, "
+                   notes=f"K/V cache {kv_dtype}, flash attention {'on' if flash_attn else 'off'}, n_ubatch {n_ubatch}, "
                          f"{n_threads} threads")
 
     def put(name, a):
@@ -89,10 +91,10 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_type="f32",
     if n_ubatch < 1 or n_threads < 1:
         raise ParameterError(f"n_ubatch ({n_ubatch}) and n_threads ({n_threads}) must be >= 1")
     if context is not None:
-        _check_context(context, path, n_ctx=t + n_greedy, type_k=kv_type, flash_attn=flash_attn)
-    ref = context or LlamaCpp(path, n_ctx=n_ctx, kv_type=kv_type, flash_attn=flash_attn, n_ubatch=n_ubatch,
+        _check_context(context, path, n_ctx=t + n_greedy, type_k=SHORT[kv_dtype], flash_attn=flash_attn)
+    ref = context or LlamaCpp(path, n_ctx=n_ctx, kv_dtype=kv_dtype, flash_attn=flash_attn, n_ubatch=n_ubatch,
                               n_threads=n_threads)
-    rec.extra["arithmetic"] = {"numerics": "ggml", "kv_dtype": kv_type, "settings": dict(ref.settings)}
+    rec.extra["arithmetic"] = {"numerics": "ggml", "kv_dtype": kv_dtype, "settings": dict(ref.settings)}
     try:
         if prompt is not None and any(s.id == "0" for s in specs):
             rec.add("cp0.token_ids", np.array(tokenize(path, prompt), dtype=np.int64))
@@ -194,7 +196,7 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
     rec = Recorder("transformers", f"{transformers.__version__} (torch {torch.__version__})",
                    model_path=folder, token_ids=ids, prompt=prompt, layouts={"rope_pairs": "neox"},
                    notes="float32, eager attention, CPU; RoPE outputs captured by wrapping apply_rotary_pos_emb",
-                   extra={"arithmetic": {"numerics": "exact", "kv_dtype": "f32",
+                   extra={"arithmetic": {"numerics": "exact", "kv_dtype": "float32",
                                          "settings": {"dtype": "float32", "attn_implementation": "eager"}}})
     if tok is not None:
         rec.add("cp0.token_ids", np.array(tok(prompt, add_special_tokens=True)["input_ids"], dtype=np.int64))

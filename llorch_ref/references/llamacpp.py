@@ -16,11 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dtypes import SHORT, dtype_name
 from ..errors import PromptError, ReferenceError_
 
 EXPECTED_VERSION = "0.3.36"
 GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
-KV_TYPES = {"f32": GGML_TYPE_F32, "f16": GGML_TYPE_F16}
+KV_TYPES = {"float32": GGML_TYPE_F32, "float16": GGML_TYPE_F16}
 
 
 class GGMLTensorPrefix(ctypes.Structure):
@@ -120,11 +121,10 @@ def _read_tensor(ptr) -> tuple[str, str, tuple, np.ndarray | None]:
 class LlamaCpp:
     """One llama.cpp model + context. eval(tokens) runs a fresh sequence and returns logits [T, V]."""
 
-    def __init__(self, path, n_ctx=512, kv_type="f32", n_threads=2, n_ubatch=512, seed=0, flash_attn=False):
+    def __init__(self, path, n_ctx=512, kv_dtype="float32", n_threads=2, n_ubatch=512, seed=0, flash_attn=False):
         llama_cpp, _ = _import()
         self.llama_cpp = llama_cpp
-        if kv_type not in KV_TYPES:
-            raise ReferenceError_(f"kv_type {kv_type!r} must be one of {list(KV_TYPES)}")
+        kv_dtype = dtype_name(kv_dtype, tuple(KV_TYPES), "kv_dtype")
         # ggml's tiled K-quant matmul (used for batches of >= 8 rows) has its own summation order, which
         # numerics="ggml" does not reproduce; the stock vec_dot path is kept unless the caller set this
         # variable. It is read once per process, before the first matrix product.
@@ -149,7 +149,7 @@ class LlamaCpp:
         cp.n_threads = cp.n_threads_batch = n_threads
         cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                               else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        cp.type_k = cp.type_v = KV_TYPES[kv_type]
+        cp.type_k = cp.type_v = KV_TYPES[kv_dtype]
         cp.offload_kqv = False
         self._capture: Capture | None = None
         self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval_cb)   # kept alive on self
@@ -159,7 +159,7 @@ class LlamaCpp:
         if not self.ctx:
             raise ReferenceError_("llama.cpp could not create a context")
         self.settings = {"n_ctx": n_ctx, "n_batch": n_ubatch, "n_ubatch": n_ubatch, "n_threads": n_threads,
-                         "flash_attn": bool(flash_attn), "type_k": kv_type, "type_v": kv_type, "use_extra_bufts": False,
+                         "flash_attn": bool(flash_attn), "type_k": SHORT[kv_dtype], "type_v": SHORT[kv_dtype], "use_extra_bufts": False,
                          "logits": "all tokens (llama_batch_init)", "llama_cpp_python": llama_cpp.__version__,
                          "GGML_CPU_TILED_MM": os.environ.get("GGML_CPU_TILED_MM")}
         self.n_ctx, self.n_ubatch, self.path = n_ctx, n_ubatch, str(path)

@@ -9,7 +9,7 @@ from checkpoint_asserts import N_LAYERS
 def llama_f32(default_f32, llamacpp):
     from llorch_ref.references.llamacpp import LlamaCpp
 
-    ref = LlamaCpp(default_f32, n_ctx=512, kv_type="f32")
+    ref = LlamaCpp(default_f32, n_ctx=512, kv_dtype="float32")
     yield ref
     ref.close()
 
