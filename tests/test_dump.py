@@ -332,7 +332,7 @@ def test_plugin_with_transformers_as_the_subject(default_f32, tmp_path):
                    f"--llorch-model={default_f32}", "-rs")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     # transformers does not expose raw Q.K^T: reported as not covered, never as passed
-    assert "30 comparisons not covered: the subject" in r.stdout and "holds no kq" in r.stdout, r.stdout[-2000:]
+    assert "30 comparisons not covered: the subject" in r.stdout and "holds no cp4.kq" in r.stdout, r.stdout[-2000:]
 
 
 def test_cli_reference_transformers_on_a_tiny_model(tiny, tmp_path, capsys):
@@ -344,5 +344,5 @@ def test_cli_reference_transformers_on_a_tiny_model(tiny, tmp_path, capsys):
     assert main(["diff", "--model", str(g), "--reference", "transformers", "--reference-model", str(d),
                  "--greedy", "4"]) == 0
     out = capsys.readouterr().out
-    assert "vs transformers" in out and "first divergence: none" in out and "holds no kq" in out
+    assert "vs transformers" in out and "first divergence: none" in out and "holds no cp4.kq" in out
     assert main(["diff", "--model", str(g), "--band-class", "F16"]) == 2       # not for a llama.cpp run

@@ -66,173 +66,209 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
     the spec's bands of band_class, coarser from a reduced-precision llama.cpp node on; pos None for token
     checkpoints). Either dump may be a decode step (past_token_ids): both must have run the same past."""
     sub, ref = _as_dump(subject), _as_dump(reference)
+    _check_same_run(sub, ref)
     specs = load_specs(checkpoints)
-    cat = catalogue()
-    ids = sub.token_ids
-    if ref.token_ids != ids:
-        raise HarnessError(f"the two dumps ran different token ids ({len(ids)} vs {len(ref.token_ids)} tokens; "
-                           f"first difference at {next((i for i, (a, b) in enumerate(zip(ids, ref.token_ids)) if a != b), min(len(ids), len(ref.token_ids)))})")
-    past = sub.past_token_ids
-    if ref.past_token_ids != past:
-        raise HarnessError(f"the two dumps ran different pasts ({len(past)} vs {len(ref.past_token_ids)} cached "
-                           f"tokens before this forward)")
-    dims = dims_of(cfg, len(ids), past=len(past))
     res = DiffResult(model=model or sub.source, reference_model=reference_model or ref.source,
-                     prompt=sub.manifest.get("prompt", ""), token_ids=ids, band_class=band_class, specs=specs)
-    res.subject_label = subject_label or sub.engine
-    res.reference_label = reference_label or ref.engine
-    res.sides = {"subject": sub.manifest, "reference": ref.manifest}
-    res.not_covered = []
+                     prompt=sub.manifest.get("prompt", ""), token_ids=sub.token_ids, band_class=band_class,
+                     specs=specs, subject_label=subject_label or sub.engine,
+                     reference_label=reference_label or ref.engine,
+                     sides={"subject": sub.manifest, "reference": ref.manifest})
     t0 = time.perf_counter()
-    cap_sub, cap_ref = {}, {}
-    if local_engine is not None and past:
-        res.warnings.append(f"no local (teacher-forced) figures: the dumps hold a decode step after {len(past)} "
-                            f"cached tokens, and the local comparison runs fresh-cache forwards only")
-        local_engine = None
-    local_of = _local_reader(local_engine, sub, cat, dims, ids) if local_engine is not None else None
-    local_decl = declaration(local_engine, sub.arithmetic) if local_engine is not None else None
-    if local_engine is not None:
-        res.local_declaration = local_decl
-    for d, who in ((sub, res.subject_label), (ref, res.reference_label)):
-        ci = d.manifest.get("capture_invariance") or {}
-        if ci.get("logits_max_abs_diff", 0.0) != 0.0:
-            res.warnings.append(f"{who}: the captured run's logits differ from an uncaptured run's by up to "
-                                f"{ci['logits_max_abs_diff']:.3g} (the capture changed the computation)")
-
-    def uncovered(spec, layer, tensor, why):
-        res.not_covered.append({"checkpoint": spec.id, "name": spec.name, "layer": layer, "tensor": tensor,
-                                "why": why})
-
-    def tensor_row(spec, t, layer, band, order):
-        e = cat[(spec.id, t)]
-        if not ref.has(spec.id, t, layer):
-            return uncovered(spec, layer, t, f"the reference ({res.reference_label}) holds no {t}")
-        if not sub.has(spec.id, t, layer):
-            return uncovered(spec, layer, t, f"the subject ({res.subject_label}) holds no {t}")
-        want = expected_shape(e, dims)
-        r = ref.get(spec.id, t, layer, dims)
-        if list(r.shape) != want:
-            raise HarnessError(f"reference {res.reference_label}: {t} layer {layer} has shape {list(r.shape)}, "
-                               f"the model needs {want}")
-        try:
-            s = sub.get(spec.id, t, layer, dims)
-        except ValueError as ex:                                       # e.g. a reshape that cannot fit
-            s, shape_ok = None, False
-            m = {"shape": list(sub.raw(spec.id, t, layer).shape), "ref_shape": want, "max_abs": float("inf"),
-                 "nmse": float("inf"), "error": f"cannot bring to the canonical layout: {ex}"}
+    c = _Comparison(sub, ref, cfg, res, local_engine, local_bands)
+    band_at = bands or c.default_bands(specs, band_class)
+    for spec in specs:
+        if spec.scope == "layer":
+            for layer in range(cfg.n_layers):
+                for t in spec.tensors_for(cfg):
+                    pos = (1, layer, t.order)
+                    c.tensor(spec, t.ours, layer, band_at(spec, pos), pos)
+        elif spec.id in _MODEL_CASES:
+            num = int("".join(ch for ch in spec.id if ch.isdigit()) or 0)
+            late = spec.id in ("8", "9", "11")      # after the last layer: a reduced-precision node's class holds
+            _MODEL_CASES[spec.id](c, spec, band_at(spec, (2, 0, num - 0.5) if late else None), num)
         else:
-            shape_ok = list(s.shape) == want
-            m = compare(s, r) if shape_ok else {
-                "shape": list(sub.raw(spec.id, t, layer).shape), "ref_shape": want, "max_abs": float("inf"),
-                "nmse": float("inf"), "error": f"shape {list(sub.raw(spec.id, t, layer).shape)} (as stored) does "
-                f"not give the canonical {e['shape']} = {want} under the declared layouts {sub.layouts}"}
+            raise HarnessError(f"{spec.path}: checkpoint {spec.id} has no dump comparison")
+    res.captures_ours, res.captures_ref = c.cap_sub, c.cap_ref
+    res.timings["compare_s"] = time.perf_counter() - t0
+    return res
+
+
+def _check_same_run(sub: Dump, ref: Dump):
+    ids, other = sub.token_ids, ref.token_ids
+    if other != ids:
+        first = next((i for i, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
+        raise HarnessError(f"the two dumps ran different token ids ({len(ids)} vs {len(other)} tokens; first "
+                           f"difference at {first})")
+    if ref.past_token_ids != sub.past_token_ids:
+        raise HarnessError(f"the two dumps ran different pasts ({len(sub.past_token_ids)} vs "
+                           f"{len(ref.past_token_ids)} cached tokens before this forward)")
+
+
+class _Comparison:
+    """The state of one comparison: both dumps, their dims, the result being filled, the local reader.
+    One method per kind of case; each adds a row (or a not-covered entry) to the result."""
+
+    def __init__(self, sub: Dump, ref: Dump, cfg, res: DiffResult, local_engine, local_bands):
+        self.sub, self.ref, self.cfg, self.res = sub, ref, cfg, res
+        self.cat = catalogue()
+        self.n = len(sub.token_ids)
+        self.dims = dims_of(cfg, self.n, past=len(sub.past_token_ids))
+        self.cap_sub, self.cap_ref = {}, {}
+        if local_engine is not None and sub.past_token_ids:
+            res.warnings.append(f"no local (teacher-forced) figures: the dumps hold a decode step after "
+                                f"{len(sub.past_token_ids)} cached tokens, and the local comparison runs "
+                                f"fresh-cache forwards only")
+            local_engine = None
+        self.local_engine, self.local_bands = local_engine, local_bands
+        self.local_of, self.local_decl = None, None
+        if local_engine is not None:
+            self.local_of = _local_reader(local_engine, sub, self.cat, self.dims, sub.token_ids)
+            self.local_decl = res.local_declaration = declaration(local_engine, sub.arithmetic)
+        for d, who in ((sub, res.subject_label), (ref, res.reference_label)):
+            diff = (d.manifest.get("capture_invariance") or {}).get("logits_max_abs_diff", 0.0)
+            if diff != 0.0:
+                res.warnings.append(f"{who}: the captured run's logits differ from an uncaptured run's by up to "
+                                    f"{diff:.3g} (the capture changed the computation)")
+
+    def default_bands(self, specs, band_class):
+        """The spec bands; a dump written by llama.cpp carries its reduced-precision nodes (spec field
+        band_class), whose class then applies from the node on."""
+        by_llamacpp = any(str(d.manifest.get("engine", {}).get("name", "")) == "llama.cpp"
+                          for d in (self.sub, self.ref))
+        band_at, why = band_schedule(specs, self.cfg, self.res.band_class, llamacpp=by_llamacpp)
+        if why:
+            self.res.warnings.append(why)
+        return band_at
+
+    def uncovered(self, spec, layer, tensor, why):
+        self.res.not_covered.append({"checkpoint": spec.id, "name": spec.name, "layer": layer, "tensor": tensor,
+                                     "why": why})
+
+    def both_hold(self, spec, tensor, layer=None) -> bool:
+        """Whether both sides hold the tensor; if not, it is recorded as not covered (never as passed)."""
+        for d, who in ((self.ref, "reference"), (self.sub, "subject")):
+            if not d.has(spec.id, tensor, layer):
+                label = self.res.reference_label if who == "reference" else self.res.subject_label
+                self.uncovered(spec, layer, tensor, f"the {who} ({label}) holds no cp{spec.id}.{tensor}")
+                return False
+        return True
+
+    def tensor(self, spec, t, layer, band, order):
+        """A tensor case: both sides in the canonical layout, end-to-end figures, a layout hint when another
+        declaration would fit, and the local figure where a reference engine is given."""
+        if not self.both_hold(spec, t, layer):
+            return
+        e, sub = self.cat[(spec.id, t)], self.sub
+        want = expected_shape(e, self.dims)
+        r = self.ref.get(spec.id, t, layer, self.dims)
+        if list(r.shape) != want:
+            raise HarnessError(f"reference {self.res.reference_label}: {t} layer {layer} has shape "
+                               f"{list(r.shape)}, the model needs {want}")
+        s, m = self._subject_tensor(spec, t, layer, e, want, r)
         ok = within(m, band)
         if not ok and (e.get("rope_pairs") or e.get("head_major") or len(want) > 1):
-            hint = _layout_hint(sub, spec.id, t, layer, e, dims, r, band, shape_ok)
+            hint = _layout_hint(sub, spec.id, t, layer, e, self.dims, r, band, s is not None)
             if hint:
                 m["hint"] = hint
                 m["error"] = (m.get("error", "") + "; " if m.get("error") else "") + hint
         key = f"cp{spec.id}.{t}" + ("" if layer is None else f".layer{layer}")
-        cap_ref[key] = r
+        self.cap_ref[key] = r
         if s is not None:
-            cap_sub[key] = s
+            self.cap_sub[key] = s
         row = Row(spec.id, spec.name, layer, t, m, band, ok, order)
-        lo = local_of(spec.id, t, layer) if local_of is not None and s is not None and shape_ok else None
+        lo = self.local_of(spec.id, t, layer) if self.local_of is not None and s is not None else None
         if lo is not None:
             row.local = compare(s, lo)
-            row.local_band = local_bands(local_decl, t)
+            row.local_band = self.local_bands(self.local_decl, t)
             row.local_passed = within(row.local, row.local_band)
-        res.rows.append(row)
+        self.res.rows.append(row)
 
-    # a dump written by llama.cpp carries its reduced-precision nodes (spec field band_class): as the
-    # spec says, that class's bands apply from the node on
-    by_llamacpp = any(str(d.manifest.get("engine", {}).get("name", "")) == "llama.cpp" for d in (sub, ref))
-    band_at = bands
-    if band_at is None:
-        band_at, why = band_schedule(specs, cfg, band_class, llamacpp=by_llamacpp)
-        if why:
-            res.warnings.append(why)
+    def _subject_tensor(self, spec, t, layer, e, want, r):
+        """-> (the subject's tensor in the canonical layout, or None where it cannot be brought there or has
+        the wrong shape; the figures, infinite with the reason in that case)."""
+        stored = list(self.sub.raw(spec.id, t, layer).shape)
+        bad = {"shape": stored, "ref_shape": want, "max_abs": float("inf"), "nmse": float("inf")}
+        try:
+            s = self.sub.get(spec.id, t, layer, self.dims)
+        except ValueError as ex:                                       # e.g. a reshape that cannot fit
+            return None, {**bad, "error": f"cannot bring to the canonical layout: {ex}"}
+        if list(s.shape) != want:
+            return None, {**bad, "error": f"shape {stored} (as stored) does not give the canonical {e['shape']} = "
+                                          f"{want} under the declared layouts {self.sub.layouts}"}
+        return s, compare(s, r)
 
-    for spec in specs:
-        band = band_at(spec, None)
-        if spec.scope == "layer":
-            for layer in range(cfg.n_layers):
-                for t in spec.tensors_for(cfg):
-                    tensor_row(spec, t.ours, layer, band_at(spec, (1, layer, t.order)), (1, layer, t.order))
-            continue
-        num = int("".join(c for c in spec.id if c.isdigit()) or 0)
-        order = (2, 0, num)
-        if spec.id in ("8", "9", "11"):
-            band = band_at(spec, (2, 0, num - 0.5))
-        if spec.id == "0":
-            if not sub.has("0", "token_ids"):
-                uncovered(spec, None, "token_ids", "the subject holds no cp0.token_ids (its own tokenization)")
-            elif not ref.has("0", "token_ids"):
-                uncovered(spec, None, "token_ids", "the reference holds no cp0.token_ids")
-            else:
-                a, b = sub.raw("0", "token_ids").tolist(), ref.raw("0", "token_ids").tolist()
-                m = {"shape": [len(a)], "ref_shape": [len(b)], "agreement": 1.0 if a == b else 0.0,
-                     "ours": a, "reference": b}
-                res.rows.append(Row("0", spec.name, None, "token_ids", m, band, within(m, band), (0, 0, 0)))
-        elif spec.id in ("8", "9"):
-            for t in [d["name"] for d in spec.dump]:
-                tensor_row(spec, t, None, band, (2, 0, num - 0.5 if t == "result_norm" else num))
-        elif spec.id == "10":
-            a, how_a = _argmax(sub)
-            b, how_b = _argmax(ref)
-            if a is None or b is None:
-                uncovered(spec, None, "argmax", "no cp10.argmax and no cp8.logits to derive it from")
-            else:
-                m = {"shape": list(a.shape), "agreement": float((a == b).mean()) if a.shape == b.shape else 0.0,
-                     "ours": a.tolist(), "reference": b.tolist()}
-                row = Row("10", spec.name, None, how_a, m, band, within(m, band), order)
-                if local_engine is not None and sub.has("8", "logits"):
-                    own = sub.raw("8", "logits").reshape(len(ids), -1).argmax(-1)   # argmax of its own logits
-                    _token_local(row, {"agreement": float((a == own).mean()) if a.shape == own.shape else 0.0})
-                res.rows.append(row)
-                cap_sub["cp10.argmax"], cap_ref["cp10.argmax"] = a, b
-        elif spec.id == "11":
-            a, how = _probs(sub, dims)
-            b, _ = _probs(ref, dims, float64=True)
-            if b is not None and a is not None and how == "probs":
-                b = b.astype(a.dtype)          # a dump stores probs as float32: compare at that precision
-            if a is None or b is None:
-                uncovered(spec, None, "probs", "no cp11.probs and no cp8.logits to derive them from")
-            else:
-                m = compare(a, b)
-                res.rows.append(Row("11", spec.name, None, how, m, band, within(m, band), order))
-        elif spec.id == "12":
-            if not sub.has("12", "greedy_tokens") or not ref.has("12", "greedy_tokens"):
-                uncovered(spec, None, "greedy_tokens", "the subject holds no cp12.greedy_tokens"
-                          if not sub.has("12", "greedy_tokens") else "the reference holds no cp12.greedy_tokens")
-            else:
-                a, b = sub.raw("12", "greedy_tokens").tolist(), ref.raw("12", "greedy_tokens").tolist()
-                n = min(len(a), len(b))
-                same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n)
-                m = {"shape": [len(a)], "ref_shape": [len(b)], "agreement": same / max(n, 1), "equal_prefix": same,
-                     "n": n}
-                res.greedy = {"n": n, "equal_prefix": same, "ours": a, "reference": b, "ours_text": "",
-                              "reference_text": ""}
-                gb = greedy_band(band, n)
-                row = Row("12", spec.name, None, "greedy_tokens", m, gb, within(m, gb), (3, 99, 0))
-                if local_engine is not None and a and sub.has("8", "logits"):
-                    # teacher-forced, the first greedy token is the argmax of the subject's own last logits;
-                    # later tokens need the subject's decode steps (not in a one-forward dump)
-                    own = int(sub.raw("8", "logits").reshape(len(ids), -1)[-1].argmax())
-                    _token_local(row, {"agreement": 1.0 if a[0] == own else 0.0, "first_token": a[0],
-                                       "argmax_of_own_logits": own})
-                    if not row.passed:
-                        res.warnings.append(
-                            f"greedy tokens part at token {same} of {n} end to end, with every local check inside "
-                            f"its band: a near-tie flip of the declared arithmetic, or a bug in the decode steps, "
-                            f"which a one-forward dump cannot localize")
-                res.rows.append(row)
-                cap_sub["cp12.greedy_tokens"], cap_ref["cp12.greedy_tokens"] = np.array(a), np.array(b)
-        else:
-            raise HarnessError(f"{spec.path}: checkpoint {spec.id} has no dump comparison")
-    res.captures_ours, res.captures_ref = cap_sub, cap_ref
-    res.timings["compare_s"] = time.perf_counter() - t0
-    return res
+    def own_logits(self):
+        """The subject's own logits [T, V], or None: the teacher-forced source of its tokens."""
+        return self.sub.raw("8", "logits").reshape(self.n, -1) if self.sub.has("8", "logits") else None
+
+
+def _case_token_ids(c: _Comparison, spec, band, num):
+    if not c.both_hold(spec, "token_ids"):
+        return
+    a, b = c.sub.raw("0", "token_ids").tolist(), c.ref.raw("0", "token_ids").tolist()
+    m = {"shape": [len(a)], "ref_shape": [len(b)], "agreement": 1.0 if a == b else 0.0, "ours": a, "reference": b}
+    c.res.rows.append(Row("0", spec.name, None, "token_ids", m, band, within(m, band), (0, 0, 0)))
+
+
+def _case_head(c: _Comparison, spec, band, num):
+    for t in [d["name"] for d in spec.dump]:
+        c.tensor(spec, t, None, band, (2, 0, num - 0.5 if t == "result_norm" else num))
+
+
+def _case_argmax(c: _Comparison, spec, band, num):
+    (a, how), (b, _) = _argmax(c.sub), _argmax(c.ref)
+    if a is None or b is None:
+        return c.uncovered(spec, None, "argmax", "no cp10.argmax and no cp8.logits to derive it from")
+    m = {"shape": list(a.shape), "agreement": float((a == b).mean()) if a.shape == b.shape else 0.0,
+         "ours": a.tolist(), "reference": b.tolist()}
+    row = Row("10", spec.name, None, how, m, band, within(m, band), (2, 0, num))
+    own = c.own_logits()
+    if c.local_engine is not None and own is not None:
+        own = own.argmax(-1)                                  # the argmax of its own logits
+        _token_local(row, {"agreement": float((a == own).mean()) if a.shape == own.shape else 0.0})
+    c.res.rows.append(row)
+    c.cap_sub["cp10.argmax"], c.cap_ref["cp10.argmax"] = a, b
+
+
+def _case_probs(c: _Comparison, spec, band, num):
+    a, how = _probs(c.sub, c.dims)
+    b, _ = _probs(c.ref, c.dims, float64=True)
+    if a is None or b is None:
+        return c.uncovered(spec, None, "probs", "no cp11.probs and no cp8.logits to derive them from")
+    if how == "probs":
+        b = b.astype(a.dtype)                  # a dump stores probs as float32: compare at that precision
+    m = compare(a, b)
+    c.res.rows.append(Row("11", spec.name, None, how, m, band, within(m, band), (2, 0, num)))
+
+
+def _case_greedy(c: _Comparison, spec, band, num):
+    if not c.both_hold(spec, "greedy_tokens"):
+        return
+    a, b = c.sub.raw("12", "greedy_tokens").tolist(), c.ref.raw("12", "greedy_tokens").tolist()
+    n = min(len(a), len(b))
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n)
+    m = {"shape": [len(a)], "ref_shape": [len(b)], "agreement": same / max(n, 1), "equal_prefix": same, "n": n}
+    c.res.greedy = {"n": n, "equal_prefix": same, "ours": a, "reference": b, "ours_text": "", "reference_text": ""}
+    gb = greedy_band(band, n)
+    row = Row("12", spec.name, None, "greedy_tokens", m, gb, within(m, gb), (3, 99, 0))
+    own = c.own_logits()
+    if c.local_engine is not None and a and own is not None:
+        # teacher-forced, the first greedy token is the argmax of the subject's own last logits; later tokens
+        # need the subject's decode steps (not in a one-forward dump)
+        first = int(own[-1].argmax())
+        _token_local(row, {"agreement": 1.0 if a[0] == first else 0.0, "first_token": a[0],
+                           "argmax_of_own_logits": first})
+        if not row.passed:
+            c.res.warnings.append(f"greedy tokens part at token {same} of {n} end to end, with every local check "
+                                  f"inside its band: a near-tie flip of the declared arithmetic, or a bug in the "
+                                  f"decode steps, which a one-forward dump cannot localize")
+    c.res.rows.append(row)
+    c.cap_sub["cp12.greedy_tokens"], c.cap_ref["cp12.greedy_tokens"] = np.array(a), np.array(b)
+
+
+# model-scope checkpoints by id: fn(comparison, spec, band, number) (layer checkpoints are all tensor cases)
+_MODEL_CASES = {"0": _case_token_ids, "8": _case_head, "9": _case_head, "10": _case_argmax, "11": _case_probs,
+                "12": _case_greedy}
 
 
 def _token_local(row, m: dict):
