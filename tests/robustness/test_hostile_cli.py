@@ -9,6 +9,7 @@ import pytest
 
 import llorch_ref
 from llorch_ref import cli
+from llorch_ref.cli.common import api_token
 from llorch_ref.harness import run as harness_run
 
 
@@ -102,12 +103,12 @@ def _token_args(**kw):
 
 def test_api_token_from_file_and_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("LLORCH_API_TOKEN", raising=False)
-    assert cli._api_token(_token_args()) is None
+    assert api_token(_token_args()) is None
     monkeypatch.setenv("LLORCH_API_TOKEN", "from-env")
-    assert cli._api_token(_token_args()) == "from-env"
+    assert api_token(_token_args()) == "from-env"
     (tmp_path / "tok").write_text("from-file\n")
-    assert cli._api_token(_token_args(api_token_file=str(tmp_path / "tok"))) == "from-file"
-    assert cli._api_token(_token_args(api_token="from-argv")) == "from-argv"
+    assert api_token(_token_args(api_token_file=str(tmp_path / "tok"))) == "from-file"
+    assert api_token(_token_args(api_token="from-argv")) == "from-argv"
 
 
 @pytest.mark.parametrize("kw", [{"api_token": ""}, {"api_token": " padded "}, {"api_token_file": "/nonexistent"},
@@ -117,7 +118,7 @@ def test_empty_or_bad_api_token_is_refused_not_auth_off(kw, monkeypatch):
 
     monkeypatch.delenv("LLORCH_API_TOKEN", raising=False)
     with pytest.raises(ParameterError):
-        cli._api_token(_token_args(**kw))
+        api_token(_token_args(**kw))
 
 
 def test_empty_environment_token_is_refused(monkeypatch):
@@ -125,7 +126,7 @@ def test_empty_environment_token_is_refused(monkeypatch):
 
     monkeypatch.setenv("LLORCH_API_TOKEN", "")
     with pytest.raises(ParameterError, match="LLORCH_API_TOKEN"):
-        cli._api_token(_token_args())
+        api_token(_token_args())
 
 
 class AskedEvent(threading.Event):

@@ -1,0 +1,109 @@
+"""The comparison commands: diff and prove, over llama.cpp, transformers, the numpy oracle or a dump under
+test (each a function of harness/run.py; the CLI only picks one and prints the result)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import llorch_ref
+
+from ..checkpoints import engine_band_class
+from ..dump import load_dump
+from ..errors import ParameterError
+from ..harness import run as harness_run
+from ..harness.bundle import check_bundle_target, write_bundles
+from ..harness.compare import compare_dumps
+from ..references.engines import dump_transformers
+from ..references.llorch import engine_label, record_engine
+from .common import load_engine, log
+from .report import print_result
+
+
+def run_comparison(args):
+    if getattr(args, "subject", None):
+        return run_subject_dump(args)
+    if getattr(args, "reference", "llamacpp") == "transformers":
+        return run_transformers(args)
+    if getattr(args, "band_class", None):
+        raise ParameterError("--band-class applies to --subject and --reference transformers runs (a llama.cpp "
+                             "run takes the band class from the weight types)")
+    eng = load_engine(args)
+    if getattr(args, "reference", "llamacpp") == "numpy":
+        if eng.backend.name == "numpy":
+            raise ParameterError("--reference numpy compares another backend with numpy: pass --backend numba|cupy")
+        log("llorch-ref: running the numpy oracle and this backend, capturing every checkpoint ...")
+        ref = llorch_ref.load(args.model, backend="numpy", n_ctx=getattr(args, "ctx", None))
+        return eng, harness_run.run_backend_diff(eng, ref, prompt=args.prompt, checkpoints=args.checkpoint,
+                                     n_greedy=args.greedy)
+    log("llorch-ref: running llama.cpp and the reference, capturing every checkpoint ...")
+    return eng, harness_run.run_diff(eng, prompt=args.prompt, reference_model=args.reference_model,
+                         checkpoints=args.checkpoint, n_greedy=args.greedy)
+
+
+def band_class_for(args, eng):
+    return args.band_class or ("ggml" if eng.numerics == "ggml" else engine_band_class(eng))
+
+
+def run_subject_dump(args):
+    """--subject DUMP: the dump is under test; llorch-ref on --model is the reference."""
+    if args.reference != "llamacpp" or args.reference_model:
+        raise ParameterError("--subject compares a dump with llorch-ref on --model: --reference and "
+                             "--reference-model do not apply")
+    sub = load_dump(args.subject)
+    decl = sub.arithmetic or {}
+    if decl:
+        args.numerics = args.numerics or decl["numerics"]
+        args.kv_dtype = args.kv_dtype or decl["kv_dtype"]
+        log(f"llorch-ref: the dump declares {decl['numerics']} arithmetic, K/V {decl['kv_dtype']}; the reference "
+             f"runs numerics {args.numerics}, K/V {args.kv_dtype} (local errors are measured in that arithmetic)")
+    else:
+        log("llorch-ref: the dump declares no arithmetic (format llorch-dump/1): local errors are measured in "
+             "exact float32 unless --numerics/--kv-dtype say otherwise")
+    eng = load_engine(args)
+    # end to end, the weight class's bands (inherited error included); the declared arithmetic is held to
+    # its own local bands, op by op
+    return eng, harness_run.run_subject(eng, sub, args.band_class or engine_band_class(eng), checkpoints=args.checkpoint,
+                            subject_label=f"{sub.engine} (dump {args.subject})", log=log)
+
+
+def run_transformers(args):
+    """--reference transformers: llorch-ref on --model under test; transformers on --reference-model (a
+    Hugging Face folder; default: --model, converted to one if it is a GGUF file) as the reference."""
+    eng = load_engine(args)
+    if eng.tokenizer is None:
+        raise ParameterError("this model has no vocabulary: the transformers comparison needs a text prompt")
+    if not args.prompt:
+        raise ParameterError("empty prompt")
+    ids = eng.tokenizer.encode(args.prompt)
+    log("llorch-ref: running transformers (float32, eager) and the reference, capturing every checkpoint ...")
+    ref = dump_transformers(args.reference_model or eng.path, prompt=args.prompt, token_ids=ids,
+                            n_greedy=args.greedy)
+    sub = record_engine(eng, ids, prompt=args.prompt, n_greedy=args.greedy)
+    res = compare_dumps(sub, ref, eng.config, band_class_for(args, eng), checkpoints=args.checkpoint,
+                        subject_label=engine_label(eng), reference_label=f"transformers {ref.version}",
+                        model=str(eng.path), reference_model=str(ref.model_path))
+    return eng, res
+
+
+def cmd_diff(args):
+    eng, res = run_comparison(args)
+    if args.json:
+        out = res.to_json()
+        print(json.dumps(out, indent=2))
+    else:
+        print_result(res, args.verbose)
+    return 0 if res.first_divergence is None else 1
+
+
+def cmd_prove(args):
+    t0 = time.perf_counter()
+    out_dir, run_id = check_bundle_target(args.out, args.run_id)     # before the run, not after it
+    eng, res = run_comparison(args)
+    paths = write_bundles(res, eng, out_dir=out_dir, run_id=run_id, argv=["llorch-ref"] + sys.argv[1:])
+    print_result(res, False)
+    print(f"proof bundles: {len(paths['bundles'])} checkpoints under {paths['index'].parent}/cp*/"
+          f"{paths['index'].stem}/")
+    print(f"index: {paths['index']}")
+    log(f"llorch-ref: prove took {time.perf_counter() - t0:.1f} s")
+    return 0 if res.first_divergence is None else 1

