@@ -52,8 +52,9 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
     kv_dtype = dtype_name(kv_dtype, KV_DTYPES, "kv_dtype")
     path = Path(path)
     if path.is_dir():
-        raise ParameterError(f"{path}: llama.cpp needs a GGUF file (make one from a Hugging Face folder with "
-                             f"llorch-ref convert)")
+        raise ParameterError(f"{path}: llama.cpp reads GGUF files, not folders: pass a GGUF file (to diff a "
+                             f"folder: --reference-model FILE.gguf, e.g. the GGUF it was converted from; or make one "
+                             f"with llorch-ref convert)")
     cfg = gguf_config(path)
     if token_ids is None:
         if prompt is None:
