@@ -1,6 +1,14 @@
 """llorch-ref: a pure-NumPy reference implementation of Llama-family inference, and a checkpoint harness."""
 from __future__ import annotations
 
+from .backends import backend_name
+from .engine import Engine
+from .errors import ParameterError
+from .loaders.default_model import resolve_model
+from .loaders.gguf_file import load_gguf
+from .loaders.hf_folder import load_hf_folder
+from .tokenizer import from_gguf_metadata
+
 __version__ = "0.1.0"
 
 
@@ -18,13 +26,6 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="float3
     GGUF files on the numpy and numba backends with exact numerics).
     weight_dtype: storage of dequantized 2-D weights, "float32", "float16" or "bfloat16" (math stays float32)."""
 
-    from .backends import backend_name
-    from .engine import Engine
-    from .errors import ParameterError
-    from .loaders.default_model import resolve_model
-    from .loaders.gguf_file import load_gguf
-    from .tokenizer import from_gguf_metadata
-
     path = resolve_model(path)            # None: the default model; a known name (e.g. "gemma3-270m"): fetched
     if weights not in ("auto", "lazy", "eager"):
         raise ParameterError(f"weights={weights!r} must be 'auto', 'lazy' or 'eager'")
@@ -37,7 +38,6 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="float3
     if weight_dtype != "float32" and bname != "numpy":
         raise ParameterError(f"--weight-dtype {weight_dtype} is for the numpy backend (cupy has --dtype float16)")
     if path.is_dir():                       # a Hugging Face folder: same Config + Weights, exact numerics
-        from .loaders.hf_folder import load_hf_folder
 
         if numerics != "exact":
             raise ParameterError(f"numerics={numerics!r} needs GGUF blocks; a Hugging Face folder runs 'exact'")

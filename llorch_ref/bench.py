@@ -18,6 +18,11 @@ import subprocess
 import sys
 import time
 
+from llorch_ref.engine import GenerationResult
+from llorch_ref.loaders.gguf_file import open_reader, read_metadata
+from llorch_ref.references.llamacpp import LlamaCpp
+from llorch_ref.tokenizer import from_gguf_metadata
+
 PROMPT = ("The history of the world is long and full of surprises. Rivers change their course, cities rise "
           "and fall, and people keep telling stories about all of it. ") * 12
 
@@ -52,7 +57,6 @@ def measure_llorch(path, backend, prefill, decode, repeats, threads, dtype="floa
         return prefill / (time.perf_counter() - t)
 
     def one_decode():
-        from llorch_ref.engine import GenerationResult
         res = GenerationResult()
         for _ in eng.generate_ids(ids[:8], max_tokens=decode, ignore_eos=True, result=res):
             pass
@@ -68,10 +72,6 @@ def measure_llorch(path, backend, prefill, decode, repeats, threads, dtype="floa
 
 
 def measure_llamacpp(path, prefill, decode, repeats, threads):
-    from llorch_ref.loaders.gguf_file import open_reader, read_metadata
-    from llorch_ref.references.llamacpp import LlamaCpp
-    from llorch_ref.tokenizer import from_gguf_metadata
-
     tok = from_gguf_metadata(read_metadata(open_reader(path)))        # the vocabulary only, no weights
     ids = tok.encode(PROMPT)[:prefill]
     import gc

@@ -12,11 +12,13 @@ from pathlib import Path
 import numpy as np
 
 from .dtypes import SHORT, dtype_name
-from .errors import ParameterError
+from .errors import ParameterError, TokenizerError
 from .loaders.default_model import FILENAME, default_model_path
-from .loaders.gguf_file import dequantize, open_reader
+from .loaders.gguf_file import GEMMA3_ROPE_BASE_LOCAL, GEMMA3_SWA_PERIOD, dequantize, load_gguf, open_reader
+from .loaders.hf_folder import load_hf_folder
 from .loaders.qk_rows import unpermute_qk
 from .output_paths import check_output
+from .tokenizer import PRE_TOKENIZERS, TOKEN_NORMAL, build_gpt2, from_gguf_metadata
 
 FILE_TYPES = {"float32": 0, "float16": 1}   # llama_ftype ALL_F32, MOSTLY_F16
 HF_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -137,9 +139,6 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
 
     from safetensors.numpy import save_file
 
-    from .loaders.gguf_file import load_gguf
-    from .tokenizer import from_gguf_metadata
-
     src = Path(src)
     out = check_output(dst, kind="folder", inputs=[src], overwrite=overwrite, owned=HF_FILES, make_parents=True)
     m = load_gguf(src)
@@ -236,14 +235,11 @@ PRE_PROBES = ["Hello, world! It's 2026; we've 12345 items, they'll say 3.14159."
 
 
 def _detect_pre(hf, tokens, types, merges, where) -> str:
-    from .errors import TokenizerError
-    from .tokenizer import PRE_TOKENIZERS, _build_gpt2
-
     want = [hf.encode(t, add_special_tokens=False).ids for t in PRE_PROBES]
     # one name per distinct pre-tokenizer, the more specific first: where a vocabulary cannot tell two apart
     # (no multi-digit tokens: 'smollm' and 'gpt-2' split alike), the first that matches is written
     for name in ("llama-bpe", "qwen2", "smollm", "dbrx", "gpt-2", "default"):
-        cand = _build_gpt2(tokens, types, merges, name)
+        cand = build_gpt2(tokens, types, merges, name)
         if [cand.encode(t, add_special_tokens=False).ids for t in PRE_PROBES] == want:
             return name
     raise TokenizerError(f"{where}: the tokenizer's pre-tokenizer splits text like none of the llama.cpp "
@@ -253,7 +249,6 @@ def _detect_pre(hf, tokens, types, merges, where) -> str:
 def _check_gemma3_for_llamacpp(cfg, src):
     """What a gemma3 GGUF cannot say, refused rather than written wrong: llama.cpp takes the local layers
     from a period of 6, the local RoPE base 10000 and the attention scale 1/sqrt(Hd) (1/sqrt(D/H) at 62 layers)."""
-    from .loaders.gguf_file import GEMMA3_ROPE_BASE_LOCAL, GEMMA3_SWA_PERIOD
 
     period = tuple(i % GEMMA3_SWA_PERIOD < GEMMA3_SWA_PERIOD - 1 for i in range(cfg.n_layers))
     scale = (cfg.d_model / cfg.n_heads) ** -0.5 if cfg.n_layers == 62 else cfg.head_dim ** -0.5
@@ -274,9 +269,6 @@ def convert_hf_to_gguf(src, dst, dtype="float32", overwrite=False) -> Path:
     its behaviour, or llama/SentencePiece with scores from the BPE merge ranks), chat template, special ids,
     RoPE scaling (linear, or llama3 as rope_freqs.weight)."""
     import gguf
-
-    from .loaders.hf_folder import load_hf_folder
-    from .tokenizer import TOKEN_NORMAL
 
     dtype = dtype_name(dtype, tuple(FILE_TYPES), "--dtype")
     src = Path(src)

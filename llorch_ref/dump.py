@@ -27,6 +27,8 @@ import numpy as np
 from .checkpoints import catalogue_path, load_specs
 from .dtypes import KV_DTYPES, dtype_name
 from .errors import DumpError
+from .loaders.default_model import sha256_file
+from .output_paths import check_output
 
 FORMAT = "llorch-dump/2"          # 2: the manifest may declare the arithmetic; /1 files still read
 FORMATS = ("llorch-dump/1", FORMAT)
@@ -83,7 +85,6 @@ def model_sha256(path) -> str:
     """sha256 of a GGUF file; for a folder, sha256 over 'name sha256' lines of its config and weight files."""
     import hashlib
 
-    from .loaders.default_model import sha256_file
     p = Path(path)
     if p.is_dir():
         lines = [f"{f.name} {sha256_file(f)}" for f in sorted(p.iterdir())
@@ -176,8 +177,6 @@ class Recorder:
         """Write the dump atomically (a unique staging file renamed into place); an existing file is
         replaced only with overwrite, and never a folder, a special file or the model it was made from."""
         from safetensors.numpy import save_file
-
-        from .output_paths import check_output
 
         man = self.manifest()
         validate_manifest(man, str(path))

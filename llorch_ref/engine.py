@@ -7,11 +7,15 @@ from pathlib import Path
 
 import numpy as np
 
+from .backends import get_backend
 from .dtypes import KV_DTYPES, dtype_name
 from .errors import ParameterError, PromptError, TokenizerError
+from .generate.sampling import Sampler, SamplingParams
+from .generate.stopping import StopMatcher
 from .model import forward as forward_mod
 from .model import layers
 from .model.cache import Cache
+from .numerics.ggml_cpu import make_ops
 
 
 @dataclass
@@ -49,7 +53,6 @@ class Engine:
     def __init__(self, config, weights, tokenizer, *, path=None, metadata=None, tensor_types=None,
                  backend=None, n_ctx=None, numerics="exact", kv_dtype="float32", dtype="float32", threads=None,
                  raw_blocks=None):
-        from .backends import get_backend
 
         self.config = config
         self.qk_rows = config.rope_style      # the row order of Wq/Wk as loaded: what a dump of Q/K declares
@@ -70,7 +73,6 @@ class Engine:
         kv_dtype = dtype_name(kv_dtype, KV_DTYPES, "kv_dtype")
         self.numerics, self.kv_dtype = numerics, kv_dtype
         if numerics == "ggml":
-            from .numerics.ggml_cpu import make_ops
             self.ops = make_ops(kv_dtype)
         else:
             self.ops = self.backend.make_ops(layers)
@@ -132,7 +134,6 @@ class Engine:
 
         sampling: SamplingParams fields (temperature 0 = greedy, the default); unknown names are an error.
         cancel: a threading.Event; when set, generation stops with stop_reason "cancelled"."""
-        from .generate.sampling import Sampler, SamplingParams
 
         params = SamplingParams.from_kwargs(**sampling)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
@@ -177,7 +178,6 @@ class Engine:
         """Yields text pieces as they are decoded (a UTF-8 character split across tokens comes out whole).
 
         stop: strings that end generation; they may span tokens, and their text is not emitted."""
-        from .generate.stopping import StopMatcher
 
         if stop is not None and (isinstance(stop, str) or not all(isinstance(x, str) for x in stop)):
             raise ParameterError("stop must be a list of strings")

@@ -168,7 +168,7 @@ def _special_added_tokens(tokens, types):
             for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)]
 
 
-def _build_gpt2(tokens, types, merges, pre):
+def build_gpt2(tokens, types, merges, pre):
     from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -263,7 +263,7 @@ def _from_gguf_metadata(meta: dict, source="") -> Tokenizer | None:
     if kind == "gpt2":
         pre = str(meta.get("tokenizer.ggml.pre", "default"))
         merges = list(meta.get("tokenizer.ggml.merges", []))
-        hf = _build_gpt2(tokens, types, merges, pre)
+        hf = build_gpt2(tokens, types, merges, pre)
         bos, eos = opt_id("tokenizer.ggml.bos_token_id", 11), opt_id("tokenizer.ggml.eos_token_id", 11)
         add_space_prefix = False
         add_bos_default = pre in ("llama-bpe", "llama3", "llama-v3", "falcon3")

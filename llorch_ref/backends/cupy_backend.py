@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import types
 
+from ..model import forward as forward_mod
 from ..model.cache import visible_mask
+from ..model.weights import LayerWeights, Weights
 from . import Backend
 
 
@@ -37,7 +39,6 @@ class CupyBackend(Backend):
         cp = self.xp
         if self.dtype == "float32":
             return weights.map(cp.asarray)
-        from ..model.weights import LayerWeights, Weights
 
         def up(a):
             if a is None:                         # absent biases (llama) stay absent
@@ -207,8 +208,6 @@ class GraphDecoder:
         self.use_graph = engine.backend.info.get("cuda_graphs", False)
 
     def _step(self):
-        from ..model import forward as forward_mod
-
         c, ops = self.cache, self.engine.ops
         c.static = ops.static_decode = True
         try:

@@ -10,6 +10,8 @@ import types
 
 import numpy as np
 
+from ..numerics.ggml_cpu import ACT_TYPE, f16_at, k4_scales, quantize_q8
+from ..numerics.ggml_cpu import QuantMatrix as GgmlNumpy
 from . import Backend
 from . import numba_kernels as K
 
@@ -42,8 +44,6 @@ class QuantBlocks:
     tiled = False
 
     def __init__(self, raw, qtype):
-        from ..numerics.ggml_cpu import _f16
-
         n = raw.shape[0]
         size, block_len = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256),
                            "Q6_K": (210, 256)}[qtype]
@@ -52,7 +52,7 @@ class QuantBlocks:
             self._init_k(np.asarray(raw), qtype)
             return
         blk = np.asarray(raw).reshape(n, -1, size)
-        d = np.ascontiguousarray(_f16(blk, 0).T)
+        d = np.ascontiguousarray(f16_at(blk, 0).T)
         if qtype == "Q8_0":
             self.kind, self.a, self.c = "bytes", d, None                      # w = d * q: no c term
             self.qs = np.ascontiguousarray(blk[..., 2:34].view(np.int8).transpose(1, 2, 0))
@@ -61,19 +61,18 @@ class QuantBlocks:
         if qtype == "Q4_0":
             qs, self.m, self.offset = blk[..., 2:18], np.zeros_like(d), 8     # m = 0 adds an exact zero
         else:
-            qs, self.m, self.offset = blk[..., 4:20], np.ascontiguousarray(_f16(blk, 2).T), 0
+            qs, self.m, self.offset = blk[..., 4:20], np.ascontiguousarray(f16_at(blk, 2).T), 0
         self.qs = np.ascontiguousarray(qs.transpose(1, 2, 0))
 
     def _init_k(self, raw, qtype):
         """K-quants, w = a * q + c per group: Q4_K as nibbles in groups of 32 with its 6-bit scales and
         super-block d, dmin (a = d*sc, c = -dmin*mn in the kernel), Q6_K as one byte per code in groups of
         16 with a, c in float32; codes block-major and row-minor."""
-        from ..numerics.ggml_cpu import _f16, _k4_scales
 
         n = self.n
         if qtype == "Q4_K":             # nibbles repacked per group of 32; the scales as the file has them
             blk = raw.reshape(n, -1, 144)
-            sc, mn = _k4_scales(blk[..., 4:16])                                      # [N, NB, 8]
+            sc, mn = k4_scales(blk[..., 4:16])                                      # [N, NB, 8]
             qs = blk[..., 16:144].reshape(n, -1, 4, 32)          # chunk c: group 2c low nibbles, 2c+1 high
             q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, 32)              # [N, G, 32] in 0..15
             packed = q[..., :16] | (q[..., 16:] << 4)                                # element j low, j+16 high
@@ -81,13 +80,13 @@ class QuantBlocks:
             self.qs = np.ascontiguousarray(packed.transpose(1, 2, 0))                # [G, 16, N]
             self.sc = np.ascontiguousarray(sc.reshape(n, -1).T.astype(np.uint8))     # [G, N]
             self.mn = np.ascontiguousarray(mn.reshape(n, -1).T.astype(np.uint8))
-            self.dsb, self.dminsb = np.ascontiguousarray(_f16(blk, 0).T), np.ascontiguousarray(_f16(blk, 2).T)
+            self.dsb, self.dminsb = np.ascontiguousarray(f16_at(blk, 0).T), np.ascontiguousarray(f16_at(blk, 2).T)
             return
         # Q6_K: one byte per code, groups of 16
         blk = raw.reshape(n, -1, 210)
         ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
         sc = blk[..., 192:208].view(np.int8).astype(np.float32)                  # [N, NB, 16]
-        d = _f16(blk, 208)
+        d = f16_at(blk, 208)
         parts = []
         for j in range(2):
             l0, l1, h = ql[..., 64 * j:64 * j + 32], ql[..., 64 * j + 32:64 * j + 64], qh[..., 32 * j:32 * j + 32]
@@ -243,8 +242,6 @@ class GgmlQuantMatrix:
     the numba kernel ggml_q8_dot, bit for bit the NumPy emulation's result (and so llama.cpp's)."""
 
     def __init__(self, qm, threads):
-        from ..numerics.ggml_cpu import ACT_TYPE
-
         self.qtype, self.shape = qm.qtype, qm.shape
         n, k = qm.shape
         self.q = qm.q_lanes.reshape(-1, 32, n).astype(np.int8)                         # [B, 32, N]
@@ -260,8 +257,6 @@ class GgmlQuantMatrix:
         return np.dtype(np.float32)
 
     def matmul(self, x):
-        from ..numerics.ggml_cpu import quantize_q8
-
         qa, da, sa = quantize_q8(np.asarray(x, dtype=np.float32), with_sum=self.with_sum)
         c, r = self.q.shape[0], self.q.shape[-1]
         out = np.empty((x.shape[0], c * r), np.float32)
@@ -308,7 +303,6 @@ class NumbaBackend(Backend):
     def _prepare_ggml(self, weights):
         """numerics="ggml": the legacy-quant matrices (ggml_cpu.QuantMatrix) get the numba kernel; K-quant
         and float matrices keep their NumPy emulation."""
-        from ..numerics.ggml_cpu import QuantMatrix as GgmlNumpy
 
         threads = self.info["threads"]
         swap = lambda a: GgmlQuantMatrix(a, threads) if isinstance(a, GgmlNumpy) else a

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dump import model_sha256
 from ..errors import HarnessError, OutputPathError
 from ..output_paths import check_container, check_run_id
 from .metrics import fmt, fmt_cos, fmt_match
@@ -82,7 +83,6 @@ def manifest(result, engine, argv, seed=0) -> dict:
         sysinfo = llama_cpp.llama_print_system_info().decode()
     except ImportError:
         lcp, sysinfo = None, None
-    from ..dump import model_sha256
     ref_sha = model_sha256(result.reference_model)
     model_sha = model_sha256(result.model) if result.model != result.reference_model else ref_sha
     return {

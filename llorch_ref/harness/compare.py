@@ -15,6 +15,7 @@ import numpy as np
 from ..checkpoints import coarser, declaration, greedy_band, load_specs, local_band
 from ..dump import Dump, Recorder, catalogue, expected_shape, to_canonical
 from ..errors import HarnessError
+from .local import local_outputs, model_outputs
 from .metrics import compare, within
 from .result import DiffResult, Row
 
@@ -280,7 +281,6 @@ def _token_local(row, m: dict):
 def _local_reader(engine, sub: Dump, cat: dict, dims: dict, token_ids):
     """-> local(cp, tensor, layer): the engine's op on the subject's inputs, or None (inputs not held).
     Layers are computed once, on first use."""
-    from .local import local_outputs, model_outputs
 
     where = {name: cp for (cp, name) in cat}
     memo = {}

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..numerics.ggml_cpu import flash_attention
+
 # y <- op(inputs): which subject tensors feed each local operation (documentation and the bundle's report)
 INPUTS = {
     "attn_norm": ("l_out[L-1] (the embedding at layer 0)",), "q_proj": ("attn_norm",), "k_proj": ("attn_norm",),
@@ -84,7 +86,6 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
     elif "kqv_out" in out:                  # a fused attention (flash attention): attn_out from q, k, v
         att = out["kqv_out"]
         if fused_attention and engine.numerics == "ggml":
-            from ..numerics.ggml_cpu import flash_attention
             a = have("q", "k_cache", "v_cache")
             att = flash_attention(xp, a[0], a[1], a[2], cache.mask(t, cfg.sliding_window if local else 0),
                                   cfg.scale, ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads))

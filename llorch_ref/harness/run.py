@@ -11,8 +11,10 @@ import json
 import time
 
 from ..checkpoints import band_class_of, catalogue_path, coarser, engine_band_class, load_specs
-from ..dump import Dump
+from ..dump import Dump, model_sha256
 from ..errors import DumpError, HarnessError, PromptError
+from ..loaders.gguf_file import open_reader
+from ..references.engines import dump_llamacpp
 from ..references.llorch import engine_label, record_decode_step, record_engine
 from .compare import compare_dumps
 from .result import DiffResult
@@ -37,7 +39,6 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
              band_class=None, context=None):
     """engine: llorch_ref Engine (the subject); reference_model: the GGUF llama.cpp runs (default: the
     engine's file); context: an open references.llamacpp.LlamaCpp to reuse (else one is made and closed)."""
-    from ..references.engines import dump_llamacpp
 
     ref_path = str(reference_model or engine.path)
     if engine.tokenizer is None:
@@ -50,7 +51,6 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     if band_class is None:
         band_class = "ggml" if engine.numerics == "ggml" else engine_band_class(engine)
         if reference_model is not None and band_class != "ggml":
-            from ..loaders.gguf_file import open_reader
             band_class = coarser(band_class, band_class_of({t.name: t.tensor_type.name
                                                             for t in open_reader(ref_path).tensors}))
     ids = engine.tokenizer.encode(prompt)
@@ -129,7 +129,6 @@ def run_subject(engine, sub: Dump, band_class: str, checkpoints=None, subject_la
 
 def check_same_model(sub: Dump, engine) -> str | None:
     """-> a warning line when the subject ran another file than the reference model (or None)."""
-    from ..dump import model_sha256
     theirs = sub.manifest["model"].get("sha256", "unknown")
     ours = model_sha256(engine.path)
     if theirs == "unknown":

@@ -16,6 +16,17 @@ import numpy as np
 from ..config import Config
 from ..errors import ModelFileError, ParameterError, UnsupportedModelError
 from ..model.weights import LayerWeights, Weights
+from ..numerics import NUMERICS
+from ..numerics.ggml_cpu import ACT_TYPE, FloatMatrix, KQuantMatrix, QuantMatrix
+from .lazy_weights import (
+    LazyLayers,
+    LazyRows,
+    LazyWeights,
+    WeightCache,
+    default_cache_bytes,
+    dequantize_rows,
+    storage_dtype,
+)
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHS = ("llama", "qwen2", "phi3", "gemma3")
@@ -360,7 +371,6 @@ BIAS_TENSORS = {
 
 def ggml_matrix(t, shape):
     """numerics="ggml": the weight as ggml blocks whose matmul reproduces llama.cpp's CPU arithmetic."""
-    from ..numerics.ggml_cpu import ACT_TYPE, FloatMatrix, KQuantMatrix, QuantMatrix
 
     name = t.tensor_type.name
     if name in ACT_TYPE:
@@ -383,8 +393,6 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
     """GGUF -> Config + Weights. lazy: keep the file mapped and dequantize each layer when it runs, with a
     cache of weight_cache_mb (default: the whole model if it fits in half the available memory).
     weight_dtype: storage of the dequantized 2-D weights (float32, float16, bfloat16); math stays float32."""
-    from ..numerics import NUMERICS
-    from .lazy_weights import storage_dtype
 
     if numerics not in NUMERICS:
         raise ParameterError(f"numerics {numerics!r} must be one of {', '.join(NUMERICS)}")
@@ -450,8 +458,6 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
 
 
 def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store) -> GGUFModel:
-    from .lazy_weights import LazyLayers, LazyRows, LazyWeights, WeightCache, default_cache_bytes, dequantize_rows
-
     def check(name, shape):
         if name not in by_name:
             raise ModelFileError(f"{path}: tensor {name!r} is missing")

@@ -23,6 +23,9 @@ import numpy as np
 from ..config import Config
 from ..errors import ModelFileError, ParameterError, TokenizerError, UnsupportedModelError
 from ..model.weights import LayerWeights, Weights
+from ..tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer
+from .gguf_file import FUSED_OF, split_fused
+from .lazy_weights import LazyLayers, LazyRows, LazyWeights, WeightCache, default_cache_bytes, storage_dtype
 from .qk_rows import permute_qk
 
 HF_LAYER_TENSORS = {  # HF name suffix -> LayerWeights field (NumPy shape checked against the config)
@@ -271,8 +274,6 @@ def map_safetensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
 def tokenizer_from_hf(folder: Path):
     from tokenizers import Tokenizer as HFTok
 
-    from ..tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer
-
     tj = folder / "tokenizer.json"
     if not tj.exists():
         raise TokenizerError(f"{tj}: missing (llorch-ref builds the tokenizer from tokenizer.json)")
@@ -326,7 +327,6 @@ def load_hf_folder(folder, qk_layout: str | None = None, lazy: bool = False, wei
     Default: the layout llama.cpp uses for the architecture (llama: adjacent; qwen2: neox).
     lazy: keep the safetensors files mapped and convert each layer when it runs (as for GGUF files; shapes
     are checked at load, NaN/Inf when a tensor is first read). weight_dtype: storage of 2-D weights."""
-    from .lazy_weights import storage_dtype
 
     folder = Path(folder)
     c = _read_json(folder / "config.json")
@@ -374,7 +374,6 @@ def load_hf_folder(folder, qk_layout: str | None = None, lazy: bool = False, wei
     if cfg.qkv_bias:
         names.update(HF_BIAS_TENSORS)
         shapes.update({"bq": (cfg.n_heads * Hd,), "bk": (cfg.n_kv_heads * Hd,), "bv": (cfg.n_kv_heads * Hd,)})
-    from .gguf_file import split_fused
 
     def permuted(fields):
         if cfg.arch == "gemma3":                       # HF Gemma norms compute x / rms * (1 + w)
@@ -421,9 +420,6 @@ def out_norm(cfg, w):
 
 
 def _lazy_hf(folder, c, cfg, tensors, names, shapes, take, check, make_layer, permuted, store, weight_cache_mb):
-    from .gguf_file import FUSED_OF, split_fused
-    from .lazy_weights import LazyLayers, LazyRows, LazyWeights, WeightCache, default_cache_bytes
-
     V, D = cfg.n_vocab, cfg.d_model
     check("model.embed_tokens.weight", (V, D))
     out_name = "model.embed_tokens.weight" if cfg.tied_output else "lm_head.weight"

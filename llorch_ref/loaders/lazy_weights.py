@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ParameterError
+
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def storage_dtype(name: str):
-    from ..errors import ParameterError
     if name not in STORAGE_DTYPES:
         raise ParameterError(f"weight dtype {name!r} must be one of {', '.join(STORAGE_DTYPES)}")
     if name == "bfloat16":

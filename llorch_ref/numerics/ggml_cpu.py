@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..model import layers
+
 F32, F64, F16 = np.float32, np.float64, np.float16
 QK = 32
 
@@ -54,7 +56,8 @@ def quantize_q8(x, with_sum: bool):
 
 
 # -- weight blocks ------------------------------------------------------------------------------------
-def _f16(raw, lo):
+def f16_at(raw, lo):
+    """The float16 stored at byte offset lo of each block (a scale), as float32."""
     return np.ascontiguousarray(raw[..., lo:lo + 2]).view(F16)[..., 0].astype(F32)
 
 
@@ -75,14 +78,14 @@ def unpack_blocks(raw, qtype: str):
     n = raw.shape[0]
     blk = np.asarray(raw).reshape(n, -1, sizes[qtype])
     if qtype == "Q4_0":
-        return _nibbles(blk[..., 2:18]) - 8, _f16(blk, 0), None
+        return _nibbles(blk[..., 2:18]) - 8, f16_at(blk, 0), None
     if qtype == "Q4_1":
-        return _nibbles(blk[..., 4:20]), _f16(blk, 0), _f16(blk, 2)
+        return _nibbles(blk[..., 4:20]), f16_at(blk, 0), f16_at(blk, 2)
     if qtype == "Q5_0":
-        return _nibbles(blk[..., 6:22]) + (_high_bits(blk[..., 2:6]) << 4) - 16, _f16(blk, 0), None
+        return _nibbles(blk[..., 6:22]) + (_high_bits(blk[..., 2:6]) << 4) - 16, f16_at(blk, 0), None
     if qtype == "Q5_1":
-        return _nibbles(blk[..., 8:24]) + (_high_bits(blk[..., 4:8]) << 4), _f16(blk, 0), _f16(blk, 2)
-    return blk[..., 2:34].view(np.int8).astype(np.int16), _f16(blk, 0), None
+        return _nibbles(blk[..., 8:24]) + (_high_bits(blk[..., 4:8]) << 4), f16_at(blk, 0), f16_at(blk, 2)
+    return blk[..., 2:34].view(np.int8).astype(np.int16), f16_at(blk, 0), None
 
 
 ACT_TYPE = {"Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_1": "Q8_1", "Q5_1": "Q8_1"}
@@ -380,8 +383,6 @@ def make_ops(kv_dtype: str = "float32"):
     """The layer-function namespace for numerics='ggml': the reference layers with ggml's kernels swapped in."""
     import types
 
-    from ..model import layers
-
     def swiglu(xp, x, w_gate, w_up, w_down):
         h = (silu(xp, layers.linear(xp, x, w_gate)) * layers.linear(xp, x, w_up)).astype(F32)
         return layers.linear(xp, h, w_down), h
@@ -419,7 +420,7 @@ def quantize_q8_k(x):
     return q, d, bsums
 
 
-def _k4_scales(sc):
+def k4_scales(sc):
     """get_scale_min_k4 for the 12 scale bytes of a Q4_K block -> scales [.., 8], mins [.., 8] (6-bit)."""
     sc = sc.astype(np.int32)
     s = np.empty(sc.shape[:-1] + (8,), np.int32)
@@ -440,16 +441,16 @@ class KQuantMatrix:
         n = raw.shape[0]
         if qtype == "Q4_K":
             blk = np.asarray(raw).reshape(n, -1, 144)
-            self.d, self.dmin = _f16(blk, 0), _f16(blk, 2)
-            self.sc, self.mins = _k4_scales(blk[..., 4:16])                    # [N, NB, 8]
+            self.d, self.dmin = f16_at(blk, 0), f16_at(blk, 2)
+            self.sc, self.mins = k4_scales(blk[..., 4:16])                    # [N, NB, 8]
             qs = blk[..., 16:144].reshape(n, -1, 4, 32)
             q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, QK_K)     # [N, NB, 256]: 64 per chunk
             # per element: the scale of its 32-group
             self.group_scale = self.sc                                          # [N, NB, 8]
         elif qtype == "Q5_K":
             blk = np.asarray(raw).reshape(n, -1, 176)
-            self.d, self.dmin = _f16(blk, 0), _f16(blk, 2)
-            self.sc, self.mins = _k4_scales(blk[..., 4:16])
+            self.d, self.dmin = f16_at(blk, 0), f16_at(blk, 2)
+            self.sc, self.mins = k4_scales(blk[..., 4:16])
             qh = blk[..., 16:48].astype(np.int32)                                  # [N, NB, 32]
             qs = blk[..., 48:176].reshape(n, -1, 4, 32).astype(np.int32)
             chunks = []
@@ -462,7 +463,7 @@ class KQuantMatrix:
             blk = np.asarray(raw).reshape(n, -1, 84)
             sc = blk[..., 0:16].astype(np.int32)
             self.scales16, self.mins16 = sc & 15, sc >> 4                         # per 16 elements
-            self.d, self.dmin = _f16(blk, 80), _f16(blk, 82)
+            self.d, self.dmin = f16_at(blk, 80), f16_at(blk, 82)
             qs = blk[..., 16:80].astype(np.int32)
             q = np.concatenate([(qs[..., 32 * j:32 * j + 32] >> (2 * k)) & 3 for j in range(2) for k in range(4)], -1)
         elif qtype == "Q3_K":
@@ -477,14 +478,14 @@ class KQuantMatrix:
                      ((aux[..., 1] >> 4) & k2) | (((aux[..., 2] >> 6) & k1) << 4)]
             sb = np.stack(words, -1).astype("<u4").view(np.uint8).astype(np.int32)          # [N, NB, 16]
             self.scales16 = sb - 32
-            self.d = _f16(blk, 108)
+            self.d = f16_at(blk, 108)
             q = np.concatenate([((qs[..., 32 * j:32 * j + 32] >> (2 * k)) & 3)
                                 - 4 * (1 - ((hm >> (4 * j + k)) & 1)) for j in range(2) for k in range(4)], -1)
         elif qtype == "Q6_K":
             blk = np.asarray(raw).reshape(n, -1, 210)
             ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
             self.scales16 = blk[..., 192:208].view(np.int8).astype(np.int32)    # [N, NB, 16]
-            self.d = _f16(blk, 208)
+            self.d = f16_at(blk, 208)
             parts = []
             for j in range(2):
                 l0, l1, h = ql[..., 64 * j:64 * j + 32], ql[..., 64 * j + 32:64 * j + 64], qh[..., 32 * j:32 * j + 32]

@@ -6,14 +6,18 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoints import load_specs
+from ..convert import convert_gguf_to_hf
 from ..dtypes import KV_DTYPES, SHORT, dtype_name
 from ..dump import Recorder, capture_invariance
 from ..errors import ParameterError, PromptError, ReferenceError_
+from ..loaders.default_model import home, sha256_file
+from ..loaders.gguf_file import config_from_metadata, open_reader, read_metadata, rope_freqs_of
+from .llamacpp import Capture, LlamaCpp, tokenize
 
 
 def gguf_config(path):
     """Config of a GGUF file without loading its weights."""
-    from ..loaders.gguf_file import config_from_metadata, open_reader, read_metadata, rope_freqs_of
 
     r = open_reader(path)
     shapes = {t.name: tuple(int(x) for x in reversed([int(s) for s in t.shape])) for t in r.tensors}
@@ -45,9 +49,6 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
     context: an open LlamaCpp on the same file to reuse (its settings must be those asked for); it is left
     open. Else one is made for this dump and closed."""
     import llama_cpp as _lcp
-
-    from ..checkpoints import load_specs
-    from .llamacpp import Capture, LlamaCpp, tokenize
 
     kv_dtype = dtype_name(kv_dtype, KV_DTYPES, "kv_dtype")
     path = Path(path)
@@ -145,7 +146,6 @@ def _check_context(ctx, path, n_ctx: int, **settings):
 def hf_folder_for(path) -> Path:
     """A Hugging Face folder for transformers: PATH itself, or the GGUF file converted once into
     $LLORCH_HOME/hf/<sha256 prefix>/ (dequantized, Q/K rows un-permuted: llorch-ref convert --to hf)."""
-    from ..loaders.default_model import home, sha256_file
 
     p = Path(path)
     if p.is_dir():
@@ -154,7 +154,6 @@ def hf_folder_for(path) -> Path:
     if not (out / "config.json").exists():
         import sys
 
-        from ..convert import convert_gguf_to_hf
         print(f"llorch-ref: converting {p.name} to a Hugging Face folder for transformers: {out}", file=sys.stderr)
         convert_gguf_to_hf(p, out, overwrite=True)
     return out

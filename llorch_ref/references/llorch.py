@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import __version__
 from ..dump import Recorder, capture_invariance
+from ..generate import sampling
 
 # run through the cache (then reset) before the recorded forward: a cache leaking state between sequences
 # then shows up as a divergence
@@ -12,7 +14,6 @@ WARMUP_PROMPT = "The quick brown fox jumps over the lazy dog, again and again an
 
 
 def _recorder(engine, token_ids, prompt=None, **extra) -> Recorder:
-    from .. import __version__
     return Recorder("llorch-ref", f"{__version__} ({engine.backend.name}, {engine.numerics})",
                     model_path=engine.path, token_ids=token_ids, prompt=prompt,
                     layouts={"rope_pairs": engine.qk_rows},       # Q/K rows as loaded (not as the forward rotates)
@@ -24,7 +25,6 @@ def record_engine(engine, token_ids, prompt=None, n_greedy=32) -> Recorder:
     """llorch-ref as a dump (canonical layout): every checkpoint tensor of one forward over token_ids on a
     cache that first ran (and reset after) a warm-up sequence; the last row alone as generation asks for
     it; its argmax and softmax; n_greedy greedy tokens (EOS ignored)."""
-    from ..generate import sampling
 
     rec = _recorder(engine, token_ids, prompt)
     ids = list(token_ids)
@@ -62,5 +62,4 @@ def record_decode_step(engine, token_ids) -> Recorder:
 
 
 def engine_label(engine) -> str:
-    from .. import __version__
     return f"llorch-ref {__version__} ({engine.backend.name}, {engine.numerics}, K/V {engine.kv_dtype})"

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..convert import convert_gguf_to_hf
+from .tiny import write_tiny_model
+
 ARCHS = {
     # Llama 2 style: multi-head attention, untied output
     "llama2": dict(model_type="llama", pre="llama-bpe", kw=dict(num_key_value_heads=4, tie_word_embeddings=False)),
@@ -36,9 +39,6 @@ def write_tiny_hf(out, arch="llama2", seed=0):
     """-> (folder, the transformers model in eval mode). Deterministic for (arch, seed)."""
     import torch
     import transformers
-
-    from ..convert import convert_gguf_to_hf
-    from .tiny import write_tiny_model
 
     spec = ARCHS[arch]
     out = Path(out)
