@@ -116,3 +116,38 @@ def test_the_check_can_fail(tmp_path):
     (tmp_path / "llorch_ref" / "convert.py").write_text("from .dump import Dump\n")
     g = {module_of(p, tmp_path): imports(p, tmp_path) for p in (tmp_path / "llorch_ref").rglob("*.py")}
     assert ["llorch_ref.convert", "llorch_ref.dump", "llorch_ref.convert"] in cycles(g)
+
+
+# llorch-ref modules imported inside functions on purpose: (importing file, imported module) -> why
+LAZY_ON_PURPOSE = {
+    ("llorch_ref/backends/__init__.py", "llorch_ref.backends.numba_backend"): "numba, an optional dependency",
+    ("llorch_ref/backends/__init__.py", "llorch_ref.backends.cupy_backend"): "cupy, an optional dependency",
+    ("llorch_ref/cli/commands.py", "llorch_ref.server.app"): "the web stack, for serve only",
+    ("llorch_ref/cli/commands.py", "llorch_ref.server.connections"): "the web stack, for serve only",
+}
+PLUGIN = "llorch_ref/pytest_plugin.py"      # loaded by every pytest session: imports the harness when asked
+
+
+def test_internal_imports_sit_at_the_top():
+    bad = []
+    for p in sorted(PKG.rglob("*.py")):
+        rel = str(p.relative_to(ROOT))
+        tree = ast.parse(p.read_text())
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if id(node) in top or not isinstance(node, ast.ImportFrom) or rel == PLUGIN:
+                continue
+            if node.level or (node.module or "").startswith("llorch_ref"):
+                targets = imports_of_node(node, p)
+                if not all((rel, t) in LAZY_ON_PURPOSE for t in targets):
+                    bad.append(f"{rel}:{node.lineno} imports {', '.join(sorted(targets))} inside a function")
+    assert not bad, "\n".join(bad)
+
+
+def imports_of_node(node, path: Path) -> set:
+    mod = module_of(path)
+    pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    if node.level:
+        base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+        return {".".join(base + ([node.module] if node.module else []))}
+    return {node.module}
