@@ -2,6 +2,8 @@
 hooks). Each returns a llorch_ref.dump.Recorder, so a reference is just another engine's dump."""
 from __future__ import annotations
 
+import contextlib
+import importlib
 from pathlib import Path
 
 import numpy as np
@@ -163,12 +165,55 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
     """transformers (float32, eager attention, CPU) on a Hugging Face folder -> Recorder, through forward
     hooks. Layout: token-major, Hugging Face (NeoX) RoPE pairs. The raw Q.K^T scores (checkpoint 4 'kq')
     are not exposed by transformers and are left out (not covered)."""
+    torch, transformers = _import_hf()
+    folder = hf_folder_for(path)
+    model = _load_hf_model(torch, transformers, folder)
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder)) if prompt is not None else None
+    if token_ids is None:
+        if tok is None:
+            raise ParameterError("give a prompt or token ids")
+        token_ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    c = model.config
+    ids = check_token_ids(token_ids, c.vocab_size, c.max_position_embeddings)
+    rec = Recorder("transformers", f"{transformers.__version__} (torch {torch.__version__})",
+                   model_path=folder, token_ids=ids, prompt=prompt, layouts={"rope_pairs": "neox"},
+                   notes="float32, eager attention, CPU; RoPE outputs captured by wrapping apply_rotary_pos_emb",
+                   extra={"arithmetic": {"numerics": "exact", "kv_dtype": "float32",
+                                         "settings": {"dtype": "float32", "attn_implementation": "eager"}}})
+    if tok is not None:
+        rec.add("cp0.token_ids", np.array(tok(prompt, add_special_tokens=True)["input_ids"], dtype=np.int64))
+    x = torch.tensor([ids])
+    hooks = _layer_hooks(model, rec, len(ids))
+    try:
+        with torch.no_grad(), _rope_outputs(model) as roped:
+            out = model(x, use_cache=True, output_attentions=True)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    _add_rope_caches_scores(rec, c, roped, out, len(ids))
+    rec.add("cp8.logits", out.logits[0])
+    with torch.no_grad():                                  # the same forward without hooks or wrapped RoPE
+        plain = model(x, use_cache=True, output_attentions=True).logits[0]
+        rec.extra["capture_invariance"] = capture_invariance(out.logits[0].numpy(), plain.numpy())
+        rec.add("cp9.logits", model(x, logits_to_keep=1).logits[0, -1])
+        if n_greedy > 0:
+            rec.add("cp12.greedy_tokens", np.array(_hf_greedy(torch, model, x, n_greedy), dtype=np.int64))
+    return rec
+
+
+def _import_hf():
     try:
         import torch
         import transformers
     except ImportError as e:
         raise ReferenceError_(f"transformers reference needs torch and transformers: pip install -e '.[hf]' ({e})") from None
-    folder = hf_folder_for(path)
+    return torch, transformers
+
+
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma3_text")
+
+
+def _load_hf_model(torch, transformers, folder):
     torch.manual_seed(0)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
@@ -177,86 +222,71 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32,
                                                                   attn_implementation="eager")
     model.eval()
-    if model.config.model_type not in ("llama", "mistral", "qwen2", "phi3", "gemma3_text"):
+    if model.config.model_type not in HF_MODEL_TYPES:
         raise ReferenceError_(f"{folder}: model_type {model.config.model_type!r}: the transformers hooks know "
-                              f"llama, mistral, qwen2, phi3 and gemma3_text")
-    gemma = model.config.model_type == "gemma3_text"
-    tok = None
-    if prompt is not None:
-        tok = transformers.AutoTokenizer.from_pretrained(str(folder))
-    if token_ids is None:
-        if tok is None:
-            raise ParameterError("give a prompt or token ids")
-        token_ids = tok(prompt, add_special_tokens=True)["input_ids"]
-    ids = check_token_ids(token_ids, model.config.vocab_size, model.config.max_position_embeddings)
+                              f"{', '.join(HF_MODEL_TYPES)}")
+    return model
+
+
+def _out(o):
+    return o[0] if isinstance(o, tuple) else o
+
+
+def _layer_hooks(model, rec: Recorder, t: int) -> list:
+    """Forward (and pre-forward) hooks that add every layer tensor to rec, in the canonical names."""
     c = model.config
     h, kv = c.num_attention_heads, c.num_key_value_heads
     hd = getattr(c, "head_dim", None) or c.hidden_size // h
-    t = len(ids)
-    rec = Recorder("transformers", f"{transformers.__version__} (torch {torch.__version__})",
-                   model_path=folder, token_ids=ids, prompt=prompt, layouts={"rope_pairs": "neox"},
-                   notes="float32, eager attention, CPU; RoPE outputs captured by wrapping apply_rotary_pos_emb",
-                   extra={"arithmetic": {"numerics": "exact", "kv_dtype": "float32",
-                                         "settings": {"dtype": "float32", "attn_implementation": "eager"}}})
-    if tok is not None:
-        rec.add("cp0.token_ids", np.array(tok(prompt, add_special_tokens=True)["input_ids"], dtype=np.int64))
-
-    def out_of(o):
-        return o[0] if isinstance(o, tuple) else o
-
-    def tm(a, heads):                      # [1, T, heads*Hd] -> [T, heads, Hd]
-        return a[0].reshape(t, heads, hd)
-
+    gemma = c.model_type == "gemma3_text"
     hooks = []
-    layer_of = {}
 
-    def fwd(mod, name, fn=lambda a: a[0]):
-        hooks.append(mod.register_forward_hook(lambda m, i, o: rec.add(f"{name}.layer{layer_of[m]}", fn(out_of(o)))))
+    def fwd(mod, name, i, fn=lambda a: a[0]):
+        hooks.append(mod.register_forward_hook(lambda m, inp, o: rec.add(f"{name}.layer{i}", fn(_out(o)))))
 
-    def pre(mod, name, fn=lambda a: a[0]):
-        hooks.append(mod.register_forward_pre_hook(lambda m, i: rec.add(f"{name}.layer{layer_of[m]}", fn(i[0]))))
+    def pre(mod, name, i, fn=lambda a: a[0]):
+        hooks.append(mod.register_forward_pre_hook(lambda m, inp: rec.add(f"{name}.layer{i}", fn(inp[0]))))
+
+    def split_qkv(i):                         # Phi-3: one projection, rows Q | K | V
+        def hook(m, inp, o):
+            o, nq, nk = _out(o)[0], h * hd, kv * hd
+            rec.add(f"cp2.q_proj.layer{i}", o[:, :nq].reshape(t, h, hd))
+            rec.add(f"cp2.k_proj.layer{i}", o[:, nq:nq + nk].reshape(t, kv, hd))
+            rec.add(f"cp2.v.layer{i}", o[:, nq + nk:].reshape(t, kv, hd))
+        return hook
 
     for i, lyr in enumerate(model.model.layers):
         at, mlp = lyr.self_attn, lyr.mlp
-        fused = hasattr(at, "qkv_proj")                      # Phi-3: one projection, rows Q | K | V
-        projs = [at.qkv_proj] if fused else [at.q_proj, at.k_proj, at.v_proj]
-        extra = (at.q_norm, at.k_norm, lyr.pre_feedforward_layernorm, lyr.post_feedforward_layernorm) if gemma else ()
-        for m in (lyr, lyr.input_layernorm, lyr.post_attention_layernorm, at, *projs, at.o_proj, mlp, mlp.down_proj,
-                  *extra):
-            layer_of[m] = i
-        fwd(lyr.input_layernorm, "cp1.attn_norm")
-        if fused:
-            def split_qkv(m, inp, o):
-                o = out_of(o)[0]
-                nq, nk = h * hd, kv * hd
-                rec.add(f"cp2.q_proj.layer{layer_of[m]}", o[:, :nq].reshape(t, h, hd))
-                rec.add(f"cp2.k_proj.layer{layer_of[m]}", o[:, nq:nq + nk].reshape(t, kv, hd))
-                rec.add(f"cp2.v.layer{layer_of[m]}", o[:, nq + nk:].reshape(t, kv, hd))
-            hooks.append(at.qkv_proj.register_forward_hook(split_qkv))
+        fwd(lyr.input_layernorm, "cp1.attn_norm", i)
+        if hasattr(at, "qkv_proj"):
+            hooks.append(at.qkv_proj.register_forward_hook(split_qkv(i)))
         else:
-            fwd(at.q_proj, "cp2.q_proj", lambda a: tm(a, h))
-            fwd(at.k_proj, "cp2.k_proj", lambda a: tm(a, kv))
-            fwd(at.v_proj, "cp2.v", lambda a: tm(a, kv))
-        pre(at.o_proj, "cp5.kqv_out")
-        fwd(at.o_proj, "cp5.attn_out")
+            for mod, name, heads in ((at.q_proj, "cp2.q_proj", h), (at.k_proj, "cp2.k_proj", kv), (at.v_proj, "cp2.v", kv)):
+                fwd(mod, name, i, lambda a, heads=heads: a[0].reshape(t, heads, hd))
+        pre(at.o_proj, "cp5.kqv_out", i)
+        fwd(at.o_proj, "cp5.attn_out", i)
         if gemma:          # four norms per layer; QK-norm runs on head-major [1, heads, T, Hd]
-            fwd(at.q_norm, "cp2.q_normed", lambda a: a[0].transpose(0, 1))
-            fwd(at.k_norm, "cp2.k_normed", lambda a: a[0].transpose(0, 1))
-            fwd(lyr.post_attention_layernorm, "cp5.attn_post_norm")
-            pre(lyr.pre_feedforward_layernorm, "cp5.ffn_inp")
-            fwd(lyr.pre_feedforward_layernorm, "cp1.ffn_norm")
-            fwd(lyr.post_feedforward_layernorm, "cp6.ffn_post_norm")
+            fwd(at.q_norm, "cp2.q_normed", i, lambda a: a[0].transpose(0, 1))
+            fwd(at.k_norm, "cp2.k_normed", i, lambda a: a[0].transpose(0, 1))
+            fwd(lyr.post_attention_layernorm, "cp5.attn_post_norm", i)
+            pre(lyr.pre_feedforward_layernorm, "cp5.ffn_inp", i)
+            fwd(lyr.pre_feedforward_layernorm, "cp1.ffn_norm", i)
+            fwd(lyr.post_feedforward_layernorm, "cp6.ffn_post_norm", i)
         else:
-            pre(lyr.post_attention_layernorm, "cp5.ffn_inp")
-            fwd(lyr.post_attention_layernorm, "cp1.ffn_norm")
-        pre(mlp.down_proj, "cp6.ffn_swiglu")
-        fwd(mlp, "cp6.ffn_out")
-        fwd(lyr, "cp7.l_out")
-    hooks.append(model.model.norm.register_forward_hook(lambda m, i, o: rec.add("cp8.result_norm", out_of(o)[0])))
-    # RoPE outputs: transformers applies RoPE in a module-level function; wrap it to see q and k after it
-    mod = __import__(type(model.model.layers[0].self_attn).__module__, fromlist=["apply_rotary_pos_emb"])
-    orig = mod.apply_rotary_pos_emb
-    roped = []
+            pre(lyr.post_attention_layernorm, "cp5.ffn_inp", i)
+            fwd(lyr.post_attention_layernorm, "cp1.ffn_norm", i)
+        pre(mlp.down_proj, "cp6.ffn_swiglu", i)
+        fwd(mlp, "cp6.ffn_out", i)
+        fwd(lyr, "cp7.l_out", i)
+    hooks.append(model.model.norm.register_forward_hook(lambda m, i, o: rec.add("cp8.result_norm", _out(o)[0])))
+    return hooks
+
+
+@contextlib.contextmanager
+def _rope_outputs(model):
+    """transformers applies RoPE in a module-level function: wrapped while the forward runs, it yields the
+    (q, k) after RoPE of every layer, in order."""
+    mod = importlib.import_module(type(model.model.layers[0].self_attn).__module__)
+    orig, roped = mod.apply_rotary_pos_emb, []
 
     def wrapped(q, k, *a, **kw):
         qe, ke = orig(q, k, *a, **kw)
@@ -264,13 +294,12 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
         return qe, ke
     mod.apply_rotary_pos_emb = wrapped
     try:
-        with torch.no_grad():
-            x = torch.tensor([ids])
-            out = model(x, use_cache=True, output_attentions=True)
+        yield roped
     finally:
         mod.apply_rotary_pos_emb = orig
-        for hk in hooks:
-            hk.remove()
+
+
+def _add_rope_caches_scores(rec: Recorder, c, roped, out, t: int):
     if len(roped) != c.num_hidden_layers:
         raise ReferenceError_(f"captured RoPE outputs of {len(roped)} layers, expected {c.num_hidden_layers}")
     for i, (qe, ke) in enumerate(roped):                   # [1, H, T, Hd] head-major -> token-major
@@ -283,24 +312,16 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
             rec.add(f"cp3.k_cache.layer{i}", kc[0].transpose(0, 1))        # [KV, S, Hd] -> [S, KV, Hd]
             rec.add(f"cp3.v_cache.layer{i}", vc[0].transpose(0, 1))
         rec.add(f"cp4.kq_soft_max.layer{i}", out.attentions[i][0])     # [H, T, S]
-    rec.add("cp8.logits", out.logits[0])
-    with torch.no_grad():                                  # the same forward without hooks or wrapped RoPE
-        plain = model(torch.tensor([ids]), use_cache=True, output_attentions=True).logits[0]
-    rec.extra["capture_invariance"] = capture_invariance(out.logits[0].numpy(), plain.numpy())
-    with torch.no_grad():
-        last = model(x, logits_to_keep=1).logits[0, -1]
-        rec.add("cp9.logits", last)
-        if n_greedy > 0:
-            gen, cache_ = [], None
-            step = x
-            for _ in range(n_greedy):
-                o = model(step, past_key_values=cache_, use_cache=True, logits_to_keep=1)
-                cache_ = o.past_key_values
-                nxt = int(torch.argmax(o.logits[0, -1]))
-                gen.append(nxt)
-                step = torch.tensor([[nxt]])
-            rec.add("cp12.greedy_tokens", np.array(gen, dtype=np.int64))
-    return rec
+
+
+def _hf_greedy(torch, model, x, n: int) -> list:
+    gen, cache, step = [], None, x
+    for _ in range(n):
+        o = model(step, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = o.past_key_values
+        gen.append(int(torch.argmax(o.logits[0, -1])))
+        step = torch.tensor([[gen[-1]]])
+    return gen
 
 
 def transformers_subject(model_path, token_ids):
