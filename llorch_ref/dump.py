@@ -30,10 +30,11 @@ from .errors import DumpError
 from .loaders.default_model import sha256_file
 from .output_paths import check_output
 
-FORMAT = "llorch-dump/2"          # 2: the manifest may declare the arithmetic; /1 files still read
-FORMATS = ("llorch-dump/1", FORMAT)
+FORMAT = "llorch-dump/3"   # 3: decode steps (.step<K> tensors, decode_token_ids); 2: declared arithmetic
+FORMATS = ("llorch-dump/1", "llorch-dump/2", FORMAT)
 MANIFEST_KEY = "llorch.manifest"
 NAME_RE = re.compile(r"^cp(?P<cp>[0-9]+[A-Z]?)\.(?P<tensor>[a-z][a-z0-9_]*)(?:\.layer(?P<layer>[0-9]+))?$")
+STEP_RE = re.compile(r"^(?P<base>.+)\.step(?P<step>[1-9][0-9]*)$")   # a decode step's tensor: <name>.step<K>
 CANONICAL_LAYOUTS = {"rope_pairs": "adjacent", "heads": "token_major", "array_order": "numpy"}
 # what our own forward records but no checkpoint compares (the Recorder's hook form skips exactly these)
 NOT_A_CHECKPOINT = {"embd"}
@@ -123,10 +124,13 @@ class Recorder:
         for cp, t in self._cat:
             self._by_tensor.setdefault(t, []).append(cp)
 
-    def add(self, name: str, array, layer: int | None = None):
+    def add(self, name: str, array, layer: int | None = None, step: int = 0):
+        """step: 0 for the prompt's forward, K >= 1 for the K-th decode step (its token decode_token_ids[K-1])."""
         if layer is not None:
             name = f"{name}.layer{int(layer)}"
-        cp, t, _ = _parse_name(name, self._cat)                       # raises on an unknown name
+        if step:
+            name = f"{name}.step{int(step)}"
+        cp, t, _ = _parse_name(split_step(name)[0], self._cat)        # raises on an unknown name
         a = _to_numpy(array)
         if self._cat[(cp, t)]["dtype"] == "int":
             if a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):
@@ -139,7 +143,11 @@ class Recorder:
     def __setitem__(self, name, array):
         self.add(name, array)
 
-    def __call__(self, name: str, layer, array):
+    def at_step(self, step: int):
+        """-> a llorch-ref forward hook (name, layer, array) that records into decode step `step`."""
+        return lambda name, layer, array: self(name, layer, array, step=step)
+
+    def __call__(self, name: str, layer, array, step: int = 0):
         """llorch-ref's recorder signature: our forward's tensor names."""
         if name in NOT_A_CHECKPOINT:
             return
@@ -150,7 +158,7 @@ class Recorder:
             if not cps:
                 raise DumpError(f"no checkpoint records a tensor named {name!r}")
             cp, t = cps[0], name
-        self.add(dump_name(cp, t, layer), array)
+        self.add(dump_name(cp, t, layer), array, step=step)
 
     def manifest(self) -> dict:
         if self.token_ids is None:
@@ -185,6 +193,12 @@ class Recorder:
             save_file({k: np.ascontiguousarray(v) for k, v in self.tensors.items()}, str(tmp),
                       metadata={MANIFEST_KEY: json.dumps(man)})
         return out.path
+
+
+def split_step(name: str) -> tuple[str, int]:
+    """'cp2.q_proj.layer3.step2' -> ('cp2.q_proj.layer3', 2); a name without a step suffix -> (name, 0)."""
+    m = STEP_RE.match(name)
+    return (m["base"], int(m["step"])) if m else (name, 0)
 
 
 def _parse_name(name: str, cat: dict):
@@ -225,6 +239,15 @@ class Dump:
 
     def __post_init__(self):
         cat = catalogue()
+        self.steps = {}                # K -> {name without .stepK: array} for decode steps
+        for name in [n for n in self.tensors if split_step(n)[1]]:
+            base, k = split_step(name)
+            _parse_name(base, cat)
+            self.steps.setdefault(k, {})[base] = self.tensors.pop(name)
+        fed = self.manifest.get("decode_token_ids") or []
+        if self.steps and max(self.steps) > len(fed):
+            raise DumpError(f"{self.source}: tensors of decode step {max(self.steps)}, but the manifest's "
+                            f"decode_token_ids name {len(fed)} step(s)")
         for name, a in self.tensors.items():
             key = _parse_name(name, cat)
             if cat[key[:2]]["dtype"] == "int" and np.asarray(a).dtype.kind not in "iu":
@@ -254,6 +277,20 @@ class Dump:
     @property
     def token_ids(self) -> list:
         return list(self.manifest["token_ids"])
+
+    @property
+    def decode_token_ids(self) -> list:
+        """The tokens fed one per decode step after token_ids (teacher-forced); [] for a prompt-only dump."""
+        return list(self.manifest.get("decode_token_ids") or [])
+
+    def step_view(self, k: int) -> "Dump":
+        """Decode step k (1-based) as a dump of its own: one token fed after the prompt and the k-1 tokens
+        before it (past_token_ids), holding that step's tensors under their plain names."""
+        fed = self.decode_token_ids
+        man = {key: v for key, v in self.manifest.items() if key != "decode_token_ids"}
+        man.update(token_ids=fed[k - 1:k], past_token_ids=self.past_token_ids + self.token_ids + fed[:k - 1])
+        man.pop("prompt", None)
+        return Dump(manifest=man, tensors=dict(self.steps.get(k, {})), source=f"{self.source} (decode step {k})")
 
     @property
     def past_token_ids(self) -> list:

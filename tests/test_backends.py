@@ -47,8 +47,8 @@ def test_numba_lazy_uncached_prefill_runs_the_kernels_and_meets_the_bands(tiny):
     assert eng.weights_info()["hits"] == 0                             # nothing was dequantized and kept
 
 
-@pytest.mark.parametrize("kernel,first", [("rope_one", ("1B", "q@step")), ("attend_one", ("4", "kq@step")),
-                                          ("rms_norm_rows", ("1", "attn_norm@step"))])
+@pytest.mark.parametrize("kernel,first", [("rope_one", ("1B", "q@step1")), ("attend_one", ("4", "kq@step1")),
+                                          ("rms_norm_rows", ("1", "attn_norm@step1"))])
 def test_a_planted_bug_in_a_one_token_kernel_is_caught_at_its_checkpoint(tiny, monkeypatch, kernel, first):
     """The numba kernels run for one-token steps only: the decode-step rows of run_backend_diff must see them.
     Planted: RoPE pairs rotated the other way (neox for adjacent), attention scores off by one position

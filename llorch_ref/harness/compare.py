@@ -57,7 +57,7 @@ def _layout_hint(sub: Dump, cp, tensor, layer, entry, dims, ref, band, sub_shape
 
 def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, subject_label=None,
                   reference_label=None, model=None, reference_model=None, local_engine=None,
-                  local_bands=local_band, bands=None) -> DiffResult:
+                  local_bands=local_band, bands=None, _step=0) -> DiffResult:
     """subject, reference: Dump or Recorder; cfg: the model's Config (for the shapes). -> DiffResult whose
     rows compare subject (as 'ours') with reference; uncovered checkpoints listed in result.not_covered.
     local_engine: the reference engine; every layer tensor (and the head) is then also compared with the
@@ -75,14 +75,14 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
                      reference_label=reference_label or ref.engine,
                      sides={"subject": sub.manifest, "reference": ref.manifest})
     t0 = time.perf_counter()
-    c = _Comparison(sub, ref, cfg, res, local_engine, local_bands)
+    c = _Comparison(sub, ref, cfg, res, local_engine, local_bands, step=_step)
     band_at = bands or c.default_bands(specs, band_class)
     for spec in specs:
         if spec.scope == "layer":
             for layer in range(cfg.n_layers):
                 for t in spec.tensors_for(cfg):
                     pos = (1, layer, t.order)
-                    c.tensor(spec, t.ours, layer, band_at(spec, pos), pos)
+                    c.tensor(spec, t.ours, layer, band_at(spec, pos), c.order(*pos))
         elif spec.id in _MODEL_CASES:
             num = int("".join(ch for ch in spec.id if ch.isdigit()) or 0)
             late = spec.id in ("8", "9", "11")      # after the last layer: a reduced-precision node's class holds
@@ -90,8 +90,33 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
         else:
             raise HarnessError(f"{spec.path}: checkpoint {spec.id} has no dump comparison")
     res.captures_ours, res.captures_ref = c.cap_sub, c.cap_ref
+    for k in sorted(set(sub.steps) | set(ref.steps)):
+        _compare_step(sub, ref, k, cfg, res, specs, band_at)
     res.timings["compare_s"] = time.perf_counter() - t0
     return res
+
+
+def _compare_step(sub: Dump, ref: Dump, k: int, cfg, res: DiffResult, specs, band_at):
+    """Decode step k of both dumps, compared as a forward of its own (one token after a past), its rows
+    named '<tensor>@step<k>' and ordered after the prompt's; a step one side lacks is not covered."""
+    if sub.decode_token_ids[:k] != ref.decode_token_ids[:k]:
+        raise HarnessError(f"the two dumps fed different decode tokens up to step {k}: {sub.decode_token_ids[:k]} vs "
+                           f"{ref.decode_token_ids[:k]} (a teacher-forced comparison runs both on the same tokens)")
+    for d, who in ((sub, "subject"), (ref, "reference")):
+        if k not in d.steps:
+            res.not_covered.append({"checkpoint": "steps", "name": "decode step", "layer": None, "tensor": f"@step{k}",
+                                    "why": f"the {who} holds no tensors of decode step {k}"})
+            return
+    wanted = [s.id for s in specs if s.scope == "layer" or s.id in ("8", "10")]
+    r = compare_dumps(sub.step_view(k), ref.step_view(k), cfg, res.band_class, checkpoints=wanted,
+                      subject_label=res.subject_label, reference_label=res.reference_label, bands=band_at, _step=k)
+    for row in r.rows:
+        row.step, row.tensor = k, f"{row.tensor}@step{k}"
+    res.rows += r.rows
+    res.not_covered += [{**u, "tensor": f"{u['tensor']}@step{k}"} for u in r.not_covered]
+    res.warnings += [w for w in r.warnings if w not in res.warnings]
+    res.captures_ours.update({f"{key}.step{k}": a for key, a in r.captures_ours.items()})
+    res.captures_ref.update({f"{key}.step{k}": a for key, a in r.captures_ref.items()})
 
 
 def _check_same_run(sub: Dump, ref: Dump):
@@ -109,8 +134,8 @@ class _Comparison:
     """The state of one comparison: both dumps, their dims, the result being filled, the local reader.
     One method per kind of case; each adds a row (or a not-covered entry) to the result."""
 
-    def __init__(self, sub: Dump, ref: Dump, cfg, res: DiffResult, local_engine, local_bands):
-        self.sub, self.ref, self.cfg, self.res = sub, ref, cfg, res
+    def __init__(self, sub: Dump, ref: Dump, cfg, res: DiffResult, local_engine, local_bands, step: int = 0):
+        self.sub, self.ref, self.cfg, self.res, self.step = sub, ref, cfg, res, step
         self.cat = catalogue()
         self.n = len(sub.token_ids)
         self.dims = dims_of(cfg, self.n, past=len(sub.past_token_ids))
@@ -140,6 +165,12 @@ class _Comparison:
         if why:
             self.res.warnings.append(why)
         return band_at
+
+    def order(self, phase, *rest) -> tuple:
+        """A row's place in the first-divergence order: the phase (0 tokenizer, 1 layer tensors, 2 head and
+        tokens, 3 greedy text), then the decode step, then its place in the forward. With teacher-forced
+        tokens a decode step's layers depend on the layers before them only, never on a head."""
+        return (phase, self.step, *rest)
 
     def uncovered(self, spec, layer, tensor, why):
         self.res.not_covered.append({"checkpoint": spec.id, "name": spec.name, "layer": layer, "tensor": tensor,
@@ -208,12 +239,12 @@ def _case_token_ids(c: _Comparison, spec, band, num):
         return
     a, b = c.sub.raw("0", "token_ids").tolist(), c.ref.raw("0", "token_ids").tolist()
     m = {"shape": [len(a)], "ref_shape": [len(b)], "agreement": 1.0 if a == b else 0.0, "ours": a, "reference": b}
-    c.res.rows.append(Row("0", spec.name, None, "token_ids", m, band, within(m, band), (0, 0, 0)))
+    c.res.rows.append(Row("0", spec.name, None, "token_ids", m, band, within(m, band), c.order(0, 0, 0)))
 
 
 def _case_head(c: _Comparison, spec, band, num):
     for t in [d["name"] for d in spec.dump]:
-        c.tensor(spec, t, None, band, (2, 0, num - 0.5 if t == "result_norm" else num))
+        c.tensor(spec, t, None, band, c.order(2, 0, num - 0.5 if t == "result_norm" else num))
 
 
 def _case_argmax(c: _Comparison, spec, band, num):
@@ -222,7 +253,7 @@ def _case_argmax(c: _Comparison, spec, band, num):
         return c.uncovered(spec, None, "argmax", "no cp10.argmax and no cp8.logits to derive it from")
     m = {"shape": list(a.shape), "agreement": float((a == b).mean()) if a.shape == b.shape else 0.0,
          "ours": a.tolist(), "reference": b.tolist()}
-    row = Row("10", spec.name, None, how, m, band, within(m, band), (2, 0, num))
+    row = Row("10", spec.name, None, how, m, band, within(m, band), c.order(2, 0, num))
     own = c.own_logits()
     if c.local_engine is not None and own is not None:
         own = own.argmax(-1)                                  # the argmax of its own logits
@@ -239,7 +270,7 @@ def _case_probs(c: _Comparison, spec, band, num):
     if how == "probs":
         b = b.astype(a.dtype)                  # a dump stores probs as float32: compare at that precision
     m = compare(a, b)
-    c.res.rows.append(Row("11", spec.name, None, how, m, band, within(m, band), (2, 0, num)))
+    c.res.rows.append(Row("11", spec.name, None, how, m, band, within(m, band), c.order(2, 0, num)))
 
 
 def _case_greedy(c: _Comparison, spec, band, num):
@@ -251,7 +282,7 @@ def _case_greedy(c: _Comparison, spec, band, num):
     m = {"shape": [len(a)], "ref_shape": [len(b)], "agreement": same / max(n, 1), "equal_prefix": same, "n": n}
     c.res.greedy = {"n": n, "equal_prefix": same, "ours": a, "reference": b, "ours_text": "", "reference_text": ""}
     gb = greedy_band(band, n)
-    row = Row("12", spec.name, None, "greedy_tokens", m, gb, within(m, gb), (3, 99, 0))
+    row = Row("12", spec.name, None, "greedy_tokens", m, gb, within(m, gb), c.order(3, 99, 0))
     own = c.own_logits()
     if c.local_engine is not None and a and own is not None:
         # teacher-forced, the first greedy token is the argmax of the subject's own last logits; later tokens

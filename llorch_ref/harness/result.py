@@ -18,6 +18,7 @@ class Row:
     local: dict | None = None          # teacher-forced: the reference op on the subject's inputs vs its output
     local_band: dict | None = None
     local_passed: bool | None = None
+    step: int = 0                      # 0: the prompt's forward; K: the K-th decode step
 
     @property
     def diverges(self) -> bool:
@@ -54,7 +55,7 @@ class DiffResult:
         if not bad:
             return None
         r = min(bad, key=lambda r: r.order)
-        return {"checkpoint": r.checkpoint, "layer": r.layer, "tensor": r.tensor,
+        return {"checkpoint": r.checkpoint, "layer": r.layer, "tensor": r.tensor, "step": r.step,
                 "by": "local error" if r.local_passed is not None else "end-to-end error"}
 
     def passed(self, checkpoint=None) -> bool:
@@ -102,7 +103,7 @@ class DiffResult:
             "sides": self.sides, "subject": self.subject_label,
             "reference": self.reference_label, "not_covered": self.not_covered, "warnings": self.warnings,
             "local_declaration": self.local_declaration,
-            "rows": [{"checkpoint": r.checkpoint, "name": r.name, "layer": r.layer, "tensor": r.tensor,
+            "rows": [{"checkpoint": r.checkpoint, "name": r.name, "layer": r.layer, "tensor": r.tensor, "step": r.step,
                       **r.metrics, "band": r.band, "passed": r.passed,
                       **({"local": r.local, "local_band": r.local_band, "local_passed": r.local_passed}
                          if r.local is not None else {})} for r in self.rows],

@@ -2,7 +2,7 @@
 
 - run_diff: llorch-ref (any backend or numerics) against llama.cpp's capture on the same GGUF file;
 - run_backend_diff: a backend (numba, cupy) against the NumPy oracle, on the prompt's forward and on one
-  decode step after it (rows "@step"), under the backend's band;
+  decode step after it (rows "@step1"), under the backend's band;
 - run_subject: a dump under test (any engine) against llorch-ref, with local (teacher-forced) figures.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ..dump import Dump, model_sha256
 from ..errors import DumpError, HarnessError, PromptError
 from ..loaders.gguf_file import open_reader
 from ..references.engines import dump_llamacpp
-from ..references.llorch import engine_label, record_decode_step, record_engine
+from ..references.llorch import engine_label, record_engine
 from .compare import compare_dumps
 from .result import DiffResult
 
@@ -79,8 +79,9 @@ def backend_band(engine) -> tuple[str, dict]:
 def run_backend_diff(engine, reference, prompt=DEFAULT_PROMPT, checkpoints=None, n_greedy=32, band=None):
     """Every checkpoint of `engine` (numba, cupy, ...) against `reference` (the numpy oracle), on the same
     file and tokens, under one band per backend and dtype (token checkpoints: exact agreement). The layer
-    checkpoints are compared twice: on the prompt's forward, and on one decode step after it (tensor names
-    end in "@step"), since a backend may run other kernels for one token than for several (numba does)."""
+    checkpoints are compared on the prompt's forward and on one decode step after it (the last prompt token
+    fed again; rows '<tensor>@step1'), since a backend may run other kernels for one token than for several
+    (numba does)."""
     key, default = backend_band(engine)
     band = band or default
     ids = engine.tokenizer.encode(prompt) if engine.tokenizer else list(range(1, 10))
@@ -88,21 +89,10 @@ def run_backend_diff(engine, reference, prompt=DEFAULT_PROMPT, checkpoints=None,
 
     def bands(spec, pos):
         return {"agreement": 1.0} if spec.id in ("10", "12") else band
-    labels = {"subject_label": engine_label(engine), "reference_label": engine_label(reference),
-              "bands": bands}
     t0 = time.perf_counter()
-    res = compare_dumps(record_engine(engine, ids, n_greedy=n_greedy), record_engine(reference, ids, n_greedy=n_greedy),
-                        engine.config, f"backend:{key}", checkpoints=specs, **labels)
-    layer_specs = [s.id for s in load_specs(specs) if s.scope == "layer"]
-    if layer_specs:
-        step = compare_dumps(record_decode_step(engine, ids), record_decode_step(reference, ids), engine.config,
-                             f"backend:{key}", checkpoints=layer_specs, **labels)
-        for r in step.rows:
-            r.tensor, r.order = r.tensor + "@step", (1.5, *r.order[1:])    # after the prompt's layers
-        res.rows += step.rows
-        res.not_covered += step.not_covered
-        res.captures_ours.update({k + "@step": v for k, v in step.captures_ours.items()})
-        res.captures_ref.update({k + "@step": v for k, v in step.captures_ref.items()})
+    ours, theirs = (record_engine(e, ids, n_greedy=n_greedy, decode_ids=ids[-1:]) for e in (engine, reference))
+    res = compare_dumps(ours, theirs, engine.config, f"backend:{key}", checkpoints=specs, bands=bands,
+                        subject_label=engine_label(engine), reference_label=engine_label(reference))
     _greedy_texts(res, engine.tokenizer)
     res.timings["total_s"] = time.perf_counter() - t0
     return res

@@ -21,11 +21,12 @@ def _recorder(engine, token_ids, prompt=None, **extra) -> Recorder:
                                           "settings": {"backend": engine.backend.name}}, **extra})
 
 
-def record_engine(engine, token_ids, prompt=None, n_greedy=32) -> Recorder:
+def record_engine(engine, token_ids, prompt=None, n_greedy=32, decode_steps=0, decode_ids=None) -> Recorder:
     """llorch-ref as a dump (canonical layout): every checkpoint tensor of one forward over token_ids on a
     cache that first ran (and reset after) a warm-up sequence; the last row alone as generation asks for
-    it; its argmax and softmax; n_greedy greedy tokens (EOS ignored)."""
-
+    it; its argmax and softmax; n_greedy greedy tokens (EOS ignored). Then decode steps on the same cache,
+    one token each, every layer tensor and the logits of each: the tokens decode_ids when given (teacher
+    forcing: another engine's tokens), else decode_steps greedy tokens of its own."""
     rec = _recorder(engine, token_ids, prompt)
     ids = list(token_ids)
     if prompt is not None and engine.tokenizer is not None:
@@ -38,6 +39,7 @@ def record_engine(engine, token_ids, prompt=None, n_greedy=32) -> Recorder:
     b = engine.backend
     logits = b.to_numpy(engine.forward(ids, cache, record=lambda n, l, a: rec(n, l, b.to_numpy(a))))
     rec.add("cp8.logits", logits)
+    _decode_steps(engine, cache, rec, logits[-1], decode_steps, decode_ids)
     rec.extra["capture_invariance"] = capture_invariance(logits, b.to_numpy(engine.forward(ids, engine.new_cache())))
     rec.add("cp9.logits", b.to_numpy(engine.forward(ids, engine.new_cache(), rows=[len(ids) - 1]))[-1])
     rec.add("cp10.argmax", np.array([sampling.greedy(r) for r in logits], dtype=np.int64))
@@ -48,17 +50,21 @@ def record_engine(engine, token_ids, prompt=None, n_greedy=32) -> Recorder:
     return rec
 
 
-def record_decode_step(engine, token_ids) -> Recorder:
-    """One decode step as a dump: token_ids fill a fresh cache, then the last id is fed again at position T
-    (one token, as generation feeds it; a backend may run other kernels for it). The dump's token_ids are
-    [that id], its past_token_ids the prompt's; every layer checkpoint of the step and its logits."""
-    ids = [int(t) for t in token_ids]
-    rec = _recorder(engine, ids[-1:], past_token_ids=ids)
-    cache = engine.new_cache()
-    engine.forward(ids, cache, rows=[len(ids) - 1])
+def _decode_steps(engine, cache, rec: Recorder, last_logits, n: int, decode_ids):
+    """The decode steps after the prompt, on its cache: step k feeds decode_ids[k-1] (or its own greedy
+    pick) at the next position; the fed tokens go into the manifest's decode_token_ids."""
+    fed = [int(t) for t in decode_ids] if decode_ids is not None else []
+    steps = len(fed) if decode_ids is not None else int(n)
     b = engine.backend
-    rec.add("cp8.logits", b.to_numpy(engine.forward(ids[-1:], cache, record=lambda n, l, a: rec(n, l, b.to_numpy(a)))))
-    return rec
+    for k in range(1, steps + 1):
+        if decode_ids is None:
+            fed.append(sampling.greedy(last_logits))
+        hook = rec.at_step(k)
+        out = engine.forward(fed[k - 1:k], cache, record=lambda name, layer, a, hook=hook: hook(name, layer, b.to_numpy(a)))
+        last_logits = b.to_numpy(out)[-1]
+        rec.add("cp8.logits", last_logits[None, :], step=k)
+    if steps:
+        rec.extra["decode_token_ids"] = fed
 
 
 def engine_label(engine) -> str:
