@@ -136,11 +136,15 @@ def cmd_dump(args):
         if args.tiled_mm:
             os.environ["GGML_CPU_TILED_MM"] = "1"      # read once, before llama.cpp's first product
         rec = dump_llamacpp(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
+                            decode_steps=args.decode_steps,
                             kv_dtype=args.kv_dtype or "float32", checkpoints=args.checkpoint, flash_attn=args.flash_attn,
                             n_ubatch=args.ubatch, n_threads=args.threads)
     elif args.engine == "transformers":
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; transformers dumps hold all")
+        if args.decode_steps:
+            raise ParameterError("--decode-steps: the transformers writer records the prompt's forward only "
+                                 "(use --engine llamacpp or llorch for decode steps)")
         rec = dump_transformers(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy)
     else:
         if args.checkpoint:
@@ -150,10 +154,11 @@ def cmd_dump(args):
             if eng.tokenizer is None:
                 raise ParameterError("this model has no vocabulary: pass --token-ids")
             ids = eng.tokenizer.encode(prompt)
-        rec = record_engine(eng, ids, prompt=prompt, n_greedy=args.greedy)
+        rec = record_engine(eng, ids, prompt=prompt, n_greedy=args.greedy, decode_steps=args.decode_steps)
     rec.save(out, overwrite=args.overwrite)
-    print(f"wrote {out}: {len(rec.tensors)} tensors from {rec.engine} {rec.version}, {len(rec.token_ids)} tokens, "
-          f"layouts {rec.layouts}")
+    steps = len(rec.extra.get("decode_token_ids", []))
+    print(f"wrote {out}: {len(rec.tensors)} tensors from {rec.engine} {rec.version}, {len(rec.token_ids)} tokens"
+          + (f" and {steps} decode steps" if steps else "") + f", layouts {rec.layouts}")
     return 0
 
 

@@ -91,12 +91,12 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
             raise HarnessError(f"{spec.path}: checkpoint {spec.id} has no dump comparison")
     res.captures_ours, res.captures_ref = c.cap_sub, c.cap_ref
     for k in sorted(set(sub.steps) | set(ref.steps)):
-        _compare_step(sub, ref, k, cfg, res, specs, band_at)
+        _compare_step(sub, ref, k, cfg, res, specs, band_at, local_engine, local_bands)
     res.timings["compare_s"] = time.perf_counter() - t0
     return res
 
 
-def _compare_step(sub: Dump, ref: Dump, k: int, cfg, res: DiffResult, specs, band_at):
+def _compare_step(sub: Dump, ref: Dump, k: int, cfg, res: DiffResult, specs, band_at, local_engine, local_bands):
     """Decode step k of both dumps, compared as a forward of its own (one token after a past), its rows
     named '<tensor>@step<k>' and ordered after the prompt's; a step one side lacks is not covered."""
     if sub.decode_token_ids[:k] != ref.decode_token_ids[:k]:
@@ -109,7 +109,8 @@ def _compare_step(sub: Dump, ref: Dump, k: int, cfg, res: DiffResult, specs, ban
             return
     wanted = [s.id for s in specs if s.scope == "layer" or s.id in ("8", "10")]
     r = compare_dumps(sub.step_view(k), ref.step_view(k), cfg, res.band_class, checkpoints=wanted,
-                      subject_label=res.subject_label, reference_label=res.reference_label, bands=band_at, _step=k)
+                      subject_label=res.subject_label, reference_label=res.reference_label, bands=band_at, _step=k,
+                      local_engine=local_engine, local_bands=local_bands)
     for row in r.rows:
         row.step, row.tensor = k, f"{row.tensor}@step{k}"
     res.rows += r.rows
@@ -140,11 +141,6 @@ class _Comparison:
         self.n = len(sub.token_ids)
         self.dims = dims_of(cfg, self.n, past=len(sub.past_token_ids))
         self.cap_sub, self.cap_ref = {}, {}
-        if local_engine is not None and sub.past_token_ids:
-            res.warnings.append(f"no local (teacher-forced) figures: the dumps hold a decode step after "
-                                f"{len(sub.past_token_ids)} cached tokens, and the local comparison runs "
-                                f"fresh-cache forwards only")
-            local_engine = None
         self.local_engine, self.local_bands = local_engine, local_bands
         self.local_of, self.local_decl = None, None
         if local_engine is not None:
@@ -312,7 +308,6 @@ def _token_local(row, m: dict):
 def _local_reader(engine, sub: Dump, cat: dict, dims: dict, token_ids):
     """-> local(cp, tensor, layer): the engine's op on the subject's inputs, or None (inputs not held).
     Layers are computed once, on first use."""
-
     where = {name: cp for (cp, name) in cat}
     memo = {}
     fused = bool(((sub.arithmetic or {}).get("settings") or {}).get("flash_attn"))
@@ -331,7 +326,8 @@ def _local_reader(engine, sub: Dump, cat: dict, dims: dict, token_ids):
         key = "head" if layer is None else layer
         if key not in memo:
             memo[key] = (model_outputs(engine, get) if layer is None else
-                         local_outputs(engine, get, layer, token_ids, fused_attention=fused))
+                         local_outputs(engine, get, layer, token_ids, fused_attention=fused,
+                                       past=len(sub.past_token_ids)))
         lo = memo[key].get(tensor)
         if cp == "9" and lo is not None:            # the last row alone, from the subject's own result_norm
             return lo[-1]

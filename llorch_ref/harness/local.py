@@ -39,10 +39,24 @@ def embedding(engine, token_ids) -> np.ndarray:
     return x * np.float32(cfg.embed_scale) if cfg.embed_scale is not None else x
 
 
-def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = False) -> dict:
+def _cache_after(engine, get, layer: int, past: int):
+    """A fresh cache at position `past`, holding the subject's own cached rows before it (a decode step)."""
+    cache = engine.new_cache()
+    if past:
+        for name, store in (("k_cache", cache.k), ("v_cache", cache.v)):
+            rows = get(name, layer)
+            if rows is not None:
+                store[layer, :past] = engine.backend.asarray(rows[:past]).astype(store.dtype)
+        cache.pos = past
+    return cache
+
+
+def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = False, past: int = 0) -> dict:
     """get(name, layer) -> the subject's canonical array or None. -> {name: reference op on the subject's
     inputs} for every tensor of this layer whose inputs the subject holds. fused_attention: the subject ran
-    llama.cpp's flash attention (ggml numerics, F16 cache): attn_out is then checked through its emulation."""
+    llama.cpp's flash attention (ggml numerics, F16 cache): attn_out is then checked through its emulation.
+    past: positions already in the subject's cache (a decode step): the new tokens sit at past.., and the
+    cache rows before them are the subject's own (its k_cache/v_cache), so only the rows written are checked."""
     cfg, ops, xp = engine.config, engine.ops, engine.xp
     lw = engine.weights.layers[layer]
     t = len(token_ids)
@@ -67,7 +81,7 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
             out["q_normed"] = ops.rms_norm(xp, a[0], lw.q_norm, cfg.rms_eps)
         if (a := have("k_proj")) is not None:
             out["k_normed"] = ops.rms_norm(xp, a[0], lw.k_norm, cfg.rms_eps)
-    cache = engine.new_cache()                                  # position 0: the dump's one fresh forward
+    cache = _cache_after(engine, get, layer, past)
     local = cfg.is_local(layer)
     cos, sin = cache.rope_rows(t, local)
     for name, src in (("q", "q_normed" if cfg.qk_norm else "q_proj"), ("k", "k_normed" if cfg.qk_norm else "k_proj")):

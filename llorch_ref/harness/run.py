@@ -107,8 +107,10 @@ def run_subject(engine, sub: Dump, band_class: str, checkpoints=None, subject_la
     n = n_greedy or (len(sub.raw("12", "greedy_tokens")) if sub.has("12", "greedy_tokens") else 0)
     if log:
         log(f"llorch-ref: running the reference on the dump's {len(sub.token_ids)} tokens"
+            + (f", its {len(sub.decode_token_ids)} decode steps" if sub.decode_token_ids else "")
             + (f" and {n} greedy tokens" if n else "") + " ...")
-    ref = record_engine(engine, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n)
+    ref = record_engine(engine, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n,
+                        decode_ids=sub.decode_token_ids or None)      # teacher-forced: the subject's tokens
     res = compare_dumps(sub, ref, engine.config, band_class, checkpoints=checkpoints,
                         subject_label=subject_label or sub.engine, reference_label=engine_label(engine),
                         model=sub.source, reference_model=str(engine.path), local_engine=engine)
@@ -135,6 +137,9 @@ def check_dump_fits(sub: Dump, cfg):
         if layer is not None and layer >= cfg.n_layers:
             raise DumpError(f"{sub.source}: tensor {sub.index[(cp, t, layer)]} names layer {layer}, but the model "
                             f"has {cfg.n_layers} layers (0..{cfg.n_layers - 1})")
-    if max(sub.token_ids) >= cfg.n_vocab:
-        raise DumpError(f"{sub.source}: token id {max(sub.token_ids)} in the manifest is outside the model's "
+    fed = sub.token_ids + sub.decode_token_ids
+    if max(fed) >= cfg.n_vocab:
+        raise DumpError(f"{sub.source}: token id {max(fed)} in the manifest is outside the model's "
                         f"vocabulary of {cfg.n_vocab}")
+    for k in sub.steps:
+        check_dump_fits(sub.step_view(k), cfg)

@@ -45,67 +45,101 @@ def check_token_ids(token_ids, n_vocab: int, n_ctx: int) -> list[int]:
 
 
 def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="float32", array_order="ggml",
-                  checkpoints=None, flash_attn=False, n_ubatch=512, n_threads=2, context=None) -> Recorder:
+                  checkpoints=None, flash_attn=False, n_ubatch=512, n_threads=2, context=None, decode_steps=0,
+                  decode_ids=None) -> Recorder:
     """llama.cpp on a GGUF file -> Recorder. Tensors are written as ggml holds them (array_order "ggml":
-    shapes listed as ne[], innermost first), K/V views cut to the T positions written, kq to its T columns.
+    shapes listed as ne[], innermost first), K/V views cut to the positions written, kq to its columns.
+    Decode steps after the prompt (each one token, every layer tensor and the logits captured): the tokens
+    decode_ids when given (teacher forcing), else decode_steps greedy tokens of llama.cpp's own.
     context: an open LlamaCpp on the same file to reuse (its settings must be those asked for); it is left
     open. Else one is made for this dump and closed."""
-    import llama_cpp as _lcp
-
     kv_dtype = dtype_name(kv_dtype, KV_DTYPES, "kv_dtype")
     path = Path(path)
     if path.is_dir():
         raise ParameterError(f"{path}: llama.cpp reads GGUF files, not folders: pass a GGUF file (to diff a "
                              f"folder: --reference-model FILE.gguf, e.g. the GGUF it was converted from; or make one "
                              f"with llorch-ref convert)")
+    if n_ubatch < 1 or n_threads < 1:
+        raise ParameterError(f"n_ubatch ({n_ubatch}) and n_threads ({n_threads}) must be >= 1")
     cfg = gguf_config(path)
     if token_ids is None:
         if prompt is None:
             raise ParameterError("give a prompt or token ids")
         token_ids = tokenize(path, prompt)
-    ids = check_token_ids(token_ids, cfg.n_vocab, cfg.context_length)
-    t = len(ids)
-    specs = load_specs(checkpoints)
-    rec = Recorder("llama.cpp", f"{_lcp.__version__} (llama-cpp-python)", model_path=path, token_ids=ids,
+    steps = len(decode_ids) if decode_ids is not None else int(decode_steps)
+    ids = check_token_ids(token_ids, cfg.n_vocab, cfg.context_length - steps)
+    t, specs = len(ids), load_specs(checkpoints)
+    rec = Recorder("llama.cpp", f"{llama_cpp_version()} (llama-cpp-python)", model_path=path, token_ids=ids,
                    prompt=prompt, layouts={"array_order": array_order, "rope_pairs": cfg.rope_style},
                    notes=f"K/V cache {kv_dtype}, flash attention {'on' if flash_attn else 'off'}, n_ubatch {n_ubatch}, "
                          f"{n_threads} threads")
-
-    def put(name, a):
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        rec.add(name, a.reshape(a.shape[::-1]) if array_order == "ggml" else a)
-
-    hd, kv, h = cfg.head_dim, cfg.n_kv_heads, cfg.n_heads
-    canon = {  # our name -> fn(llama.cpp array in NumPy order) -> canonical array
-        "q_proj": lambda a: a.reshape(t, h, hd), "k_proj": lambda a: a.reshape(t, kv, hd),
-        "v": lambda a: a.reshape(t, kv, hd), "q": lambda a: a.reshape(t, h, hd), "k": lambda a: a.reshape(t, kv, hd),
-        "q_normed": lambda a: a.reshape(t, h, hd), "k_normed": lambda a: a.reshape(t, kv, hd),
-        "k_cache": lambda a: a.reshape(-1, kv, hd)[:t], "v_cache": lambda a: a.reshape(hd, kv, -1).transpose(2, 1, 0)[:t],
-        "kq": lambda a: a.reshape(h, t, -1)[..., :t], "kq_soft_max": lambda a: a.reshape(h, t, -1)[..., :t],
-        "kqv_out": lambda a: a.reshape(t, h * hd),
-    }
-    if flash_attn:                  # llama.cpp stores V transposed only without flash attention
-        canon["v_cache"] = canon["k_cache"]
-    names = set()
-    for s in specs:
-        for ts in s.tensors_for(cfg):
-            if ts.node(cfg) is not None:
-                names |= {ts.node(cfg)["name"].replace("{L}", str(i)) for i in range(cfg.n_layers)}
-    n_ctx = max(256, 64 * ((t + n_greedy + 63) // 64))
-    if n_ubatch < 1 or n_threads < 1:
-        raise ParameterError(f"n_ubatch ({n_ubatch}) and n_threads ({n_threads}) must be >= 1")
+    need = t + max(n_greedy, steps)
     if context is not None:
-        _check_context(context, path, n_ctx=t + n_greedy, type_k=SHORT[kv_dtype], flash_attn=flash_attn)
-    ref = context or LlamaCpp(path, n_ctx=n_ctx, kv_dtype=kv_dtype, flash_attn=flash_attn, n_ubatch=n_ubatch,
-                              n_threads=n_threads)
+        _check_context(context, path, n_ctx=need, type_k=SHORT[kv_dtype], flash_attn=flash_attn)
+    ref = context or LlamaCpp(path, n_ctx=max(256, 64 * ((need + 63) // 64)), kv_dtype=kv_dtype,
+                              flash_attn=flash_attn, n_ubatch=n_ubatch, n_threads=n_threads)
     rec.extra["arithmetic"] = {"numerics": "ggml", "kv_dtype": kv_dtype, "settings": dict(ref.settings)}
+    capture = _LlamaCppCapture(rec, specs, cfg, flash_attn, array_order)
     try:
         if prompt is not None and any(s.id == "0" for s in specs):
             rec.add("cp0.token_ids", np.array(tokenize(path, prompt), dtype=np.int64))
-        cap = Capture(names=names | {"result_output"})
-        logits = ref.eval(ids, cap)
+        logits = capture.run(ref, ids, pos=0)
+        if steps:
+            capture.decode(ref, t, logits[-1], steps, decode_ids)
         rec.extra["capture_invariance"] = capture_invariance(logits, ref.eval(ids))
+        ids_of = {s.id for s in specs}
+        if "8" in ids_of or "10" in ids_of or "11" in ids_of:
+            capture.put("cp8.logits", logits)
+        if "9" in ids_of:
+            capture.put("cp9.logits", ref.eval_last(ids))
+        if "12" in ids_of and n_greedy > 0:
+            rec.add("cp12.greedy_tokens", np.array(ref.greedy(ids, n_greedy), dtype=np.int64))
+    finally:
+        if context is None:
+            ref.close()
+    return rec
+
+
+class _LlamaCppCapture:
+    """The checkpoint tensors of llama.cpp forwards, captured through its eval callback and written to a
+    Recorder in the declared array order: the prompt's forward (step 0) and decode steps after it."""
+
+    def __init__(self, rec: Recorder, specs, cfg, flash_attn: bool, array_order: str):
+        self.rec, self.specs, self.cfg, self.flash_attn, self.array_order = rec, specs, cfg, flash_attn, array_order
+        self.names = {"result_output"}
         for s in specs:
+            for ts in s.tensors_for(cfg):
+                if ts.node(cfg) is not None:
+                    self.names |= {ts.node(cfg)["name"].replace("{L}", str(i)) for i in range(cfg.n_layers)}
+
+    def put(self, name, a, step: int = 0):
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        self.rec.add(name, a.reshape(a.shape[::-1]) if self.array_order == "ggml" else a, step=step)
+
+    def canonical(self, t: int, s: int) -> dict:
+        """our name -> fn(llama.cpp array in NumPy order) -> canonical array, for t new tokens after s - t."""
+        hd, kv, h = self.cfg.head_dim, self.cfg.n_kv_heads, self.cfg.n_heads
+        k_cache = lambda a: a.reshape(-1, kv, hd)[:s]
+        return {
+            "q_proj": lambda a: a.reshape(t, h, hd), "k_proj": lambda a: a.reshape(t, kv, hd),
+            "v": lambda a: a.reshape(t, kv, hd), "q": lambda a: a.reshape(t, h, hd),
+            "k": lambda a: a.reshape(t, kv, hd), "q_normed": lambda a: a.reshape(t, h, hd),
+            "k_normed": lambda a: a.reshape(t, kv, hd), "k_cache": k_cache,
+            # llama.cpp stores V transposed only without flash attention
+            "v_cache": k_cache if self.flash_attn else lambda a: a.reshape(hd, kv, -1).transpose(2, 1, 0)[:s],
+            "kq": lambda a: a.reshape(h, t, -1)[..., :s], "kq_soft_max": lambda a: a.reshape(h, t, -1)[..., :s],
+            "kqv_out": lambda a: a.reshape(t, h * hd),
+        }
+
+    def run(self, ref, tokens, pos: int, step: int = 0):
+        """One forward of `tokens` at `pos` (pos 0: a fresh sequence), every checkpoint node written at `step`;
+        -> its logits [T, V]."""
+        cap = Capture(names=self.names)
+        logits = ref.eval(tokens, cap) if pos == 0 else ref.eval_at(tokens, pos, cap)
+        canon, cfg = self.canonical(len(tokens), pos + len(tokens)), self.cfg
+        for s in self.specs:
+            if step and s.scope != "layer" and s.id != "8":     # a decode step: layers, its final norm, logits
+                continue
             for ts in s.tensors_for(cfg):
                 lc = ts.node(cfg)
                 if lc is None:                         # unnamed in this architecture's graph: not covered
@@ -113,23 +147,28 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
                 for layer in (range(cfg.n_layers) if s.scope == "layer" else [None]):
                     key = (lc["name"].replace("{L}", str(layer)), lc["op"], int(lc.get("occurrence", 0)))
                     if key not in cap.tensors:
-                        if flash_attn and ts.ours in FUSED_BY_FLASH_ATTN:
+                        if self.flash_attn and ts.ours in FUSED_BY_FLASH_ATTN:
                             continue                   # fused into one op: not covered, never passed
                         raise ReferenceError_(f"llama.cpp produced no node {key} (captured {len(cap.tensors)})")
                     a = ts.from_llamacpp(cfg, cap.tensors[key])
-                    put(f"cp{s.id}.{ts.ours}" + ("" if layer is None else f".layer{layer}"),
-                        canon.get(ts.ours, lambda x: x.reshape(t, -1))(a))
-        ids_of = {s.id for s in specs}
-        if "8" in ids_of or "10" in ids_of or "11" in ids_of:
-            put("cp8.logits", logits)
-        if "9" in ids_of:
-            put("cp9.logits", ref.eval_last(ids))
-        if "12" in ids_of and n_greedy > 0:
-            rec.add("cp12.greedy_tokens", np.array(ref.greedy(ids, n_greedy), dtype=np.int64))
-    finally:
-        if context is None:
-            ref.close()
-    return rec
+                    self.put(f"cp{s.id}.{ts.ours}" + ("" if layer is None else f".layer{layer}"),
+                             canon.get(ts.ours, lambda x: x.reshape(len(tokens), -1))(a), step=step)
+        return logits
+
+    def decode(self, ref, t: int, last_logits, steps: int, decode_ids):
+        """Decode steps on the prompt's cache: step k feeds decode_ids[k-1] (or llama.cpp's greedy pick)."""
+        fed = [int(x) for x in decode_ids] if decode_ids is not None else []
+        for k in range(1, steps + 1):
+            if decode_ids is None:
+                fed.append(int(np.argmax(last_logits)))
+            last_logits = self.run(ref, fed[k - 1:k], pos=t + k - 1, step=k)[-1]
+            self.put("cp8.logits", last_logits[None, :], step=k)
+        self.rec.extra["decode_token_ids"] = fed
+
+
+def llama_cpp_version() -> str:
+    import llama_cpp
+    return llama_cpp.__version__
 
 
 def _check_context(ctx, path, n_ctx: int, **settings):

@@ -206,6 +206,14 @@ class LlamaCpp:
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
         return self._decode(tokens, 0, capture, all_logits=True)
 
+    def eval_at(self, tokens, pos: int, capture: Capture | None = None) -> np.ndarray:
+        """tokens: [T] appended at positions pos.. of the sequence held (no clearing: a decode step after
+        eval) -> their logits [T, V]."""
+        tokens = [int(t) for t in tokens]
+        if pos + len(tokens) > self.n_ctx:
+            raise PromptError(f"positions {pos}..{pos + len(tokens) - 1} exceed llama.cpp's n_ctx {self.n_ctx}")
+        return self._decode(tokens, pos, capture, all_logits=True)
+
     def _decode(self, tokens, pos0, capture, all_logits):
         lc = self.llama_cpp
         n = len(tokens)
