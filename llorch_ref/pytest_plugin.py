@@ -4,7 +4,9 @@
     pytest --llorch-dump=dump.safetensors [--llorch-model PATH]
 
 The subject protocol: a callable `f(model_path: str, token_ids: list[int]) -> Recorder | Dump | path`,
-which runs the engine on the model and returns its checkpoint tensors (llorch_ref.dump.Recorder). The
+which runs the engine on the model and returns its checkpoint tensors (llorch_ref.dump.Recorder); with
+--llorch-decode-steps N it is called with decode_steps=N and records N decode steps after the prompt
+(Recorder.add(..., step=k), the fed tokens in decode_token_ids); the reference runs the same tokens. The
 reference is llorch-ref (numpy, exact) on --llorch-model (default: the default model). One test per
 checkpoint and layer ('llorch::cp2_qkv[layer3]'); a test fails when a tensor leaves its band, and is
 skipped, with the reason, where the subject does not cover it. Without either option the plugin adds
@@ -25,6 +27,9 @@ def pytest_addoption(parser):
     g.addoption("--llorch-prompt", default=None, help="prompt the subject is run on (default: the harness prompt)")
     g.addoption("--llorch-bundle-dir", default=None, metavar="DIR", help="write proof bundles here")
     g.addoption("--llorch-band-class", default=None, help="band class (default: from the model's weight types)")
+    g.addoption("--llorch-decode-steps", type=int, default=0,
+                help="decode steps the subject records after the prompt (passed to it as decode_steps=N; the "
+                     "reference runs the same tokens)")
     g.addoption("--llorch-greedy", type=int, default=0,
                 help="greedy tokens the reference generates to compare with the subject's cp12 (default: as many "
                      "as the subject recorded)")
@@ -70,7 +75,8 @@ def _compute(config, eng):
         fn = _load_subject(opt("llorch_subject"))
         prompt = opt("llorch_prompt") or DEFAULT_PROMPT
         ids = eng.tokenizer.encode(prompt)
-        out = fn(str(eng.path), list(ids))
+        steps = opt("llorch_decode_steps")
+        out = fn(str(eng.path), list(ids), decode_steps=steps) if steps else fn(str(eng.path), list(ids))
         if isinstance(out, Recorder):
             if out.prompt is None:
                 out.prompt = prompt
@@ -138,7 +144,7 @@ class CheckpointFailure(AssertionError):
                          + (f"\n    {m['error']}" if m.get("error") else ""))
         fd = res.first_divergence
         lines.append(f"first divergence of the run: checkpoint {fd['checkpoint']}, layer {fd['layer']}, "
-                     f"tensor {fd['tensor']} (by {fd['by']})")
+                     f"tensor {fd['tensor']}, step {fd['step']} (by {fd['by']})")
         super().__init__("\n".join(lines))
 
 

@@ -1,0 +1,197 @@
+"""Decode steps in dumps: the prompt's forward and N one-token steps after it, every checkpoint per step,
+compared teacher-forced (both sides run the subject's tokens). Planted decode-only bugs in a subject engine
+are named at their step, checkpoint and layer; llama.cpp with decode steps passes."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import llorch_ref
+from llorch_ref.dump import Dump, load_dump
+from llorch_ref.errors import DumpError
+from llorch_ref.harness.compare import compare_dumps
+from llorch_ref.harness.run import run_subject
+from llorch_ref.model import cache as cache_mod
+from llorch_ref.references.llorch import record_engine
+
+PROMPT = "Once upon a time, there was"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tiny(weight_type="F32", n_layers=2, vocab="bpe")
+
+
+@pytest.fixture(scope="module")
+def ref_engine(model):
+    return llorch_ref.load(model, weights="eager")
+
+
+def where(fd):
+    return None if fd is None else (fd["step"], fd["checkpoint"], fd["layer"], fd["tensor"])
+
+
+def compare_planted(ref_engine, monkeypatch, plant, config=None):
+    """The subject: llorch-ref with a bug planted while it records the prompt and STEPS decode steps; the
+    reference: llorch-ref, clean, fed the subject's tokens. -> the comparison (local figures included)."""
+    eng = ref_engine
+    if config is not None:
+        eng = llorch_ref.load(ref_engine.path, weights="eager")
+        eng.config = dataclasses.replace(eng.config, **config)
+    ids = eng.tokenizer.encode(PROMPT)
+    assert not config or len(ids) > config["sliding_window"]          # the prompt crosses the window
+    with monkeypatch.context() as mp:
+        plant(mp, len(ids))
+        sub = record_engine(eng, ids, n_greedy=0, decode_steps=STEPS).to_dump()
+    ref = record_engine(eng, ids, n_greedy=0, decode_ids=sub.decode_token_ids).to_dump()
+    return compare_dumps(sub, ref, eng.config, "F32", local_engine=eng)
+
+
+def position_off_by_one_in_decode(mp, n_prompt):
+    real = cache_mod.Cache.positions
+    mp.setattr(cache_mod.Cache, "positions", lambda self, n: real(self, n) + (1 if n == 1 and self.pos else 0))
+
+
+def kv_written_one_slot_late(mp, n_prompt):
+    real = cache_mod.Cache.store
+
+    def store(self, layer, k, v):
+        if k.shape[0] != 1:
+            return real(self, layer, k, v)
+        self.k[layer, self.pos + 1], self.v[layer, self.pos + 1] = k[0], v[0]
+        end = self.pos + 1
+        return self.k[layer, :end].astype(np.float32), self.v[layer, :end].astype(np.float32)
+    mp.setattr(cache_mod.Cache, "store", store)
+
+
+def cache_not_reset(mp, n_prompt):
+    mp.setattr(cache_mod.Cache, "reset", lambda self: self._memo.clear())
+
+
+def rope_table_only_as_long_as_the_prompt(mp, n_prompt):
+    real = cache_mod.Cache.tables
+
+    def tables(self, local=False):
+        cos, sin = real(self, local)
+        last = n_prompt - 1                      # rows past the prompt repeat its last one
+        return (np.concatenate([cos[:n_prompt], np.repeat(cos[last:last + 1], len(cos) - n_prompt, 0)]),
+                np.concatenate([sin[:n_prompt], np.repeat(sin[last:last + 1], len(sin) - n_prompt, 0)]))
+    mp.setattr(cache_mod.Cache, "tables", tables)
+
+
+def sliding_window_off_by_one_in_decode(mp, n_prompt):
+    real = cache_mod.Cache.mask
+    mp.setattr(cache_mod.Cache, "mask", lambda self, n, window=0: real(self, n, window + 1 if n == 1 and window else window))
+
+
+@pytest.mark.parametrize("plant, expect, config", [
+    (position_off_by_one_in_decode, (1, "1B", 0, "q@step1"), None),
+    (kv_written_one_slot_late, (1, "3", 0, "k_cache@step1"), None),
+    (cache_not_reset, (0, "1B", 0, "q"), None),
+    (rope_table_only_as_long_as_the_prompt, (1, "1B", 0, "q@step1"), None),   # step 1 is the first row past it
+    (sliding_window_off_by_one_in_decode, (1, "4", 0, "kq_soft_max@step1"), {"sliding_window": 4, "local_layers": (True, True)}),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_a_decode_only_bug_is_named_at_its_step_checkpoint_and_layer(ref_engine, monkeypatch, plant, expect, config):
+    res = compare_planted(ref_engine, monkeypatch, plant, config)
+    fd = res.first_divergence
+    assert where(fd) == expect, fd
+    assert fd["by"] == "local error"
+    if expect[0] > 0:            # decode-only: the prompt's forward passes everywhere
+        assert all(not r.diverges for r in res.rows if r.step == 0 and r.checkpoint != "12")
+
+
+def test_the_clean_engine_passes_every_step(ref_engine, monkeypatch):
+    res = compare_planted(ref_engine, monkeypatch, lambda mp, n: None)
+    assert res.first_divergence is None
+    steps = {r.step for r in res.rows}
+    assert steps == {0, 1, 2, 3} and all(r.local is not None for r in res.rows if r.step and r.layer is not None)
+
+
+def test_steps_round_trip_through_a_file(ref_engine, tmp_path):
+    ids = ref_engine.tokenizer.encode(PROMPT)
+    rec = record_engine(ref_engine, ids, n_greedy=0, decode_steps=2)
+    d = load_dump(rec.save(tmp_path / "d.safetensors"))
+    assert d.manifest["format"] == "llorch-dump/3" and sorted(d.steps) == [1, 2]
+    v = d.step_view(2)
+    assert v.token_ids == d.decode_token_ids[1:2] and v.past_token_ids == ids + d.decode_token_ids[:1]
+    assert v.raw("3", "k_cache", 0).shape[0] == len(ids) + 2       # S = past + 1
+    man = {**rec.manifest(), "decode_token_ids": []}
+    with pytest.raises(DumpError, match="decode step 2"):
+        Dump(manifest=man, tensors=dict(rec.tensors), source="x")
+
+
+def test_steps_must_feed_the_same_tokens(ref_engine):
+    ids = ref_engine.tokenizer.encode(PROMPT)
+    a = record_engine(ref_engine, ids, n_greedy=0, decode_steps=2).to_dump()
+    b = record_engine(ref_engine, ids, n_greedy=0, decode_ids=[1, 2]).to_dump()
+    from llorch_ref.errors import HarnessError
+    with pytest.raises(HarnessError, match="different decode tokens"):
+        compare_dumps(a, b, ref_engine.config, "F32")
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("kw", [dict(), dict(flash_attn=True, kv_dtype="float16")], ids=["f32-cache", "production"])
+def test_llamacpp_decode_steps_pass(llamacpp, tiny, kw):
+    from llorch_ref.references.engines import dump_llamacpp
+
+    q8 = tiny(weight_type="Q8_0", n_layers=3, d_model=128, d_ff=192, vocab="bpe")
+    eng = llorch_ref.load(q8, numerics="ggml", kv_dtype=kw.get("kv_dtype", "float32"))
+    sub = dump_llamacpp(q8, prompt=PROMPT, n_greedy=4, decode_steps=4, **kw).to_dump()
+    res = run_subject(eng, sub, "Q8_0")
+    assert res.first_divergence is None, res.first_divergence
+    assert {r.step for r in res.rows} == {0, 1, 2, 3, 4}
+    assert all(r.local_passed for r in res.rows if r.step and r.local is not None)
+
+
+@pytest.mark.llamacpp
+def test_cli_dump_with_decode_steps_then_diff(llamacpp, tiny, tmp_path):
+    q8 = tiny(weight_type="Q8_0", n_layers=3, d_model=128, d_ff=192, vocab="bpe")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "llorch_ref.cli", *map(str, a)], capture_output=True,
+                                    text=True, timeout=600)
+    d = run("dump", "--engine", "llamacpp", "--model", q8, "--decode-steps", "3", "--out", tmp_path / "d.safetensors")
+    assert d.returncode == 0 and "3 decode steps" in d.stdout, d.stderr
+    r = run("diff", "--subject", tmp_path / "d.safetensors", "--model", q8, "--json")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    import json
+    out = json.loads(r.stdout)
+    assert {row["step"] for row in out["rows"]} == {0, 1, 2, 3} and out["first_divergence"] is None
+
+
+SUBJECT = '''
+import numpy as np
+import llorch_ref
+from llorch_ref.model import cache as cache_mod
+from llorch_ref.references.llorch import record_engine
+
+def make_dump(model_path, token_ids, decode_steps=0):
+    """llorch-ref with decode positions off by one (decode steps only)."""
+    real = cache_mod.Cache.positions
+    cache_mod.Cache.positions = lambda self, n: real(self, n) + (1 if n == 1 and self.pos else 0)
+    try:
+        return record_engine(llorch_ref.load(model_path), token_ids, n_greedy=0, decode_steps=decode_steps)
+    finally:
+        cache_mod.Cache.positions = real
+'''
+
+
+def test_the_pytest_plugin_names_a_decode_only_bug(model, tmp_path):
+    import re
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "my_engine.py").write_text(SUBJECT)
+    env = {"PYTHONPATH": str(proj)}
+    args = ["-q", "-p", "no:cacheprovider", "--llorch-subject=my_engine:make_dump", f"--llorch-model={model}", "-vv"]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "pytest", *args, *a], cwd=proj, capture_output=True,
+                                    text=True, timeout=600, env={**__import__("os").environ, **env})
+    r = run()                                     # no decode steps: the bug is invisible
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-1000:]
+    r = run("--llorch-decode-steps=2")
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert re.search(r"llorch::cp1_rms_norm\[layer0\] +PASSED", r.stdout), r.stdout[-3000:]
+    assert re.search(r"llorch::cp1B_rope\[layer0\] +FAILED", r.stdout), r.stdout[-3000:]
+    assert "q@step1" in r.stdout and "first divergence: checkpoint 1B, layer 0, q@step1" in r.stdout, r.stdout[-3000:]
