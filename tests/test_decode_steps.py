@@ -7,7 +7,6 @@ import dataclasses
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import llorch_ref
@@ -15,8 +14,8 @@ from llorch_ref.dump import Dump, load_dump
 from llorch_ref.errors import DumpError
 from llorch_ref.harness.compare import compare_dumps
 from llorch_ref.harness.run import run_subject
-from llorch_ref.model import cache as cache_mod
 from llorch_ref.references.llorch import record_engine
+from llorch_ref.testing.plant import DECODE_BUGS
 
 PROMPT = "Once upon a time, there was"
 STEPS = 3
@@ -52,51 +51,11 @@ def compare_planted(ref_engine, monkeypatch, plant, config=None):
     return compare_dumps(sub, ref, eng.config, "F32", local_engine=eng)
 
 
-def position_off_by_one_in_decode(mp, n_prompt):
-    real = cache_mod.Cache.positions
-    mp.setattr(cache_mod.Cache, "positions", lambda self, n: real(self, n) + (1 if n == 1 and self.pos else 0))
-
-
-def kv_written_one_slot_late(mp, n_prompt):
-    real = cache_mod.Cache.store
-
-    def store(self, layer, k, v):
-        if k.shape[0] != 1:
-            return real(self, layer, k, v)
-        self.k[layer, self.pos + 1], self.v[layer, self.pos + 1] = k[0], v[0]
-        end = self.pos + 1
-        return self.k[layer, :end].astype(np.float32), self.v[layer, :end].astype(np.float32)
-    mp.setattr(cache_mod.Cache, "store", store)
-
-
-def cache_not_reset(mp, n_prompt):
-    mp.setattr(cache_mod.Cache, "reset", lambda self: self._memo.clear())
-
-
-def rope_table_only_as_long_as_the_prompt(mp, n_prompt):
-    real = cache_mod.Cache.tables
-
-    def tables(self, local=False):
-        cos, sin = real(self, local)
-        last = n_prompt - 1                      # rows past the prompt repeat its last one
-        return (np.concatenate([cos[:n_prompt], np.repeat(cos[last:last + 1], len(cos) - n_prompt, 0)]),
-                np.concatenate([sin[:n_prompt], np.repeat(sin[last:last + 1], len(sin) - n_prompt, 0)]))
-    mp.setattr(cache_mod.Cache, "tables", tables)
-
-
-def sliding_window_off_by_one_in_decode(mp, n_prompt):
-    real = cache_mod.Cache.mask
-    mp.setattr(cache_mod.Cache, "mask", lambda self, n, window=0: real(self, n, window + 1 if n == 1 and window else window))
-
-
-@pytest.mark.parametrize("plant, expect, config", [
-    (position_off_by_one_in_decode, (1, "1B", 0, "q@step1"), None),
-    (kv_written_one_slot_late, (1, "3", 0, "k_cache@step1"), None),
-    (cache_not_reset, (0, "1B", 0, "q"), None),
-    (rope_table_only_as_long_as_the_prompt, (1, "1B", 0, "q@step1"), None),   # step 1 is the first row past it
-    (sliding_window_off_by_one_in_decode, (1, "4", 0, "kq_soft_max@step1"), {"sliding_window": 4, "local_layers": (True, True)}),
-], ids=lambda x: getattr(x, "__name__", None))
-def test_a_decode_only_bug_is_named_at_its_step_checkpoint_and_layer(ref_engine, monkeypatch, plant, expect, config):
+@pytest.mark.parametrize("name", list(DECODE_BUGS))
+def test_a_decode_only_bug_is_named_at_its_step_checkpoint_and_layer(ref_engine, monkeypatch, name):
+    plant, config, expect = DECODE_BUGS[name]
+    if config and "sliding_window" in config:
+        config = {**config, "local_layers": (True,) * ref_engine.config.n_layers}
     res = compare_planted(ref_engine, monkeypatch, plant, config)
     fd = res.first_divergence
     assert where(fd) == expect, fd
@@ -163,7 +122,6 @@ def test_cli_dump_with_decode_steps_then_diff(llamacpp, tiny, tmp_path):
 
 
 SUBJECT = '''
-import numpy as np
 import llorch_ref
 from llorch_ref.model import cache as cache_mod
 from llorch_ref.references.llorch import record_engine

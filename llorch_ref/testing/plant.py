@@ -1,4 +1,6 @@
-"""Plant a scale error in one weight matrix of a GGUF file, in place of its blocks: the block scales (d, and
+"""Planted bugs for the harness's own tests and sweeps.
+
+plant_scale: a scale error in one weight matrix of a GGUF file, in place of its blocks: the block scales (d, and
 m / dmin where the type has one) are multiplied by `factor`, so every dequantized weight of the matrix is
 multiplied by it (up to the f16 rounding of the new scales). The rest of the file is untouched, so an engine
 under test runs exactly the original quantization with one matrix off by a known amount.
@@ -11,6 +13,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+
+from ..model import cache as cache_mod
 
 # type name -> (bytes per block, byte offsets of the f16 scales that multiply every weight of the block)
 SCALES = {"Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)), "Q5_1": (24, (0, 2)), "Q8_0": (34, (0,)),
@@ -44,3 +48,51 @@ def plant_scale(src, dst, tensor: str, factor: float) -> Path:
     reader.data.flush()
     del reader
     return dst
+
+
+# -- decode-only bugs: each fn(monkeypatch, n_prompt) patches llorch-ref's Cache for the run it wraps -------
+def position_off_by_one_in_decode(mp, n_prompt):
+    real = cache_mod.Cache.positions
+    mp.setattr(cache_mod.Cache, "positions", lambda self, n: real(self, n) + (1 if n == 1 and self.pos else 0))
+
+
+def kv_written_one_slot_late(mp, n_prompt):
+    real = cache_mod.Cache.store
+
+    def store(self, layer, k, v):
+        if k.shape[0] != 1:
+            return real(self, layer, k, v)
+        self.k[layer, self.pos + 1], self.v[layer, self.pos + 1] = k[0], v[0]
+        end = self.pos + 1
+        return self.k[layer, :end].astype(np.float32), self.v[layer, :end].astype(np.float32)
+    mp.setattr(cache_mod.Cache, "store", store)
+
+
+def cache_not_reset(mp, n_prompt):
+    mp.setattr(cache_mod.Cache, "reset", lambda self: self._memo.clear())
+
+
+def rope_table_only_as_long_as_the_prompt(mp, n_prompt):
+    real = cache_mod.Cache.tables
+
+    def tables(self, local=False):
+        cos, sin = real(self, local)
+        last = n_prompt - 1                      # rows past the prompt repeat its last one
+        return (np.concatenate([cos[:n_prompt], np.repeat(cos[last:last + 1], len(cos) - n_prompt, 0)]),
+                np.concatenate([sin[:n_prompt], np.repeat(sin[last:last + 1], len(sin) - n_prompt, 0)]))
+    mp.setattr(cache_mod.Cache, "tables", tables)
+
+
+def sliding_window_off_by_one_in_decode(mp, n_prompt):
+    real = cache_mod.Cache.mask
+    mp.setattr(cache_mod.Cache, "mask", lambda self, n, window=0: real(self, n, window + 1 if n == 1 and window else window))
+
+
+DECODE_BUGS = {  # name -> (plant, config changes the bug needs, where it must be named: (step, checkpoint, layer, tensor))
+    "decode positions off by one": (position_off_by_one_in_decode, None, (1, "1B", 0, "q@step1")),
+    "K/V written one slot late": (kv_written_one_slot_late, None, (1, "3", 0, "k_cache@step1")),
+    "cache not reset between sequences": (cache_not_reset, None, (0, "1B", 0, "q")),
+    "RoPE table only as long as the prompt": (rope_table_only_as_long_as_the_prompt, None, (1, "1B", 0, "q@step1")),
+    "sliding window off by one in decode": (sliding_window_off_by_one_in_decode, {"sliding_window": 4},
+                                            (1, "4", 0, "kq_soft_max@step1")),
+}
