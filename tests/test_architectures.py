@@ -40,7 +40,7 @@ def test_every_checkpoint_against_llamacpp(llamacpp, arch_model):
     if arch == "gemma3":
         assert "float16 table" in res.warnings[0]
         spec = {s.id: s for s in res.specs}
-        early = [r for r in res.rows if r.layer == 0 and r.order < (1, 0, 70)]
+        early = [r for r in res.rows if r.layer == 0 and r.order < (1, 0, 0, 70)]    # (phase, step, layer, place)
         assert len(early) > 10 and all(r.band == spec[r.checkpoint].band("F32") for r in early)
         assert all(r.band == spec[r.checkpoint].band("F16") for r in res.rows if r.layer is not None and r.layer > 0)
 

@@ -153,3 +153,16 @@ def test_the_pytest_plugin_names_a_decode_only_bug(model, tmp_path):
     assert re.search(r"llorch::cp1_rms_norm\[layer0\] +PASSED", r.stdout), r.stdout[-3000:]
     assert re.search(r"llorch::cp1B_rope\[layer0\] +FAILED", r.stdout), r.stdout[-3000:]
     assert "q@step1" in r.stdout and "first divergence: checkpoint 1B, layer 0, q@step1" in r.stdout, r.stdout[-3000:]
+
+
+def test_transformers_decode_steps_pass(model):
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+    from llorch_ref.references.engines import dump_transformers
+
+    eng = llorch_ref.load(model, weights="eager")
+    sub = dump_transformers(model, prompt=PROMPT, n_greedy=4, decode_steps=3).to_dump()
+    assert sorted(sub.steps) == [1, 2, 3] and len(sub.decode_token_ids) == 3
+    res = run_subject(eng, sub, "F32")
+    assert res.first_divergence is None, res.first_divergence
+    assert {r.step for r in res.rows} == {0, 1, 2, 3}
+    assert all(r.local_passed for r in res.rows if r.step and r.local is not None)

@@ -142,10 +142,8 @@ def cmd_dump(args):
     elif args.engine == "transformers":
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; transformers dumps hold all")
-        if args.decode_steps:
-            raise ParameterError("--decode-steps: the transformers writer records the prompt's forward only "
-                                 "(use --engine llamacpp or llorch for decode steps)")
-        rec = dump_transformers(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy)
+        rec = dump_transformers(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
+                                decode_steps=args.decode_steps)
     else:
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp dumps")

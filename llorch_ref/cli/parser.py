@@ -121,7 +121,7 @@ def _dump(sub):
     du.add_argument("--greedy", type=int, default=32, help="greedy tokens to record (checkpoint 12)")
     du.add_argument("--decode-steps", type=int_in(0, 4096), default=0,
                     help="decode steps after the prompt, one token each (the engine's greedy tokens), every layer "
-                         "tensor and the logits of each recorded (llamacpp, llorch); diff --subject feeds the "
+                         "tensor and the logits of each recorded; diff --subject feeds the "
                          "reference the same tokens")
     du.add_argument("--checkpoint", action="append", help="checkpoint id or name (repeatable; default all)")
     du.add_argument("--out", required=True, help="dump file to write (.safetensors)")

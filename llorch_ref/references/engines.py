@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import types
 from pathlib import Path
 
 import numpy as np
@@ -200,10 +201,11 @@ def hf_folder_for(path) -> Path:
     return out
 
 
-def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorder:
+def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32, decode_steps=0, decode_ids=None) -> Recorder:
     """transformers (float32, eager attention, CPU) on a Hugging Face folder -> Recorder, through forward
     hooks. Layout: token-major, Hugging Face (NeoX) RoPE pairs. The raw Q.K^T scores (checkpoint 4 'kq')
-    are not exposed by transformers and are left out (not covered)."""
+    are not exposed by transformers and are left out (not covered). Decode steps after the prompt on its
+    cache: the tokens decode_ids when given (teacher forcing), else decode_steps greedy tokens."""
     torch, transformers = _import_hf()
     folder = hf_folder_for(path)
     model = _load_hf_model(torch, transformers, folder)
@@ -222,15 +224,19 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32) -> Recorde
     if tok is not None:
         rec.add("cp0.token_ids", np.array(tok(prompt, add_special_tokens=True)["input_ids"], dtype=np.int64))
     x = torch.tensor([ids])
-    hooks = _layer_hooks(model, rec, len(ids))
+    at = types.SimpleNamespace(t=len(ids), step=0)          # what the hooks record into: tokens, step
+    hooks = _layer_hooks(model, rec, at)
     try:
         with torch.no_grad(), _rope_outputs(model) as roped:
             out = model(x, use_cache=True, output_attentions=True)
+        _add_rope_caches_scores(rec, c, roped, out, len(ids))
+        rec.add("cp8.logits", out.logits[0])
+        steps = len(decode_ids) if decode_ids is not None else int(decode_steps)
+        if steps:
+            _hf_decode(torch, model, rec, at, out, steps, decode_ids)
     finally:
         for hk in hooks:
             hk.remove()
-    _add_rope_caches_scores(rec, c, roped, out, len(ids))
-    rec.add("cp8.logits", out.logits[0])
     with torch.no_grad():                                  # the same forward without hooks or wrapped RoPE
         plain = model(x, use_cache=True, output_attentions=True).logits[0]
         rec.extra["capture_invariance"] = capture_invariance(out.logits[0].numpy(), plain.numpy())
@@ -271,8 +277,9 @@ def _out(o):
     return o[0] if isinstance(o, tuple) else o
 
 
-def _layer_hooks(model, rec: Recorder, t: int) -> list:
-    """Forward (and pre-forward) hooks that add every layer tensor to rec, in the canonical names."""
+def _layer_hooks(model, rec: Recorder, at) -> list:
+    """Forward (and pre-forward) hooks that add every layer tensor to rec, in the canonical names, for a
+    forward of at.t tokens at step at.step."""
     c = model.config
     h, kv = c.num_attention_heads, c.num_key_value_heads
     hd = getattr(c, "head_dim", None) or c.hidden_size // h
@@ -280,32 +287,34 @@ def _layer_hooks(model, rec: Recorder, t: int) -> list:
     hooks = []
 
     def fwd(mod, name, i, fn=lambda a: a[0]):
-        hooks.append(mod.register_forward_hook(lambda m, inp, o: rec.add(f"{name}.layer{i}", fn(_out(o)))))
+        hooks.append(mod.register_forward_hook(
+            lambda m, inp, o: rec.add(f"{name}.layer{i}", fn(_out(o)), step=at.step)))
 
     def pre(mod, name, i, fn=lambda a: a[0]):
-        hooks.append(mod.register_forward_pre_hook(lambda m, inp: rec.add(f"{name}.layer{i}", fn(inp[0]))))
+        hooks.append(mod.register_forward_pre_hook(
+            lambda m, inp: rec.add(f"{name}.layer{i}", fn(inp[0]), step=at.step)))
 
     def split_qkv(i):                         # Phi-3: one projection, rows Q | K | V
         def hook(m, inp, o):
-            o, nq, nk = _out(o)[0], h * hd, kv * hd
-            rec.add(f"cp2.q_proj.layer{i}", o[:, :nq].reshape(t, h, hd))
-            rec.add(f"cp2.k_proj.layer{i}", o[:, nq:nq + nk].reshape(t, kv, hd))
-            rec.add(f"cp2.v.layer{i}", o[:, nq + nk:].reshape(t, kv, hd))
+            o, nq, nk, t = _out(o)[0], h * hd, kv * hd, at.t
+            rec.add(f"cp2.q_proj.layer{i}", o[:, :nq].reshape(t, h, hd), step=at.step)
+            rec.add(f"cp2.k_proj.layer{i}", o[:, nq:nq + nk].reshape(t, kv, hd), step=at.step)
+            rec.add(f"cp2.v.layer{i}", o[:, nq + nk:].reshape(t, kv, hd), step=at.step)
         return hook
 
     for i, lyr in enumerate(model.model.layers):
-        at, mlp = lyr.self_attn, lyr.mlp
+        attn, mlp = lyr.self_attn, lyr.mlp
         fwd(lyr.input_layernorm, "cp1.attn_norm", i)
-        if hasattr(at, "qkv_proj"):
-            hooks.append(at.qkv_proj.register_forward_hook(split_qkv(i)))
+        if hasattr(attn, "qkv_proj"):
+            hooks.append(attn.qkv_proj.register_forward_hook(split_qkv(i)))
         else:
-            for mod, name, heads in ((at.q_proj, "cp2.q_proj", h), (at.k_proj, "cp2.k_proj", kv), (at.v_proj, "cp2.v", kv)):
-                fwd(mod, name, i, lambda a, heads=heads: a[0].reshape(t, heads, hd))
-        pre(at.o_proj, "cp5.kqv_out", i)
-        fwd(at.o_proj, "cp5.attn_out", i)
+            for mod, name, heads in ((attn.q_proj, "cp2.q_proj", h), (attn.k_proj, "cp2.k_proj", kv), (attn.v_proj, "cp2.v", kv)):
+                fwd(mod, name, i, lambda a, heads=heads: a[0].reshape(at.t, heads, hd))
+        pre(attn.o_proj, "cp5.kqv_out", i)
+        fwd(attn.o_proj, "cp5.attn_out", i)
         if gemma:          # four norms per layer; QK-norm runs on head-major [1, heads, T, Hd]
-            fwd(at.q_norm, "cp2.q_normed", i, lambda a: a[0].transpose(0, 1))
-            fwd(at.k_norm, "cp2.k_normed", i, lambda a: a[0].transpose(0, 1))
+            fwd(attn.q_norm, "cp2.q_normed", i, lambda a: a[0].transpose(0, 1))
+            fwd(attn.k_norm, "cp2.k_normed", i, lambda a: a[0].transpose(0, 1))
             fwd(lyr.post_attention_layernorm, "cp5.attn_post_norm", i)
             pre(lyr.pre_feedforward_layernorm, "cp5.ffn_inp", i)
             fwd(lyr.pre_feedforward_layernorm, "cp1.ffn_norm", i)
@@ -316,7 +325,8 @@ def _layer_hooks(model, rec: Recorder, t: int) -> list:
         pre(mlp.down_proj, "cp6.ffn_swiglu", i)
         fwd(mlp, "cp6.ffn_out", i)
         fwd(lyr, "cp7.l_out", i)
-    hooks.append(model.model.norm.register_forward_hook(lambda m, i, o: rec.add("cp8.result_norm", _out(o)[0])))
+    hooks.append(model.model.norm.register_forward_hook(
+        lambda m, i, o: rec.add("cp8.result_norm", _out(o)[0], step=at.step)))
     return hooks
 
 
@@ -338,19 +348,37 @@ def _rope_outputs(model):
         mod.apply_rotary_pos_emb = orig
 
 
-def _add_rope_caches_scores(rec: Recorder, c, roped, out, t: int):
+def _add_rope_caches_scores(rec: Recorder, c, roped, out, s: int, step: int = 0):
+    """RoPE outputs, K/V caches (s positions) and attention probabilities of one forward, at `step`."""
     if len(roped) != c.num_hidden_layers:
         raise ReferenceError_(f"captured RoPE outputs of {len(roped)} layers, expected {c.num_hidden_layers}")
     for i, (qe, ke) in enumerate(roped):                   # [1, H, T, Hd] head-major -> token-major
-        rec.add(f"cp1B.q.layer{i}", qe[0].transpose(0, 1))
-        rec.add(f"cp1B.k.layer{i}", ke[0].transpose(0, 1))
+        rec.add(f"cp1B.q.layer{i}", qe[0].transpose(0, 1), step=step)
+        rec.add(f"cp1B.k.layer{i}", ke[0].transpose(0, 1), step=step)
     pkv = out.past_key_values
     for i in range(c.num_hidden_layers):
         kc, vc = (pkv.layers[i].keys, pkv.layers[i].values) if hasattr(pkv, "layers") else pkv[i]
-        if kc.shape[2] == t:   # a sliding-window layer keeps only its window: not the whole cache (not covered)
-            rec.add(f"cp3.k_cache.layer{i}", kc[0].transpose(0, 1))        # [KV, S, Hd] -> [S, KV, Hd]
-            rec.add(f"cp3.v_cache.layer{i}", vc[0].transpose(0, 1))
-        rec.add(f"cp4.kq_soft_max.layer{i}", out.attentions[i][0])     # [H, T, S]
+        if kc.shape[2] == s:   # a sliding-window layer keeps only its window: not the whole cache (not covered)
+            rec.add(f"cp3.k_cache.layer{i}", kc[0].transpose(0, 1), step=step)   # [KV, S, Hd] -> [S, KV, Hd]
+            rec.add(f"cp3.v_cache.layer{i}", vc[0].transpose(0, 1), step=step)
+        rec.add(f"cp4.kq_soft_max.layer{i}", out.attentions[i][0], step=step)     # [H, T, S]
+
+
+def _hf_decode(torch, model, rec: Recorder, at, out, steps: int, decode_ids):
+    """Decode steps on the prompt's cache (out.past_key_values), every hook recording at its step."""
+    fed = [int(x) for x in decode_ids] if decode_ids is not None else []
+    cache, last, n = out.past_key_values, out.logits[0, -1], at.t
+    for k in range(1, steps + 1):
+        if decode_ids is None:
+            fed.append(int(torch.argmax(last)))
+        at.t, at.step = 1, k
+        with torch.no_grad(), _rope_outputs(model) as roped:
+            o = model(torch.tensor([fed[k - 1:k]]), past_key_values=cache, use_cache=True, output_attentions=True)
+        _add_rope_caches_scores(rec, model.config, roped, o, n + k, step=k)
+        rec.add("cp8.logits", o.logits[0], step=k)
+        cache, last = o.past_key_values, o.logits[0, -1]
+    at.t, at.step = n, 0
+    rec.extra["decode_token_ids"] = fed
 
 
 def _hf_greedy(torch, model, x, n: int) -> list:
@@ -363,6 +391,6 @@ def _hf_greedy(torch, model, x, n: int) -> list:
     return gen
 
 
-def transformers_subject(model_path, token_ids):
+def transformers_subject(model_path, token_ids, decode_steps=0):
     """The pytest-plugin subject protocol for transformers: --llorch-subject=llorch_ref.references.engines:transformers_subject"""
-    return dump_transformers(model_path, token_ids=token_ids, n_greedy=16)
+    return dump_transformers(model_path, token_ids=token_ids, n_greedy=16, decode_steps=decode_steps)
