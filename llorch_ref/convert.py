@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from .dtypes import SHORT, dtype_name
@@ -25,8 +26,6 @@ HF_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_con
 
 
 def _copy_fields(reader, writer, file_type, overrides=None):
-    import gguf
-
     overrides = dict(overrides or {})
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
@@ -69,8 +68,6 @@ def _write_gguf(writer, out) -> Path:
 def convert_gguf(src, dst, dtype="float32", overwrite=False, kv_overrides=None, tensor_fn=None) -> Path:
     """Write a dequantized copy. kv_overrides: {key: value} replaced in the metadata (same value type);
     tensor_fn(name, float32 array) -> array lets tools plant a change in chosen weights."""
-    import gguf
-
     dtype = dtype_name(dtype, tuple(FILE_TYPES), "--dtype")
     src = Path(src)
     out = check_output(dst, inputs=[src], overwrite=overwrite)
@@ -135,14 +132,12 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     """GGUF (llama) -> a Hugging Face folder: float32 safetensors with Wq/Wk rows un-permuted,
     config.json, tokenizer.json built from the GGUF vocabulary, tokenizer_config.json (special tokens,
     chat template) and generation_config.json. Written to DST.part and renamed when complete."""
-    import json
-
     from safetensors.numpy import save_file
 
     src = Path(src)
     out = check_output(dst, kind="folder", inputs=[src], overwrite=overwrite, owned=HF_FILES, make_parents=True)
     m = load_gguf(src)
-    cfg, w = m.config, m.weights
+    cfg = m.config
     if cfg.rope_dim != cfg.head_dim:
         raise ParameterError(f"{src}: rope_dim={cfg.rope_dim} < head_dim={cfg.head_dim} (partial RoPE) has no "
                              f"Hugging Face llama equivalent")
@@ -152,6 +147,19 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     tok = from_gguf_metadata(m.metadata, source=str(src))
     if tok is None:
         raise ParameterError(f"{src}: the model has no vocabulary (no_vocab); an HF folder needs a tokenizer")
+    tok_config, gen_config = _hf_tokenizer_configs(cfg, tok)
+    with out.staged_folder() as tmp:
+        save_file(_hf_tensors(cfg, m.weights), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(_hf_config(cfg, tok, m.metadata, src), indent=2) + "\n")
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
+        _hf_tokenizer_with_specials(tok).save(str(tmp / "tokenizer.json"))
+    return out.path
+
+
+def _hf_tensors(cfg, w) -> dict:
+    """Our weights under Hugging Face names, float32: Q/K rows un-permuted, Gemma norms as w - 1, Phi-3's
+    projections fused."""
     gemma = cfg.arch == "gemma3"
     # HF Gemma norms hold w - 1 (they compute x / rms * (1 + w)); ours hold the multiplier, as GGUF files do
     norm = (lambda a: a - np.float32(1)) if gemma else (lambda a: a)
@@ -189,7 +197,10 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
         tensors = {k: v for k, v in tensors.items() if not k.endswith(("q_proj.weight", "k_proj.weight",
                                                                         "v_proj.weight", "gate_proj.weight",
                                                                         "up_proj.weight"))}
-    tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
+
+
+def _hf_config(cfg, tok, metadata, src) -> dict:
     config = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                            "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[cfg.arch]],
@@ -205,10 +216,14 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
         **({"attention_bias": False, "mlp_bias": False} if cfg.arch == "llama" else
            {"use_sliding_window": False} if cfg.arch == "qwen2" else {"sliding_window": None}),
         "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
-        "_name_or_path": str(m.metadata.get("general.name") or src.stem),
+        "_name_or_path": str(metadata.get("general.name") or src.stem),
     }
-    if gemma:
+    if cfg.arch == "gemma3":
         config = _gemma3_hf_config(cfg, config)
+    return config
+
+
+def _hf_tokenizer_configs(cfg, tok) -> tuple[dict, dict]:
     name = lambda i: tok.tokens[i] if i is not None else None
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(tok.bos_id), "eos_token": name(tok.eos_id),
@@ -218,13 +233,7 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     }
     eog = sorted(tok.eog_ids)
     gen_config = {"bos_token_id": tok.bos_id, "eos_token_id": eog if len(eog) > 1 else tok.eos_id}
-    with out.staged_folder() as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
-        _hf_tokenizer_with_specials(tok).save(str(tmp / "tokenizer.json"))
-    return out.path
+    return tok_config, gen_config
 
 
 # Probe texts for identifying a byte-level BPE pre-tokenizer by what it does (as llama.cpp's converter
@@ -268,8 +277,6 @@ def convert_hf_to_gguf(src, dst, dtype="float32", overwrite=False) -> Path:
     Wq/Wk rows permuted to adjacent RoPE pairs, tokenizer metadata (gpt2 with the pre-tokenizer identified by
     its behaviour, or llama/SentencePiece with scores from the BPE merge ranks), chat template, special ids,
     RoPE scaling (linear, or llama3 as rope_freqs.weight)."""
-    import gguf
-
     dtype = dtype_name(dtype, tuple(FILE_TYPES), "--dtype")
     src = Path(src)
     out = check_output(dst, inputs=[src], overwrite=overwrite)
@@ -278,7 +285,14 @@ def convert_hf_to_gguf(src, dst, dtype="float32", overwrite=False) -> Path:
     model_json = json.loads(tok.hf.to_str())["model"]
     merges = [" ".join(x) if isinstance(x, list) else x for x in model_json.get("merges", [])]
     wr = gguf.GGUFWriter(None, cfg.arch)
-    wr.add_name(str(m.metadata.get("_name_or_path") or src.name))
+    _gguf_hparams(wr, cfg, m.metadata, src, dtype)
+    _gguf_tokenizer(wr, tok, model_json, merges, src)
+    _gguf_tensors(wr, cfg, w, dtype)
+    return _write_gguf(wr, out)
+
+
+def _gguf_hparams(wr, cfg, metadata, src, dtype):
+    wr.add_name(str(metadata.get("_name_or_path") or src.name))
     wr.add_block_count(cfg.n_layers)
     wr.add_context_length(cfg.context_length)
     wr.add_embedding_length(cfg.d_model)
@@ -299,6 +313,8 @@ def convert_hf_to_gguf(src, dst, dtype="float32", overwrite=False) -> Path:
         wr.add_sliding_window(cfg.sliding_window)
     wr.add_vocab_size(cfg.n_vocab)
     wr.add_file_type(FILE_TYPES[dtype])
+
+def _gguf_tokenizer(wr, tok, model_json, merges, src):
     if tok.kind == "gpt2":
         wr.add_tokenizer_model("gpt2")
         wr.add_tokenizer_pre(_detect_pre(tok.hf, tok.tokens, tok.token_types, merges, src))
@@ -325,6 +341,8 @@ def convert_hf_to_gguf(src, dst, dtype="float32", overwrite=False) -> Path:
     wr.add_add_eos_token(bool(tok.add_eos))
     if tok.chat_template:
         wr.add_chat_template(tok.chat_template)
+
+def _gguf_tensors(wr, cfg, w, dtype):
     big = (lambda a: a.astype(np.float16)) if dtype == "float16" else (lambda a: a)
     wr.add_tensor("token_embd.weight", big(np.ascontiguousarray(w.tok_embd, dtype=np.float32)))
     for i, lw in enumerate(w.layers):
@@ -351,7 +369,6 @@ def convert_hf_to_gguf(src, dst, dtype="float32", overwrite=False) -> Path:
         wr.add_tensor("output.weight", big(np.ascontiguousarray(w.output, dtype=np.float32)))
     if cfg.rope_freq_factors is not None:
         wr.add_tensor("rope_freqs.weight", np.asarray(cfg.rope_freq_factors, dtype=np.float32))
-    return _write_gguf(wr, out)
 
 
 def default_model_copy(dtype="float32") -> Path:
