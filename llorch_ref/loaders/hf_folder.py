@@ -321,6 +321,45 @@ def tokenizer_from_hf(folder: Path):
                      sorted(i for i in eog if i is not None), template, add_space_prefix=space_prefix)
 
 
+def _layer_names_and_shapes(cfg) -> tuple[dict, dict]:
+    """-> ({HF suffix: our field}, {our field: shape}) of one layer of this architecture."""
+    D, F, Hd = cfg.d_model, cfg.d_ff, cfg.head_dim
+    shapes = {"attn_norm": (D,), "wq": (cfg.n_heads * Hd, D), "wk": (cfg.n_kv_heads * Hd, D),
+              "wv": (cfg.n_kv_heads * Hd, D), "wo": (D, cfg.n_heads * Hd), "ffn_norm": (D,),
+              "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
+    names = dict(HF_LAYER_TENSORS)
+    if cfg.arch == "gemma3":
+        names = dict(GEMMA3_LAYER_TENSORS)
+        shapes.update({"post_attn_norm": (D,), "post_ffn_norm": (D,), "q_norm": (Hd,), "k_norm": (Hd,)})
+    if cfg.arch == "phi3":
+        for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            names.pop(k)
+        names.update(HF_FUSED_TENSORS)
+        shapes.update({"_qkv": ((cfg.n_heads + 2 * cfg.n_kv_heads) * Hd, D), "_gate_up": (2 * F, D)})
+    if cfg.qkv_bias:
+        names.update(HF_BIAS_TENSORS)
+        shapes.update({"bq": (cfg.n_heads * Hd,), "bk": (cfg.n_kv_heads * Hd,), "bv": (cfg.n_kv_heads * Hd,)})
+    return names, shapes
+
+
+def _canonical_rows(cfg, qk_layout: str, fields: dict) -> dict:
+    """One layer's fields as llorch-ref holds them: Gemma norms as multipliers (1 + w), and with qk_layout
+    "adjacent" the Q/K rows (and their bias and QK-norm rows) permuted to llama.cpp's adjacent pairs."""
+    if cfg.arch == "gemma3":                       # HF Gemma norms compute x / rms * (1 + w)
+        for k in GEMMA_NORMS:
+            if fields.get(k) is not None:
+                fields[k] = (fields[k] + np.float32(1.0)).astype(fields[k].dtype)
+    if qk_layout == "adjacent":
+        for k, n in (("wq", cfg.n_heads), ("wk", cfg.n_kv_heads)):
+            if k in fields:
+                fields[k] = permute_qk(fields[k], n)
+        for k, n in (("bq", cfg.n_heads), ("bk", cfg.n_kv_heads), ("q_norm", 1), ("k_norm", 1)):
+            if fields.get(k) is not None:          # a bias row (a QK-norm weight) travels with its row
+                fields[k] = permute_qk(fields[k][:, None], n)[:, 0]
+    return fields
+
+
 def load_hf_folder(folder, qk_layout: str | None = None, lazy: bool = False, weight_cache_mb: float | None = None,
                    weight_dtype: str = "float32") -> HFModel:
     """qk_layout: "adjacent" (Wq/Wk rows permuted to llama.cpp's GGUF layout) or "neox" (rows as stored).
@@ -357,37 +396,11 @@ def load_hf_folder(folder, qk_layout: str | None = None, lazy: bool = False, wei
             raise ModelFileError(f"{folder}: tensor {name!r} holds NaN or Inf values")
         return arr.astype(store) if len(shape) == 2 and store != np.float32 else arr
 
-    D, F, Hd = cfg.d_model, cfg.d_ff, cfg.head_dim
-    shapes = {"attn_norm": (D,), "wq": (cfg.n_heads * Hd, D), "wk": (cfg.n_kv_heads * Hd, D),
-              "wv": (cfg.n_kv_heads * Hd, D), "wo": (D, cfg.n_heads * Hd), "ffn_norm": (D,),
-              "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
-    names = dict(HF_LAYER_TENSORS)
-    if cfg.arch == "gemma3":
-        names = dict(GEMMA3_LAYER_TENSORS)
-        shapes.update({"post_attn_norm": (D,), "post_ffn_norm": (D,), "q_norm": (Hd,), "k_norm": (Hd,)})
-    if cfg.arch == "phi3":
-        for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                  "mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            names.pop(k)
-        names.update(HF_FUSED_TENSORS)
-        shapes.update({"_qkv": ((cfg.n_heads + 2 * cfg.n_kv_heads) * Hd, D), "_gate_up": (2 * F, D)})
-    if cfg.qkv_bias:
-        names.update(HF_BIAS_TENSORS)
-        shapes.update({"bq": (cfg.n_heads * Hd,), "bk": (cfg.n_kv_heads * Hd,), "bv": (cfg.n_kv_heads * Hd,)})
+    D = cfg.d_model
+    names, shapes = _layer_names_and_shapes(cfg)
 
     def permuted(fields):
-        if cfg.arch == "gemma3":                       # HF Gemma norms compute x / rms * (1 + w)
-            for k in GEMMA_NORMS:
-                if fields.get(k) is not None:
-                    fields[k] = (fields[k] + np.float32(1.0)).astype(fields[k].dtype)
-        if qk_layout == "adjacent":
-            for k, n in (("wq", cfg.n_heads), ("wk", cfg.n_kv_heads)):
-                if k in fields:
-                    fields[k] = permute_qk(fields[k], n)
-            for k, n in (("bq", cfg.n_heads), ("bk", cfg.n_kv_heads), ("q_norm", 1), ("k_norm", 1)):
-                if fields.get(k) is not None:          # a bias row (a QK-norm weight) travels with its row
-                    fields[k] = permute_qk(fields[k][:, None], n)[:, 0]
-        return fields
+        return _canonical_rows(cfg, qk_layout, fields)
 
     def make_layer(i):
         return LayerWeights(**permuted(split_fused(cfg, {fld: take(f"model.layers.{i}.{sfx}", shapes[fld])
