@@ -10,6 +10,7 @@ import json
 import zlib
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 CORPUS = """Once upon a time, there was a little girl named Lily. She loved to play outside in the sun.
@@ -71,45 +72,8 @@ def _rand(name, shape, seed, scale=0.02):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                     d_ff=96, context_length=128, weight_type="F32", tied=False, seed=0, rms_eps=1e-5,
-                     rope_base=10000.0, n_vocab_none=128, add_bos=None, rope_scaling=None,
-                     extra_specials=()) -> Path:
-    """Write a tiny random llama GGUF. vocab: 'bpe' | 'spm' | 'none';
-    weight_type: F32 | F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | mixed (Q8_0 embeddings and FFN, F16 attention).
-    rope_scaling: None, ("linear", factor) or ("freqs", seed): a rope_freqs.weight tensor of per-pair factors
-    in [1, 8] (llama3-style scaling as llama.cpp stores it)."""
-    import gguf
-
-    path = Path(path)
-    head_dim = d_model // n_heads
-    if vocab == "bpe":
-        tokens, types, merges = bpe_vocab()
-        tokens, types = tokens + list(extra_specials), types + [3] * len(extra_specials)     # control tokens
-    elif vocab == "spm":
-        tokens, types, scores = spm_vocab()
-    elif vocab == "none":
-        tokens = None
-    else:
-        raise ValueError(f"vocab {vocab!r}")
-    n_vocab = len(tokens) if tokens is not None else n_vocab_none
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(f"tiny-{vocab}-{weight_type}-{'gqa' if n_kv_heads != n_heads else 'mha'}")
-    w.add_block_count(n_layers)
-    w.add_context_length(context_length)
-    w.add_embedding_length(d_model)
-    w.add_feed_forward_length(d_ff)
-    w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv_heads)
-    w.add_layer_norm_rms_eps(rms_eps)
-    w.add_rope_freq_base(rope_base)
-    w.add_rope_dimension_count(head_dim)
-    if rope_scaling and rope_scaling[0] == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(rope_scaling[1]))
-    w.add_vocab_size(n_vocab)
-    w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32,
-                     "mixed": 7}[weight_type])
+def _tiny_vocab(w, vocab, pre, add_bos, tokens, types, merges, scores):
+    """The tokenizer metadata of a tiny model: byte-level BPE (gpt2), SentencePiece-style (llama) or none."""
     if vocab == "none":
         w.add_tokenizer_model("no_vocab")
     elif vocab == "bpe":
@@ -131,6 +95,13 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
         w.add_add_bos_token(True if add_bos is None else bool(add_bos))
+
+
+def _tiny_weights(w, weight_type, seed, n_vocab, d_model, d_ff, n_layers, n_heads, n_kv_heads, tied, rope_scaling):
+    """Deterministic random weights of a tiny model, quantized to weight_type (mixed: Q8_0 embeddings and FFN,
+    F16 attention)."""
+    head_dim = d_model // n_heads
+
     def put(name, arr, kind):
         t = weight_type
         if weight_type == "mixed":
@@ -161,6 +132,47 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
         w.add_tensor("rope_freqs.weight", f)
     if not tied:
         put("output.weight", _rand("output", (n_vocab, d_model), seed, 0.2), "out")
+
+
+def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                     d_ff=96, context_length=128, weight_type="F32", tied=False, seed=0, rms_eps=1e-5,
+                     rope_base=10000.0, n_vocab_none=128, add_bos=None, rope_scaling=None,
+                     extra_specials=()) -> Path:
+    """Write a tiny random llama GGUF. vocab: 'bpe' | 'spm' | 'none';
+    weight_type: F32 | F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | mixed (Q8_0 embeddings and FFN, F16 attention).
+    rope_scaling: None, ("linear", factor) or ("freqs", seed): a rope_freqs.weight tensor of per-pair factors
+    in [1, 8] (llama3-style scaling as llama.cpp stores it)."""
+    path = Path(path)
+    head_dim = d_model // n_heads
+    tokens = types = merges = scores = None
+    if vocab == "bpe":
+        tokens, types, merges = bpe_vocab()
+        tokens, types = tokens + list(extra_specials), types + [3] * len(extra_specials)     # control tokens
+    elif vocab == "spm":
+        tokens, types, scores = spm_vocab()
+    elif vocab != "none":
+        raise ValueError(f"vocab {vocab!r}")
+    n_vocab = len(tokens) if tokens is not None else n_vocab_none
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"tiny-{vocab}-{weight_type}-{'gqa' if n_kv_heads != n_heads else 'mha'}")
+    w.add_block_count(n_layers)
+    w.add_context_length(context_length)
+    w.add_embedding_length(d_model)
+    w.add_feed_forward_length(d_ff)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_rope_freq_base(rope_base)
+    w.add_rope_dimension_count(head_dim)
+    if rope_scaling and rope_scaling[0] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope_scaling[1]))
+    w.add_vocab_size(n_vocab)
+    w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32,
+                     "mixed": 7}[weight_type])
+    _tiny_vocab(w, vocab, pre, add_bos, tokens, types, merges, scores)
+
+    _tiny_weights(w, weight_type, seed, n_vocab, d_model, d_ff, n_layers, n_heads, n_kv_heads, tied, rope_scaling)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
