@@ -159,8 +159,8 @@ def model_args(sp):
                          "activations, its dot-product order, its exp), bit for bit. With --subject, the "
                          "default is the arithmetic the dump declares")
     sp.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
-                    help="K/V cache type (default f32, or what a --subject dump declares; llama.cpp's own "
-                         "default is f16)")
+                    help="K/V cache type (default float32, or what a --subject dump declares; llama.cpp's "
+                         "own default is float16)")
     sp.add_argument("--weights", choices=["auto", "lazy", "eager"], default="auto",
                     help="lazy: keep the file mapped, dequantize each layer when it runs (default for GGUF "
                          "on numpy and numba with exact numerics; Hugging Face folders when asked); eager: "
