@@ -3,6 +3,7 @@ into a fresh virtual environment (dependencies borrowed from this one through a 
 downloaded), and `llorch-ref prove`, `diff` and the pytest plugin run from a folder outside the checkout."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -16,9 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     d = tmp_path_factory.mktemp("install")
-    wheels = d / "wheels"
+    src, wheels = d / "src", d / "wheels"        # built from a copy: the build leaves nothing in the checkout
+    shutil.copytree(ROOT / "llorch_ref", src / "llorch_ref", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / f, src / f)
     b = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                        str(wheels), str(ROOT)], capture_output=True, text=True, timeout=300)
+                        str(wheels), str(src)], capture_output=True, text=True, timeout=300)
     if b.returncode != 0:
         pytest.fail(f"building the wheel failed: {b.stderr[-2000:]}")
     venv = d / "venv"
