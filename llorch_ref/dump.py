@@ -26,7 +26,7 @@ import numpy as np
 
 from .checkpoints import catalogue_path, load_specs
 from .dtypes import KV_DTYPES, dtype_name
-from .errors import DumpError
+from .errors import DumpError, ParameterError
 from .loaders.default_model import sha256_file
 from .output_paths import check_output
 
@@ -108,8 +108,9 @@ class Recorder:
 
     def __init__(self, engine: str, version: str = "", *, model_path=None, model_sha256_: str | None = None,
                  token_ids=None, prompt: str | None = None, layouts: dict | None = None, notes: str | None = None,
-                 extra: dict | None = None):
+                 extra: dict | None = None, rows=None):
         self.engine, self.version = str(engine), str(version)
+        self.rows = None if rows is None else [int(r) for r in rows]     # the prompt rows held (manifest "rows")
         self.model_path = None if model_path is None else str(model_path)
         self._model_sha = model_sha256_
         self.token_ids = None if token_ids is None else [int(t) for t in token_ids]
@@ -148,7 +149,8 @@ class Recorder:
         return lambda name, layer, array: self(name, layer, array, step=step)
 
     def __call__(self, name: str, layer, array, step: int = 0):
-        """llorch-ref's recorder signature: our forward's tensor names."""
+        """llorch-ref's recorder signature: our forward's tensor names, every row of the forward (only the
+        Recorder's rows are kept of the prompt's forward, step 0)."""
         if name in NOT_A_CHECKPOINT:
             return
         if name in FORWARD_NAMES:
@@ -158,6 +160,8 @@ class Recorder:
             if not cps:
                 raise DumpError(f"no checkpoint records a tensor named {name!r}")
             cp, t = cps[0], name
+        if self.rows is not None and step == 0:
+            array = select_rows(self._cat[(cp, t)], _to_numpy(array), self.rows)
         self.add(dump_name(cp, t, layer), array, step=step)
 
     def manifest(self) -> dict:
@@ -171,6 +175,8 @@ class Recorder:
              "layouts": self.layouts, "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat()}
         if self.prompt is not None:
             m["prompt"] = self.prompt
+        if self.rows is not None:
+            m["rows"] = self.rows
         if self.notes:
             m["notes"] = self.notes
         m.update(self.extra)
@@ -244,6 +250,10 @@ class Dump:
             base, k = split_step(name)
             _parse_name(base, cat)
             self.steps.setdefault(k, {})[base] = self.tensors.pop(name)
+        rows = self.manifest.get("rows")
+        if rows is not None and (rows != sorted(set(rows)) or rows[-1] >= len(self.manifest["token_ids"])):
+            raise DumpError(f"{self.source}: 'rows' must be increasing indices into token_ids "
+                            f"(0..{len(self.manifest['token_ids']) - 1})")
         fed = self.manifest.get("decode_token_ids") or []
         if self.steps and max(self.steps) > len(fed):
             raise DumpError(f"{self.source}: tensors of decode step {max(self.steps)}, but the manifest's "
@@ -279,6 +289,12 @@ class Dump:
         return list(self.manifest["token_ids"])
 
     @property
+    def rows(self) -> list:
+        """The rows of the forward this dump holds (indices into token_ids): all of them unless it says."""
+        rows = self.manifest.get("rows")
+        return list(range(len(self.token_ids))) if rows is None else list(rows)
+
+    @property
     def decode_token_ids(self) -> list:
         """The tokens fed one per decode step after token_ids (teacher-forced); [] for a prompt-only dump."""
         return list(self.manifest.get("decode_token_ids") or [])
@@ -287,7 +303,7 @@ class Dump:
         """Decode step k (1-based) as a dump of its own: one token fed after the prompt and the k-1 tokens
         before it (past_token_ids), holding that step's tensors under their plain names."""
         fed = self.decode_token_ids
-        man = {key: v for key, v in self.manifest.items() if key != "decode_token_ids"}
+        man = {key: v for key, v in self.manifest.items() if key not in ("decode_token_ids", "rows")}
         man.update(token_ids=fed[k - 1:k], past_token_ids=self.past_token_ids + self.token_ids + fed[:k - 1])
         man.pop("prompt", None)
         return Dump(manifest=man, tensors=dict(self.steps.get(k, {})), source=f"{self.source} (decode step {k})")
@@ -350,6 +366,29 @@ def to_canonical(a, entry: dict, layouts: dict, dims: dict | None = None) -> np.
 
 def expected_shape(entry: dict, dims: dict):
     return _dims_of(entry["shape"], dims)
+
+
+def token_axis(entry: dict) -> int | None:
+    """The axis of a catalogue tensor's canonical shape that runs over the forward's rows (T), or None."""
+    dims = entry["shape"].split(",")
+    return next((i for i, d in enumerate(dims) if d == "T" or d.startswith("T*")), None)
+
+
+def check_rows(rows, n: int) -> list[int] | None:
+    """rows of an n-token forward to keep -> sorted unique indices (None: all); ParameterError if out of range."""
+    if rows is None:
+        return None
+    rows = sorted({int(r) for r in rows})
+    if not rows or rows[0] < 0 or rows[-1] >= n:
+        raise ParameterError(f"rows must be indices into the {n} prompt tokens (0..{n - 1}); got "
+                             f"{rows[:1] + rows[-1:] if rows else 'none'}")
+    return rows
+
+
+def select_rows(entry: dict, a, rows):
+    """A canonical tensor of every row -> the rows `rows` (indices) only; tensors without a T axis as they are."""
+    ax = token_axis(entry)
+    return a if ax is None or rows is None else np.take(np.asarray(a), np.asarray(rows, dtype=np.int64), axis=ax)
 
 
 def load_dump(path) -> Dump:

@@ -16,8 +16,9 @@ from ..harness.run import DEFAULT_PROMPT
 from ..loaders.default_model import resolve_model
 from ..output_paths import check_output
 from ..references.engines import dump_llamacpp, dump_transformers
+from ..references.llamacpp import tokenize as llamacpp_tokenize
 from ..references.llorch import record_engine
-from .common import api_token, load_engine, log, sampling_kwargs
+from .common import api_token, load_engine, log, parse_rows, sampling_kwargs
 from .report import report_generation
 
 
@@ -119,6 +120,11 @@ def cmd_dump(args):
         if not ids:
             raise ParameterError("--token-ids is empty")
     prompt = None if ids is not None and args.prompt is None else (args.prompt or DEFAULT_PROMPT)
+    if args.rows is not None and args.engine == "transformers":
+        raise ParameterError("--rows applies to --engine llamacpp and llorch")
+    if args.rows is not None and args.engine == "llamacpp" and ids is None:
+        ids = llamacpp_tokenize(resolve_model(args.model), prompt)      # the rows count its tokens
+    rows = parse_rows(args.rows, len(ids)) if ids is not None else None
     if args.engine != "llamacpp":
         lcp = [f for f, on in (("--flash-attn", args.flash_attn), ("--tiled-mm", args.tiled_mm),
                                ("--ubatch", args.ubatch != 512), ("--threads", args.threads is not None)) if on]
@@ -138,7 +144,7 @@ def cmd_dump(args):
         rec = dump_llamacpp(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
                             decode_steps=args.decode_steps,
                             kv_dtype=args.kv_dtype or "float32", checkpoints=args.checkpoint, flash_attn=args.flash_attn,
-                            n_ubatch=args.ubatch, n_threads=args.threads)
+                            n_ubatch=args.ubatch, n_threads=args.threads, rows=rows)
     elif args.engine == "transformers":
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; transformers dumps hold all")
@@ -152,7 +158,8 @@ def cmd_dump(args):
             if eng.tokenizer is None:
                 raise ParameterError("this model has no vocabulary: pass --token-ids")
             ids = eng.tokenizer.encode(prompt)
-        rec = record_engine(eng, ids, prompt=prompt, n_greedy=args.greedy, decode_steps=args.decode_steps)
+        rec = record_engine(eng, ids, prompt=prompt, n_greedy=args.greedy, decode_steps=args.decode_steps,
+                            rows=parse_rows(args.rows, len(ids)))
     rec.save(out, overwrite=args.overwrite)
     steps = len(rec.extra.get("decode_token_ids", []))
     print(f"wrote {out}: {len(rec.tensors)} tensors from {rec.engine} {rec.version}, {len(rec.token_ids)} tokens"

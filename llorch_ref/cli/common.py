@@ -58,8 +58,58 @@ def preflight(args):
             raise ParameterError(f"--max-tokens must be >= 0, got {args.max_tokens}")
     if getattr(args, "ctx", None) is not None and args.ctx < 1:
         raise ParameterError(f"--ctx must be >= 1, got {args.ctx}")
+    read_prompt(args)
     if args.cmd == "generate" and not args.prompt.strip():
         raise ParameterError("empty prompt (or only whitespace): give some text to continue")
+
+
+def read_prompt(args):
+    """--prompt-file: the prompt read from a UTF-8 file (not with --prompt); else --prompt, or the default."""
+    f = getattr(args, "prompt_file", None)
+    if f is None:
+        return
+    if args.prompt is not None:
+        raise ParameterError("give --prompt or --prompt-file, not both")
+    if getattr(args, "token_ids", None):
+        raise ParameterError("give --token-ids or --prompt-file, not both")
+    try:
+        with open(f, encoding="utf-8") as fh:
+            args.prompt = fh.read(64 * 2**20 + 1)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ParameterError(f"--prompt-file {f}: cannot read it as UTF-8 text ({e})") from None
+    if len(args.prompt) > 64 * 2**20:
+        raise ParameterError(f"--prompt-file {f}: more than 64 MiB of text")
+    if not args.prompt.strip():
+        raise ParameterError(f"--prompt-file {f}: the file holds no text")
+
+
+def parse_rows(spec: str | None, n: int) -> list[int] | None:
+    """--rows SPEC for an n-token prompt -> sorted row indices, or None for all. SPEC: all, last, every:K
+    (0, K, 2K, ... and the last), or a comma list of indices and inclusive ranges A-B."""
+    if spec is None or spec.strip() == "all":
+        return None
+    spec = spec.strip()
+    if spec == "last":
+        return [n - 1]
+    if spec.startswith("every:"):
+        try:
+            k = int(spec[6:])
+        except ValueError:
+            k = 0
+        if k < 1:
+            raise ParameterError(f"--rows {spec}: every:K needs an integer K >= 1")
+        return sorted(set(range(0, n, k)) | {n - 1})
+    out = set()
+    for part in spec.split(","):
+        a, _, b = part.strip().partition("-")
+        try:
+            lo, hi = int(a), int(b) if b else int(a)
+        except ValueError:
+            raise ParameterError(f"--rows {spec}: give all, last, every:K or indices such as 0,5,100-199") from None
+        if not 0 <= lo <= hi < n:
+            raise ParameterError(f"--rows {spec}: {part.strip()} is outside the prompt's rows 0..{n - 1}")
+        out.update(range(lo, hi + 1))
+    return sorted(out)
 
 
 def api_token(args) -> str | None:

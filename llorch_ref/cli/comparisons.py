@@ -14,13 +14,19 @@ from ..errors import ParameterError
 from ..harness import run as harness_run
 from ..harness.bundle import check_bundle_target, write_bundles
 from ..harness.compare import compare_dumps
+from ..harness.run import DEFAULT_PROMPT
 from ..references.engines import dump_transformers
 from ..references.llorch import engine_label, record_engine
-from .common import load_engine, log
-from .report import print_result
+from .common import load_engine, log, parse_rows
+from .report import print_by_position, print_result
 
 
 def run_comparison(args):
+    not_here = [f for f, on in (("--rows", args.rows is not None), ("--ubatch", args.ubatch != 512)) if on]
+    if not_here and (args.subject or args.reference != "llamacpp"):
+        raise ParameterError(f"{', '.join(not_here)}: for a comparison with llama.cpp (a --subject dump holds its "
+                             f"own rows and micro-batches: set them when writing it, with dump)")
+    args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if getattr(args, "subject", None):
         return run_subject_dump(args)
     if getattr(args, "reference", "llamacpp") == "transformers":
@@ -36,9 +42,15 @@ def run_comparison(args):
         ref = llorch_ref.load(args.model, backend="numpy", n_ctx=getattr(args, "ctx", None))
         return eng, harness_run.run_backend_diff(eng, ref, prompt=args.prompt, checkpoints=args.checkpoint,
                                      n_greedy=args.greedy)
-    log("llorch-ref: running llama.cpp and the reference, capturing every checkpoint ...")
+    if eng.tokenizer is None:
+        raise ParameterError("this model has no vocabulary: the harness needs a text prompt")
+    ids = eng.tokenizer.encode(args.prompt)
+    rows = parse_rows(args.rows, len(ids))
+    log(f"llorch-ref: running llama.cpp and the reference on {len(ids)} tokens"
+        + (f" ({len(rows)} rows kept)" if rows else "") + ", capturing every checkpoint ...")
     return eng, harness_run.run_diff(eng, prompt=args.prompt, reference_model=args.reference_model,
-                         checkpoints=args.checkpoint, n_greedy=args.greedy)
+                                     checkpoints=args.checkpoint, n_greedy=args.greedy, token_ids=ids, rows=rows,
+                                     n_ubatch=args.ubatch)
 
 
 def band_class_for(args, eng):
@@ -93,6 +105,8 @@ def cmd_diff(args):
         print(json.dumps(out, indent=2))
     else:
         print_result(res, args.verbose)
+        if args.by_position:
+            print_by_position(res)
     return 0 if res.first_divergence is None else 1
 
 

@@ -107,6 +107,9 @@ def _diff(sub):
     harness_args(d)
     d.add_argument("--json", action="store_true", help="print the result as JSON")
     d.add_argument("-v", "--verbose", action="store_true", help="print every layer's comparison")
+    d.add_argument("--by-position", action="store_true",
+                   help="print the error by position (worst NMSE over every tensor and layer, end to end and local, "
+                        "per row held; the JSON always has it)")
     d.set_defaults(fn=cmd_diff)
 
 
@@ -117,7 +120,9 @@ def _dump(sub):
                     help="llamacpp: llama.cpp's graph (GGUF); transformers: forward hooks (Hugging Face folder, "
                          "or a GGUF converted to one); llorch: llorch-ref itself")
     du.add_argument("--prompt", default=None, help="text (default: the harness prompt)")
+    prompt_file_arg(du)
     du.add_argument("--token-ids", default=None, help="comma-separated token ids instead of a prompt")
+    rows_arg(du)
     du.add_argument("--greedy", type=int, default=32, help="greedy tokens to record (checkpoint 12)")
     du.add_argument("--decode-steps", type=int_in(0, 4096), default=0,
                     help="decode steps after the prompt, one token each (the engine's greedy tokens), every layer "
@@ -128,7 +133,8 @@ def _dump(sub):
     du.add_argument("--overwrite", action="store_true")
     du.add_argument("--flash-attn", action="store_true", help="llamacpp: flash attention on (fused: checkpoint 4 "
                     "is then not covered)")
-    du.add_argument("--ubatch", type=int_in(1, 65536), default=512, help="llamacpp: n_batch = n_ubatch")
+    du.add_argument("--ubatch", type=int_in(1, 65536), default=512,
+                    help="llamacpp: n_ubatch (a longer prompt runs as micro-batches of this many tokens, put together)")
     du.add_argument("--threads", type=int_in(1, 1024), default=None, help="llamacpp: threads (default 2)")
     du.add_argument("--tiled-mm", action="store_true", help="llamacpp: ggml's tiled K-quant products "
                     "(GGML_CPU_TILED_MM=1; another summation order than the vec_dot path --numerics ggml reproduces)")
@@ -141,6 +147,17 @@ def _prove(sub):
     pr.add_argument("--out", help="bundle folder (default proof_bundle/ or $LLORCH_PROOF_DIR)")
     pr.add_argument("--run-id", help="run id (default: UTC timestamp or $LLORCH_RUN_ID)")
     pr.set_defaults(fn=cmd_prove)
+
+
+def prompt_file_arg(sp):
+    sp.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 text file (a long prompt)")
+
+
+def rows_arg(sp):
+    sp.add_argument("--rows", default=None, metavar="SPEC",
+                    help="the prompt rows to keep and compare, to bound memory on long prompts: all (default), "
+                         "last, every:K (positions 0, K, 2K, ... and the last), or a list such as 0,5,100-199; "
+                         "caches keep every position")
 
 
 def ctx_arg(sp):
@@ -190,8 +207,12 @@ def sampling_args(sp):
 
 def harness_args(sp):
     model_args(sp)
-    sp.add_argument("--prompt", default=DEFAULT_PROMPT,
+    sp.add_argument("--prompt", default=None,
                     help=f"text both sides run, tokenized by the model's tokenizer (default: {DEFAULT_PROMPT!r})")
+    prompt_file_arg(sp)
+    rows_arg(sp)
+    sp.add_argument("--ubatch", type=int_in(1, 65536), default=512,
+                    help="llama.cpp's n_ubatch (--reference llamacpp): a longer prompt runs as micro-batches")
     sp.add_argument("--reference-model", help="GGUF file llama.cpp runs (default: the same file)")
     sp.add_argument("--checkpoint", action="append", help="checkpoint id or name (repeatable; default all)")
     sp.add_argument("--greedy", type=int, default=128, help="tokens for the end-to-end greedy checkpoint")

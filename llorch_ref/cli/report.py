@@ -112,3 +112,27 @@ def _divergence_lines(res) -> list[str]:
     if row.metrics.get("error"):
         out.append(f"  {row.metrics['error']}")
     return out
+
+
+def print_by_position(res, buckets: int = 16, file=None):
+    """Error by position: the rows held in at most `buckets` consecutive groups, each with its worst NMSE over
+    every tensor and layer (end to end, and local where measured) and where that worst is."""
+    bp = res.by_position()
+    pos = bp["positions"]
+    if not pos or not bp["worst_nmse"]:
+        return
+    con = Console(file=file or sys.stdout, width=200)
+    t = Table(title=f"error by position: {len(pos)} rows held of positions {pos[0]}..{pos[-1]}")
+    local = bool(bp["worst_local_nmse"])
+    for col in ["positions", "rows", "worst NMSE", "at"] + (["worst local NMSE", "at (local)"] if local else []):
+        t.add_column(col)
+    size = -(-len(pos) // buckets)
+    for i in range(0, len(pos), size):
+        j = range(i, min(i + size, len(pos)))
+        w = max(j, key=lambda k: bp["worst_nmse"][k])
+        cells = [f"{pos[j[0]]}..{pos[j[-1]]}", str(len(j)), fmt(bp["worst_nmse"][w]), bp["worst_at"][w]]
+        if local:
+            wl = max(j, key=lambda k: bp["worst_local_nmse"][k])
+            cells += [fmt(bp["worst_local_nmse"][wl]), bp["local_worst_at"][wl]]
+        t.add_row(*cells)
+    con.print(t)

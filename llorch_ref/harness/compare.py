@@ -13,19 +13,21 @@ import time
 import numpy as np
 
 from ..checkpoints import coarser, declaration, greedy_band, load_specs, local_band
-from ..dump import Dump, Recorder, catalogue, expected_shape, to_canonical
+from ..dump import Dump, Recorder, catalogue, expected_shape, to_canonical, token_axis
 from ..errors import HarnessError
+from ..model.cache import visible_mask
 from .local import local_outputs, model_outputs
-from .metrics import compare, within
+from .metrics import compare, nmse_by_row, within
 from .result import DiffResult, Row
 
 LAYOUT_CHOICES = {"rope_pairs": ("adjacent", "neox"), "heads": ("token_major", "head_major"),
                   "array_order": ("numpy", "ggml")}
 
 
-def dims_of(cfg, n_tokens: int, past: int = 0) -> dict:
-    """Symbolic dims of the dump shapes for one forward over n_tokens after `past` cached ones."""
-    return {"T": n_tokens, "S": past + n_tokens, "H": cfg.n_heads, "KV": cfg.n_kv_heads, "Hd": cfg.head_dim,
+def dims_of(cfg, n_tokens: int, past: int = 0, n_rows: int | None = None) -> dict:
+    """Symbolic dims of the dump shapes for one forward over n_tokens after `past` cached ones, of which
+    n_rows rows are held (default: all)."""
+    return {"T": n_tokens if n_rows is None else n_rows, "S": past + n_tokens, "H": cfg.n_heads, "KV": cfg.n_kv_heads, "Hd": cfg.head_dim,
             "D": cfg.d_model, "F": cfg.d_ff, "V": cfg.n_vocab, "R": cfg.rope_dim}
 
 
@@ -76,6 +78,7 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
                      sides={"subject": sub.manifest, "reference": ref.manifest})
     t0 = time.perf_counter()
     c = _Comparison(sub, ref, cfg, res, local_engine, local_bands, step=_step)
+    res.positions = [int(p) for p in c.positions]
     band_at = bands or c.default_bands(specs, band_class)
     for spec in specs:
         if spec.scope == "layer":
@@ -126,6 +129,9 @@ def _check_same_run(sub: Dump, ref: Dump):
         first = next((i for i, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
         raise HarnessError(f"the two dumps ran different token ids ({len(ids)} vs {len(other)} tokens; first "
                            f"difference at {first})")
+    if ref.rows != sub.rows:
+        raise HarnessError(f"the two dumps hold different rows of the forward ({len(sub.rows)} vs {len(ref.rows)}; "
+                           f"a comparison runs the reference with the subject's rows)")
     if ref.past_token_ids != sub.past_token_ids:
         raise HarnessError(f"the two dumps ran different pasts ({len(sub.past_token_ids)} vs "
                            f"{len(ref.past_token_ids)} cached tokens before this forward)")
@@ -138,13 +144,15 @@ class _Comparison:
     def __init__(self, sub: Dump, ref: Dump, cfg, res: DiffResult, local_engine, local_bands, step: int = 0):
         self.sub, self.ref, self.cfg, self.res, self.step = sub, ref, cfg, res, step
         self.cat = catalogue()
-        self.n = len(sub.token_ids)
-        self.dims = dims_of(cfg, self.n, past=len(sub.past_token_ids))
+        self.n = len(sub.rows)
+        self.past = len(sub.past_token_ids)
+        self.positions = np.asarray(sub.rows) + self.past        # the absolute position of each row held
+        self.dims = dims_of(cfg, len(sub.token_ids), past=self.past, n_rows=self.n)
         self.cap_sub, self.cap_ref = {}, {}
         self.local_engine, self.local_bands = local_engine, local_bands
         self.local_of, self.local_decl = None, None
         if local_engine is not None:
-            self.local_of = _local_reader(local_engine, sub, self.cat, self.dims, sub.token_ids)
+            self.local_of = _local_reader(local_engine, sub, self.cat, self.dims, self.positions)
             self.local_decl = res.local_declaration = declaration(local_engine, sub.arithmetic)
         for d, who in ((sub, res.subject_label), (ref, res.reference_label)):
             diff = (d.manifest.get("capture_invariance") or {}).get("logits_max_abs_diff", 0.0)
@@ -192,6 +200,8 @@ class _Comparison:
         if list(r.shape) != want:
             raise HarnessError(f"reference {self.res.reference_label}: {t} layer {layer} has shape "
                                f"{list(r.shape)}, the model needs {want}")
+        if t == "kq":
+            r = self.seen_scores(r, layer)
         s, m = self._subject_tensor(spec, t, layer, e, want, r)
         ok = within(m, band)
         if not ok and (e.get("rope_pairs") or e.get("head_major") or len(want) > 1):
@@ -205,10 +215,17 @@ class _Comparison:
             self.cap_sub[key] = s
         row = Row(spec.id, spec.name, layer, t, m, band, ok, order)
         lo = self.local_of(spec.id, t, layer) if self.local_of is not None and s is not None else None
+        if lo is not None and t == "kq":
+            lo = self.seen_scores(lo, layer)
         if lo is not None:
             row.local = compare(s, lo)
             row.local_band = self.local_bands(self.local_decl, t)
             row.local_passed = within(row.local, row.local_band)
+        ax = token_axis(e)
+        if ax is not None and s is not None and self.step == 0:
+            row.by_position = {"nmse": nmse_by_row(s, r, ax)}
+            if lo is not None and np.shape(lo) == np.shape(s):
+                row.by_position["local_nmse"] = nmse_by_row(s, lo, ax)
         self.res.rows.append(row)
 
     def _subject_tensor(self, spec, t, layer, e, want, r):
@@ -223,7 +240,18 @@ class _Comparison:
         if list(s.shape) != want:
             return None, {**bad, "error": f"shape {stored} (as stored) does not give the canonical {e['shape']} = "
                                           f"{want} under the declared layouts {self.sub.layouts}"}
+        if t == "kq":
+            s = self.seen_scores(s, layer)
         return s, compare(s, r)
+
+    def seen_scores(self, a, layer):
+        """Raw scores [H, T, S] with the entries no query may see set to 0: a query's scores against later
+        positions (or outside a local layer's window) are no part of the result, and an engine that fed the
+        prompt in micro-batches never computes them."""
+        cfg = self.cfg
+        window = cfg.sliding_window if layer is not None and cfg.is_local(layer) else 0
+        seen = np.isfinite(visible_mask(np, self.positions[:, None], np.arange(a.shape[-1])[None, :], window))
+        return np.where(seen[None], a, np.float32(0)).astype(np.float32)
 
     def own_logits(self):
         """The subject's own logits [T, V], or None: the teacher-forced source of its tokens."""
@@ -280,7 +308,7 @@ def _case_greedy(c: _Comparison, spec, band, num):
     gb = greedy_band(band, n)
     row = Row("12", spec.name, None, "greedy_tokens", m, gb, within(m, gb), c.order(3, 99, 0))
     own = c.own_logits()
-    if c.local_engine is not None and a and own is not None:
+    if c.local_engine is not None and a and own is not None and c.sub.rows[-1] == len(c.sub.token_ids) - 1:
         # teacher-forced, the first greedy token is the argmax of the subject's own last logits; later tokens
         # need the subject's decode steps (not in a one-forward dump)
         first = int(own[-1].argmax())
@@ -305,7 +333,7 @@ def _token_local(row, m: dict):
     row.local_passed = within(row.local, row.local_band)
 
 
-def _local_reader(engine, sub: Dump, cat: dict, dims: dict, token_ids):
+def _local_reader(engine, sub: Dump, cat: dict, dims: dict, positions):
     """-> local(cp, tensor, layer): the engine's op on the subject's inputs, or None (inputs not held).
     Layers are computed once, on first use."""
     where = {name: cp for (cp, name) in cat}
@@ -326,8 +354,8 @@ def _local_reader(engine, sub: Dump, cat: dict, dims: dict, token_ids):
         key = "head" if layer is None else layer
         if key not in memo:
             memo[key] = (model_outputs(engine, get) if layer is None else
-                         local_outputs(engine, get, layer, token_ids, fused_attention=fused,
-                                       past=len(sub.past_token_ids)))
+                         local_outputs(engine, get, layer, [sub.token_ids[r] for r in sub.rows],
+                                       fused_attention=fused, past=len(sub.past_token_ids), positions=positions))
         lo = memo[key].get(tensor)
         if cp == "9" and lo is not None:            # the last row alone, from the subject's own result_norm
             return lo[-1]
@@ -339,7 +367,7 @@ def _argmax(d: Dump):
     if d.has("10", "argmax"):
         return d.raw("10", "argmax").astype(np.int64), "argmax"
     if d.has("8", "logits"):
-        return d.raw("8", "logits").reshape(len(d.token_ids), -1).argmax(-1), "argmax(cp8.logits)"
+        return d.raw("8", "logits").reshape(len(d.rows), -1).argmax(-1), "argmax(cp8.logits)"
     return None, None
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..model.cache import visible_mask
 from ..numerics.ggml_cpu import flash_attention
 
 # y <- op(inputs): which subject tensors feed each local operation (documentation and the bundle's report)
@@ -39,27 +40,33 @@ def embedding(engine, token_ids) -> np.ndarray:
     return x * np.float32(cfg.embed_scale) if cfg.embed_scale is not None else x
 
 
-def _cache_after(engine, get, layer: int, past: int):
-    """A fresh cache at position `past`, holding the subject's own cached rows before it (a decode step)."""
-    cache = engine.new_cache()
-    if past:
-        for name, store in (("k_cache", cache.k), ("v_cache", cache.v)):
-            rows = get(name, layer)
-            if rows is not None:
-                store[layer, :past] = engine.backend.asarray(rows[:past]).astype(store.dtype)
-        cache.pos = past
-    return cache
+def _cache_rows(engine, get, layer: int, name: str, new, positions, cache):
+    """The layer's cached rows [S, KV, Hd] (float32) as the reference op leaves them: the subject's own rows
+    (its k_cache/v_cache), with the rows at `positions` replaced by the new ones stored in the cache's type
+    (f16 rounds here). Without the subject's cache: the new rows alone (a forward from position 0)."""
+    xp, asx = engine.xp, engine.backend.asarray
+    held = get(name, layer)
+    stored = new.astype(cache.k.dtype)
+    if held is None:
+        return stored.astype(xp.float32)
+    rows = asx(held).astype(cache.k.dtype)
+    rows[asx(positions)] = stored
+    return rows.astype(xp.float32)
 
 
-def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = False, past: int = 0) -> dict:
+def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = False, past: int = 0,
+                  positions=None) -> dict:
     """get(name, layer) -> the subject's canonical array or None. -> {name: reference op on the subject's
     inputs} for every tensor of this layer whose inputs the subject holds. fused_attention: the subject ran
     llama.cpp's flash attention (ggml numerics, F16 cache): attn_out is then checked through its emulation.
-    past: positions already in the subject's cache (a decode step): the new tokens sit at past.., and the
-    cache rows before them are the subject's own (its k_cache/v_cache), so only the rows written are checked."""
+    past: positions already in the subject's cache (a decode step): the new tokens sit at past... positions:
+    the absolute position of each row held (default past.., every row; a dump of chosen rows holds fewer).
+    The cache rows not written by these rows are the subject's own (its k_cache/v_cache), so only the rows
+    written are checked."""
     cfg, ops, xp = engine.config, engine.ops, engine.xp
     lw = engine.weights.layers[layer]
     t = len(token_ids)
+    positions = np.arange(past, past + t) if positions is None else np.asarray(positions)
     out = {}
     asx = engine.backend.asarray
     npy = engine.backend.to_numpy
@@ -81,18 +88,20 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
             out["q_normed"] = ops.rms_norm(xp, a[0], lw.q_norm, cfg.rms_eps)
         if (a := have("k_proj")) is not None:
             out["k_normed"] = ops.rms_norm(xp, a[0], lw.k_norm, cfg.rms_eps)
-    cache = _cache_after(engine, get, layer, past)
+    cache = engine.new_cache()
     local = cfg.is_local(layer)
-    cos, sin = cache.rope_rows(t, local)
+    window = cfg.sliding_window if local else 0
+    cos, sin = (tab[asx(positions)] for tab in cache.tables(local))
     for name, src in (("q", "q_normed" if cfg.qk_norm else "q_proj"), ("k", "k_normed" if cfg.qk_norm else "k_proj")):
         if (a := have(src)) is not None:
             out[name] = ops.rope(xp, a[0], cos, sin, cfg.rope_style)
     if (a := have("k", "v")) is not None:
-        k_all, v_all = cache.store(layer, a[0], a[1])          # the cache's type (f16 rounds here)
-        out.update(k_cache=k_all, v_cache=v_all)
+        out.update(k_cache=_cache_rows(engine, get, layer, "k_cache", a[0], positions, cache),
+                   v_cache=_cache_rows(engine, get, layer, "v_cache", a[1], positions, cache))
+    mask = None
     if (a := have("q", "k_cache", "v_cache")) is not None:
         kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
-        mask = cache.mask(t, cfg.sliding_window if local else 0)
+        mask = visible_mask(xp, asx(positions)[:, None], xp.arange(a[1].shape[0])[None, :], window)
         att, kq, probs = ops.attention(xp, a[0], a[1], a[2], mask, cfg.scale, kv_head)
         out.update(kq=kq, kq_soft_max=probs, kqv_out=att)
     if (a := have("kqv_out")) is not None:
@@ -101,8 +110,7 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
         att = out["kqv_out"]
         if fused_attention and engine.numerics == "ggml":
             a = have("q", "k_cache", "v_cache")
-            att = flash_attention(xp, a[0], a[1], a[2], cache.mask(t, cfg.sliding_window if local else 0),
-                                  cfg.scale, ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads))
+            att = flash_attention(xp, a[0], a[1], a[2], mask, cfg.scale, ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads))
         out["attn_out"] = ops.linear(xp, att, lw.wo)
     if cfg.post_norms and (a := have("attn_out")) is not None:
         out["attn_post_norm"] = ops.rms_norm(xp, a[0], lw.post_attn_norm, cfg.rms_eps)

@@ -6,6 +6,17 @@ import math
 import numpy as np
 
 
+def nmse_by_row(ours, ref, axis: int) -> list:
+    """NMSE of each index along `axis` (a row of the forward: one position), the other axes summed; float64.
+    Non-finite rows count as infinite error."""
+    a = np.moveaxis(np.asarray(ours, dtype=np.float64), axis, 0).reshape(np.shape(ours)[axis], -1)
+    b = np.moveaxis(np.asarray(ref, dtype=np.float64), axis, 0).reshape(a.shape[0], -1)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        num, den = np.sum((a - b) ** 2, axis=1), np.sum(b * b, axis=1)
+        out = np.where(den > 0, num / np.where(den > 0, den, 1), np.where(num > 0, np.inf, 0.0))
+    return [float(x) if np.isfinite(x) else math.inf for x in out]
+
+
 def compare(ours, ref) -> dict:
     """ours, ref: arrays of the same intended shape -> {shape, max_abs, max_rel, nmse, cosine}.
 

@@ -19,6 +19,7 @@ class Row:
     local_band: dict | None = None
     local_passed: bool | None = None
     step: int = 0                      # 0: the prompt's forward; K: the K-th decode step
+    by_position: dict | None = None    # {"nmse": [per row held], "local_nmse"?: [...]} (the prompt's forward)
 
     @property
     def diverges(self) -> bool:
@@ -46,6 +47,7 @@ class DiffResult:
     not_covered: list = field(default_factory=list)      # [{checkpoint, name, layer, tensor, why}]
     warnings: list = field(default_factory=list)         # lines a reader must see (e.g. different model files)
     local_declaration: str | None = None                 # the arithmetic of the local comparison, when one ran
+    positions: list = field(default_factory=list)        # the absolute position of each row of the forward held
 
     @property
     def first_divergence(self):
@@ -94,6 +96,26 @@ class DiffResult:
             })
         return out
 
+    def by_position(self) -> dict:
+        """Error by position over the prompt's forward: for each row held (its absolute position), the worst
+        NMSE over every tensor and layer, end to end and local, with where it is; and per tensor name, the
+        worst over layers (the series a plot draws)."""
+        rows = [r for r in self.rows if r.by_position]
+        out = {"positions": self.positions, "worst_nmse": [], "worst_at": [], "worst_local_nmse": [],
+               "local_worst_at": [], "by_tensor": {}, "local_by_tensor": {}}
+        for key, at, per in (("worst_nmse", "worst_at", "by_tensor"),
+                             ("worst_local_nmse", "local_worst_at", "local_by_tensor")):
+            fig = "nmse" if key == "worst_nmse" else "local_nmse"
+            have = [r for r in rows if fig in r.by_position]
+            for i in range(len(self.positions) if have else 0):
+                r = max(have, key=lambda r: r.by_position[fig][i])
+                out[key].append(r.by_position[fig][i])
+                out[at].append(f"cp{r.checkpoint} {r.tensor}" + (f" L{r.layer}" if r.layer is not None else ""))
+            for r in have:
+                cur = out[per].setdefault(r.tensor, [0.0] * len(self.positions))
+                out[per][r.tensor] = [max(a, b) for a, b in zip(cur, r.by_position[fig])]
+        return out
+
     def to_json(self) -> dict:
         return {
             "model": self.model, "reference_model": self.reference_model, "prompt": self.prompt,
@@ -102,7 +124,7 @@ class DiffResult:
             "summary": self.summary(), "greedy": self.greedy, "timings": self.timings,
             "sides": self.sides, "subject": self.subject_label,
             "reference": self.reference_label, "not_covered": self.not_covered, "warnings": self.warnings,
-            "local_declaration": self.local_declaration,
+            "local_declaration": self.local_declaration, "by_position": self.by_position(),
             "rows": [{"checkpoint": r.checkpoint, "name": r.name, "layer": r.layer, "tensor": r.tensor, "step": r.step,
                       **r.metrics, "band": r.band, "passed": r.passed,
                       **({"local": r.local, "local_band": r.local_band, "local_passed": r.local_passed}

@@ -36,14 +36,16 @@ def _greedy_texts(res, tokenizer):
 
 
 def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=None, n_greedy=32,
-             band_class=None, context=None):
+             band_class=None, context=None, token_ids=None, rows=None, n_ubatch=512):
     """engine: llorch_ref Engine (the subject); reference_model: the GGUF llama.cpp runs (default: the
-    engine's file); context: an open references.llamacpp.LlamaCpp to reuse (else one is made and closed)."""
+    engine's file); context: an open references.llamacpp.LlamaCpp to reuse (else one is made and closed).
+    token_ids: instead of tokenizing the prompt; rows: the prompt rows both sides keep (default all);
+    n_ubatch: llama.cpp's micro-batch (a longer prompt runs as several)."""
 
     ref_path = str(reference_model or engine.path)
     if engine.tokenizer is None:
         raise HarnessError("this model has no vocabulary: the harness needs a text prompt")
-    if not prompt:
+    if not prompt and token_ids is None:
         raise PromptError("empty prompt")
     if engine.numerics == "exact" and engine.kv_dtype != "float32":
         raise HarnessError("the exact-numerics bands are measured with an F32 K/V cache; use --kv-dtype float32, "
@@ -53,12 +55,13 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
         if reference_model is not None and band_class != "ggml":
             band_class = coarser(band_class, band_class_of({t.name: t.tensor_type.name
                                                             for t in open_reader(ref_path).tensors}))
-    ids = engine.tokenizer.encode(prompt)
+    ids = engine.tokenizer.encode(prompt) if token_ids is None else list(token_ids)
     timings = {}
     t0 = time.perf_counter()
     theirs = _timed(timings, "llamacpp_s", dump_llamacpp, ref_path, prompt=prompt, token_ids=ids, n_greedy=n_greedy,
-                    kv_dtype=engine.kv_dtype, checkpoints=checkpoints, context=context)
-    ours = _timed(timings, "ours_s", record_engine, engine, ids, prompt=prompt, n_greedy=n_greedy)
+                    kv_dtype=engine.kv_dtype, checkpoints=checkpoints, context=context, rows=rows,
+                    n_ubatch=n_ubatch)
+    ours = _timed(timings, "ours_s", record_engine, engine, ids, prompt=prompt, n_greedy=n_greedy, rows=rows)
     res = compare_dumps(ours, theirs, engine.config, band_class, checkpoints=checkpoints,
                         subject_label=engine_label(engine), reference_label="llama.cpp", model=str(engine.path),
                         reference_model=ref_path)
@@ -110,7 +113,8 @@ def run_subject(engine, sub: Dump, band_class: str, checkpoints=None, subject_la
             + (f", its {len(sub.decode_token_ids)} decode steps" if sub.decode_token_ids else "")
             + (f" and {n} greedy tokens" if n else "") + " ...")
     ref = record_engine(engine, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n,
-                        decode_ids=sub.decode_token_ids or None)      # teacher-forced: the subject's tokens
+                        decode_ids=sub.decode_token_ids or None,      # teacher-forced: the subject's tokens
+                        rows=sub.manifest.get("rows"))                 # and the rows it holds
     res = compare_dumps(sub, ref, engine.config, band_class, checkpoints=checkpoints,
                         subject_label=subject_label or sub.engine, reference_label=engine_label(engine),
                         model=sub.source, reference_model=str(engine.path), local_engine=engine)

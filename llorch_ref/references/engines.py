@@ -12,7 +12,7 @@ import numpy as np
 from ..checkpoints import load_specs
 from ..convert import convert_gguf_to_hf
 from ..dtypes import KV_DTYPES, SHORT, dtype_name
-from ..dump import Recorder, capture_invariance
+from ..dump import Recorder, capture_invariance, catalogue, check_rows, select_rows, token_axis
 from ..errors import ParameterError, PromptError, ReferenceError_
 from ..loaders.default_model import home, sha256_file
 from ..loaders.gguf_file import config_from_metadata, open_reader, read_metadata, rope_freqs_of
@@ -47,11 +47,13 @@ def check_token_ids(token_ids, n_vocab: int, n_ctx: int) -> list[int]:
 
 def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="float32", array_order="ggml",
                   checkpoints=None, flash_attn=False, n_ubatch=512, n_threads=2, context=None, decode_steps=0,
-                  decode_ids=None) -> Recorder:
+                  decode_ids=None, rows=None) -> Recorder:
     """llama.cpp on a GGUF file -> Recorder. Tensors are written as ggml holds them (array_order "ggml":
     shapes listed as ne[], innermost first), K/V views cut to the positions written, kq to its columns.
     Decode steps after the prompt (each one token, every layer tensor and the logits captured): the tokens
     decode_ids when given (teacher forcing), else decode_steps greedy tokens of llama.cpp's own.
+    A prompt longer than n_ubatch runs as llama.cpp's micro-batches (one graph each), put together.
+    rows: the prompt's rows to keep (indices into the ids; default all), to bound a long prompt's memory.
     context: an open LlamaCpp on the same file to reuse (its settings must be those asked for); it is left
     open. Else one is made for this dump and closed."""
     kv_dtype = dtype_name(kv_dtype, KV_DTYPES, "kv_dtype")
@@ -70,17 +72,18 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
     steps = len(decode_ids) if decode_ids is not None else int(decode_steps)
     ids = check_token_ids(token_ids, cfg.n_vocab, cfg.context_length - steps)
     t, specs = len(ids), load_specs(checkpoints)
+    rows = check_rows(rows, t)
     rec = Recorder("llama.cpp", f"{llama_cpp_version()} (llama-cpp-python)", model_path=path, token_ids=ids,
                    prompt=prompt, layouts={"array_order": array_order, "rope_pairs": cfg.rope_style},
                    notes=f"K/V cache {kv_dtype}, flash attention {'on' if flash_attn else 'off'}, n_ubatch {n_ubatch}, "
-                         f"{n_threads} threads")
+                         f"{n_threads} threads", rows=rows)
     need = t + max(n_greedy, steps)
     if context is not None:
-        _check_context(context, path, n_ctx=need, type_k=SHORT[kv_dtype], flash_attn=flash_attn)
+        _check_context(context, path, n_ctx=need, type_k=SHORT[kv_dtype], flash_attn=flash_attn, n_ubatch=n_ubatch)
     ref = context or LlamaCpp(path, n_ctx=max(256, 64 * ((need + 63) // 64)), kv_dtype=kv_dtype,
-                              flash_attn=flash_attn, n_ubatch=n_ubatch, n_threads=n_threads)
+                              flash_attn=flash_attn, n_ubatch=n_ubatch, n_batch=t, n_threads=n_threads)
     rec.extra["arithmetic"] = {"numerics": "ggml", "kv_dtype": kv_dtype, "settings": dict(ref.settings)}
-    capture = _LlamaCppCapture(rec, specs, cfg, flash_attn, array_order)
+    capture = _LlamaCppCapture(rec, specs, cfg, flash_attn, array_order, rows=rows)
     try:
         if prompt is not None and any(s.id == "0" for s in specs):
             rec.add("cp0.token_ids", np.array(tokenize(path, prompt), dtype=np.int64))
@@ -90,7 +93,7 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
         rec.extra["capture_invariance"] = capture_invariance(logits, ref.eval(ids))
         ids_of = {s.id for s in specs}
         if "8" in ids_of or "10" in ids_of or "11" in ids_of:
-            capture.put("cp8.logits", logits)
+            capture.put("cp8.logits", logits if rows is None else logits[rows])
         if "9" in ids_of:
             capture.put("cp9.logits", ref.eval_last(ids))
         if "12" in ids_of and n_greedy > 0:
@@ -103,22 +106,35 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
 
 class _LlamaCppCapture:
     """The checkpoint tensors of llama.cpp forwards, captured through its eval callback and written to a
-    Recorder in the declared array order: the prompt's forward (step 0) and decode steps after it."""
+    Recorder in the declared array order: the prompt's forward (step 0) and decode steps after it. A prompt
+    longer than n_ubatch runs as micro-batches (one graph each): their rows are put together into the
+    prompt's tensors, the caches taken after the last. With rows, only those rows of the prompt are kept,
+    as each node is read."""
 
-    def __init__(self, rec: Recorder, specs, cfg, flash_attn: bool, array_order: str):
+    def __init__(self, rec: Recorder, specs, cfg, flash_attn: bool, array_order: str, rows=None):
         self.rec, self.specs, self.cfg, self.flash_attn, self.array_order = rec, specs, cfg, flash_attn, array_order
+        self.rows = rows
         self.names = {"result_output"}
+        self.axis = {"result_output": 0}      # node name -> its rows' axis as read (NumPy order), None: a cache
+        cat = catalogue()
         for s in specs:
             for ts in s.tensors_for(cfg):
-                if ts.node(cfg) is not None:
-                    self.names |= {ts.node(cfg)["name"].replace("{L}", str(i)) for i in range(cfg.n_layers)}
+                if ts.node(cfg) is None:
+                    continue
+                ax = token_axis(cat[(s.id, ts.ours)])
+                raw = None if ax is None else (1 if cat[(s.id, ts.ours)]["shape"].startswith("H,T") else 0)
+                for i in range(cfg.n_layers):
+                    name = ts.node(cfg)["name"].replace("{L}", str(i))
+                    self.names.add(name)
+                    self.axis[name] = raw if self.axis.get(name, raw) == raw else "whole"
 
     def put(self, name, a, step: int = 0):
         a = np.ascontiguousarray(a, dtype=np.float32)
         self.rec.add(name, a.reshape(a.shape[::-1]) if self.array_order == "ggml" else a, step=step)
 
     def canonical(self, t: int, s: int) -> dict:
-        """our name -> fn(llama.cpp array in NumPy order) -> canonical array, for t new tokens after s - t."""
+        """our name -> fn(llama.cpp array in NumPy order) -> canonical array, for t rows of new tokens (s cache
+        positions after them)."""
         hd, kv, h = self.cfg.head_dim, self.cfg.n_kv_heads, self.cfg.n_heads
         k_cache = lambda a: a.reshape(-1, kv, hd)[:s]
         return {
@@ -132,12 +148,40 @@ class _LlamaCppCapture:
             "kqv_out": lambda a: a.reshape(t, h * hd),
         }
 
+    def _plan(self, n: int, u: int, rows):
+        """-> [(first token, end, kept rows relative to the micro-batch or None for all)] per micro-batch."""
+        out = []
+        for a in range(0, n, u):
+            b = min(n, a + u)
+            out.append((a, b, None if rows is None else [r - a for r in rows if a <= r < b]))
+        return out
+
+    def _keeper(self, plan):
+        """Capture.keep: a node's kept rows as it is read; a cache only from the last micro-batch."""
+        def keep(g, name, arr):
+            ax = self.axis.get(name, "whole")
+            if ax is None:
+                return arr if g == len(plan) - 1 else None
+            sel = plan[g][2] if g < len(plan) else None
+            if ax == "whole" or sel is None:
+                return arr
+            if not sel:
+                return None
+            if plan[g][1] - plan[g][0] == 1:           # one token: ggml dropped its size-1 axis
+                return arr
+            return np.take(arr, sel, axis=ax)
+        return keep
+
     def run(self, ref, tokens, pos: int, step: int = 0):
         """One forward of `tokens` at `pos` (pos 0: a fresh sequence), every checkpoint node written at `step`;
         -> its logits [T, V]."""
-        cap = Capture(names=self.names)
+        plan = self._plan(len(tokens), ref.n_ubatch, self.rows if step == 0 else None)
+        cap = Capture(names=self.names, keep=self._keeper(plan))
         logits = ref.eval(tokens, cap) if pos == 0 else ref.eval_at(tokens, pos, cap)
-        canon, cfg = self.canonical(len(tokens), pos + len(tokens)), self.cfg
+        if len(cap.graphs) != len(plan):
+            raise ReferenceError_(f"llama.cpp ran {len(cap.graphs)} graph(s) for {len(tokens)} tokens with n_ubatch "
+                                  f"{ref.n_ubatch}; {len(plan)} were expected")
+        cfg = self.cfg
         for s in self.specs:
             if step and s.scope != "layer" and s.id != "8":     # a decode step: layers, its final norm, logits
                 continue
@@ -146,15 +190,30 @@ class _LlamaCppCapture:
                 if lc is None:                         # unnamed in this architecture's graph: not covered
                     continue
                 for layer in (range(cfg.n_layers) if s.scope == "layer" else [None]):
-                    key = (lc["name"].replace("{L}", str(layer)), lc["op"], int(lc.get("occurrence", 0)))
-                    if key not in cap.tensors:
+                    name = lc["name"].replace("{L}", str(layer))
+                    key = (name, lc["op"], int(lc.get("occurrence", 0)))
+                    parts = self._parts(cap, plan, key, ts, pos)
+                    if parts is None:
                         if self.flash_attn and ts.ours in FUSED_BY_FLASH_ATTN:
                             continue                   # fused into one op: not covered, never passed
-                        raise ReferenceError_(f"llama.cpp produced no node {key} (captured {len(cap.tensors)})")
-                    a = ts.from_llamacpp(cfg, cap.tensors[key])
-                    self.put(f"cp{s.id}.{ts.ours}" + ("" if layer is None else f".layer{layer}"),
-                             canon.get(ts.ours, lambda x: x.reshape(len(tokens), -1))(a), step=step)
+                        raise ReferenceError_(f"llama.cpp produced no node {key} (captured {len(cap.nodes)})")
+                    a = _join(parts, ts.ours, self.axis.get(name), pos + len(tokens))
+                    if self.axis.get(name) == "whole" and step == 0:
+                        a = select_rows(catalogue()[(s.id, ts.ours)], a, self.rows)
+                    self.put(f"cp{s.id}.{ts.ours}" + ("" if layer is None else f".layer{layer}"), a, step=step)
         return logits
+
+    def _parts(self, cap, plan, key, ts, pos):
+        """-> [(first kept row, array in the canonical layout)] per micro-batch holding the node; None if none."""
+        parts, kept = [], 0
+        for g, (a, b, sel) in enumerate(plan):
+            arr = cap.graphs[g].get(key)
+            n = (b - a) if sel is None or self.axis.get(key[0]) == "whole" else len(sel)
+            if arr is not None:
+                fn = self.canonical(n, pos + b).get(ts.ours, lambda x, n=n: x.reshape(n, -1))
+                parts.append((kept, fn(ts.from_llamacpp(self.cfg, arr))))
+            kept += n
+        return parts or None
 
     def decode(self, ref, t: int, last_logits, steps: int, decode_ids):
         """Decode steps on the prompt's cache: step k feeds decode_ids[k-1] (or llama.cpp's greedy pick)."""
@@ -165,6 +224,21 @@ class _LlamaCppCapture:
             last_logits = self.run(ref, fed[k - 1:k], pos=t + k - 1, step=k)[-1]
             self.put("cp8.logits", last_logits[None, :], step=k)
         self.rec.extra["decode_token_ids"] = fed
+
+
+def _join(parts, ours: str, axis, s: int) -> np.ndarray:
+    """Micro-batches' parts of one tensor -> the prompt's: rows concatenated; kq/kq_soft_max placed in [H, T, S]
+    (a query's entries beyond its micro-batch were never computed: 0); a cache: the last micro-batch's."""
+    if axis is None or len(parts) == 1:
+        return parts[-1][1]
+    if ours in ("kq", "kq_soft_max"):
+        h = parts[0][1].shape[0]
+        n = sum(p.shape[1] for _, p in parts)
+        out = np.zeros((h, n, s), dtype=np.float32)
+        for r0, p in parts:
+            out[:, r0:r0 + p.shape[1], :p.shape[2]] = p
+        return out
+    return np.concatenate([p for _, p in parts], axis=0)
 
 
 def llama_cpp_version() -> str:

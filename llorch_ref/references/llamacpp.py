@@ -3,7 +3,8 @@ by the eval callback (`llama_context_params.cb_eval`).
 
 Settings that keep tensors visible and exact are forced: flash attention off (else kq/kq_soft_max/kqv
 do not exist), K/V cache type as asked (F32 for exact work), logits for every token (a batch from
-llama_batch_init), no weight repacking (use_extra_bufts=False), prompts shorter than n_ubatch.
+llama_batch_init), no weight repacking (use_extra_bufts=False). A batch longer than n_ubatch runs as
+micro-batches, one graph each (Capture.graphs).
 Tensor names are not unique in the llama graph, so captures are keyed by (name, op, occurrence).
 """
 from __future__ import annotations
@@ -81,15 +82,43 @@ def _ggml_funcs():
 
 @dataclass
 class Capture:
-    """Which graph nodes to copy out: a set of exact node names (e.g. {"Qcur-0", "kq-3"}) or None for all."""
+    """Which graph nodes to copy out: a set of exact node names (e.g. {"Qcur-0", "kq-3"}) or None for all.
+
+    llama.cpp computes a batch longer than n_ubatch as several graphs, one per micro-batch, in order: each
+    graph's nodes land in `graphs[g]` (a new graph starts after the node `result_output`, the last of every
+    graph). keep(graph, name, arr) -> the array to hold (a part of it, or None for nothing), called as each
+    node is read, so that a long prompt's large nodes never pile up in memory."""
     names: set | None = None
-    tensors: dict = field(default_factory=dict)   # (name, op, occurrence) -> np.ndarray (NumPy order)
+    keep: object = None
+    graphs: list = field(default_factory=lambda: [{}])   # per graph: (name, op, occurrence) -> np.ndarray
     nodes: list = field(default_factory=list)     # (name, op, ggml ne) of every captured node, in order
     _seen: dict = field(default_factory=dict)
     checked: bool = False
 
+    @property
+    def tensors(self) -> dict:
+        """The first (for a batch within n_ubatch: the only) graph's nodes."""
+        return self.graphs[0]
+
     def wants(self, name: str) -> bool:
         return self.names is None or name in self.names
+
+    def add(self, name, op, ne, arr):
+        occ = self._seen.get((name, op), 0)
+        self._seen[(name, op)] = occ + 1
+        self.nodes.append((name, op, ne))
+        if arr is not None and self.keep is not None:
+            arr = self.keep(len(self.graphs) - 1, name, arr)
+        if arr is not None:
+            self.graphs[-1][(name, op, occ)] = arr
+        if name == "result_output":                 # the graph's last node: the next node starts another
+            self.graphs.append({})
+            self._seen = {}
+
+    def done(self):
+        """After the batch: drop the empty graph opened by the last result_output."""
+        if len(self.graphs) > 1 and not self.graphs[-1]:
+            self.graphs.pop()
 
 
 def _read_tensor(ptr) -> tuple[str, str, tuple, np.ndarray | None]:
@@ -121,7 +150,10 @@ def _read_tensor(ptr) -> tuple[str, str, tuple, np.ndarray | None]:
 class LlamaCpp:
     """One llama.cpp model + context. eval(tokens) runs a fresh sequence and returns logits [T, V]."""
 
-    def __init__(self, path, n_ctx=512, kv_dtype="float32", n_threads=2, n_ubatch=512, seed=0, flash_attn=False):
+    def __init__(self, path, n_ctx=512, kv_dtype="float32", n_threads=2, n_ubatch=512, seed=0, flash_attn=False,
+                 n_batch=None):
+        """n_batch: the most tokens one eval takes (default n_ubatch); llama.cpp computes a batch longer than
+        n_ubatch as micro-batches of n_ubatch tokens, one graph each."""
         llama_cpp, _ = _import()
         self.llama_cpp = llama_cpp
         kv_dtype = dtype_name(kv_dtype, tuple(KV_TYPES), "kv_dtype")
@@ -144,7 +176,8 @@ class LlamaCpp:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = n_ctx
-        cp.n_batch = n_ubatch
+        n_batch = max(int(n_batch or n_ubatch), n_ubatch)
+        cp.n_batch = n_batch
         cp.n_ubatch = n_ubatch
         cp.n_threads = cp.n_threads_batch = n_threads
         cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
@@ -158,11 +191,11 @@ class LlamaCpp:
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise ReferenceError_("llama.cpp could not create a context")
-        self.settings = {"n_ctx": n_ctx, "n_batch": n_ubatch, "n_ubatch": n_ubatch, "n_threads": n_threads,
+        self.settings = {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "n_threads": n_threads,
                          "flash_attn": bool(flash_attn), "type_k": SHORT[kv_dtype], "type_v": SHORT[kv_dtype], "use_extra_bufts": False,
                          "logits": "all tokens (llama_batch_init)", "llama_cpp_python": llama_cpp.__version__,
                          "GGML_CPU_TILED_MM": os.environ.get("GGML_CPU_TILED_MM")}
-        self.n_ctx, self.n_ubatch, self.path = n_ctx, n_ubatch, str(path)
+        self.n_ctx, self.n_ubatch, self.n_batch, self.path = n_ctx, n_ubatch, n_batch, str(path)
 
     @staticmethod
     def _quiet():
@@ -182,13 +215,7 @@ class LlamaCpp:
             if ask:
                 name = _ggml_funcs()["ggml_get_name"](t).decode()
                 return cap.wants(name)
-            name, op, ne, arr = _read_tensor(t)
-            key = (name, op)
-            occ = cap._seen.get(key, 0)
-            cap._seen[key] = occ + 1
-            cap.nodes.append((name, op, ne))
-            if arr is not None:
-                cap.tensors[(name, op, occ)] = arr
+            cap.add(*_read_tensor(t))
             cap.checked = True
         except Exception as e:  # never let an exception cross the C boundary
             cap.error = e
@@ -200,9 +227,9 @@ class LlamaCpp:
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise PromptError("empty token list")
-        if len(tokens) > min(self.n_ctx, self.n_ubatch):
-            raise PromptError(f"{len(tokens)} tokens exceed llama.cpp's n_ctx/n_ubatch "
-                              f"({self.n_ctx}/{self.n_ubatch})")
+        if len(tokens) > min(self.n_ctx, self.n_batch):
+            raise PromptError(f"{len(tokens)} tokens exceed llama.cpp's n_ctx/n_batch "
+                              f"({self.n_ctx}/{self.n_batch})")
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
         return self._decode(tokens, 0, capture, all_logits=True)
 
@@ -231,6 +258,8 @@ class LlamaCpp:
                 capture.error = None
             rc = lc.llama_decode(self.ctx, batch)
             self._capture = None
+            if capture is not None:
+                capture.done()
             if capture is not None and capture.error is not None:
                 raise ReferenceError_(f"llama.cpp capture failed: {capture.error}")
             if rc != 0:

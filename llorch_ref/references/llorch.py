@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import __version__
-from ..dump import Recorder, capture_invariance
+from ..dump import Recorder, capture_invariance, check_rows
 from ..generate import sampling
 
 # run through the cache (then reset) before the recorded forward: a cache leaking state between sequences
@@ -13,21 +13,24 @@ from ..generate import sampling
 WARMUP_PROMPT = "The quick brown fox jumps over the lazy dog, again and again and again."
 
 
-def _recorder(engine, token_ids, prompt=None, **extra) -> Recorder:
+def _recorder(engine, token_ids, prompt=None, rows=None, **extra) -> Recorder:
     return Recorder("llorch-ref", f"{__version__} ({engine.backend.name}, {engine.numerics})",
-                    model_path=engine.path, token_ids=token_ids, prompt=prompt,
+                    model_path=engine.path, token_ids=token_ids, prompt=prompt, rows=rows,
                     layouts={"rope_pairs": engine.qk_rows},       # Q/K rows as loaded (not as the forward rotates)
                     extra={"arithmetic": {"numerics": engine.numerics, "kv_dtype": engine.kv_dtype,
                                           "settings": {"backend": engine.backend.name}}, **extra})
 
 
-def record_engine(engine, token_ids, prompt=None, n_greedy=32, decode_steps=0, decode_ids=None) -> Recorder:
+def record_engine(engine, token_ids, prompt=None, n_greedy=32, decode_steps=0, decode_ids=None,
+                  rows=None) -> Recorder:
     """llorch-ref as a dump (canonical layout): every checkpoint tensor of one forward over token_ids on a
     cache that first ran (and reset after) a warm-up sequence; the last row alone as generation asks for
     it; its argmax and softmax; n_greedy greedy tokens (EOS ignored). Then decode steps on the same cache,
     one token each, every layer tensor and the logits of each: the tokens decode_ids when given (teacher
-    forcing: another engine's tokens), else decode_steps greedy tokens of its own."""
-    rec = _recorder(engine, token_ids, prompt)
+    forcing: another engine's tokens), else decode_steps greedy tokens of its own. rows: the prompt's rows
+    to keep (indices; default all), to bound a long prompt's memory."""
+    rec = _recorder(engine, token_ids, prompt, rows=check_rows(rows, len(token_ids)))
+    keep = (lambda a: a) if rec.rows is None else (lambda a: a[rec.rows])
     ids = list(token_ids)
     if prompt is not None and engine.tokenizer is not None:
         rec.add("cp0.token_ids", np.array(engine.tokenizer.encode(prompt), dtype=np.int64))
@@ -38,12 +41,12 @@ def record_engine(engine, token_ids, prompt=None, n_greedy=32, decode_steps=0, d
         cache.reset()
     b = engine.backend
     logits = b.to_numpy(engine.forward(ids, cache, record=lambda n, l, a: rec(n, l, b.to_numpy(a))))
-    rec.add("cp8.logits", logits)
+    rec.add("cp8.logits", keep(logits))
     _decode_steps(engine, cache, rec, logits[-1], decode_steps, decode_ids)
     rec.extra["capture_invariance"] = capture_invariance(logits, b.to_numpy(engine.forward(ids, engine.new_cache())))
     rec.add("cp9.logits", b.to_numpy(engine.forward(ids, engine.new_cache(), rows=[len(ids) - 1]))[-1])
-    rec.add("cp10.argmax", np.array([sampling.greedy(r) for r in logits], dtype=np.int64))
-    rec.add("cp11.probs", sampling.softmax(logits))
+    rec.add("cp10.argmax", np.array([sampling.greedy(r) for r in keep(logits)], dtype=np.int64))
+    rec.add("cp11.probs", sampling.softmax(keep(logits)))
     if n_greedy > 0:
         rec.add("cp12.greedy_tokens", np.array(list(engine.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True)),
                                               dtype=np.int64))
