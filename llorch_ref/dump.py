@@ -132,7 +132,7 @@ class Recorder:
         if step:
             name = f"{name}.step{int(step)}"
         cp, t, _ = _parse_name(split_step(name)[0], self._cat)        # raises on an unknown name
-        a = _to_numpy(array)
+        a = self._kept_rows(cp, t, _to_numpy(array), step)
         if self._cat[(cp, t)]["dtype"] == "int":
             if a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):
                 raise DumpError(f"tensor {name!r} holds token ids: got non-integer values")
@@ -140,6 +140,17 @@ class Recorder:
         else:
             a = a.astype(np.float32)
         self.tensors[name] = a           # returns None: safe to call from torch hooks (a return value replaces outputs)
+
+    def _kept_rows(self, cp, t, a, step):
+        """With rows, an array of the prompt's forward in the canonical order that still holds every row is cut
+        to the rows kept (one already cut, e.g. a forward's last layer asked for these rows only, is kept)."""
+        e = self._cat[(cp, t)]
+        ax = token_axis(e)
+        if (self.rows is None or step or ax is None or a.ndim <= ax or self.token_ids is None
+                or len(self.rows) == len(self.token_ids) or a.shape[ax] != len(self.token_ids)
+                or self.layouts["array_order"] != "numpy" or (e.get("head_major") and self.layouts["heads"] != "token_major")):
+            return a
+        return select_rows(e, a, self.rows)
 
     def __setitem__(self, name, array):
         self.add(name, array)
@@ -160,8 +171,6 @@ class Recorder:
             if not cps:
                 raise DumpError(f"no checkpoint records a tensor named {name!r}")
             cp, t = cps[0], name
-        if self.rows is not None and step == 0:
-            array = select_rows(self._cat[(cp, t)], _to_numpy(array), self.rows)
         self.add(dump_name(cp, t, layer), array, step=step)
 
     def manifest(self) -> dict:
@@ -375,14 +384,15 @@ def token_axis(entry: dict) -> int | None:
 
 
 def check_rows(rows, n: int) -> list[int] | None:
-    """rows of an n-token forward to keep -> sorted unique indices (None: all); ParameterError if out of range."""
+    """rows of an n-token forward to keep -> sorted unique indices with the last row always among them (decode
+    steps and generation start from it); None: all. ParameterError if one is out of range."""
     if rows is None:
         return None
     rows = sorted({int(r) for r in rows})
-    if not rows or rows[0] < 0 or rows[-1] >= n:
+    if rows and (rows[0] < 0 or rows[-1] >= n):
         raise ParameterError(f"rows must be indices into the {n} prompt tokens (0..{n - 1}); got "
-                             f"{rows[:1] + rows[-1:] if rows else 'none'}")
-    return rows
+                             f"{rows[0]}..{rows[-1]}")
+    return sorted(set(rows) | {n - 1})
 
 
 def select_rows(entry: dict, a, rows):

@@ -15,7 +15,7 @@ from ..errors import ParameterError
 from ..harness.run import DEFAULT_PROMPT
 from ..loaders.default_model import resolve_model
 from ..output_paths import check_output
-from ..references.engines import dump_llamacpp, dump_transformers
+from ..references.engines import dump_llamacpp, dump_transformers, hf_tokenize
 from ..references.llamacpp import tokenize as llamacpp_tokenize
 from ..references.llorch import record_engine
 from .common import api_token, load_engine, log, parse_rows, sampling_kwargs
@@ -120,10 +120,9 @@ def cmd_dump(args):
         if not ids:
             raise ParameterError("--token-ids is empty")
     prompt = None if ids is not None and args.prompt is None else (args.prompt or DEFAULT_PROMPT)
-    if args.rows is not None and args.engine == "transformers":
-        raise ParameterError("--rows applies to --engine llamacpp and llorch")
-    if args.rows is not None and args.engine == "llamacpp" and ids is None:
-        ids = llamacpp_tokenize(resolve_model(args.model), prompt)      # the rows count its tokens
+    if args.rows is not None and args.engine != "llorch" and ids is None:      # the rows count its tokens
+        ids = (llamacpp_tokenize(resolve_model(args.model), prompt) if args.engine == "llamacpp"
+               else hf_tokenize(resolve_model(args.model), prompt))
     rows = parse_rows(args.rows, len(ids)) if ids is not None else None
     if args.engine != "llamacpp":
         lcp = [f for f, on in (("--flash-attn", args.flash_attn), ("--tiled-mm", args.tiled_mm),
@@ -149,7 +148,7 @@ def cmd_dump(args):
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; transformers dumps hold all")
         rec = dump_transformers(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
-                                decode_steps=args.decode_steps)
+                                decode_steps=args.decode_steps, rows=rows)
     else:
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp dumps")

@@ -156,8 +156,8 @@ def prompt_file_arg(sp):
 def rows_arg(sp):
     sp.add_argument("--rows", default=None, metavar="SPEC",
                     help="the prompt rows to keep and compare, to bound memory on long prompts: all (default), "
-                         "last, every:K (positions 0, K, 2K, ... and the last), or a list such as 0,5,100-199; "
-                         "caches keep every position")
+                         "last, every:K (positions 0, K, 2K, ...), or a list such as 0,5,100-199; the last row is "
+                         "always kept (generation and decode steps start from it); caches keep every position")
 
 
 def ctx_arg(sp):

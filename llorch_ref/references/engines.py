@@ -275,11 +275,13 @@ def hf_folder_for(path) -> Path:
     return out
 
 
-def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32, decode_steps=0, decode_ids=None) -> Recorder:
+def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32, decode_steps=0, decode_ids=None,
+                      rows=None) -> Recorder:
     """transformers (float32, eager attention, CPU) on a Hugging Face folder -> Recorder, through forward
     hooks. Layout: token-major, Hugging Face (NeoX) RoPE pairs. The raw Q.K^T scores (checkpoint 4 'kq')
     are not exposed by transformers and are left out (not covered). Decode steps after the prompt on its
-    cache: the tokens decode_ids when given (teacher forcing), else decode_steps greedy tokens."""
+    cache: the tokens decode_ids when given (teacher forcing), else decode_steps greedy tokens. rows: the
+    prompt's rows the dump keeps (the Recorder cuts each tensor as it is added)."""
     torch, transformers = _import_hf()
     folder = hf_folder_for(path)
     model = _load_hf_model(torch, transformers, folder)
@@ -292,6 +294,7 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32, decode_ste
     ids = check_token_ids(token_ids, c.vocab_size, c.max_position_embeddings)
     rec = Recorder("transformers", f"{transformers.__version__} (torch {torch.__version__})",
                    model_path=folder, token_ids=ids, prompt=prompt, layouts={"rope_pairs": "neox"},
+                   rows=check_rows(rows, len(ids)),
                    notes="float32, eager attention, CPU; RoPE outputs captured by wrapping apply_rotary_pos_emb",
                    extra={"arithmetic": {"numerics": "exact", "kv_dtype": "float32",
                                          "settings": {"dtype": "float32", "attn_implementation": "eager"}}})
@@ -318,6 +321,13 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32, decode_ste
         if n_greedy > 0:
             rec.add("cp12.greedy_tokens", np.array(_hf_greedy(torch, model, x, n_greedy), dtype=np.int64))
     return rec
+
+
+def hf_tokenize(path, prompt: str) -> list[int]:
+    """The prompt's ids as the transformers writer tokenizes it (the folder's tokenizer, special tokens added)."""
+    _, transformers = _import_hf()
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf_folder_for(path)))
+    return tok(prompt, add_special_tokens=True)["input_ids"]
 
 
 def _import_hf():

@@ -30,7 +30,6 @@ def record_engine(engine, token_ids, prompt=None, n_greedy=32, decode_steps=0, d
     forcing: another engine's tokens), else decode_steps greedy tokens of its own. rows: the prompt's rows
     to keep (indices; default all), to bound a long prompt's memory."""
     rec = _recorder(engine, token_ids, prompt, rows=check_rows(rows, len(token_ids)))
-    keep = (lambda a: a) if rec.rows is None else (lambda a: a[rec.rows])
     ids = list(token_ids)
     if prompt is not None and engine.tokenizer is not None:
         rec.add("cp0.token_ids", np.array(engine.tokenizer.encode(prompt), dtype=np.int64))
@@ -40,13 +39,15 @@ def record_engine(engine, token_ids, prompt=None, n_greedy=32, decode_steps=0, d
         engine.forward(warm, cache, rows=[len(warm) - 1])
         cache.reset()
     b = engine.backend
-    logits = b.to_numpy(engine.forward(ids, cache, record=lambda n, l, a: rec(n, l, b.to_numpy(a))))
-    rec.add("cp8.logits", keep(logits))
+    # the logits of the rows kept only (the last among them), as llama.cpp computes its output rows
+    logits = b.to_numpy(engine.forward(ids, cache, rows=rec.rows, record=lambda n, l, a: rec(n, l, b.to_numpy(a))))
+    rec.add("cp8.logits", logits)
     _decode_steps(engine, cache, rec, logits[-1], decode_steps, decode_ids)
-    rec.extra["capture_invariance"] = capture_invariance(logits, b.to_numpy(engine.forward(ids, engine.new_cache())))
+    rec.extra["capture_invariance"] = capture_invariance(
+        logits, b.to_numpy(engine.forward(ids, engine.new_cache(), rows=rec.rows)))
     rec.add("cp9.logits", b.to_numpy(engine.forward(ids, engine.new_cache(), rows=[len(ids) - 1]))[-1])
-    rec.add("cp10.argmax", np.array([sampling.greedy(r) for r in keep(logits)], dtype=np.int64))
-    rec.add("cp11.probs", sampling.softmax(keep(logits)))
+    rec.add("cp10.argmax", np.array([sampling.greedy(r) for r in logits], dtype=np.int64))
+    rec.add("cp11.probs", sampling.softmax(logits))
     if n_greedy > 0:
         rec.add("cp12.greedy_tokens", np.array(list(engine.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True)),
                                               dtype=np.int64))

@@ -1,0 +1,140 @@
+"""A long prompt (4096 tokens by default) on a model against llama.cpp, every checkpoint at sampled rows:
+llama.cpp's dump (its default n_ubatch 512: micro-batches) with --rows, then `diff --subject` on it (the
+reference in llama.cpp's declared arithmetic: local and end-to-end errors by position), each command timed
+and its peak memory read by /usr/bin/time; a plot of the error by position and a markdown report.
+
+    python tools/long_context.py [--model M] [--tokens 4096] [--rows every:64] [--text FILE]
+        [--settings f32|production] [--backend numpy|numba] --out-dir results/long
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import llorch_ref
+from llorch_ref.harness.bundle import cpu_model
+from llorch_ref.harness.metrics import fmt
+from llorch_ref.loaders.default_model import resolve_model
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")       # natural English text present on Debian machines
+SETTINGS = {"f32": [], "production": ["--flash-attn", "--kv-dtype", "float16"]}
+
+
+def prompt_of(tokenizer, text: str, n: int) -> str:
+    """The longest prefix of text (repeated as needed) that tokenizes to at most n tokens."""
+    while len(tokenizer.encode(text)) < n:
+        text = text + "\n\n" + text
+    lo, hi = 1, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(tokenizer.encode(text[:mid])) <= n else (lo, mid - 1)
+    return text[:lo]
+
+
+def timed(cmd: list, out=None) -> dict:
+    """Run a command under /usr/bin/time -> {"wall_s", "peak_rss_mb", "rc"}; stdout to `out` if given."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
+        full = [shutil.which("time") or "/usr/bin/time", "-f", "%e %M", "-o", tf.name] + cmd
+        print("+ " + " ".join(map(str, cmd)), flush=True)
+        with open(out, "w") if out else open("/dev/null", "w") as so:
+            rc = subprocess.run(full, stdout=so, stderr=sys.stderr).returncode
+        wall, kb = tf.read().split()[-2:]
+    return {"wall_s": float(wall), "peak_rss_mb": int(kb) / 1024, "rc": rc}
+
+
+def plot(bp: dict, path: Path, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pos = bp["positions"]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    floor = 1e-18            # a bit-equal row (NMSE 0) is drawn at the floor
+    def draw(ys, **kw):
+        ax.plot(pos, [max(y, floor) for y in ys], **kw)
+    draw(bp["worst_nmse"], label="worst end-to-end NMSE (any tensor, any layer)", color="C0", lw=2)
+    if bp["worst_local_nmse"]:
+        draw(bp["worst_local_nmse"], label="worst local NMSE (the op on llama.cpp's own inputs)", color="C3", lw=2)
+    for name, c in (("l_out", "C1"), ("kq_soft_max", "C2"), ("logits", "C4")):
+        if name in bp["by_tensor"]:
+            draw(bp["by_tensor"][name], label=f"{name} end to end (worst layer)", color=c, ls="--")
+    ax.set_yscale("log")
+    ax.set_xlabel("position in the prompt")
+    ax.set_ylabel("NMSE against the reference")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="major", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(allow_abbrev=False)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--rows", default="every:64")
+    ap.add_argument("--text", default=str(TEXT))
+    ap.add_argument("--settings", choices=list(SETTINGS), default="f32")
+    ap.add_argument("--backend", default="numpy")
+    ap.add_argument("--greedy", type=int, default=16)
+    ap.add_argument("--out-dir", required=True)
+    a = ap.parse_args()
+    path = resolve_model(a.model)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{path.stem}-{a.tokens}-{a.settings}"
+    eng = llorch_ref.load(path)
+    prompt = prompt_of(eng.tokenizer, Path(a.text).read_text(encoding="utf-8"), a.tokens)
+    n = len(eng.tokenizer.encode(prompt))
+    with tempfile.TemporaryDirectory() as tmp:
+        pf, dump, js = Path(tmp) / "prompt.txt", Path(tmp) / "llamacpp.safetensors", out / f"{stem}.json"
+        pf.write_text(prompt, encoding="utf-8")
+        cli = [sys.executable, "-m", "llorch_ref.cli"]
+        t_dump = timed(cli + ["dump", "--engine", "llamacpp", "--model", path, "--prompt-file", pf, "--rows", a.rows,
+                              "--greedy", str(a.greedy), "--out", dump] + SETTINGS[a.settings])
+        dump_mb = dump.stat().st_size / 2**20
+        t_diff = timed(cli + ["diff", "--subject", dump, "--model", path, "--backend", a.backend, "--json"], out=js)
+    res = json.loads(js.read_text())
+    bp = res["by_position"]
+    png = out / f"{stem}.png"
+    plot(bp, png, f"{path.name}: llama.cpp ({a.settings}) vs llorch-ref, {n} tokens, {len(bp['positions'])} rows")
+    write_report(out / f"{stem}.md", a, path, n, res, t_dump, t_diff, dump_mb, png, js)
+
+
+def write_report(md: Path, a, path, n, res, t_dump, t_diff, dump_mb, png, js):
+    bp = res["by_position"]
+    fd = res["first_divergence"]
+    lines = [f"# {n}-token prompt: llama.cpp ({a.settings}) against llorch-ref on {path.name}", "",
+             f"Command: `python tools/long_context.py --tokens {a.tokens} --rows {a.rows} --settings {a.settings} "
+             f"--backend {a.backend} --out-dir {a.out_dir}`. CPU: {cpu_model()}. Text: `{a.text}`.", "",
+             f"Rows kept: {len(bp['positions'])} ({a.rows}); every checkpoint compared at them, caches at every "
+             f"position. First divergence: {'none' if fd is None else fd}. Passed: {res['passed']}.", "",
+             "| step | wall (s) | peak RSS (MB) | note |", "|---|---|---|---|",
+             f"| llama.cpp dump (`dump --engine llamacpp --rows`) | {t_dump['wall_s']:.0f} | "
+             f"{t_dump['peak_rss_mb']:.0f} | dump file {dump_mb:.0f} MB |",
+             f"| `diff --subject` (reference on {a.backend}, {res['local_declaration']}) | {t_diff['wall_s']:.0f} | "
+             f"{t_diff['peak_rss_mb']:.0f} | |", "",
+             f"![error by position]({png.name})", "", "## Checkpoints", "",
+             "| checkpoint | comparisons | failed | worst NMSE | worst max abs | worst at | verdict |", "|---|---|---|---|---|---|---|"]
+    for s in res["summary"]:
+        at = s["worst_at"]
+        lines.append(f"| {s['checkpoint']} {s['name']} | {s['rows']} | {s['failed']} | {fmt(s['worst_nmse'])} | "
+                     f"{fmt(s['worst_max_abs'])} | {'' if at['layer'] is None else 'L' + str(at['layer']) + ' '}"
+                     f"{at['tensor']} | {'pass' if s['passed'] else 'FAIL' if s['passed'] is False else 'not covered'} |")
+    lines += ["", "## Error by position", "", "| position | worst NMSE | at | worst local NMSE | at (local) |",
+              "|---|---|---|---|---|"]
+    for i, p in enumerate(bp["positions"]):
+        loc = (fmt(bp["worst_local_nmse"][i]), bp["local_worst_at"][i]) if bp["worst_local_nmse"] else ("-", "-")
+        lines.append(f"| {p} | {fmt(bp['worst_nmse'][i])} | {bp['worst_at'][i]} | {loc[0]} | {loc[1]} |")
+    lines += ["", f"Raw result: `{js.name}`."]
+    md.write_text("\n".join(lines) + "\n")
+    print(f"wrote {md}, {png}")
+
+
+if __name__ == "__main__":
+    main()
