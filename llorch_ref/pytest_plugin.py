@@ -6,7 +6,9 @@
 The subject protocol: a callable `f(model_path: str, token_ids: list[int]) -> Recorder | Dump | path`,
 which runs the engine on the model and returns its checkpoint tensors (llorch_ref.dump.Recorder); with
 --llorch-decode-steps N it is called with decode_steps=N and records N decode steps after the prompt
-(Recorder.add(..., step=k), the fed tokens in decode_token_ids); the reference runs the same tokens. The
+(Recorder.add(..., step=k), the fed tokens in decode_token_ids); with --llorch-rows SPEC, with rows=[indices]
+(the prompt rows to keep: Recorder(..., rows=rows) cuts what is added); with --llorch-ubatch N, with ubatch=N
+(feed the prompt in micro-batches of N tokens). The reference runs the same tokens. The
 reference is llorch-ref (numpy, exact) on --llorch-model (default: the default model). One test per
 checkpoint and layer ('llorch::cp2_qkv[layer3]'); a test fails when a tensor leaves its band, and is
 skipped, with the reason, where the subject does not cover it. Without either option the plugin adds
@@ -25,6 +27,11 @@ def pytest_addoption(parser):
     g.addoption("--llorch-model", default=None, metavar="PATH",
                 help="model the reference (llorch-ref) runs (default: the default model)")
     g.addoption("--llorch-prompt", default=None, help="prompt the subject is run on (default: the harness prompt)")
+    g.addoption("--llorch-prompt-file", default=None, metavar="FILE", help="read the prompt from this UTF-8 file")
+    g.addoption("--llorch-rows", default=None, metavar="SPEC",
+                help="prompt rows the subject keeps (passed as rows=[...]): last, every:K or 0,5,100-199")
+    g.addoption("--llorch-ubatch", type=int, default=None, metavar="N",
+                help="micro-batch size the subject feeds the prompt in (passed as ubatch=N)")
     g.addoption("--llorch-bundle-dir", default=None, metavar="DIR", help="write proof bundles here")
     g.addoption("--llorch-band-class", default=None, help="band class (default: from the model's weight types)")
     g.addoption("--llorch-decode-steps", type=int, default=0,
@@ -64,7 +71,7 @@ def _load_subject(spec: str):
 def _compute(config, eng):
     """Run the subject (or read the dump), run the reference, compare; once per session."""
     from .checkpoints import engine_band_class
-    from .dump import Dump, Recorder, load_dump
+    from .dump import Dump, Recorder, check_rows, load_dump, parse_rows
     from .harness.run import DEFAULT_PROMPT, run_subject
 
     opt = config.getoption
@@ -73,10 +80,11 @@ def _compute(config, eng):
         label = f"{sub.engine} (dump {opt('llorch_dump')})"
     else:
         fn = _load_subject(opt("llorch_subject"))
-        prompt = opt("llorch_prompt") or DEFAULT_PROMPT
+        prompt = _prompt(opt) or DEFAULT_PROMPT
         ids = eng.tokenizer.encode(prompt)
-        steps = opt("llorch_decode_steps")
-        out = fn(str(eng.path), list(ids), decode_steps=steps) if steps else fn(str(eng.path), list(ids))
+        kw = {"decode_steps": opt("llorch_decode_steps") or None, "ubatch": opt("llorch_ubatch"),
+              "rows": check_rows(parse_rows(opt("llorch_rows"), len(ids)), len(ids))}
+        out = fn(str(eng.path), list(ids), **{k: v for k, v in kw.items() if v is not None})
         if isinstance(out, Recorder):
             if out.prompt is None:
                 out.prompt = prompt
@@ -95,6 +103,21 @@ def _compute(config, eng):
         _State.bundle = write_bundles(res, eng, out_dir=opt("llorch_bundle_dir"),
                                       argv=["pytest"] + list(config.invocation_params.args), plot=False)
     return res, eng.config
+
+
+def _prompt(opt):
+    from .errors import ParameterError
+
+    f = opt("llorch_prompt_file")
+    if f is None:
+        return opt("llorch_prompt")
+    if opt("llorch_prompt"):
+        raise ParameterError("give --llorch-prompt or --llorch-prompt-file, not both")
+    try:
+        with open(f, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ParameterError(f"--llorch-prompt-file {f}: cannot read it as UTF-8 text ({e})") from None
 
 
 class CheckpointItem(pytest.Item):

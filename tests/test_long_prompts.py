@@ -162,7 +162,7 @@ def cli(*a):
 
 
 def test_rows_and_prompt_file_options(model, tmp_path):
-    from llorch_ref.cli.common import parse_rows
+    from llorch_ref.dump import parse_rows
 
     assert parse_rows("every:4", 10) == [0, 4, 8, 9] and parse_rows("last", 10) == [9]
     assert parse_rows("0,2-4", 10) == [0, 2, 3, 4] and parse_rows(None, 10) is None
@@ -207,3 +207,41 @@ def test_transformers_dump_of_chosen_rows_with_decode_steps(model, eng):
     res = run_subject(eng, part.to_dump(), "F32")
     assert res.first_divergence is None and res.positions == kept
     assert {r.step for r in res.rows} == {0, 1, 2}
+
+
+PLUGIN_SUBJECT = '''
+import os
+import types
+import llorch_ref
+from llorch_ref.references.llorch import record_engine
+
+
+def make_dump(model_path, token_ids, rows=None):
+    assert rows is not None and rows[-1] == len(token_ids) - 1, rows
+    eng = llorch_ref.load(model_path)
+    if os.environ.get("PLANT_SCALE"):       # attention scaled by a wrong factor, in this engine's own ops only
+        ops = types.SimpleNamespace(**{k: getattr(eng.ops, k) for k in dir(eng.ops) if not k.startswith("__")})
+        real = ops.attention
+        ops.attention = lambda xp, q, k, v, mask, scale, kv_head: real(xp, q, k, v, mask, scale * 1.5, kv_head)
+        eng.ops = ops
+    return record_engine(eng, token_ids, n_greedy=0, rows=rows)
+'''
+
+
+def test_the_pytest_plugin_passes_rows_and_a_prompt_file(model, tmp_path):
+    import os
+    import re
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "my_engine.py").write_text(PLUGIN_SUBJECT)
+    (proj / "prompt.txt").write_text(TEXT, encoding="utf-8")
+    args = ["-q", "-p", "no:cacheprovider", "--llorch-subject=my_engine:make_dump", f"--llorch-model={model}", "-vv",
+            "--llorch-prompt-file=prompt.txt", "--llorch-rows=every:6"]
+    run = lambda **env: subprocess.run([sys.executable, "-m", "pytest", *args], cwd=proj, capture_output=True,
+                                       text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(proj), **env})
+    r = run()
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-1000:]
+    r = run(PLANT_SCALE="1")
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert re.search(r"llorch::cp4_attention_scores\[layer0\] +FAILED", r.stdout), r.stdout[-3000:]
+    assert re.search(r"llorch::cp2_qkv\[layer0\] +PASSED", r.stdout), r.stdout[-3000:]

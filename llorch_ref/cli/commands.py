@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..bench import markdown, run_bench
 from ..convert import convert_gguf, convert_gguf_to_hf, convert_hf_to_gguf
+from ..dump import parse_rows
 from ..engine import GenerationResult
 from ..errors import ParameterError
 from ..harness.run import DEFAULT_PROMPT
@@ -18,7 +19,7 @@ from ..output_paths import check_output
 from ..references.engines import dump_llamacpp, dump_transformers, hf_tokenize
 from ..references.llamacpp import tokenize as llamacpp_tokenize
 from ..references.llorch import record_engine
-from .common import api_token, load_engine, log, parse_rows, sampling_kwargs
+from .common import api_token, load_engine, log, sampling_kwargs
 from .report import report_generation
 
 

@@ -83,35 +83,6 @@ def read_prompt(args):
         raise ParameterError(f"--prompt-file {f}: the file holds no text")
 
 
-def parse_rows(spec: str | None, n: int) -> list[int] | None:
-    """--rows SPEC for an n-token prompt -> sorted row indices, or None for all. SPEC: all, last, every:K
-    (0, K, 2K, ... and the last), or a comma list of indices and inclusive ranges A-B."""
-    if spec is None or spec.strip() == "all":
-        return None
-    spec = spec.strip()
-    if spec == "last":
-        return [n - 1]
-    if spec.startswith("every:"):
-        try:
-            k = int(spec[6:])
-        except ValueError:
-            k = 0
-        if k < 1:
-            raise ParameterError(f"--rows {spec}: every:K needs an integer K >= 1")
-        return sorted(set(range(0, n, k)) | {n - 1})
-    out = set()
-    for part in spec.split(","):
-        a, _, b = part.strip().partition("-")
-        try:
-            lo, hi = int(a), int(b) if b else int(a)
-        except ValueError:
-            raise ParameterError(f"--rows {spec}: give all, last, every:K or indices such as 0,5,100-199") from None
-        if not 0 <= lo <= hi < n:
-            raise ParameterError(f"--rows {spec}: {part.strip()} is outside the prompt's rows 0..{n - 1}")
-        out.update(range(lo, hi + 1))
-    return sorted(out)
-
-
 def api_token(args) -> str | None:
     """--api-token-file, then $LLORCH_API_TOKEN, then --api-token (visible in ps); an empty token is an error,
     never auth turned off."""

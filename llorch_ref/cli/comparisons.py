@@ -9,7 +9,7 @@ import time
 import llorch_ref
 
 from ..checkpoints import engine_band_class
-from ..dump import load_dump
+from ..dump import load_dump, parse_rows
 from ..errors import ParameterError
 from ..harness import run as harness_run
 from ..harness.bundle import check_bundle_target, write_bundles
@@ -17,7 +17,7 @@ from ..harness.compare import compare_dumps
 from ..harness.run import DEFAULT_PROMPT
 from ..references.engines import dump_transformers
 from ..references.llorch import engine_label, record_engine
-from .common import load_engine, log, parse_rows
+from .common import load_engine, log
 from .report import print_by_position, print_result
 
 

@@ -294,7 +294,15 @@ def _case_probs(c: _Comparison, spec, band, num):
     if how == "probs":
         b = b.astype(a.dtype)                  # a dump stores probs as float32: compare at that precision
     m = compare(a, b)
-    c.res.rows.append(Row("11", spec.name, None, how, m, band, within(m, band), c.order(2, 0, num)))
+    row = Row("11", spec.name, None, how, m, band, within(m, band), c.order(2, 0, num))
+    own = c.own_logits()
+    if c.local_engine is not None and own is not None:
+        # teacher-forced: the softmax of the subject's own logits (exact by construction where the probs are
+        # derived from them; a real check where the subject stored its own)
+        row.local = compare(a, softmax64(own).astype(a.dtype))
+        row.local_band = c.local_bands(c.local_decl, "probs") if how == "probs" else {"max_abs": 0.0}
+        row.local_passed = within(row.local, row.local_band)
+    c.res.rows.append(row)
 
 
 def _case_greedy(c: _Comparison, spec, band, num):
