@@ -373,6 +373,16 @@ def to_canonical(a, entry: dict, layouts: dict, dims: dict | None = None) -> np.
     return a
 
 
+def neox_pairs(a, r: int):
+    """Canonical (adjacent) rotary pairs -> NeoX pairs (i, i + R/2) on the last axis: to_canonical's inverse,
+    for an engine whose Q/K rows are in NeoX order (Gemma, a Hugging Face folder)."""
+    a = np.asarray(a)
+    i = np.arange(r)
+    out = a.copy()
+    out[..., (i // 2) + (i % 2) * (r // 2)] = a[..., :r]
+    return out
+
+
 def expected_shape(entry: dict, dims: dict):
     return _dims_of(entry["shape"], dims)
 

@@ -165,3 +165,36 @@ def test_a_llamacpp_dump_of_gemma3_meets_the_same_bands(llamacpp, gemma, tmp_pat
     assert res.first_divergence is None, res.first_divergence
     assert res.warnings and "float16 table" in res.warnings[0]
     assert any(r.tensor == "q_normed" and r.passed for r in res.rows)
+
+
+def test_local_checks_of_neox_rows_pass_across_the_window(gemma):
+    """Gemma's Q/K rows are in NeoX order as loaded: the local checks feed the engine's ops the subject's
+    canonical arrays in that order and bring the outputs back (a mix-up gives NMSE ~2 at q_proj). A clean
+    subject, chosen rows and decode steps that cross the tiny model's window of 8, passes every local check."""
+    from llorch_ref.harness.run import run_subject
+    from llorch_ref.references.llorch import record_engine
+    _, g, _ = gemma
+    eng = llorch_ref.load(g)
+    assert eng.qk_rows == "neox"
+    ids = eng.tokenizer.encode(PROMPT)
+    sub = record_engine(eng, ids, n_greedy=0, decode_steps=3, rows=[0, 5, 9]).to_dump()
+    res = run_subject(eng, sub, "F32")
+    checked = [r for r in res.rows if r.local is not None]
+    assert {"q_proj", "q_normed", "q", "k", "k_cache"} <= {r.tensor.split("@")[0] for r in checked}
+    assert all(r.local_passed for r in checked), [(r.tensor, r.layer, r.local["nmse"]) for r in checked
+                                                  if not r.local_passed][:5]
+    assert res.first_divergence is None
+
+
+@pytest.mark.llamacpp
+def test_llamacpp_on_gemma_passes_across_the_window_at_every_step(llamacpp, gemma):
+    from llorch_ref.harness.run import run_subject
+    from llorch_ref.references.engines import dump_llamacpp
+    _, g, _ = gemma
+    eng = llorch_ref.load(g, numerics="ggml")
+    ids = eng.tokenizer.encode(PROMPT)
+    sub = dump_llamacpp(g, token_ids=ids, n_greedy=0, decode_steps=3, rows=[0, 9]).to_dump()
+    res = run_subject(eng, sub, "F32")
+    assert res.first_divergence is None, res.first_divergence
+    assert {r.step for r in res.rows} == {0, 1, 2, 3}
+    assert all(r.local_passed for r in res.rows if r.local is not None)

@@ -1,9 +1,12 @@
-"""A long prompt (4096 tokens by default) on a model against llama.cpp, every checkpoint at sampled rows:
-llama.cpp's dump (its default n_ubatch 512: micro-batches) with --rows, then `diff --subject` on it (the
-reference in llama.cpp's declared arithmetic: local and end-to-end errors by position), each command timed
-and its peak memory read by /usr/bin/time; a plot of the error by position and a markdown report.
+"""A long prompt (4096 tokens by default) on a model against llama.cpp, every checkpoint at sampled rows, each
+command timed and its peak memory read by /usr/bin/time; a plot of the error by position and a report.
 
-    python tools/long_context.py [--model M] [--tokens 4096] [--rows every:64] [--text FILE]
+--mode diff (default): `llorch-ref diff --prompt-file F --rows R` (llorch-ref, exact float32, against
+llama.cpp with its default n_ubatch 512: micro-batches), end-to-end figures under the weight class's bands.
+--mode subject: llama.cpp's dump with --rows, then `diff --subject` on it (the reference in llama.cpp's declared
+arithmetic: local and end-to-end errors by position; the ggml emulation of attention is slow on long prompts).
+
+    python tools/long_context.py [--model M] [--tokens 4096] [--rows every:64] [--text FILE] [--mode diff|subject]
         [--settings f32|production] [--backend numpy|numba] --out-dir results/long
 """
 from __future__ import annotations
@@ -81,6 +84,7 @@ def main():
     ap.add_argument("--text", default=str(TEXT))
     ap.add_argument("--settings", choices=list(SETTINGS), default="f32")
     ap.add_argument("--backend", default="numpy")
+    ap.add_argument("--mode", choices=["diff", "subject"], default="diff")
     ap.add_argument("--greedy", type=int, default=16)
     ap.add_argument("--out-dir", required=True)
     a = ap.parse_args()
@@ -92,33 +96,43 @@ def main():
     prompt = prompt_of(eng.tokenizer, Path(a.text).read_text(encoding="utf-8"), a.tokens)
     n = len(eng.tokenizer.encode(prompt))
     with tempfile.TemporaryDirectory() as tmp:
-        pf, dump, js = Path(tmp) / "prompt.txt", Path(tmp) / "llamacpp.safetensors", out / f"{stem}.json"
+        pf, dump, js = Path(tmp) / "prompt.txt", Path(tmp) / "llamacpp.safetensors", out / f"{stem}-{a.mode}.json"
         pf.write_text(prompt, encoding="utf-8")
         cli = [sys.executable, "-m", "llorch_ref.cli"]
-        t_dump = timed(cli + ["dump", "--engine", "llamacpp", "--model", path, "--prompt-file", pf, "--rows", a.rows,
-                              "--greedy", str(a.greedy), "--out", dump] + SETTINGS[a.settings])
-        dump_mb = dump.stat().st_size / 2**20
-        t_diff = timed(cli + ["diff", "--subject", dump, "--model", path, "--backend", a.backend, "--json"], out=js)
+        steps = []
+        if a.mode == "diff":
+            if a.settings != "f32":
+                raise SystemExit("--mode diff runs llama.cpp with an F32 cache (the exact-numerics bands' setting)")
+            steps.append(("`diff --prompt-file --rows` (llama.cpp's dump and llorch-ref's, compared)", timed(
+                cli + ["diff", "--model", path, "--prompt-file", pf, "--rows", a.rows, "--greedy", str(a.greedy),
+                       "--backend", a.backend, "--json"], out=js), ""))
+        else:
+            t = timed(cli + ["dump", "--engine", "llamacpp", "--model", path, "--prompt-file", pf, "--rows", a.rows,
+                             "--greedy", str(a.greedy), "--out", dump] + SETTINGS[a.settings])
+            steps.append(("llama.cpp dump (`dump --engine llamacpp --rows`)", t,
+                          f"dump file {dump.stat().st_size / 2**20:.0f} MB"))
+            steps.append((f"`diff --subject` (reference on {a.backend})", timed(
+                cli + ["diff", "--subject", dump, "--model", path, "--backend", a.backend, "--json"], out=js), ""))
     res = json.loads(js.read_text())
     bp = res["by_position"]
-    png = out / f"{stem}.png"
+    png = out / f"{stem}-{a.mode}.png"
     plot(bp, png, f"{path.name}: llama.cpp ({a.settings}) vs llorch-ref, {n} tokens, {len(bp['positions'])} rows")
-    write_report(out / f"{stem}.md", a, path, n, res, t_dump, t_diff, dump_mb, png, js)
+    write_report(out / f"{stem}-{a.mode}.md", a, path, n, res, steps, png, js)
 
 
-def write_report(md: Path, a, path, n, res, t_dump, t_diff, dump_mb, png, js):
+def write_report(md: Path, a, path, n, res, steps, png, js):
     bp = res["by_position"]
     fd = res["first_divergence"]
     lines = [f"# {n}-token prompt: llama.cpp ({a.settings}) against llorch-ref on {path.name}", "",
              f"Command: `python tools/long_context.py --tokens {a.tokens} --rows {a.rows} --settings {a.settings} "
-             f"--backend {a.backend} --out-dir {a.out_dir}`. CPU: {cpu_model()}. Text: `{a.text}`.", "",
+             f"--backend {a.backend} --mode {a.mode} --out-dir {a.out_dir}`. CPU: {cpu_model()}. Text: `{a.text}`.",
+             "", f"{res['subject']} against {res['reference']}; band class {res['band_class']}"
+             + (f"; local errors in {res['local_declaration']} arithmetic" if res["local_declaration"] else "") + ".", "",
              f"Rows kept: {len(bp['positions'])} ({a.rows}); every checkpoint compared at them, caches at every "
              f"position. First divergence: {'none' if fd is None else fd}. Passed: {res['passed']}.", "",
-             "| step | wall (s) | peak RSS (MB) | note |", "|---|---|---|---|",
-             f"| llama.cpp dump (`dump --engine llamacpp --rows`) | {t_dump['wall_s']:.0f} | "
-             f"{t_dump['peak_rss_mb']:.0f} | dump file {dump_mb:.0f} MB |",
-             f"| `diff --subject` (reference on {a.backend}, {res['local_declaration']}) | {t_diff['wall_s']:.0f} | "
-             f"{t_diff['peak_rss_mb']:.0f} | |", "",
+             "| command | wall (s) | peak RSS (MB) | note |", "|---|---|---|---|"]
+    lines += [f"| {what} | {t['wall_s']:.0f} | {t['peak_rss_mb']:.0f} | {note} |" for what, t, note in steps]
+    lines += ["", "Timings inside the run (s): " + ", ".join(f"{k} {v:.1f}" for k, v in res["timings"].items()), "",
              f"![error by position]({png.name})", "", "## Checkpoints", "",
              "| checkpoint | comparisons | failed | worst NMSE | worst max abs | worst at | verdict |", "|---|---|---|---|---|---|---|"]
     for s in res["summary"]:

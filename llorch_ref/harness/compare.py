@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from ..checkpoints import coarser, declaration, greedy_band, load_specs, local_band
-from ..dump import Dump, Recorder, catalogue, expected_shape, to_canonical, token_axis
+from ..dump import Dump, Recorder, catalogue, expected_shape, neox_pairs, to_canonical, token_axis
 from ..errors import HarnessError
 from ..model.cache import visible_mask
 from .local import local_outputs, model_outputs
@@ -347,6 +347,10 @@ def _local_reader(engine, sub: Dump, cat: dict, dims: dict, positions):
     where = {name: cp for (cp, name) in cat}
     memo = {}
     fused = bool(((sub.arithmetic or {}).get("settings") or {}).get("flash_attn"))
+    # the engine's ops work on Q/K rows in its own order (NeoX pairs for Gemma or a Hugging Face folder): the
+    # subject's canonical (adjacent) arrays go in in that order, and the outputs come back to the canonical one
+    neox = getattr(engine, "qk_rows", "adjacent") == "neox"
+    paired = lambda cp, name: neox and bool(cat[(cp, name)].get("rope_pairs"))
 
     def get(name, layer):
         cp = where.get(name)
@@ -356,7 +360,9 @@ def _local_reader(engine, sub: Dump, cat: dict, dims: dict, positions):
             a = sub.get(cp, name, layer, dims)
         except ValueError:
             return None
-        return a if list(a.shape) == expected_shape(cat[(cp, name)], dims) else None
+        if list(a.shape) != expected_shape(cat[(cp, name)], dims):
+            return None
+        return neox_pairs(a, dims["R"]) if paired(cp, name) else a
 
     def local(cp, tensor, layer):
         key = "head" if layer is None else layer
@@ -367,6 +373,8 @@ def _local_reader(engine, sub: Dump, cat: dict, dims: dict, positions):
         lo = memo[key].get(tensor)
         if cp == "9" and lo is not None:            # the last row alone, from the subject's own result_norm
             return lo[-1]
+        if lo is not None and paired(cp, tensor):
+            lo = to_canonical(lo, cat[(cp, tensor)], {"rope_pairs": "neox"}, dims)
         return lo
     return local
 

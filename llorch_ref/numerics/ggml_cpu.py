@@ -18,6 +18,8 @@ All results are float32. Verified bit for bit against llama.cpp's captured tenso
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..model import layers
@@ -245,7 +247,20 @@ def softmax(xp, s):
 
 def rope_angles(xp, n_pos: int, rope_dim: int, base: float, freq_scale: float = 1.0, factors=None):
     """ggml_rope_cache_init: theta *= theta_scale in float32, theta / freq_factor, * freq_scale, cos/sin from
-    the C library's cosf/sinf."""
+    the C library's cosf/sinf. Built once per set of arguments (a million cosf calls for an 8192-position
+    table): every cache, and every layer of a local check, shares the read-only tables."""
+    key = None if factors is None else tuple(float(f) for f in np.asarray(factors, dtype=F32))
+    return _rope_tables(int(n_pos), int(rope_dim), float(base), float(freq_scale), key)
+
+
+@functools.lru_cache(maxsize=8)
+def _rope_tables(n_pos: int, rope_dim: int, base: float, freq_scale: float, factors):
+    c, s = _rope_tables_uncached(n_pos, rope_dim, base, freq_scale, factors)
+    c.flags.writeable = s.flags.writeable = False
+    return c, s
+
+
+def _rope_tables_uncached(n_pos, rope_dim, base, freq_scale, factors):
     import ctypes
     import ctypes.util
 
