@@ -43,8 +43,10 @@ def entry_of(name):
 def test_a_dump_of_chosen_rows_holds_exactly_those_rows(eng):
     ids = eng.tokenizer.encode(TEXT)
     rows = [0, 3, len(ids) // 2, len(ids) - 1]
-    full, part = record_engine(eng, ids, n_greedy=0), record_engine(eng, ids, n_greedy=0, rows=rows)
+    full = record_engine(eng, ids, prompt=TEXT, n_greedy=0)
+    part = record_engine(eng, ids, prompt=TEXT, n_greedy=0, rows=rows)
     assert part.manifest()["rows"] == rows and set(part.tensors) == set(full.tensors)
+    assert part.tensors["cp0.token_ids"].tolist() == ids                # the tokenization is no row tensor
     last = f".layer{eng.config.n_layers - 1}"
     after_cut = ("ffn_inp", "ffn_norm", "ffn_swiglu", "ffn_out", "l_out", "attn_post_norm", "ffn_post_norm")
     for name, a in full.tensors.items():
