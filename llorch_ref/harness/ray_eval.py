@@ -1,0 +1,100 @@
+"""Corpus statistics on Ray: the chunks of harness/corpus_eval.py as tasks on actors that build the two logit
+sources once. A local Ray (no address) or an existing cluster (an address). An actor that dies (its process or
+its node killed) has its chunk given to another actor, and a replacement actor is started: every chunk is
+scored, and counted, exactly once. The scores are those of the in-process run (the same sources, the same
+chunks).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from ..errors import LlorchError
+from .corpus_eval import EvalResult, eval_chunk
+from .kld import ChunkScores
+
+MAX_ATTEMPTS = 4          # a chunk whose actor died this many times is an error, not an endless loop
+
+
+class RayEvalError(LlorchError):
+    """A distributed evaluation could not complete."""
+
+
+def _scorer_class(ray):
+    @ray.remote(num_cpus=1, max_restarts=0)
+    class Scorer:
+        def __init__(self, subject, reference, ctx):
+            self.subject, self.reference = subject.build(ctx), reference.build(ctx)
+
+        def score(self, index, tokens):
+            return eval_chunk(index, tokens, self.subject, self.reference).to_json()
+
+        def where(self):
+            return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+    return Scorer
+
+
+def run_eval_ray(subject_spec, reference_spec, chunks, text_name: str, address=None, progress=None,
+                 n_actors: int | None = None) -> EvalResult:
+    try:
+        import ray
+        from ray.exceptions import ActorDiedError, RayActorError
+    except ImportError as e:
+        raise RayEvalError(f"--ray needs Ray: pip install 'llorch-ref[ray]' ({e})") from None
+    started_here = not ray.is_initialized()
+    if started_here:
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise RayEvalError(f"--ray {address or '(local)'}: cannot start or join Ray ({e})") from None
+    ctx = len(chunks[0])
+    t0 = time.perf_counter()
+    try:
+        Scorer = _scorer_class(ray)
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        n = max(1, min(len(chunks), n_actors or cpus))
+        new_actor = lambda: Scorer.options(scheduling_strategy="SPREAD").remote(subject_spec, reference_spec, ctx)
+        actors = [new_actor() for _ in range(n)]
+        nodes = {ray.get(a.where.remote())["node"] for a in actors}
+        t_load = time.perf_counter() - t0
+        results, attempts, rerun = {}, {}, 0
+        queue = list(range(len(chunks)))
+        running = {}                                      # object ref -> (actor, chunk index)
+
+        def submit(actor):
+            if queue:
+                i = queue.pop(0)
+                attempts[i] = attempts.get(i, 0) + 1
+                running[actor.score.remote(i, chunks[i])] = (actor, i)
+        for a in actors:
+            submit(a)
+        while running:
+            done, _ = ray.wait(list(running), num_returns=1)
+            actor, i = running.pop(done[0])
+            try:
+                scores = ChunkScores.from_json(ray.get(done[0]))
+            except (RayActorError, ActorDiedError):
+                if attempts[i] >= MAX_ATTEMPTS:
+                    raise RayEvalError(f"chunk {i}: its actor died {attempts[i]} times") from None
+                queue.insert(0, i)                       # the chunk goes to the next actor; a replacement starts
+                rerun += 1
+                actor = new_actor()
+                nodes.add(ray.get(actor.where.remote())["node"])
+                submit(actor)
+                continue
+            if i not in results:                         # counted exactly once
+                results[i] = scores
+                if progress:
+                    progress(ctx)
+            submit(actor)
+        missing = [i for i in range(len(chunks)) if i not in results]
+        if missing:
+            raise RayEvalError(f"chunks {missing[:5]} were never scored")
+    finally:
+        if started_here:
+            ray.shutdown()
+    dt = time.perf_counter() - t0 - t_load
+    return EvalResult(subject_spec.label, reference_spec.label, text_name, ctx, [results[i] for i in range(len(chunks))],
+                      {"load_s": t_load, "eval_s": dt, "tokens_per_s": len(chunks) * ctx / dt if dt > 0 else None,
+                       "actors": n, "nodes": len(nodes), "chunks_rerun": rerun},
+                      where=f"ray: {n} actors on {len(nodes)} node(s), {rerun} chunk(s) rerun after an actor died")
