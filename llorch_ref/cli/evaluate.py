@@ -1,4 +1,4 @@
-"""llorch-ref eval: corpus statistics of a subject against llorch-ref (numpy, exact) on --model, under
+"""llorch-ref eval: corpus statistics of a subject against llorch-ref (numpy, exact unless asked) on --model, under
 llama-perplexity's names, in-process or on Ray; a table, --json, and --report (plots)."""
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def cmd_eval(args):
         outs["report"] = check_output(args.report, kind="folder", inputs=[base], overwrite=args.overwrite,
                                       what="--report", owned=("report.md", "kld_by_position.png", "kld_histogram.png"))
     text, text_name = read_text(args.text)
-    ref = SourceSpec("numpy", str(base), {})
+    ref = SourceSpec(args.reference_backend, str(base),
+                     {} if args.reference_numerics == "exact" else {"numerics": args.reference_numerics})
     import llorch_ref
     tok = llorch_ref.load(base, weights="lazy").tokenizer
     if tok is None:
@@ -60,7 +61,7 @@ def cmd_eval(args):
     ids = tok.encode(text)
     chunks = make_chunks(ids, args.ctx, args.chunks, tok.bos_id if tok.add_bos else None)
     log(f"llorch-ref: {len(chunks)} chunks of {args.ctx} tokens from {text_name} ({len(ids)} tokens); subject "
-        f"{spec.label}, reference {ref.label} (numpy, exact)")
+        f"{spec.label}, reference llorch-ref {ref.label}")
     with _progress(len(chunks) * args.ctx) as bar:
         if args.ray is not None:
             from ..harness.ray_eval import run_eval_ray
