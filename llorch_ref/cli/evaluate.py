@@ -12,6 +12,8 @@ from rich.table import Table
 
 from ..errors import ParameterError
 from ..harness.corpus_eval import make_chunks, run_eval
+from ..harness.eval_report import write_report
+from ..harness.ray_eval import run_eval_ray
 from ..loaders.corpus import read_text
 from ..loaders.default_model import resolve_model
 from ..output_paths import check_output
@@ -64,7 +66,6 @@ def cmd_eval(args):
         f"{spec.label}, reference llorch-ref {ref.label}")
     with _progress(len(chunks) * args.ctx) as bar:
         if args.ray is not None:
-            from ..harness.ray_eval import run_eval_ray
             res = run_eval_ray(spec, ref, chunks, text_name, address=args.ray or None, progress=bar)
         else:
             res = run_eval(spec, ref, chunks, text_name, progress=bar)
@@ -75,7 +76,6 @@ def cmd_eval(args):
             tmp.write_text(json.dumps(out, indent=2) + "\n")
         log(f"llorch-ref: wrote {args.json}")
     if "report" in outs:
-        from ..harness.eval_report import write_report
         write_report(out, outs["report"])
         log(f"llorch-ref: wrote {args.report}/report.md")
     return 0

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dump import load_dump
 from ..errors import DumpError, ParameterError
+from .engines import _import_hf, _load_hf_model, hf_folder_for
+from .llamacpp import LlamaCpp
 
 ENGINE_KINDS = ("numpy", "numba", "cupy")
 
@@ -56,7 +59,6 @@ class EngineSource:
 
 class LlamaCppSource:
     def __init__(self, spec: SourceSpec, ctx: int):
-        from .llamacpp import LlamaCpp
         s = spec.settings
         self.spec = spec
         self.ctx = LlamaCpp(spec.model, n_ctx=ctx, n_batch=ctx, n_ubatch=int(s.get("n_ubatch") or 512),
@@ -69,7 +71,6 @@ class LlamaCppSource:
 
 class TransformersSource:
     def __init__(self, spec: SourceSpec):
-        from .engines import _import_hf, _load_hf_model, hf_folder_for
         self.spec = spec
         self.torch, transformers = _import_hf()
         self.model = _load_hf_model(self.torch, transformers, hf_folder_for(spec.model))
@@ -85,7 +86,6 @@ class DumpSource:
     holding at least the scored rows), a file or a folder of them; each chunk is looked up by its tokens."""
 
     def __init__(self, spec: SourceSpec):
-        from ..dump import load_dump
         p = Path(spec.model)
         files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
         if not files:
