@@ -198,3 +198,18 @@ def test_llamacpp_on_gemma_passes_across_the_window_at_every_step(llamacpp, gemm
     assert res.first_divergence is None, res.first_divergence
     assert {r.step for r in res.rows} == {0, 1, 2, 3}
     assert all(r.local_passed for r in res.rows if r.local is not None)
+
+
+def test_transformers_decode_steps_past_the_window_pass(gemma):
+    """transformers keeps a sliding-window layer's cache to its window: a decode step's probabilities cover
+    the window's positions only, and the writer places them at those positions of the whole cache."""
+    from llorch_ref.harness.run import run_subject
+    from llorch_ref.references.engines import dump_transformers
+    folder, g, _ = gemma
+    eng = llorch_ref.load(g)
+    ids = eng.tokenizer.encode(PROMPT)
+    sub = dump_transformers(folder, prompt=PROMPT, token_ids=ids, n_greedy=0, decode_steps=3).to_dump()
+    res = run_subject(eng, sub, "F32")
+    probs = [r for r in res.rows if r.tensor.startswith("kq_soft_max@step")]
+    assert len(probs) == 3 * eng.config.n_layers and all(r.passed for r in probs)
+    assert res.first_divergence is None, res.first_divergence

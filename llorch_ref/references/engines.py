@@ -445,7 +445,12 @@ def _add_rope_caches_scores(rec: Recorder, c, roped, out, s: int, step: int = 0)
         if kc.shape[2] == s:   # a sliding-window layer keeps only its window: not the whole cache (not covered)
             rec.add(f"cp3.k_cache.layer{i}", kc[0].transpose(0, 1), step=step)   # [KV, S, Hd] -> [S, KV, Hd]
             rec.add(f"cp3.v_cache.layer{i}", vc[0].transpose(0, 1), step=step)
-        rec.add(f"cp4.kq_soft_max.layer{i}", out.attentions[i][0], step=step)     # [H, T, S]
+        probs = out.attentions[i][0]                                              # [H, T, S]
+        if probs.shape[-1] < s:    # a sliding-window layer's step attends to its window's cache: the last W positions
+            full = probs.new_zeros(probs.shape[:-1] + (s,))
+            full[..., s - probs.shape[-1]:] = probs
+            probs = full
+        rec.add(f"cp4.kq_soft_max.layer{i}", probs, step=step)
 
 
 def _hf_decode(torch, model, rec: Recorder, at, out, steps: int, decode_ids):
