@@ -48,7 +48,7 @@ def main():
     a = ap.parse_args()
     text = default_corpus_path()
     flags = ["-c", str(a.ctx), "--chunks", str(a.chunks), "-b", str(a.ctx), "-ub", str(a.ctx), "-t", "2",
-             "-fa", "off", "-ctk", "f32", "-ctv", "f32"]
+             "-fa", "off", "-ctk", "f32", "-ctv", "f32", "--no-repack"]
     with tempfile.TemporaryDirectory() as tmp:
         kld = Path(tmp) / "base.kld"
         t0 = time.perf_counter()
@@ -74,7 +74,7 @@ def main():
     lines = ["# llorch-ref eval and llama-perplexity --kl-divergence, side by side", "",
              f"`python tools/perplexity_check.py --base {Path(a.base).name} --subject {Path(a.subject).name} --ctx "
              f"{a.ctx} --chunks {a.chunks} ...` on {cpu_model()}; text: {NAME}; llama.cpp settings on both sides: "
-             f"F32 K/V cache, flash attention off, n_batch = n_ubatch = {a.ctx}, 2 threads.", "",
+             f"F32 K/V cache, flash attention off, n_batch = n_ubatch = {a.ctx}, 2 threads, no weight repacking (llama-perplexity --no-repack; the capture's use_extra_bufts=False; with repacking this CPU's AMX kernel segfaults on Q8_0).", "",
              f"- llama-perplexity (from the llama-cpp-python 0.3.36 sdist's llama.cpp): base = llama.cpp on "
              f"{Path(a.base).name}, its log-probabilities stored as 16 bits (scale and minimum per row, those below "
              f"max - 16 dropped from the KLD sum); {t_theirs:.0f} s for both passes.",
