@@ -130,14 +130,14 @@ def ray():
     return pytest.importorskip("ray", reason="Ray is not installed (pip install 'llorch-ref[ray]')")
 
 
-def test_a_local_ray_gives_the_in_process_scores_bit_for_bit(ray, models, text):
-    from llorch_ref.harness.ray_eval import run_eval_ray
+def test_a_local_ray_gives_the_in_process_scores_bit_for_bit(ray, models, text, tmp_path):
+    """Through the CLI, as a user runs it (its own process: one Ray session per process)."""
     f32, q8 = models
-    eng = llorch_ref.load(f32)
-    chunks = make_chunks(eng.tokenizer.encode(TEXT), 64, None, eng.tokenizer.bos_id)
-    sub, ref = SourceSpec("numpy", str(q8)), SourceSpec("numpy", str(f32))
-    here = run_eval(sub, ref, chunks, "t").to_json()
-    there = run_eval_ray(sub, ref, chunks, "t", n_actors=2).to_json()
+    args = ("eval", "--model", f32, "--subject", "numpy", "--subject-model", q8, "--text", text, "--ctx", 64)
+    r1, r2 = cli(*args, "--json", tmp_path / "here.json"), cli(*args, "--ray", "--json", tmp_path / "ray.json")
+    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr[-1500:] + r2.stderr[-1500:]
+    here, there = (json.loads((tmp_path / f).read_text()) for f in ("here.json", "ray.json"))
+    assert there["where"].startswith("ray: ") and there["timings"]["chunks_rerun"] == 0
     assert here["statistics"] == there["statistics"] and here["kld_values"] == there["kld_values"]
 
 

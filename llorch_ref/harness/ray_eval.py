@@ -54,8 +54,16 @@ def run_eval_ray(subject_spec, reference_spec, chunks, text_name: str, address=N
         cpus = int(ray.cluster_resources().get("CPU", 1))
         n = max(1, min(len(chunks), n_actors or cpus))
         new_actor = lambda: Scorer.options(scheduling_strategy="SPREAD").remote(subject_spec, reference_spec, ctx)
-        actors = [new_actor() for _ in range(n)]
-        nodes = {ray.get(a.where.remote())["node"] for a in actors}
+        actors, nodes, started = [], set(), 0
+        while len(actors) < n:                        # an actor that dies while starting is replaced too
+            a = new_actor()
+            started += 1
+            try:
+                nodes.add(ray.get(a.where.remote())["node"])
+                actors.append(a)
+            except (RayActorError, ActorDiedError):
+                if started >= n + MAX_ATTEMPTS:
+                    raise RayEvalError(f"{started} actors started, {len(actors)} alive: Ray cannot keep them") from None
         t_load = time.perf_counter() - t0
         results, attempts, rerun = {}, {}, 0
         queue = list(range(len(chunks)))
@@ -79,7 +87,12 @@ def run_eval_ray(subject_spec, reference_spec, chunks, text_name: str, address=N
                 queue.insert(0, i)                       # the chunk goes to the next actor; a replacement starts
                 rerun += 1
                 actor = new_actor()
-                nodes.add(ray.get(actor.where.remote())["node"])
+                try:
+                    nodes.add(ray.get(actor.where.remote())["node"])
+                except (RayActorError, ActorDiedError):
+                    if not running:                      # no actor left to take the queue
+                        raise RayEvalError("the replacement actor died too and none is left") from None
+                    continue
                 submit(actor)
                 continue
             if i not in results:                         # counted exactly once
