@@ -247,3 +247,22 @@ def test_the_pytest_plugin_passes_rows_and_a_prompt_file(model, tmp_path):
     assert r.returncode == 1, r.stdout[-2000:]
     assert re.search(r"llorch::cp4_attention_scores\[layer0\] +FAILED", r.stdout), r.stdout[-3000:]
     assert re.search(r"llorch::cp2_qkv\[layer0\] +PASSED", r.stdout), r.stdout[-3000:]
+
+
+@pytest.mark.parametrize("ubatch", [1, 5])
+def test_transformers_micro_batches_put_together(model, eng, ubatch):
+    """transformers fed the prompt in micro-batches on one cache: the rows put together, the probabilities at
+    their positions; the dump passes against the reference (and equals the one-batch dump before attention)."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+    from llorch_ref.references.engines import dump_transformers
+
+    ids = eng.tokenizer.encode(TEXT)
+    one = dump_transformers(model, token_ids=ids, n_greedy=0)
+    split = dump_transformers(model, token_ids=ids, n_greedy=0, n_ubatch=ubatch, decode_steps=2)
+    assert split.extra["arithmetic"]["settings"]["n_ubatch"] == ubatch
+    assert np.array_equal(split.tensors["cp1.attn_norm.layer0"], one.tensors["cp1.attn_norm.layer0"])
+    assert np.allclose(split.tensors["cp2.q_proj.layer0"], one.tensors["cp2.q_proj.layer0"], atol=1e-5)  # BLAS shape
+    res = run_subject(eng, split.to_dump(), "F32")
+    assert res.first_divergence is None, res.first_divergence
+    assert res.passed("4") and {r.step for r in res.rows} == {0, 1, 2}
+    assert not [w for w in res.warnings if "capture" in w], res.warnings     # the captured run = the plain one

@@ -127,9 +127,10 @@ def cmd_dump(args):
     rows = parse_rows(args.rows, len(ids)) if ids is not None else None
     if args.engine != "llamacpp":
         lcp = [f for f, on in (("--flash-attn", args.flash_attn), ("--tiled-mm", args.tiled_mm),
-                               ("--ubatch", args.ubatch != 512), ("--threads", args.threads is not None)) if on]
+                               ("--ubatch", args.ubatch is not None and args.engine == "llorch"),
+                               ("--threads", args.threads is not None)) if on]
         if lcp:
-            raise ParameterError(f"{', '.join(lcp)}: llama.cpp settings, for --engine llamacpp")
+            raise ParameterError(f"{', '.join(lcp)}: llama.cpp settings, for --engine llamacpp (--ubatch: llamacpp and transformers)")
     args.threads = args.threads or 2
     if args.engine != "llorch":
         given = [f"--{k.replace('_', '-')} {v}" for k, v, d in (("backend", args.backend, None),
@@ -144,12 +145,12 @@ def cmd_dump(args):
         rec = dump_llamacpp(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
                             decode_steps=args.decode_steps,
                             kv_dtype=args.kv_dtype or "float32", checkpoints=args.checkpoint, flash_attn=args.flash_attn,
-                            n_ubatch=args.ubatch, n_threads=args.threads, rows=rows)
+                            n_ubatch=args.ubatch or 512, n_threads=args.threads, rows=rows)
     elif args.engine == "transformers":
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; transformers dumps hold all")
         rec = dump_transformers(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
-                                decode_steps=args.decode_steps, rows=rows)
+                                decode_steps=args.decode_steps, rows=rows, n_ubatch=args.ubatch)
     else:
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp dumps")

@@ -134,8 +134,10 @@ def _dump(sub):
     du.add_argument("--overwrite", action="store_true")
     du.add_argument("--flash-attn", action="store_true", help="llamacpp: flash attention on (fused: checkpoint 4 "
                     "is then not covered)")
-    du.add_argument("--ubatch", type=int_in(1, 65536), default=512,
-                    help="llamacpp: n_ubatch (a longer prompt runs as micro-batches of this many tokens, put together)")
+    du.add_argument("--ubatch", type=int_in(1, 65536), default=None,
+                    help="llamacpp: n_ubatch (default 512; a longer prompt runs as micro-batches of this many tokens, "
+                         "put together); transformers: feed the prompt in micro-batches of this many tokens on one "
+                         "cache (default: all at once)")
     du.add_argument("--threads", type=int_in(1, 1024), default=None, help="llamacpp: threads (default 2)")
     du.add_argument("--tiled-mm", action="store_true", help="llamacpp: ggml's tiled K-quant products "
                     "(GGML_CPU_TILED_MM=1; another summation order than the vec_dot path --numerics ggml reproduces)")

@@ -276,12 +276,13 @@ def hf_folder_for(path) -> Path:
 
 
 def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32, decode_steps=0, decode_ids=None,
-                      rows=None) -> Recorder:
+                      rows=None, n_ubatch=None) -> Recorder:
     """transformers (float32, eager attention, CPU) on a Hugging Face folder -> Recorder, through forward
     hooks. Layout: token-major, Hugging Face (NeoX) RoPE pairs. The raw Q.K^T scores (checkpoint 4 'kq')
     are not exposed by transformers and are left out (not covered). Decode steps after the prompt on its
     cache: the tokens decode_ids when given (teacher forcing), else decode_steps greedy tokens. rows: the
-    prompt's rows the dump keeps (the Recorder cuts each tensor as it is added)."""
+    prompt's rows the dump keeps (the Recorder cuts each tensor as it is added). n_ubatch: feed the prompt in
+    micro-batches of this many tokens on one cache (their rows put together, as llama.cpp's n_ubatch)."""
     torch, transformers = _import_hf()
     folder = hf_folder_for(path)
     model = _load_hf_model(torch, transformers, folder)
@@ -297,25 +298,29 @@ def dump_transformers(path, prompt=None, token_ids=None, n_greedy=32, decode_ste
                    rows=check_rows(rows, len(ids)),
                    notes="float32, eager attention, CPU; RoPE outputs captured by wrapping apply_rotary_pos_emb",
                    extra={"arithmetic": {"numerics": "exact", "kv_dtype": "float32",
-                                         "settings": {"dtype": "float32", "attn_implementation": "eager"}}})
+                                         "settings": {"dtype": "float32", "attn_implementation": "eager",
+                                                      "n_ubatch": n_ubatch or len(ids)}}})
     if tok is not None:
         rec.add("cp0.token_ids", np.array(tok(prompt, add_special_tokens=True)["input_ids"], dtype=np.int64))
     x = torch.tensor([ids])
     at = types.SimpleNamespace(t=len(ids), step=0)          # what the hooks record into: tokens, step
-    hooks = _layer_hooks(model, rec, at)
+    u = len(ids) if not n_ubatch or n_ubatch >= len(ids) else int(n_ubatch)
+    parts = _Parts()
+    hooks = _layer_hooks(model, parts, at)
     try:
-        with torch.no_grad(), _rope_outputs(model) as roped:
-            out = model(x, use_cache=True, output_attentions=True)
-        _add_rope_caches_scores(rec, c, roped, out, len(ids))
+        with torch.no_grad():
+            out = _hf_prompt(torch, model, parts, at, x, u)
+        parts.put_into(rec, len(ids))
         rec.add("cp8.logits", out.logits[0])
+        parts.rec, at.step = rec, 0                  # decode steps record straight into the dump
         steps = len(decode_ids) if decode_ids is not None else int(decode_steps)
         if steps:
             _hf_decode(torch, model, rec, at, out, steps, decode_ids)
     finally:
         for hk in hooks:
             hk.remove()
-    with torch.no_grad():                                  # the same forward without hooks or wrapped RoPE
-        plain = model(x, use_cache=True, output_attentions=True).logits[0]
+    with torch.no_grad():                                  # the same forward(s) without hooks or wrapped RoPE
+        plain = _hf_prompt(torch, model, None, at, x, u).logits[0]
         rec.extra["capture_invariance"] = capture_invariance(out.logits[0].numpy(), plain.numpy())
         rec.add("cp9.logits", model(x, logits_to_keep=1).logits[0, -1])
         if n_greedy > 0:
@@ -328,6 +333,53 @@ def hf_tokenize(path, prompt: str) -> list[int]:
     _, transformers = _import_hf()
     tok = transformers.AutoTokenizer.from_pretrained(str(hf_folder_for(path)))
     return tok(prompt, add_special_tokens=True)["input_ids"]
+
+
+class _Parts:
+    """What the hooks record: into `rec` when set (decode steps), else per micro-batch of the prompt, put
+    together afterwards: rows concatenated, probabilities placed at their positions, caches from the last."""
+
+    def __init__(self):
+        self.rec, self.parts = None, []
+
+    def add(self, name, a, step=0):
+        if self.rec is not None:
+            return self.rec.add(name, a, step=step)
+        self.parts[-1][2][name] = a.detach().float().numpy().copy() if hasattr(a, "detach") else np.asarray(a)
+
+    def put_into(self, rec: Recorder, n: int):
+        for name in self.parts[-1][2]:
+            have = [(a, b, p[name]) for a, b, p in self.parts if name in p]
+            if ".k_cache." in name or ".v_cache." in name:
+                if have[-1][1] == n:
+                    rec.add(name, have[-1][2])
+            elif name.startswith("cp4.kq_soft_max"):
+                full = np.zeros(have[0][2].shape[:1] + (n, n), dtype=np.float32)
+                for a, b, p in have:
+                    full[:, a:b, b - p.shape[-1]:b] = p
+                rec.add(name, full)
+            else:
+                rec.add(name, np.concatenate([p for _, _, p in have], axis=0))
+
+
+def _hf_prompt(torch, model, parts, at, x, u: int):
+    """The prompt through the model in micro-batches of u tokens on one cache (all at once when u >= T); with
+    parts, every hook and the RoPE outputs recorded per micro-batch. -> (logits [1, T, V], the cache)."""
+    cache, logits, n = None, [], x.shape[1]
+    for a in range(0, n, u):
+        b = min(n, a + u)
+        at.t = b - a
+        if parts is not None:
+            parts.parts.append((a, b, {}))
+        ctx = _rope_outputs(model) if parts is not None else contextlib.nullcontext([])
+        with ctx as roped:
+            o = model(x[:, a:b], past_key_values=cache, use_cache=True, output_attentions=parts is not None)
+        if parts is not None:
+            _add_rope_caches_scores(parts, model.config, roped, o, b)
+        cache = o.past_key_values
+        logits.append(o.logits)
+    at.t = n
+    return types.SimpleNamespace(logits=torch.cat(logits, dim=1), past_key_values=cache)
 
 
 def _import_hf():
