@@ -367,9 +367,7 @@ def to_canonical(a, entry: dict, layouts: dict, dims: dict | None = None) -> np.
         hd = a.shape[-1]
         r = int((dims or {}).get("R", hd))
         if r % 2 == 0 and r <= hd:
-            i = np.arange(r)
-            idx = np.concatenate([(i // 2) + (i % 2) * (r // 2), np.arange(r, hd)])
-            a = a[..., idx]
+            a = a[..., np.concatenate([_neox_of_adjacent(r), np.arange(r, hd)])]
     return a
 
 
@@ -377,10 +375,15 @@ def neox_pairs(a, r: int):
     """Canonical (adjacent) rotary pairs -> NeoX pairs (i, i + R/2) on the last axis: to_canonical's inverse,
     for an engine whose Q/K rows are in NeoX order (Gemma, a Hugging Face folder)."""
     a = np.asarray(a)
-    i = np.arange(r)
     out = a.copy()
-    out[..., (i // 2) + (i % 2) * (r // 2)] = a[..., :r]
+    out[..., _neox_of_adjacent(r)] = a[..., :r]
     return out
+
+
+def _neox_of_adjacent(r: int) -> np.ndarray:
+    """Adjacent rotary index j (pair j // 2, member j % 2) -> its NeoX index (pair i at i and i + R/2)."""
+    j = np.arange(r)
+    return (j // 2) + (j % 2) * (r // 2)
 
 
 def expected_shape(entry: dict, dims: dict):
