@@ -99,8 +99,8 @@ def _compute(config, eng):
     res = run_subject(eng, sub, opt("llorch_band_class") or engine_band_class(eng), subject_label=label,
                       n_greedy=opt("llorch_greedy"))
     if opt("llorch_bundle_dir"):
-        from .harness.bundle import write_bundles
-        _State.bundle = write_bundles(res, eng, out_dir=opt("llorch_bundle_dir"),
+        from .harness.bundle import write_bundle
+        _State.bundle = write_bundle(res, eng, out_dir=opt("llorch_bundle_dir"),
                                       argv=["pytest"] + list(config.invocation_params.args), plot=False)
     return res, eng.config
 
@@ -218,4 +218,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for w in res.warnings:
         tr.write_line(f"warning: {w}")
     if _State.bundle:
-        tr.write_line(f"proof bundles: {_State.bundle['index']}")
+        tr.write_line(f"proof bundle: {_State.bundle['dir']}")

@@ -12,7 +12,7 @@ from ..checkpoints import engine_band_class
 from ..dump import load_dump, parse_rows
 from ..errors import ParameterError
 from ..harness import run as harness_run
-from ..harness.bundle import check_bundle_target, write_bundles
+from ..harness.bundle import check_bundle_target, write_bundle
 from ..harness.compare import compare_dumps
 from ..harness.run import DEFAULT_PROMPT
 from ..references.engines import dump_transformers
@@ -114,10 +114,9 @@ def cmd_prove(args):
     t0 = time.perf_counter()
     out_dir, run_id = check_bundle_target(args.out, args.run_id)     # before the run, not after it
     eng, res = run_comparison(args)
-    paths = write_bundles(res, eng, out_dir=out_dir, run_id=run_id, argv=["llorch-ref"] + sys.argv[1:])
+    paths = write_bundle(res, eng, out_dir=out_dir, run_id=run_id, argv=["llorch-ref"] + sys.argv[1:])
     print_result(res, False)
-    print(f"proof bundles: {len(paths['bundles'])} checkpoints under {paths['index'].parent}/cp*/"
-          f"{paths['index'].stem}/")
-    print(f"index: {paths['index']}")
+    print(f"proof bundle: {paths['dir']}/ (report.html, summary.md, junit.xml, manifest.json with every file's sha256"
+          + (", repro/" if paths["repro"] else "") + ")")
     log(f"llorch-ref: prove took {time.perf_counter() - t0:.1f} s")
     return 0 if res.first_divergence is None else 1

@@ -7,7 +7,6 @@ import math
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from ..errors import ParameterError
@@ -19,6 +18,7 @@ from ..loaders.default_model import resolve_model
 from ..output_paths import check_output
 from ..references.logit_sources import ENGINE_KINDS, SourceSpec
 from .common import log
+from .report import console_for
 
 NAMED = ENGINE_KINDS + ("llamacpp", "transformers")
 
@@ -52,7 +52,8 @@ def cmd_eval(args):
         outs["json"] = check_output(args.json, inputs=[base], overwrite=args.overwrite, what="--json")
     if args.report:
         outs["report"] = check_output(args.report, kind="folder", inputs=[base], overwrite=args.overwrite,
-                                      what="--report", owned=("report.md", "kld_by_position.png", "kld_histogram.png"))
+                                      what="--report",
+                                      owned=("report.md", "report.html", "kld_by_position.png", "kld_histogram.png"))
     text, text_name = read_text(args.text)
     ref = SourceSpec(args.reference_backend, str(base),
                      {} if args.reference_numerics == "exact" else {"numerics": args.reference_numerics})
@@ -77,7 +78,7 @@ def cmd_eval(args):
         log(f"llorch-ref: wrote {args.json}")
     if "report" in outs:
         write_report(out, outs["report"])
-        log(f"llorch-ref: wrote {args.report}/report.md")
+        log(f"llorch-ref: wrote {args.report}/report.md and report.html")
     return 0
 
 
@@ -108,7 +109,7 @@ def _fmt(v, pct=False):
 
 def print_statistics(out: dict, file=None):
     """llama-perplexity's three blocks under its names (Δp and Same top p in percent, as it prints them)."""
-    con = Console(file=file or sys.stdout, width=120)
+    con = console_for(file)
     t = Table(title=f"{out['subject']} vs {out['reference']}: {out['chunks']} chunks of {out['ctx']} tokens, "
                     f"{out['statistics']['scored tokens']} scored ({out['where']})")
     t.add_column("statistic")

@@ -275,6 +275,7 @@ def _case_token_ids(c: _Comparison, spec, band, num):
     a, b = c.sub.raw("0", "token_ids").tolist(), c.ref.raw("0", "token_ids").tolist()
     m = {"shape": [len(a)], "ref_shape": [len(b)], "agreement": 1.0 if a == b else 0.0, "ours": a, "reference": b}
     c.res.rows.append(Row("0", spec.name, None, "token_ids", m, band, within(m, band), c.order(0, 0, 0)))
+    c.cap_sub["cp0.token_ids"], c.cap_ref["cp0.token_ids"] = np.array(a, np.int64), np.array(b, np.int64)
 
 
 def _case_head(c: _Comparison, spec, band, num):
@@ -294,7 +295,9 @@ def _case_argmax(c: _Comparison, spec, band, num):
         own = own.argmax(-1)                                  # the argmax of its own logits
         _token_local(row, {"agreement": float((a == own).mean()) if a.shape == own.shape else 0.0})
     c.res.rows.append(row)
-    c.cap_sub["cp10.argmax"], c.cap_ref["cp10.argmax"] = a, b
+    c.cap_ref["cp10.argmax"] = b
+    if how == "argmax":                       # what the subject stored (a derived argmax comes from its logits)
+        c.cap_sub["cp10.argmax"] = a
 
 
 def _case_probs(c: _Comparison, spec, band, num):
@@ -314,6 +317,9 @@ def _case_probs(c: _Comparison, spec, band, num):
         row.local_band = c.local_bands(c.local_decl, "probs") if how == "probs" else {"max_abs": 0.0}
         row.local_passed = within(row.local, row.local_band)
     c.res.rows.append(row)
+    c.cap_ref["cp11.probs"] = np.asarray(b, np.float32)
+    if how == "probs":                        # what the subject stored (derived probabilities come from its logits)
+        c.cap_sub["cp11.probs"] = a
 
 
 def _case_greedy(c: _Comparison, spec, band, num):
@@ -352,16 +358,11 @@ def _token_local(row, m: dict):
     row.local_passed = within(row.local, row.local_band)
 
 
-def _local_reader(engine, sub: Dump, cat: dict, dims: dict, positions):
-    """-> local(cp, tensor, layer): the engine's op on the subject's inputs, or None (inputs not held).
-    Layers are computed once, on first use."""
+def subject_getter(engine, sub: Dump, dims: dict):
+    """-> get(name, layer): the subject's canonical array as the engine's ops take it (Q/K rows in the engine's
+    pair order: NeoX for Gemma or a Hugging Face folder), or None where the subject does not hold it."""
+    cat = catalogue()
     where = {name: cp for (cp, name) in cat}
-    memo = {}
-    fused = bool(((sub.arithmetic or {}).get("settings") or {}).get("flash_attn"))
-    # the engine's ops work on Q/K rows in its own order (NeoX pairs for Gemma or a Hugging Face folder): the
-    # subject's canonical (adjacent) arrays go in in that order, and the outputs come back to the canonical one
-    neox = getattr(engine, "qk_rows", "adjacent") == "neox"
-    paired = lambda cp, name: neox and bool(cat[(cp, name)].get("rope_pairs"))
 
     def get(name, layer):
         cp = where.get(name)
@@ -373,18 +374,38 @@ def _local_reader(engine, sub: Dump, cat: dict, dims: dict, positions):
             return None
         if list(a.shape) != expected_shape(cat[(cp, name)], dims):
             return None
-        return neox_pairs(a, dims["R"]) if paired(cp, name) else a
+        return neox_pairs(a, dims["R"]) if neox_rows(engine, cp, name) else a
+    return get
+
+
+def neox_rows(engine, cp, name) -> bool:
+    """Whether the engine's ops hold this tensor's Q/K rows in NeoX pair order (its outputs then come back to
+    the canonical adjacent order)."""
+    return getattr(engine, "qk_rows", "adjacent") == "neox" and bool(catalogue()[(cp, name)].get("rope_pairs"))
+
+
+def fused_attention(sub: Dump) -> bool:
+    """The subject declares llama.cpp's flash attention (attn_out then checked through its emulation)."""
+    return bool(((sub.arithmetic or {}).get("settings") or {}).get("flash_attn"))
+
+
+def _local_reader(engine, sub: Dump, cat: dict, dims: dict, positions):
+    """-> local(cp, tensor, layer): the engine's op on the subject's inputs, or None (inputs not held).
+    Layers are computed once, on first use."""
+    memo = {}
+    get = subject_getter(engine, sub, dims)
 
     def local(cp, tensor, layer):
         key = "head" if layer is None else layer
         if key not in memo:
             memo[key] = (model_outputs(engine, get) if layer is None else
                          local_outputs(engine, get, layer, [sub.token_ids[r] for r in sub.rows],
-                                       fused_attention=fused, past=len(sub.past_token_ids), positions=positions))
+                                       fused_attention=fused_attention(sub), past=len(sub.past_token_ids),
+                                       positions=positions))
         lo = memo[key].get(tensor)
         if cp == "9" and lo is not None:            # the last row alone, from the subject's own result_norm
             return lo[-1]
-        if lo is not None and paired(cp, tensor):
+        if lo is not None and neox_rows(engine, cp, tensor):
             lo = to_canonical(lo, cat[(cp, tensor)], {"rope_pairs": "neox"}, dims)
         return lo
     return local

@@ -55,14 +55,15 @@ def _cache_rows(engine, get, layer: int, name: str, new, positions, cache):
 
 
 def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = False, past: int = 0,
-                  positions=None) -> dict:
+                  positions=None, only=None) -> dict:
     """get(name, layer) -> the subject's canonical array or None. -> {name: reference op on the subject's
     inputs} for every tensor of this layer whose inputs the subject holds. fused_attention: the subject ran
     llama.cpp's flash attention (ggml numerics, F16 cache): attn_out is then checked through its emulation.
     past: positions already in the subject's cache (a decode step): the new tokens sit at past... positions:
     the absolute position of each row held (default past.., every row; a dump of chosen rows holds fewer).
     The cache rows not written by these rows are the subject's own (its k_cache/v_cache), so only the rows
-    written are checked."""
+    written are checked. only: the names to compute (default every one whose inputs are held): a repro runs
+    one operation."""
     cfg, ops, xp = engine.config, engine.ops, engine.xp
     lw = engine.weights.layers[layer]
     t = len(token_ids)
@@ -71,40 +72,48 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
     asx = engine.backend.asarray
     npy = engine.backend.to_numpy
 
+    def want(*outs):
+        return only is None or any(o in only for o in outs)
+
     def have(*names):
         vals = [get(n, layer) if isinstance(n, str) else n for n in names]
         return None if any(v is None for v in vals) else [asx(v) for v in vals]
 
-    x_in = embedding(engine, token_ids) if layer == 0 else get("l_out", layer - 1)
-    if x_in is not None:
+    x_in = None
+    if want("attn_norm", "ffn_inp"):
+        x_in = embedding(engine, token_ids) if layer == 0 else get("l_out", layer - 1)
+    if x_in is not None and want("attn_norm"):
         out["attn_norm"] = ops.rms_norm(xp, asx(x_in), lw.attn_norm, cfg.rms_eps)
-    if (a := have("attn_norm")) is not None:
+    if want("q_proj", "k_proj", "v") and (a := have("attn_norm")) is not None:
         q, k, v = ops.qkv(xp, a[0], lw.wq, lw.wk, lw.wv, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
         if cfg.qkv_bias:
             q, k, v = (q + lw.bq.reshape(q.shape[1:]), k + lw.bk.reshape(k.shape[1:]), v + lw.bv.reshape(v.shape[1:]))
         out.update(q_proj=q, k_proj=k, v=v)
     if cfg.qk_norm:
-        if (a := have("q_proj")) is not None:
+        if want("q_normed") and (a := have("q_proj")) is not None:
             out["q_normed"] = ops.rms_norm(xp, a[0], lw.q_norm, cfg.rms_eps)
-        if (a := have("k_proj")) is not None:
+        if want("k_normed") and (a := have("k_proj")) is not None:
             out["k_normed"] = ops.rms_norm(xp, a[0], lw.k_norm, cfg.rms_eps)
     cache = engine.new_cache()
     local = cfg.is_local(layer)
     window = cfg.sliding_window if local else 0
     cos, sin = (tab[asx(positions)] for tab in cache.tables(local))
     for name, src in (("q", "q_normed" if cfg.qk_norm else "q_proj"), ("k", "k_normed" if cfg.qk_norm else "k_proj")):
-        if (a := have(src)) is not None:
+        if want(name) and (a := have(src)) is not None:
             out[name] = ops.rope(xp, a[0], cos, sin, cfg.rope_style)
-    if (a := have("k", "v")) is not None:
+    if want("k_cache", "v_cache") and (a := have("k", "v")) is not None:
         out.update(k_cache=_cache_rows(engine, get, layer, "k_cache", a[0], positions, cache),
                    v_cache=_cache_rows(engine, get, layer, "v_cache", a[1], positions, cache))
     mask = None
-    if (a := have("q", "k_cache", "v_cache")) is not None:
+    fused = want("attn_out") and get("kqv_out", layer) is None          # attn_out from q, k, v (flash attention)
+    if (want("kq", "kq_soft_max", "kqv_out") or fused) and (a := have("q", "k_cache", "v_cache")) is not None:
         kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
         mask = visible_mask(xp, asx(positions)[:, None], xp.arange(a[1].shape[0])[None, :], window)
         att, kq, probs = ops.attention(xp, a[0], a[1], a[2], mask, cfg.scale, kv_head)
         out.update(kq=kq, kq_soft_max=probs, kqv_out=att)
-    if (a := have("kqv_out")) is not None:
+    if not want("attn_out"):
+        pass
+    elif (a := have("kqv_out")) is not None:
         out["attn_out"] = ops.linear(xp, a[0], lw.wo)
     elif "kqv_out" in out:                  # a fused attention (flash attention): attn_out from q, k, v
         att = out["kqv_out"]
@@ -112,35 +121,35 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
             a = have("q", "k_cache", "v_cache")
             att = flash_attention(xp, a[0], a[1], a[2], mask, cfg.scale, ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads))
         out["attn_out"] = ops.linear(xp, att, lw.wo)
-    if cfg.post_norms and (a := have("attn_out")) is not None:
+    if cfg.post_norms and want("attn_post_norm") and (a := have("attn_out")) is not None:
         out["attn_post_norm"] = ops.rms_norm(xp, a[0], lw.post_attn_norm, cfg.rms_eps)
-    if x_in is not None and (a := have("attn_post_norm" if cfg.post_norms else "attn_out")) is not None \
+    if x_in is not None and want("ffn_inp") and (a := have("attn_post_norm" if cfg.post_norms else "attn_out")) is not None \
             and a[0].shape == x_in.shape:
         out["ffn_inp"] = asx(x_in) + a[0]
-    if (a := have("ffn_inp")) is not None:
+    if want("ffn_norm") and (a := have("ffn_inp")) is not None:
         out["ffn_norm"] = ops.rms_norm(xp, a[0], lw.ffn_norm, cfg.rms_eps)
     glu = ops.swiglu if cfg.ffn_act == "silu" else ops.geglu
-    if (a := have("ffn_norm")) is not None:
+    if want("ffn_swiglu") and (a := have("ffn_norm")) is not None:
         out["ffn_swiglu"] = glu(xp, a[0], lw.w_gate, lw.w_up, lw.w_down)[1]
-    if (a := have("ffn_swiglu")) is not None:
+    if want("ffn_out") and (a := have("ffn_swiglu")) is not None:
         out["ffn_out"] = ops.linear(xp, a[0], lw.w_down)
-    if cfg.post_norms and (a := have("ffn_out")) is not None:
+    if cfg.post_norms and want("ffn_post_norm") and (a := have("ffn_out")) is not None:
         out["ffn_post_norm"] = ops.rms_norm(xp, a[0], lw.post_ffn_norm, cfg.rms_eps)
-    if (a := have("ffn_inp", "ffn_post_norm" if cfg.post_norms else "ffn_out")) is not None \
+    if want("l_out") and (a := have("ffn_inp", "ffn_post_norm" if cfg.post_norms else "ffn_out")) is not None \
             and a[0].shape == a[1].shape:
         out["l_out"] = a[0] + a[1]
     return {k: npy(v) for k, v in out.items()}
 
 
-def model_outputs(engine, get) -> dict:
+def model_outputs(engine, get, only=None) -> dict:
     """The head: result_norm from the last layer's l_out, logits from result_norm (the subject's own)."""
     cfg, ops, xp, w = engine.config, engine.ops, engine.xp, engine.weights
     asx = engine.backend.asarray
     out = {}
-    x = get("l_out", cfg.n_layers - 1)
+    x = get("l_out", cfg.n_layers - 1) if only is None or "result_norm" in only else None
     if x is not None:
         out["result_norm"] = ops.rms_norm(xp, asx(x), w.out_norm, cfg.rms_eps)
-    h = get("result_norm", None)
+    h = get("result_norm", None) if only is None or "logits" in only else None
     if h is not None:
         out["logits"] = ops.linear(xp, asx(h), w.output)
     return {k: engine.backend.to_numpy(v) for k, v in out.items()}

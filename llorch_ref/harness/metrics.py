@@ -98,6 +98,19 @@ def fmt_match(summary: dict) -> str:
     return "-"
 
 
+def fmt_row_match(m: dict, band: dict | None = None) -> str:
+    """The similarity of one comparison, said for what it is: a cosine; an equal prefix of n tokens (the greedy
+    text, with the prefix its band asks for); or an agreement fraction (argmax, token ids)."""
+    if m.get("cosine") is not None:
+        return fmt_cos(m["cosine"])
+    if m.get("equal_prefix") is not None:
+        asked = (band or {}).get("equal_prefix")
+        return f"{m['equal_prefix']}/{m.get('n', '?')} tokens equal" + (f" (band: first {asked})" if asked else "")
+    if m.get("agreement") is not None:
+        return f"agreement {m['agreement']:.3f}"
+    return "-"
+
+
 def summary_markdown(summary: list[dict]) -> list[str]:
     """Markdown lines of a checkpoint summary (DiffResult.summary()): one row per checkpoint, the worst
     figures over its layers and tensors, where the worst sits, the band that applied there, the verdict."""

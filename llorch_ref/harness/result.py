@@ -48,6 +48,7 @@ class DiffResult:
     warnings: list = field(default_factory=list)         # lines a reader must see (e.g. different model files)
     local_declaration: str | None = None                 # the arithmetic of the local comparison, when one ran
     positions: list = field(default_factory=list)        # the absolute position of each row of the forward held
+    recipe: dict = field(default_factory=dict)            # how to run the reference side again (harness/rerun.py)
 
     @property
     def first_divergence(self):
@@ -59,6 +60,13 @@ class DiffResult:
         r = min(bad, key=lambda r: r.order)
         return {"checkpoint": r.checkpoint, "layer": r.layer, "tensor": r.tensor, "step": r.step,
                 "by": "local error" if r.local_passed is not None else "end-to-end error"}
+
+    def subject_dump(self):
+        """The subject's tensors this comparison held, as a Dump in the canonical layout (its manifest's token ids,
+        rows and decode steps): what a bundle keeps of it, and what repro and verify read."""
+        from ..dump import CANONICAL_LAYOUTS, Dump
+        man = {**self.sides["subject"], "layouts": dict(CANONICAL_LAYOUTS)}
+        return Dump(manifest=man, tensors=dict(self.captures_ours), source=f"{self.subject_label} (as compared)")
 
     def passed(self, checkpoint=None) -> bool:
         """No row diverges (by local error where measured, else end to end)."""
@@ -124,7 +132,7 @@ class DiffResult:
             "summary": self.summary(), "greedy": self.greedy, "timings": self.timings,
             "sides": self.sides, "subject": self.subject_label,
             "reference": self.reference_label, "not_covered": self.not_covered, "warnings": self.warnings,
-            "local_declaration": self.local_declaration, "by_position": self.by_position(),
+            "local_declaration": self.local_declaration, "by_position": self.by_position(), "recipe": self.recipe,
             "rows": [{"checkpoint": r.checkpoint, "name": r.name, "layer": r.layer, "tensor": r.tensor, "step": r.step,
                       **r.metrics, "band": r.band, "passed": r.passed,
                       **({"local": r.local, "local_band": r.local_band, "local_passed": r.local_passed}

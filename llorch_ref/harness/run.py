@@ -67,6 +67,8 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
                         reference_model=ref_path)
     _greedy_texts(res, engine.tokenizer)
     res.timings.update(timings, total_s=time.perf_counter() - t0)
+    res.recipe = recipe("llamacpp", ref_path, ids, prompt=prompt, n_greedy=n_greedy, rows=rows, checkpoints=checkpoints,
+                        kv_dtype=engine.kv_dtype, n_ubatch=n_ubatch)
     return res
 
 
@@ -79,6 +81,12 @@ def backend_band(engine) -> tuple[str, dict]:
     return key, {k: v for k, v in bands[key].items() if not k.startswith("_")}
 
 
+def backend_bands(band: dict):
+    """-> bands(spec, pos) of a backend comparison: the backend's band on every tensor, exact agreement on the
+    token checkpoints (argmax, greedy text)."""
+    return lambda spec, pos: {"agreement": 1.0} if spec.id in ("10", "12") else band
+
+
 def run_backend_diff(engine, reference, prompt=DEFAULT_PROMPT, checkpoints=None, n_greedy=32, band=None):
     """Every checkpoint of `engine` (numba, cupy, ...) against `reference` (the numpy oracle), on the same
     file and tokens, under one band per backend and dtype (token checkpoints: exact agreement). The layer
@@ -89,15 +97,15 @@ def run_backend_diff(engine, reference, prompt=DEFAULT_PROMPT, checkpoints=None,
     band = band or default
     ids = engine.tokenizer.encode(prompt) if engine.tokenizer else list(range(1, 10))
     specs = [s.id for s in load_specs(checkpoints) if s.id != "0"]      # same tokenizer object: nothing to compare
-
-    def bands(spec, pos):
-        return {"agreement": 1.0} if spec.id in ("10", "12") else band
+    bands = backend_bands(band)
     t0 = time.perf_counter()
     ours, theirs = (record_engine(e, ids, n_greedy=n_greedy, decode_ids=ids[-1:]) for e in (engine, reference))
     res = compare_dumps(ours, theirs, engine.config, f"backend:{key}", checkpoints=specs, bands=bands,
                         subject_label=engine_label(engine), reference_label=engine_label(reference))
     _greedy_texts(res, engine.tokenizer)
     res.timings["total_s"] = time.perf_counter() - t0
+    res.recipe = recipe("llorch", engine.path, ids, n_greedy=n_greedy, checkpoints=specs, backend="numpy",
+                        numerics="exact", kv_dtype="float32", decode_ids=ids[-1:], backend_band=band)
     return res
 
 
@@ -120,7 +128,19 @@ def run_subject(engine, sub: Dump, band_class: str, checkpoints=None, subject_la
                         model=sub.source, reference_model=str(engine.path), local_engine=engine)
     if warn:
         res.warnings.append(warn)
+    res.recipe = recipe("llorch", engine.path, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n,
+                        rows=sub.manifest.get("rows"), checkpoints=checkpoints, backend=engine.backend.name,
+                        numerics=engine.numerics, kv_dtype=engine.kv_dtype,
+                        decode_ids=sub.decode_token_ids or None, local=True)
     return res
+
+
+def recipe(kind: str, model, token_ids, **settings) -> dict:
+    """How to run the reference side of a comparison again from nothing but this dict (a bundle's manifest
+    keeps it; `llorch-ref verify` runs it): the engine kind (llamacpp | llorch | transformers), its model file
+    and sha256, the token ids and every setting the reference ran with."""
+    return {"kind": kind, "model": str(model), "model_sha256": model_sha256(model),
+            "token_ids": [int(t) for t in token_ids], **settings}
 
 
 def check_same_model(sub: Dump, engine) -> str | None:

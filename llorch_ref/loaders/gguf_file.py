@@ -373,13 +373,18 @@ def ggml_matrix(t, shape):
     """numerics="ggml": the weight as ggml blocks whose matmul reproduces llama.cpp's CPU arithmetic."""
 
     name = t.tensor_type.name
-    if name in ACT_TYPE:
-        return QuantMatrix(np.asarray(t.data), name, shape)
-    if name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
-        return KQuantMatrix(np.asarray(t.data), name, shape)
     if name in ("F32", "F16"):
         return FloatMatrix(dequantize(t), name)
-    raise UnsupportedModelError(f"tensor {t.name!r}: numerics='ggml' does not implement {name} products yet "
+    return matrix_of_blocks(np.asarray(t.data), name, shape, what=f"tensor {t.name!r}")
+
+
+def matrix_of_blocks(raw, qtype: str, shape, what: str = "a weight"):
+    """numerics="ggml": a quantized weight [N, K] from its GGUF blocks (raw bytes [N, row bytes]) and type."""
+    if qtype in ACT_TYPE:
+        return QuantMatrix(raw, qtype, shape)
+    if qtype in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+        return KQuantMatrix(raw, qtype, shape)
+    raise UnsupportedModelError(f"{what}: numerics='ggml' does not implement {qtype} products yet "
                                 f"(implemented: F32, F16, {', '.join(ACT_TYPE)}, Q2_K..Q6_K); use numerics='exact'")
 
 

@@ -1,0 +1,129 @@
+"""The Markdown of a proof bundle: each checkpoint's report.md, and summary.md (the run's verdict and one row
+per checkpoint; also what CI shows as the step summary). Every figure beside its band; each report names the
+files beside it."""
+from __future__ import annotations
+
+import json
+
+from .metrics import fmt, fmt_match, fmt_row_match
+
+
+def row_json(r) -> dict:
+    m = {k: v for k, v in r.metrics.items() if k not in ("ours", "reference")}
+    return {"layer": r.layer, "tensor": r.tensor, "step": r.step, **m, "band": r.band, "passed": r.passed,
+            **({"local": r.local, "local_band": r.local_band, "local_passed": r.local_passed}
+               if r.local is not None else {})}
+
+
+def _settings_of(side) -> str:
+    """'; settings `{...}`' of one side's manifest (numerics, K/V type, engine settings), or ''."""
+    ar = (side or {}).get("arithmetic")
+    return f"; arithmetic `{json.dumps(ar)}`" if ar else ""
+
+
+def _local_cells(r) -> list[str]:
+    if r.local is None:
+        return ["-", "-", "-"]
+    fig = fmt(r.local["nmse"]) if "nmse" in r.local else fmt_row_match(r.local, r.local_band)
+    return [fig, f"`{json.dumps(r.local_band)}`", "yes" if r.local_passed else "**NO**"]
+
+
+def checkpoint(spec, rows, man, passed, missing=(), plot=None) -> str:
+    """report.md of one checkpoint: verdict, what is compared, the sides, every comparison with its band."""
+    n_local = sum(r.local is not None for r in rows)
+    verdict = ("PASS" if passed else "FAIL") if rows else "NOT COVERED"
+    lines = [f"# Checkpoint {spec.id}: {spec.title}", "",
+             f"**Verdict: {verdict}** ({sum(r.passed for r in rows)}/{len(rows)} comparisons inside the band for "
+             f"weight class `{man['band_class']}`"
+             + (f"; {sum(bool(r.local_passed) for r in rows if r.local)}/{n_local} local errors inside their bands: "
+                f"the local error decides" if n_local else "") + ")", "",
+             f"What is compared: {spec.checks}", "",
+             f"- subject: {man['subject']}, from `{man['model']}` (sha256 `{man['model_sha256']}`)",
+             f"- reference: {man['reference']} on `{man['reference_model']}` (sha256 `{man['reference_model_sha256']}`)",
+             f"- prompt: {json.dumps(man['prompt']) if man['prompt'] else '(none: token ids given)'} -> "
+             f"{len(man['token_ids'])} tokens",
+             f"- llorch-ref: numerics {man['numerics']}, K/V cache {man['kv_dtype']}, backend {man['backend']} "
+             f"({man['device']}); version {man['llorch_ref_version']} at {man['git_commit']}", "",
+             "Raw figures beside each band; inside the band is not 'identical'. The similarity column holds a cosine "
+             "for tensors, the agreement fraction for token ids and argmax, the equal prefix for the greedy text.", "",
+             "| step | layer | tensor | shape | max abs | max rel | NMSE | cosine / tokens | band | pass "
+             "| local NMSE | local band | local pass |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r.metrics
+        lines.append(f"| {r.step} | {'' if r.layer is None else r.layer} | {r.tensor} | {m.get('shape')} | "
+                     f"{fmt(m.get('max_abs'))} | {fmt(m.get('max_rel'))} | {fmt(m.get('nmse'))} | "
+                     f"{fmt_row_match(m, r.band)} | `{json.dumps(r.band)}` | {'yes' if r.passed else '**NO**'} | "
+                     + " | ".join(_local_cells(r)) + " |")
+    if missing:
+        lines += ["", f"**Not covered: {len(missing)} comparisons** (not covered is not passed): {missing[0]['why']}."]
+    lines += ["", "Files beside this report: `report.json` (these rows), `subject.npz` and `reference.npz` (the "
+              "tensors both sides produced, dump names `cp<id>.<tensor>.layer<L>[.step<K>]`, canonical layout)"
+              + (f", `{plot}` (NMSE by layer, end to end and local, with the band)" if plot else "") + ".",
+              "", "Re-run:", "", "```", man["command"], "```", ""]
+    return "\n".join(lines)
+
+
+def _verdict(result) -> str:
+    fd = result.first_divergence
+    n_nc = len({u["checkpoint"] for u in result.not_covered})
+    if fd is not None:
+        return (f"DIVERGED at checkpoint {fd['checkpoint']}, layer {fd['layer']}, {fd['tensor']}"
+                + (f" (decode step {fd['step']})" if fd.get("step") else "") + f", by {fd['by']}")
+    return ("every checkpoint inside its band" if not n_nc else
+            f"every covered checkpoint inside its band; {n_nc} checkpoint(s) not (fully) covered")
+
+
+def summary(result, man, run_id, specs, links=True) -> str:
+    """summary.md: verdict, the sides, one row per checkpoint (worst figures, band, verdict), the greedy text,
+    warnings, how to re-run. links: link each checkpoint's report (off for a CI step summary)."""
+    by_id = {s.id: s for s in specs}
+    lines = [f"# Proof run {run_id}: {_verdict(result)}", "",
+             f"- subject: {man['subject']}, from `{man['model']}` (sha256 `{man['model_sha256'][:16]}…`)"
+             + _settings_of(man["sides"].get("subject")),
+             f"- reference: {man['reference']} on `{man['reference_model']}` (sha256 "
+             f"`{man['reference_model_sha256'][:16]}…`)" + _settings_of(man["sides"].get("reference")),
+             f"- band class `{result.band_class}`",
+             f"- prompt {json.dumps(result.prompt) if result.prompt else '(none: token ids given)'}: "
+             f"{len(result.token_ids)} tokens; llorch-ref {man['llorch_ref_version']} at {man['git_commit']}, "
+             f"backend {man['backend']}, numerics {man['numerics']}, K/V {man['kv_dtype']}; CPU {man['cpu_model']}", "",
+             "| checkpoint | name | comparisons | failed | worst NMSE | worst max abs | min cosine / tokens | worst at | "
+             "band | local failed | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in result.summary():
+        at = s["worst_at"]
+        local = [r for r in result.rows if r.checkpoint == s["checkpoint"] and r.local_passed is not None]
+        verdict = "NOT COVERED" if s["passed"] is None else (
+            "pass" if not any(r.diverges for r in result.rows if r.checkpoint == s["checkpoint"]) else "**FAIL**")
+        if s.get("not_covered") and s["passed"] is not None:
+            verdict += f" ({s['not_covered']} not covered)"
+        name = s["name"]
+        if links and s["checkpoint"] in by_id:
+            name = f"[{name}]({checkpoint_folder(by_id[s['checkpoint']])}/report.md)"
+        lines.append(f"| {s['checkpoint']} | {name} | {s['rows']} | {s['failed']} | {fmt(s['worst_nmse'])} | "
+                     f"{fmt(s['worst_max_abs'])} | {fmt_match(s) if s['passed'] is not None else '-'} | "
+                     f"{'' if at['layer'] is None else 'L' + str(at['layer']) + ' '}{at['tensor']} | "
+                     f"`{json.dumps(s['band'])}` | "
+                     f"{sum(not r.local_passed for r in local) if local else '-'} | {verdict} |")
+    if result.greedy:
+        g = result.greedy
+        band = next((r.band for r in result.rows if r.checkpoint == "12"), {})
+        lines += ["", f"Greedy text: {g['equal_prefix']}/{g['n']} tokens equal to {result.reference_label} (EOS "
+                  f"ignored)" + (f"; the band asks for the first {band['equal_prefix']}" if "equal_prefix" in band
+                                 else "") + "."]
+    for w in result.warnings:
+        lines += ["", f"Warning: {w}"]
+    if result.not_covered:
+        lines += ["", f"Not covered: {len(result.not_covered)} comparisons (not covered is not passed); e.g. "
+                  f"{result.not_covered[0]['why']}."]
+    if links:
+        lines += ["", "Open `report.html` for the figures; `junit.xml` for CI; `manifest.json` holds the sha256 of "
+                  "every file (`llorch-ref verify` checks them and re-runs the reference)"
+                  + ("; `repro/` holds the first divergence as a standalone test (`pytest repro/`)"
+                     if result.first_divergence else "") + "."]
+    lines += ["", "Re-run: `" + man["command"] + "`", ""]
+    return "\n".join(lines)
+
+
+def checkpoint_folder(spec) -> str:
+    return f"cp{spec.id}_{spec.name}"
