@@ -1,7 +1,15 @@
-"""Proof bundles: layout, contents, atomic writes, never overwriting a run id."""
+"""Proof bundles: one folder per run (report.html, summary.md, junit.xml, result.json, manifest.json with every
+file's sha256, a folder per checkpoint, repro/ of the first divergence); atomic writes; never overwriting a run;
+`verify` on untouched and edited bundles; the repro failing without the subject engine; the page in a browser."""
 from __future__ import annotations
 
+import io
 import json
+import re
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
@@ -18,20 +26,46 @@ def tiny_result(tiny, llamacpp):
     return eng, run_diff(eng, prompt="Once upon a time, there was a little", n_greedy=4)
 
 
+@pytest.fixture(scope="module")
+def planted(tiny, tmp_path_factory):
+    """A subject with a 5% scale error in blk.1.ffn_up (its block scales), against the clean file's reference:
+    (reference engine, result, bundle folder)."""
+    from llorch_ref.checkpoints import engine_band_class
+    from llorch_ref.harness.bundle import write_bundle
+    from llorch_ref.harness.run import run_subject
+    from llorch_ref.references.llorch import record_engine
+    from llorch_ref.testing.plant import plant_scale
+
+    q8 = tiny(weight_type="Q8_0", n_layers=3, d_model=128, d_ff=192, vocab="bpe")
+    d = tmp_path_factory.mktemp("planted")
+    bad = plant_scale(q8, d / "up1x1.05.gguf", "blk.1.ffn_up.weight", 1.05)
+    ref = llorch_ref.load(q8)
+    ids = ref.tokenizer.encode("Once upon a time, there was")
+    sub = record_engine(llorch_ref.load(bad), ids, prompt="Once upon a time, there was", n_greedy=4).to_dump()
+    res = run_subject(ref, sub, engine_band_class(ref), subject_label="planted engine")
+    out = write_bundle(res, ref, out_dir=d / "pb", run_id="planted", argv=["llorch-ref", "prove", "--subject", "x"])
+    return ref, res, out["dir"]
+
+
 def test_bundle_layout_and_contents(tiny_result, tmp_path):
-    from llorch_ref.harness.bundle import write_bundles
+    from llorch_ref.harness.bundle import sha256_of, write_bundle
 
     eng, res = tiny_result
-    out = write_bundles(res, eng, out_dir=tmp_path, run_id="r1", argv=["llorch-ref", "prove"])
-    assert out["index"] == tmp_path / "r1.md" and out["index"].exists()
-    assert len(out["bundles"]) == 14
-    d = tmp_path / "cp4_attention_scores" / "r1"
-    assert sorted(p.name for p in d.iterdir()) == ["error_by_layer.png", "manifest.json",
-                                                   "reference.npz", "report.json", "report.md", "subject.npz"]
-    man = json.loads((d / "manifest.json").read_text())
-    for key in ("llorch_ref_version", "git_commit", "numpy", "gguf", "llama_cpp_python", "cpu_flags",
-                "model_sha256", "backend", "prompt", "token_ids", "sides", "seed", "command"):
+    out = write_bundle(res, eng, out_dir=tmp_path, run_id="r1", argv=["llorch-ref", "prove"])
+    run = tmp_path / "r1"
+    assert out["dir"] == run and out["repro"] is None                  # nothing diverges: no repro
+    assert {"report.html", "summary.md", "junit.xml", "result.json", "manifest.json"} <= {p.name for p in run.iterdir()}
+    d = run / "cp4_attention_scores"
+    assert sorted(p.name for p in d.iterdir()) == ["error_by_layer.png", "reference.npz", "report.json", "report.md",
+                                                   "subject.npz"]
+    man = json.loads((run / "manifest.json").read_text())
+    for key in ("llorch_ref_version", "git_commit", "numpy", "gguf", "llama_cpp_python", "cpu_model", "cpu_flags",
+                "model_sha256", "backend", "prompt", "token_ids", "sides", "recipe", "seed", "command", "files"):
         assert key in man, key
+    assert man["recipe"]["kind"] == "llamacpp" and man["recipe"]["token_ids"] == res.token_ids
+    files = [p for p in run.rglob("*") if p.is_file() and p.name != "manifest.json"]
+    assert len(man["files"]) == len(files) > 60
+    assert all(man["files"][p.relative_to(run).as_posix()] == sha256_of(p) for p in files)
     llama = man["sides"]["reference"]["arithmetic"]["settings"]
     assert llama["flash_attn"] is False and llama["type_k"] == "f32"
     ours, ref = np.load(d / "subject.npz"), np.load(d / "reference.npz")
@@ -39,22 +73,40 @@ def test_bundle_layout_and_contents(tiny_result, tmp_path):
     rep = json.loads((d / "report.json").read_text())
     assert rep["passed"] is True and len(rep["rows"]) == 2 * eng.config.n_layers
     assert {"max_abs", "max_rel", "nmse", "cosine", "band"} <= set(rep["rows"][0])
-    assert "Verdict: PASS" in (d / "report.md").read_text()
-    assert not list(tmp_path.glob(".incomplete-*"))
+    assert "Verdict: PASS" in (d / "report.md").read_text() and "`error_by_layer.png`" in (d / "report.md").read_text()
+    assert (run / "summary.md").read_text().startswith("# Proof run r1: every checkpoint inside its band")
+    suites = ET.parse(run / "junit.xml").getroot()
+    assert int(suites.get("tests")) == len(res.rows) + len(res.not_covered) and suites.get("failures") == "0"
+    assert {c.get("name") for c in suites.iter("testcase")} >= {"cp4.kq L0", "cp6.ffn_swiglu L1"}
+    html = (run / "report.html").read_text()
+    assert "PASS: every checkpoint inside its band" in html and "<svg" in html
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", html)          # self-contained: loads nothing
+    assert not [p for p in tmp_path.iterdir() if p.name != "r1"]                               # no staging left
+
+
+def test_greedy_row_says_what_it_measures(tiny_result, tmp_path):
+    from llorch_ref.harness.bundle import write_bundle
+
+    eng, res = tiny_result
+    write_bundle(res, eng, out_dir=tmp_path, run_id="g")
+    text = (tmp_path / "g" / "cp12_greedy_text" / "report.md").read_text()
+    row = next(line for line in text.splitlines() if "| greedy_tokens |" in line)
+    n = res.greedy["n"]
+    assert f"{res.greedy['equal_prefix']}/{n} tokens equal" in row and "cosine" not in row
 
 
 def test_existing_run_id_is_never_overwritten(tiny_result, tmp_path):
-    from llorch_ref.harness.bundle import write_bundles
+    from llorch_ref.harness.bundle import write_bundle
 
     eng, res = tiny_result
-    write_bundles(res, eng, out_dir=tmp_path, run_id="same")
-    before = (tmp_path / "cp1_rms_norm" / "same" / "report.json").read_bytes()
+    write_bundle(res, eng, out_dir=tmp_path, run_id="same")
+    before = (tmp_path / "same" / "cp1_rms_norm" / "report.json").read_bytes()
     with pytest.raises(HarnessError, match="already exists"):
-        write_bundles(res, eng, out_dir=tmp_path, run_id="same")
-    assert (tmp_path / "cp1_rms_norm" / "same" / "report.json").read_bytes() == before
+        write_bundle(res, eng, out_dir=tmp_path, run_id="same")
+    assert (tmp_path / "same" / "cp1_rms_norm" / "report.json").read_bytes() == before
 
 
-def test_interrupted_write_leaves_nothing_that_looks_complete(tiny_result, tmp_path, monkeypatch):
+def test_interrupted_write_leaves_nothing(tiny_result, tmp_path, monkeypatch):
     from llorch_ref.harness import bundle
 
     eng, res = tiny_result
@@ -68,26 +120,130 @@ def test_interrupted_write_leaves_nothing_that_looks_complete(tiny_result, tmp_p
         return orig(*a, **k)
     monkeypatch.setattr(bundle.np, "savez_compressed", failing)
     with pytest.raises(KeyboardInterrupt):
-        bundle.write_bundles(res, eng, out_dir=tmp_path, run_id="cut")
-    assert not (tmp_path / "cut.md").exists()
-    assert not list(tmp_path.glob("cp*/cut"))
-    assert not list(tmp_path.glob(".incomplete-*"))
+        bundle.write_bundle(res, eng, out_dir=tmp_path, run_id="cut")
+    assert list(tmp_path.iterdir()) == []                       # no run folder, no staging folder
     monkeypatch.setattr(bundle.np, "savez_compressed", orig)
-    assert bundle.write_bundles(res, eng, out_dir=tmp_path, run_id="cut")["index"].exists()   # rerun works
+    assert bundle.write_bundle(res, eng, out_dir=tmp_path, run_id="cut")["dir"].is_dir()   # rerun works
 
 
-def test_run_id_and_dir_from_environment(tiny_result, tmp_path, monkeypatch):
-    from llorch_ref.harness.bundle import write_bundles
+def test_run_id_dir_and_ci_summary_from_environment(tiny_result, tmp_path, monkeypatch):
+    from llorch_ref.harness.bundle import write_bundle
 
     eng, res = tiny_result
+    step = tmp_path / "step_summary.md"
+    step.write_text("earlier step\n")
     monkeypatch.setenv("LLORCH_RUN_ID", "from-env")
     monkeypatch.setenv("LLORCH_PROOF_DIR", str(tmp_path / "pb"))
-    out = write_bundles(res, eng)
-    assert out["index"] == tmp_path / "pb" / "from-env.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step))
+    out = write_bundle(res, eng)
+    assert out["dir"] == tmp_path / "pb" / "from-env"
+    text = step.read_text()
+    assert text.startswith("earlier step\n# Proof run from-env:") and "| 6 | swiglu |" in text   # appended, no links
 
 
-def test_greedy_band_never_asks_for_more_tokens_than_generated():
-    from llorch_ref.checkpoints import greedy_band
-    assert greedy_band({"equal_prefix": 6}, 4) == {"equal_prefix": 4}
-    assert greedy_band({"equal_prefix": 6}, 64) == {"equal_prefix": 6}
-    assert greedy_band({"agreement": 1.0}, 4) == {"agreement": 1.0}
+def test_planted_bug_is_named_on_every_face(planted):
+    _, res, run = planted
+    fd = res.first_divergence
+    assert (fd["checkpoint"], fd["layer"], fd["tensor"], fd["by"]) == ("6", 1, "ffn_swiglu", "local error")
+    assert (run / "summary.md").read_text().startswith(
+        "# Proof run planted: DIVERGED at checkpoint 6, layer 1, ffn_swiglu, by local error")
+    html = (run / "report.html").read_text()
+    first_screen = html[html.index("<main>"):html.index("<h2>Checkpoints")]
+    assert "DIVERGED: checkpoint 6, ffn_swiglu, layer 1 (by local error)" in first_screen
+    assert "data:image/png;base64," in first_screen and "worst indices" in first_screen   # heat map, worst indices
+    failures = [c for c in ET.parse(run / "junit.xml").getroot().iter("testcase") if c.find("failure") is not None]
+    assert [c.get("name") for c in failures] == ["cp6.ffn_swiglu L1"]
+    assert "local (the reference's operation on the subject's inputs): NMSE" in failures[0].find("failure").get("message")
+
+
+def test_repro_fails_with_the_same_figures_without_the_subject_engine(planted):
+    from llorch_ref.harness.metrics import fmt
+
+    _, res, run = planted
+    row = next(r for r in res.rows if r.diverges)
+    case = json.loads((run / "repro" / "case.json").read_text())
+    assert case["tensor"] == "ffn_swiglu" and case["inputs"] == ["ffn_norm.layer1"]
+    assert sorted(case["weights"]) == ["w_down", "w_gate", "w_up"]
+    # the subject engine (here llorch-ref on the planted file; in general llama.cpp, torch) cannot be imported
+    block = ("import sys; [sys.modules.__setitem__(m, None) for m in ('llama_cpp', 'torch', 'transformers')]; "
+             "import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', sys.argv[1]]))")
+    r = subprocess.run([sys.executable, "-c", block, str(run / "repro")], capture_output=True, text=True,
+                       timeout=300, cwd=run)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "1 failed, 1 passed" in r.stdout                          # the reference op reproduces; the subject fails
+    assert f"local NMSE {fmt(row.local['nmse'])}, max abs {fmt(row.local['max_abs'])}" in r.stdout
+
+
+def test_verify_passes_untouched_and_names_an_edited_file(planted, tmp_path, capsys):
+    from llorch_ref.cli import main
+    from llorch_ref.harness.verify import verify_bundle
+
+    _, _, run = planted
+    v = verify_bundle(run)
+    assert v.ok and v.rerun["reference_bit_equal"] == v.rerun["reference_tensors"] > 50
+    assert v.rerun["figures_hold"] and not v.rerun["verdicts_changed"]
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    rep = copy / "cp6_swiglu" / "report.md"
+    rep.write_text(rep.read_text().replace("**Verdict: FAIL**", "**Verdict: PASS**"))
+    (copy / "cp7_block" / "reference.npz").unlink()
+    (copy / "notes.txt").write_text("added later")
+    assert main(["verify", str(copy), "--no-rerun"]) == 1
+    out = capsys.readouterr().out
+    assert "EDITED after the run: cp6_swiglu/report.md" in out and "MISSING: cp7_block/reference.npz" in out
+    assert "ADDED after the run: notes.txt" in out and "verify: FAILED" in out
+
+
+def test_verify_reruns_and_finds_figures_that_no_longer_hold(planted, tmp_path):
+    """A forger who edits result.json and re-hashes the manifest passes the hash check, not the re-run."""
+    from llorch_ref.harness.bundle import file_hashes
+    from llorch_ref.harness.verify import verify_bundle
+
+    _, _, run = planted
+    copy = tmp_path / "forged"
+    shutil.copytree(run, copy)
+    res = json.loads((copy / "result.json").read_text())
+    for r in res["rows"]:
+        if r.get("local_passed") is False:
+            r["local_passed"] = True
+    res["first_divergence"] = None
+    (copy / "result.json").write_text(json.dumps(res))
+    man = json.loads((copy / "manifest.json").read_text())
+    man["files"] = file_hashes(copy)
+    (copy / "manifest.json").write_text(json.dumps(man))
+    v = verify_bundle(copy)
+    assert v.files_ok and not v.ok
+    assert v.rerun["verdicts_changed"] == ["cp6 ffn_swiglu L1: passes in the bundle, diverges now"]
+
+
+def test_verify_refuses_what_is_not_a_bundle(tmp_path, capsys):
+    from llorch_ref.cli import main
+
+    assert main(["verify", str(tmp_path)]) == 2
+    assert "no manifest.json: not a proof bundle" in capsys.readouterr().err
+
+
+def test_terminal_table_fits_100_columns_in_a_file(tiny_result):
+    from llorch_ref.cli.report import print_result
+
+    _, res = tiny_result
+    buf = io.StringIO()
+    print_result(res, True, file=buf)
+    lines = buf.getvalue().splitlines()
+    assert len(lines) > 20 and max(len(line) for line in lines) <= 100
+
+
+def test_report_renders_in_headless_chromium(planted, tmp_path):
+    from llorch_ref.testing.browser import chromium, render
+
+    if chromium() is None:
+        pytest.skip("no chromium on PATH (Debian package chromium): the page is not opened in a browser here")
+    bad = tmp_path / "bad.html"
+    bad.write_text("<html><body><p>x</p><script>undefined_function()</script></body></html>")
+    assert any("undefined_function" in line for line in render(bad)["console"])       # the check can fail
+    _, _, run = planted
+    shot = tmp_path / "first_screen.png"
+    page = render(run / "report.html", screenshot=shot)
+    assert page["console"] == []
+    assert "DIVERGED: checkpoint 6, ffn_swiglu, layer 1" in page["dom"] and page["dom"].count("<svg") >= 8
+    assert shot.stat().st_size > 20000

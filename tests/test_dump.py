@@ -303,7 +303,7 @@ def test_plugin_with_a_llamacpp_dump_in_a_separate_project(lc_dump, default_f32,
     n_items = 1 + 8 * 30 + 5            # cp0 + 8 layer checkpoints (1, 1B, 2..7) x 30 layers + cp8..cp12
     assert f"{n_items} passed" in r.stdout, r.stdout[-1500:]
     assert "first divergence: none" in r.stdout
-    assert list((tmp_path / "bundles").glob("*.md"))
+    assert list((tmp_path / "bundles").glob("*/summary.md"))
 
 
 @pytest.mark.default_model

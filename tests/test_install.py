@@ -60,7 +60,8 @@ def test_the_installed_package_is_not_the_checkout(installed):
 def test_prove_and_diff_run_from_a_normal_install(installed, llamacpp, default_model):
     r = run(installed, "-m", "llorch_ref.cli", "prove", "--checkpoint", "1", "--greedy", "0", "--out", "bundles")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert list((installed[1] / "bundles").glob("cp1_rms_norm/*/report.md"))
+    assert list((installed[1] / "bundles").glob("*/cp1_rms_norm/report.md"))
+    assert list((installed[1] / "bundles").glob("*/report.html"))     # the template ships in the package
     r = run(installed, "-m", "llorch_ref.cli", "diff", "--checkpoint", "2", "--greedy", "0")
     assert r.returncode == 0 and "first divergence: none" in r.stdout, r.stdout + r.stderr
 

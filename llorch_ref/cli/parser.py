@@ -13,6 +13,7 @@ from ..numerics import NUMERICS
 from .commands import cmd_bench, cmd_chat, cmd_convert, cmd_dump, cmd_generate, cmd_inspect, cmd_serve
 from .comparisons import cmd_diff, cmd_prove
 from .evaluate import cmd_eval
+from .verify import cmd_verify
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(command_parser=sp)
         return sp
     sub.add_parser = add_command
-    for add in (_generate, _chat, _serve, _bench, _inspect, _convert, _diff, _dump, _prove, _eval):
+    for add in (_generate, _chat, _serve, _bench, _inspect, _convert, _diff, _dump, _prove, _verify, _eval):
         add(sub)
     return p
 
@@ -150,6 +151,17 @@ def _prove(sub):
     pr.add_argument("--out", help="bundle folder (default proof_bundle/ or $LLORCH_PROOF_DIR)")
     pr.add_argument("--run-id", help="run id (default: UTC timestamp or $LLORCH_RUN_ID)")
     pr.set_defaults(fn=cmd_prove)
+
+
+def _verify(sub):
+    v = sub.add_parser("verify", help="check a proof bundle: every file's sha256, then the reference run again "
+                                      "from its manifest and the figures redone")
+    v.add_argument("bundle", help="the run's folder (<out>/<run_id>/)")
+    v.add_argument("--no-rerun", action="store_true", help="check the files' sha256 only")
+    v.add_argument("--model", default=None, help="the reference's model file, where it is not at the path the "
+                                                 "manifest names (its sha256 must match)")
+    v.add_argument("--json", action="store_true", help="print the verification as JSON")
+    v.set_defaults(fn=cmd_verify)
 
 
 def _eval(sub):

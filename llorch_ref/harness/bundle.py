@@ -116,7 +116,8 @@ def manifest(result, engine, argv, seed=0) -> dict:
     except ImportError:
         lcp, sysinfo = None, None
     ref_sha = model_sha256(result.reference_model)
-    model_sha = model_sha256(result.model) if result.model != result.reference_model else ref_sha
+    model_sha = (ref_sha if result.model == result.reference_model else
+                 model_sha256(result.model) if Path(result.model).exists() else "unknown (not a file)")
     return portable({
         "format": "llorch-proof/2",
         "llorch_ref_version": llorch_ref.__version__,

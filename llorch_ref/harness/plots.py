@@ -26,7 +26,7 @@ def _plt():
 def svg(fig) -> str:
     """The figure as inline SVG markup (the XML prolog dropped); the figure is closed."""
     buf = io.StringIO()
-    fig.savefig(buf, format="svg")
+    fig.savefig(buf, format="svg", metadata={"Date": None})       # no date: the same figures give the same page
     _plt().close(fig)
     text = buf.getvalue()
     return text[text.index("<svg"):]
