@@ -97,6 +97,8 @@ def test_eval_cli_an_engine_against_itself_and_against_a_quantized_copy(models, 
     other = json.loads((tmp_path / "b.json").read_text())
     assert other["statistics"]["Mean KLD"][0] > 0 and len(other["kld_by_position"]) == 64 - 1 - 32
     assert (tmp_path / "rep" / "report.md").is_file() and (tmp_path / "rep" / "kld_histogram.png").stat().st_size > 0
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert "Mean KLD" in page and page.count("<svg") == 2 and "`kld_histogram.png`" in (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_eval_cli_bad_input_is_one_line(models, text, tmp_path):

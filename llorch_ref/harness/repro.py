@@ -21,10 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends import get_backend
 from ..config import Config
 from ..dump import catalogue, to_canonical
 from ..errors import HarnessError
+from ..loaders.gguf_file import matrix_of_blocks, open_reader, raw_blocks_of
+from ..model import layers as layer_ops
 from ..model.cache import Cache, visible_mask
+from ..numerics.ggml_cpu import FloatMatrix, make_ops
 from .compare import dims_of, fused_attention, neox_rows, subject_getter
 from .local import local_outputs, model_outputs
 from .metrics import compare, fmt, fmt_cos, within
@@ -180,7 +184,6 @@ def _weight_files(engine, layer, name, v) -> tuple[dict, dict]:
     if qtype in ("F32", "F16") and hasattr(v, "w"):
         return {"kind": "float_matrix", "qtype": qtype}, {f"weights/{name}.npy": np.asarray(v.w)}
     if qtype is not None and engine.path is not None and engine.path.is_file():
-        from ..loaders.gguf_file import open_reader, raw_blocks_of
         blocks = raw_blocks_of(engine.config, {t.name: t for t in open_reader(engine.path).tensors})
         key = "output" if layer is None and name == "output" else (layer, name)
         if key in blocks:
@@ -200,10 +203,6 @@ def load(folder) -> dict:
 
 def _engine(case):
     """The reference engine of the repro: the model's settings and only the weights the operation reads."""
-    from ..backends import get_backend
-    from ..loaders.gguf_file import matrix_of_blocks
-    from ..model import layers as layer_ops
-    from ..numerics.ggml_cpu import FloatMatrix, make_ops
 
     folder, c = case["folder"], dict(case["config"])
     for k in ("local_layers", "rope_freq_factors"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..dump import CANONICAL_LAYOUTS, Dump
+
 
 @dataclass
 class Row:
@@ -64,7 +66,6 @@ class DiffResult:
     def subject_dump(self):
         """The subject's tensors this comparison held, as a Dump in the canonical layout (its manifest's token ids,
         rows and decode steps): what a bundle keeps of it, and what repro and verify read."""
-        from ..dump import CANONICAL_LAYOUTS, Dump
         man = {**self.sides["subject"], "layouts": dict(CANONICAL_LAYOUTS)}
         return Dump(manifest=man, tensors=dict(self.captures_ours), source=f"{self.subject_label} (as compared)")
 

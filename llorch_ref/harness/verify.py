@@ -16,6 +16,8 @@ import numpy as np
 from ..checkpoints import load_specs
 from ..dump import CANONICAL_LAYOUTS, Dump, model_sha256
 from ..errors import HarnessError
+from ..references.engines import dump_llamacpp, dump_transformers, gguf_config
+from ..references.llorch import record_engine
 from .bundle import MANIFEST, file_hashes
 from .compare import compare_dumps
 from .metrics import compare
@@ -104,8 +106,6 @@ def _reference(recipe, path: Path, log):
     the model's Config)."""
     import llorch_ref
 
-    from ..references.engines import dump_llamacpp, dump_transformers, gguf_config
-    from ..references.llorch import record_engine
 
     kind, ids = recipe["kind"], recipe["token_ids"]
     if log:
