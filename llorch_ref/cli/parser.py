@@ -150,6 +150,8 @@ def _prove(sub):
     harness_args(pr)
     pr.add_argument("--out", help="bundle folder (default proof_bundle/ or $LLORCH_PROOF_DIR)")
     pr.add_argument("--run-id", help="run id (default: UTC timestamp or $LLORCH_RUN_ID)")
+    pr.add_argument("--no-tensors", action="store_true", help="keep no tensors (subject.npz, reference.npz): a small "
+                    "bundle whose files verify checks, but whose figures it cannot redo")
     pr.set_defaults(fn=cmd_prove)
 
 

@@ -22,6 +22,9 @@ def cmd_verify(args):
     print(f"files: {n_files - len(v.edited) - len(v.missing)} of {n_files} as written (sha256)"
           + ("" if v.files_ok else f"; {len(v.edited)} edited, {len(v.missing)} missing, {len(v.added)} added"))
     r = v.rerun
+    if r is not None and r["figures_hold"] is None:
+        print(f"figures: not redone: {r['why']}")
+        r = None
     if r is not None:
         lc = r["largest_change"]
         print(f"reference run again: {r['reference_bit_equal']} of {r['reference_tensors']} tensors bit-equal to the "

@@ -187,26 +187,31 @@ def check_bundle_target(out_dir=None, run_id=None) -> tuple[Path, str]:
     return out_dir, run_id
 
 
-def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, plot=True, repro_case=True) -> dict:
+def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, plot=True, repro_case=True,
+                 tensors=True) -> dict:
     """-> {"dir", "summary", "html", "junit", "repro" (or None)}: the run's folder and its main files.
-    engine: the llorch-ref engine of the run (the subject of a llama.cpp diff, the reference of a dump's)."""
+    engine: the llorch-ref engine of the run (the subject of a llama.cpp diff, the reference of a dump's).
+    tensors: keep both sides' tensors (subject.npz, reference.npz); without them a bundle is small (examples,
+    CI artifacts) but `verify` can check its hashes only, not redo its figures."""
     out_dir, run_id = check_bundle_target(out_dir, run_id)
-    result = dataclasses.replace(result, warnings=portable(result.warnings), not_covered=portable(result.not_covered))
-    target = check_output(out_dir / run_id, kind="folder", what="bundle", make_parents=True)
     argv = list(argv or sys.argv)
     man = manifest(result, engine, argv, seed)
+    result = dataclasses.replace(result, **portable({k: getattr(result, k) for k in (
+        "warnings", "not_covered", "subject_label", "reference_label", "model", "reference_model", "recipe")}))
+    target = check_output(out_dir / run_id, kind="folder", what="bundle", make_parents=True)
     specs = [s for s in result.specs if any(r.checkpoint == s.id for r in result.rows)
              or any(u["checkpoint"] == s.id for u in result.not_covered)]
     plot = plot and plots.available()
     with target.staged_folder() as d:
         for s in specs:
-            _write_checkpoint(d / bundle_md.checkpoint_folder(s), s, result, man, plot)
+            _write_checkpoint(d / bundle_md.checkpoint_folder(s), s, result, man, plot, tensors)
         case = repro.write(d / "repro", result, engine, man) if repro_case else None
         (d / "result.json").write_text(json.dumps(portable(result.to_json()), indent=2, default=_json_default) + "\n")
         (d / "summary.md").write_text(bundle_md.summary(result, man, run_id, specs))
         (d / "junit.xml").write_text(junit.xml(result, run_id))
         (d / "report.html").write_text(report_html.render(result, man, run_id, engine, case, plot=plot))
         (d / MANIFEST).write_text(json.dumps({**man, "run_id": run_id, "checkpoints": [s.id for s in specs],
+                                              "tensors": tensors,
                                               "files": file_hashes(d)}, indent=2) + "\n")
     step = os.environ.get("GITHUB_STEP_SUMMARY")
     if step:
@@ -217,12 +222,13 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
             "repro": run / "repro" if case else None}
 
 
-def _write_checkpoint(d: Path, spec, result, man, plot):
+def _write_checkpoint(d: Path, spec, result, man, plot, tensors=True):
     d.mkdir()
     rows = [r for r in result.rows if r.checkpoint == spec.id]
     pre = f"cp{spec.id}."
-    np.savez_compressed(d / "subject.npz", **{k: v for k, v in result.captures_ours.items() if k.startswith(pre)})
-    np.savez_compressed(d / "reference.npz", **{k: v for k, v in result.captures_ref.items() if k.startswith(pre)})
+    if tensors:
+        np.savez_compressed(d / "subject.npz", **{k: v for k, v in result.captures_ours.items() if k.startswith(pre)})
+        np.savez_compressed(d / "reference.npz", **{k: v for k, v in result.captures_ref.items() if k.startswith(pre)})
     passed = bool(rows) and not any(r.diverges for r in rows)       # the local error decides where measured
     drawn = plot and spec.scope == "layer" and any("nmse" in r.metrics for r in rows)
     (d / "report.json").write_text(json.dumps(
@@ -233,7 +239,7 @@ def _write_checkpoint(d: Path, spec, result, man, plot):
          "first_divergence": result.first_divergence}, indent=2, default=_json_default) + "\n")
     missing = [u for u in result.not_covered if u["checkpoint"] == spec.id]
     (d / "report.md").write_text(bundle_md.checkpoint(spec, rows, man, passed, missing,
-                                                      plot="error_by_layer.png" if drawn else None))
+                                                      plot="error_by_layer.png" if drawn else None, tensors=tensors))
     if drawn:
         plots.save(report_html.layer_figure(spec, rows, man["local_layers"], figsize=(7, 3.5)), d / "error_by_layer.png")
 

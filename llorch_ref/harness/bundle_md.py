@@ -28,7 +28,7 @@ def _local_cells(r) -> list[str]:
     return [fig, f"`{json.dumps(r.local_band)}`", "yes" if r.local_passed else "**NO**"]
 
 
-def checkpoint(spec, rows, man, passed, missing=(), plot=None) -> str:
+def checkpoint(spec, rows, man, passed, missing=(), plot=None, tensors=True) -> str:
     """report.md of one checkpoint: verdict, what is compared, the sides, every comparison with its band."""
     n_local = sum(r.local is not None for r in rows)
     verdict = ("PASS" if passed else "FAIL") if rows else "NOT COVERED"
@@ -57,8 +57,10 @@ def checkpoint(spec, rows, man, passed, missing=(), plot=None) -> str:
                      + " | ".join(_local_cells(r)) + " |")
     if missing:
         lines += ["", f"**Not covered: {len(missing)} comparisons** (not covered is not passed): {missing[0]['why']}."]
-    lines += ["", "Files beside this report: `report.json` (these rows), `subject.npz` and `reference.npz` (the "
-              "tensors both sides produced, dump names `cp<id>.<tensor>.layer<L>[.step<K>]`, canonical layout)"
+    kept = ("`subject.npz` and `reference.npz` (the tensors both sides produced, dump names "
+            "`cp<id>.<tensor>.layer<L>[.step<K>]`, canonical layout)" if tensors else
+            "no tensors (the run was written with --no-tensors)")
+    lines += ["", "Files beside this report: `report.json` (these rows), " + kept
               + (f", `{plot}` (NMSE by layer, end to end and local, with the band)" if plot else "") + ".",
               "", "Re-run:", "", "```", man["command"], "```", ""]
     return "\n".join(lines)

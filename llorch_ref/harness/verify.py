@@ -40,7 +40,7 @@ class Verification:
 
     @property
     def ok(self) -> bool:
-        return self.files_ok and (self.rerun is None or self.rerun["figures_hold"])
+        return self.files_ok and (self.rerun is None or self.rerun["figures_hold"] is not False)
 
     def to_json(self) -> dict:
         return {"folder": self.folder, "ok": self.ok, "files_ok": self.files_ok, "edited": self.edited,
@@ -81,7 +81,10 @@ def verify_bundle(folder, rerun: bool = True, model=None, log=None) -> Verificat
     """The files against their hashes; with rerun, the reference run again and the figures redone."""
     man = read_manifest(folder)
     v = check_files(folder, man)
-    if rerun:
+    if rerun and not man.get("tensors", True):
+        v.rerun = {"figures_hold": None, "why": "the bundle keeps no tensors (written with --no-tensors): its "
+                                                "figures cannot be redone, only its files checked"}
+    elif rerun:
         v.rerun = rerun_and_compare(Path(folder), man, model=model, log=log)
     return v
 
