@@ -49,6 +49,8 @@ def error_by_layer(title: str, series: dict, band: float | None, local_layers=No
                    figsize=(7, 3.5)):
     """series: {tensor: ([layer], [NMSE])} end to end; local_series likewise (dashed), where measured;
     band: the NMSE band (a red line); local_layers: [L] bool, local (sliding-window) layers shaded."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _plt()
     fig, ax = plt.subplots(figsize=figsize)
     for k, is_local in enumerate(local_layers or []):
@@ -63,6 +65,7 @@ def error_by_layer(title: str, series: dict, band: float | None, local_layers=No
                         label=f"{tensor} (local)")
     if band is not None:
         ax.axhline(band, color="red", ls="--", label="band (NMSE)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel("NMSE vs reference")
     ax.set_title(title, fontsize=10)
