@@ -247,3 +247,24 @@ def test_report_renders_in_headless_chromium(planted, tmp_path):
     assert page["console"] == []
     assert "DIVERGED: checkpoint 6, ffn_swiglu, layer 1" in page["dom"] and page["dom"].count("<svg") >= 8
     assert shot.stat().st_size > 20000
+
+
+def test_backend_run_records_numba_and_verifies(tiny, tmp_path):
+    """A numba-against-numpy run: the manifest names numba's version; verify re-runs the numpy oracle under the
+    backend's band and the figures hold."""
+    from importlib.metadata import version
+
+    from llorch_ref.harness.bundle import write_bundle
+    from llorch_ref.harness.run import run_backend_diff
+    from llorch_ref.harness.verify import verify_bundle
+
+    pytest.importorskip("numba")
+    model = tiny(vocab="bpe", n_layers=2)
+    eng = llorch_ref.load(model, backend="numba")
+    res = run_backend_diff(eng, llorch_ref.load(model, backend="numpy"), n_greedy=4)
+    run = write_bundle(res, eng, out_dir=tmp_path, run_id="numba")["dir"]
+    man = json.loads((run / "manifest.json").read_text())
+    assert man["numba"] == version("numba") and man["backend"] == "numba" and "cupy" not in man
+    assert man["recipe"]["kind"] == "llorch" and man["recipe"]["backend_band"]
+    v = verify_bundle(run)
+    assert v.ok and v.rerun["figures_hold"] and v.rerun["comparisons"] == len(res.rows)

@@ -78,7 +78,7 @@ def main():
     venv = work / "venv-no-engine"
     rc, text, secs = sh(f"{sys.executable} -m venv {venv} && {venv}/bin/pip install -q {ROOT} pytest")
     md += block("a fresh virtual environment: llorch-ref without extras, and pytest (no llama-cpp-python)",
-                f"python -m venv $WORK/venv-no-engine && $WORK/venv-no-engine/bin/pip install -q . pytest", rc, text,
+                "python -m venv $WORK/venv-no-engine && $WORK/venv-no-engine/bin/pip install -q . pytest", rc, text,
                 secs)
     md += block("llama_cpp is not importable there", "$WORK/venv-no-engine/bin/python -c 'import llama_cpp'",
                 *sh(f"{venv}/bin/python -c 'import llama_cpp'"), tail=3)

@@ -115,9 +115,8 @@ def manifest(result, engine, argv, seed=0) -> dict:
         sysinfo = llama_cpp.llama_print_system_info().decode()
     except ImportError:
         lcp, sysinfo = None, None
-    ref_sha = model_sha256(result.reference_model)
-    model_sha = (ref_sha if result.model == result.reference_model else
-                 model_sha256(result.model) if Path(result.model).exists() else "unknown (not a file)")
+    ref_sha, model_sha = (model_sha256(p) if Path(p).exists() else "unknown (not a file)"
+                          for p in (result.reference_model, result.model))
     return portable({
         "format": "llorch-proof/2",
         "llorch_ref_version": llorch_ref.__version__,

@@ -101,7 +101,8 @@ def run_backend_diff(engine, reference, prompt=DEFAULT_PROMPT, checkpoints=None,
     t0 = time.perf_counter()
     ours, theirs = (record_engine(e, ids, n_greedy=n_greedy, decode_ids=ids[-1:]) for e in (engine, reference))
     res = compare_dumps(ours, theirs, engine.config, f"backend:{key}", checkpoints=specs, bands=bands,
-                        subject_label=engine_label(engine), reference_label=engine_label(reference))
+                        subject_label=engine_label(engine), reference_label=engine_label(reference),
+                        model=str(engine.path), reference_model=str(reference.path))
     _greedy_texts(res, engine.tokenizer)
     res.timings["total_s"] = time.perf_counter() - t0
     res.recipe = recipe("llorch", engine.path, ids, n_greedy=n_greedy, checkpoints=specs, backend="numpy",
