@@ -7,6 +7,7 @@ from .errors import ParameterError
 from .loaders.default_model import resolve_model
 from .loaders.gguf_file import load_gguf
 from .loaders.hf_folder import load_hf_folder
+from .loaders.onnx_folder import is_onnx_folder, load_onnx_folder
 from .tokenizer import from_gguf_metadata
 
 __version__ = "0.1.0"
@@ -37,12 +38,19 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="float3
                                  and numerics == "exact")
     if weight_dtype != "float32" and bname != "numpy":
         raise ParameterError(f"--weight-dtype {weight_dtype} is for the numpy backend (cupy has --dtype float16)")
-    if path.is_dir():                       # a Hugging Face folder: same Config + Weights, exact numerics
+    if path.is_dir():                       # a Hugging Face or ONNX folder: same Config + Weights, exact numerics
 
-        if numerics != "exact":
-            raise ParameterError(f"numerics={numerics!r} needs GGUF blocks; a Hugging Face folder runs 'exact'")
-        # folders load eagerly unless lazy weights are asked for (--weights lazy)
-        m = load_hf_folder(path, lazy=weights == "lazy", weight_cache_mb=weight_cache_mb, weight_dtype=weight_dtype)
+        if is_onnx_folder(path):            # the engine's own weights (int4 blocks dequantized, or as ONNX Runtime
+            if weights == "lazy" or weight_dtype != "float32" or bname != "numpy":     # multiplies them: "ort")
+                raise ParameterError("an ONNX folder loads eagerly in float32 on the numpy backend (--weights lazy, "
+                                     "--weight-dtype and other backends do not apply)")
+            m = load_onnx_folder(path, numerics=numerics)
+        elif numerics != "exact":
+            raise ParameterError(f"numerics={numerics!r} needs GGUF blocks (ggml) or an ONNX folder (ort); a Hugging "
+                                 f"Face folder runs 'exact'")
+        else:   # folders load eagerly unless lazy weights are asked for (--weights lazy)
+            m = load_hf_folder(path, lazy=weights == "lazy", weight_cache_mb=weight_cache_mb,
+                               weight_dtype=weight_dtype)
         tok, raw_blocks = m.tokenizer, None
     else:
         m = load_gguf(path, numerics=numerics, lazy=lazy, weight_cache_mb=weight_cache_mb, weight_dtype=weight_dtype)

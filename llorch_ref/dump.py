@@ -83,13 +83,14 @@ def _to_numpy(a) -> np.ndarray:
 
 
 def model_sha256(path) -> str:
-    """sha256 of a GGUF file; for a folder, sha256 over 'name sha256' lines of its config and weight files."""
+    """sha256 of a GGUF file; for a folder, sha256 over 'name sha256' lines of its config and weight files
+    (Hugging Face safetensors, ONNX graphs and their external data)."""
     import hashlib
 
     p = Path(path)
     if p.is_dir():
         lines = [f"{f.name} {sha256_file(f)}" for f in sorted(p.iterdir())
-                 if f.suffix in (".safetensors", ".json") and f.is_file()]
+                 if f.suffix in (".safetensors", ".json", ".onnx", ".data") and f.is_file()]
         return hashlib.sha256("\n".join(lines).encode()).hexdigest()
     return sha256_file(p)
 

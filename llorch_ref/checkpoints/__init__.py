@@ -18,7 +18,8 @@ SPEC_DIR = Path(__file__).resolve().parent
 # Band class of a GGUF weight type: which band in each spec applies.
 BAND_CLASS = {"F32": "F32", "F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0",
               "Q4_0": "Q4_x", "Q4_1": "Q4_x", "Q5_0": "Q4_x", "Q5_1": "Q4_x",
-              "Q2_K": "K", "Q3_K": "K", "Q4_K": "K", "Q5_K": "K", "Q6_K": "K"}
+              "Q2_K": "K", "Q3_K": "K", "Q4_K": "K", "Q5_K": "K", "Q6_K": "K",
+              "MatMulNBits4": "Q4_x", "MatMulNBits8": "Q8_0"}        # ONNX Runtime's block quantization
 CLASS_ORDER = ["F32", "F16", "BF16", "Q8_0", "K", "Q4_x"]       # coarser to the right
 # numerics="ggml" uses the band class "ggml" whatever the weight type: llama.cpp's arithmetic reproduced,
 # so the expected difference is zero.

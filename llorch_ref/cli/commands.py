@@ -19,6 +19,7 @@ from ..output_paths import check_output
 from ..references.engines import dump_llamacpp, dump_transformers, hf_tokenize
 from ..references.llamacpp import tokenize as llamacpp_tokenize
 from ..references.llorch import record_engine
+from ..references.onnx_runtime import dump_onnxruntime
 from .common import api_token, load_engine, log, sampling_kwargs
 from .report import report_generation
 
@@ -121,7 +122,9 @@ def cmd_dump(args):
         if not ids:
             raise ParameterError("--token-ids is empty")
     prompt = None if ids is not None and args.prompt is None else (args.prompt or DEFAULT_PROMPT)
-    if args.rows is not None and args.engine != "llorch" and ids is None:      # the rows count its tokens
+    if args.precision is not None and args.engine != "onnxruntime":
+        raise ParameterError("--precision applies to --engine onnxruntime")
+    if args.rows is not None and args.engine not in ("llorch", "onnxruntime") and ids is None:   # rows count tokens
         ids = (llamacpp_tokenize(resolve_model(args.model), prompt) if args.engine == "llamacpp"
                else hf_tokenize(resolve_model(args.model), prompt))
     rows = parse_rows(args.rows, len(ids)) if ids is not None else None
@@ -146,6 +149,13 @@ def cmd_dump(args):
                             decode_steps=args.decode_steps,
                             kv_dtype=args.kv_dtype or "float32", checkpoints=args.checkpoint, flash_attn=args.flash_attn,
                             n_ubatch=args.ubatch or 512, n_threads=args.threads, rows=rows)
+    elif args.engine == "onnxruntime":
+        if args.checkpoint:
+            raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; onnxruntime dumps hold all")
+        if args.kv_dtype not in (None, "float32"):
+            raise ParameterError(f"--kv-dtype {args.kv_dtype} does not apply to --engine onnxruntime (float32 cache)")
+        rec = dump_onnxruntime(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
+                               decode_steps=args.decode_steps, rows=args.rows, precision=args.precision or "fp32")
     elif args.engine == "transformers":
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; transformers dumps hold all")

@@ -20,7 +20,7 @@ from ..references.logit_sources import ENGINE_KINDS, SourceSpec
 from .common import log
 from .report import console_for
 
-NAMED = ENGINE_KINDS + ("llamacpp", "transformers")
+NAMED = ENGINE_KINDS + ("llamacpp", "transformers", "onnxruntime")
 
 
 def subject_spec(args, base: Path) -> SourceSpec:
@@ -32,9 +32,10 @@ def subject_spec(args, base: Path) -> SourceSpec:
             raise ParameterError(f"--subject {args.subject}: neither one of {', '.join(NAMED)} nor a dump file/folder")
         model = args.subject
     given = {"numerics": args.numerics, "kv_dtype": args.kv_dtype, "flash_attn": args.flash_attn or None,
-             "n_ubatch": args.ubatch, "threads": args.threads}
+             "n_ubatch": args.ubatch, "threads": args.threads, "precision": args.precision}
     allowed = {"numpy": {"numerics", "kv_dtype"}, "numba": {"numerics", "kv_dtype"}, "cupy": {"kv_dtype"},
-               "llamacpp": {"kv_dtype", "flash_attn", "n_ubatch", "threads"}, "transformers": set(), "dump": set()}[kind]
+               "llamacpp": {"kv_dtype", "flash_attn", "n_ubatch", "threads"}, "transformers": set(),
+               "onnxruntime": {"precision"}, "dump": set()}[kind]
     bad = [k for k, v in given.items() if v is not None and k not in allowed]
     if bad:
         raise ParameterError(f"{', '.join('--' + k.replace('_', '-').replace('n-ubatch', 'ubatch') for k in bad)}: "

@@ -118,9 +118,10 @@ def _diff(sub):
 def _dump(sub):
     du = sub.add_parser("dump", help="write one engine's checkpoint tensors as a llorch-dump file")
     model_args(du)
-    du.add_argument("--engine", choices=["llamacpp", "transformers", "llorch"], required=True,
+    du.add_argument("--engine", choices=["llamacpp", "transformers", "onnxruntime", "llorch"], required=True,
                     help="llamacpp: llama.cpp's graph (GGUF); transformers: forward hooks (Hugging Face folder, "
-                         "or a GGUF converted to one); llorch: llorch-ref itself")
+                         "or a GGUF converted to one); onnxruntime: ONNX Runtime GenAI (an ONNX folder, or a GGUF / "
+                         "Hugging Face folder built into one with its model builder); llorch: llorch-ref itself")
     du.add_argument("--prompt", default=None, help="text (default: the harness prompt)")
     prompt_file_arg(du)
     du.add_argument("--token-ids", default=None, help="comma-separated token ids instead of a prompt")
@@ -140,6 +141,9 @@ def _dump(sub):
                          "put together); transformers: feed the prompt in micro-batches of this many tokens on one "
                          "cache (default: all at once)")
     du.add_argument("--threads", type=int_in(1, 1024), default=None, help="llamacpp: threads (default 2)")
+    du.add_argument("--precision", choices=["fp32", "int4"], default=None,
+                    help="onnxruntime: build the ONNX model at this precision (int4: MatMulNBits, block 32) from a GGUF "
+                         "file or Hugging Face folder (default fp32; an ONNX folder runs as it is)")
     du.add_argument("--tiled-mm", action="store_true", help="llamacpp: ggml's tiled K-quant products "
                     "(GGML_CPU_TILED_MM=1; another summation order than the vec_dot path --numerics ggml reproduces)")
     du.set_defaults(fn=cmd_dump)
@@ -172,14 +176,16 @@ def _eval(sub):
     e.add_argument("--model", help="the base model: the reference is llorch-ref (numpy, exact) on it (default: "
                                     "the default model)")
     e.add_argument("--subject", required=True, metavar="SUBJECT",
-                   help="llamacpp | transformers | numpy | numba | cupy (on --subject-model, default --model), or a "
-                        "llorch-dump file or folder of them (one per chunk, cp8.logits)")
+                   help="llamacpp | transformers | onnxruntime | numpy | numba | cupy (on --subject-model, default "
+                        "--model), or a llorch-dump file or folder of them (one per chunk, cp8.logits)")
     e.add_argument("--subject-model", help="the file the subject runs (a quantized copy against its F32 parent)")
     e.add_argument("--numerics", choices=NUMERICS, default=None, help="a llorch-ref subject's arithmetic")
     e.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="the subject's K/V cache type")
     e.add_argument("--flash-attn", action="store_true", help="llamacpp: flash attention on")
     e.add_argument("--ubatch", type=int_in(1, 65536), default=None, help="llamacpp: n_ubatch")
     e.add_argument("--threads", type=int_in(1, 1024), default=None, help="llamacpp: threads (default 2)")
+    e.add_argument("--precision", choices=["fp32", "int4"], default=None,
+                   help="onnxruntime: the model the builder makes from a GGUF file or Hugging Face folder (default fp32)")
     e.add_argument("--reference-numerics", choices=NUMERICS, default="exact",
                    help="the reference's arithmetic (default exact: float32 on dequantized weights; ggml: llama.cpp's, "
                         "which makes llama.cpp's KLD exactly 0 on the same file)")

@@ -26,6 +26,8 @@ def print_result(res, verbose, file=None):
     con = console_for(file)
     ref_name = "the numpy backend" if res.band_class.startswith("backend:") else res.reference_label
     con.print(_summary_table(res, ref_name))
+    if res.local_declaration is not None:
+        con.print(_local_table(res))
     if verbose:
         con.print(_every_comparison(res))
     if res.greedy:
@@ -49,48 +51,60 @@ def console_for(file=None) -> Console:
 def fmt_band(band: dict) -> str:
     """A band in a few characters: upper limits as <=, lower limits as >= (nmse<=0.029, prefix>=6)."""
     short = {"equal_prefix": "prefix", "agreement": "agree"}
-    return ", ".join(f"{short.get(k, k)}{'>=' if k in ('cosine', 'agreement', 'equal_prefix') else '<='}{v:g}"
+    return ", ".join(f"{short.get(k, k)}{'>=' if k in ('cosine', 'agreement', 'equal_prefix') else '<='}{v:.3g}"
                      for k, v in band.items())
 
 
-def _summary_table(res, ref_name) -> Table:
-    t = Table(title=f"{res.subject_label} vs {ref_name}: {len(res.token_ids)} tokens, band class {res.band_class}")
-    local = res.local_declaration is not None
-    cols = ["cp", "name", "n", "failed end to end", "worst NMSE", "worst max abs", "min cosine / tokens",
-            "worst at", "band"]
-    if local:
-        t.title += f"; local errors in {res.local_declaration} arithmetic"
-        cols += ["worst local NMSE", "local band", "local failed"]
-    for col in cols + ["verdict"]:
-        t.add_column(col)
-    for s in res.summary():
-        at = s["worst_at"]
-        rows = [r for r in res.rows if r.checkpoint == s["checkpoint"]]
-        verdict = "NOT COVERED" if s["passed"] is None else (       # the local error decides where measured
-            ("FAIL" if any(r.diverges for r in rows) else "pass")
-            + (f" ({s['not_covered']} not covered)" if s.get("not_covered") else ""))
-        cells = [s["checkpoint"], s["name"], str(s["rows"]), str(s["failed"]), fmt(s["worst_nmse"]),
-                 fmt(s["worst_max_abs"]), fmt_match(s),
-                 f"L{at['layer']} {at['tensor']}" if at["layer"] is not None else at["tensor"],
-                 fmt_band(s["band"])]
-        if local:
-            cells += _local_cells([r for r in rows if r.local is not None])
-        t.add_row(*cells, verdict)
+def _verdict(s, rows) -> str:
+    if s["passed"] is None:
+        return "NOT COVERED"
+    v = "FAIL" if any(r.diverges for r in rows) else "pass"            # the local error decides where measured
+    return v + (f" ({s['not_covered']} n/c)" if s.get("not_covered") else "")
+
+
+def _table(title, cols) -> Table:
+    t = Table(title=title, pad_edge=False)
+    for col in cols:
+        t.add_column(col, overflow="fold")
     return t
 
 
-def _local_cells(lrows) -> list:
-    if not lrows:
-        return ["-", "-", "-"]
-    nm = [r.local["nmse"] for r in lrows if "nmse" in r.local]
-    worst = fmt(max(nm)) if nm else f"agreement {min(r.local['agreement'] for r in lrows):.3f}"
-    return [worst, fmt_band(lrows[0].local_band), str(sum(not r.local_passed for r in lrows))]
+def _summary_table(res, ref_name) -> Table:
+    """One row per checkpoint, end to end: the worst figures over its tensors and layers beside the band."""
+    t = _table(f"{res.subject_label} vs {ref_name}: {len(res.token_ids)} tokens, band class {res.band_class}",
+               ["cp", "name", "n", "failed", "worst NMSE", "max abs", "cosine / tokens", "worst at", "band", "verdict"])
+    for s in res.summary():
+        at = s["worst_at"]
+        rows = [r for r in res.rows if r.checkpoint == s["checkpoint"]]
+        t.add_row(s["checkpoint"], s["name"], str(s["rows"]), str(s["failed"]), fmt(s["worst_nmse"]),
+                  fmt(s["worst_max_abs"]), fmt_match(s),
+                  f"L{at['layer']} {at['tensor']}" if at["layer"] is not None else at["tensor"], fmt_band(s["band"]),
+                  _verdict(s, rows))
+    return t
+
+
+def _local_table(res) -> Table:
+    """One row per checkpoint, local (teacher-forced): the reference's operation on the subject's own inputs."""
+    t = _table(f"local errors ({res.local_declaration} arithmetic): each operation on the subject's own inputs",
+               ["cp", "name", "n", "worst local NMSE", "worst at", "local band", "local failed", "verdict"])
+    for s in res.summary():
+        rows = [r for r in res.rows if r.checkpoint == s["checkpoint"]]
+        lrows = [r for r in rows if r.local is not None]
+        if not lrows:
+            t.add_row(s["checkpoint"], s["name"], "0", "-", "-", "-", "-", _verdict(s, rows))
+            continue
+        nm = [r for r in lrows if "nmse" in r.local]
+        w = max(nm, key=lambda r: r.local["nmse"]) if nm else None
+        worst = fmt(w.local["nmse"]) if w else f"agreement {min(r.local['agreement'] for r in lrows):.3f}"
+        where = (f"L{w.layer} {w.tensor}" if w.layer is not None else w.tensor) if w else "-"
+        t.add_row(s["checkpoint"], s["name"], str(len(lrows)), worst, where, fmt_band(lrows[0].local_band),
+                  str(sum(not r.local_passed for r in lrows)), _verdict(s, rows))
+    return t
 
 
 def _every_comparison(res) -> Table:
-    d = Table(title="every comparison")
-    for col in ("cp", "layer", "tensor", "shape", "max abs", "max rel", "NMSE", "cosine / tokens", "band", "pass"):
-        d.add_column(col)
+    d = _table("every comparison", ("cp", "layer", "tensor", "shape", "max abs", "max rel", "NMSE", "cosine / tokens",
+                                     "band", "pass"))
     for r in res.rows:
         m = r.metrics
         d.add_row(r.checkpoint, "" if r.layer is None else str(r.layer), r.tensor, str(m.get("shape")),

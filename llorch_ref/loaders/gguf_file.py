@@ -401,6 +401,9 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
 
     if numerics not in NUMERICS:
         raise ParameterError(f"numerics {numerics!r} must be one of {', '.join(NUMERICS)}")
+    if numerics == "ort":
+        raise ParameterError("numerics='ort' is ONNX Runtime's arithmetic for MatMulNBits weights: it runs on ONNX "
+                             "folders, not GGUF files (to compare an ONNX Runtime dump with this file's weights: --numerics exact)")
     store = storage_dtype(weight_dtype)
     if numerics == "ggml" and (lazy or store != np.float32):
         raise ParameterError("numerics='ggml' multiplies the GGUF blocks themselves: lazy weights and "

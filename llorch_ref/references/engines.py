@@ -270,7 +270,7 @@ def hf_folder_for(path) -> Path:
     if not (out / "config.json").exists():
         import sys
 
-        print(f"llorch-ref: converting {p.name} to a Hugging Face folder for transformers: {out}", file=sys.stderr)
+        print(f"llorch-ref: converting {p.name} to a Hugging Face folder: {out}", file=sys.stderr)
         convert_gguf_to_hf(p, out, overwrite=True)
     return out
 

@@ -22,7 +22,7 @@ ENGINE_KINDS = ("numpy", "numba", "cupy")
 
 @dataclass(frozen=True)
 class SourceSpec:
-    kind: str                      # numpy | numba | cupy | llamacpp | transformers | dump
+    kind: str                      # numpy | numba | cupy | llamacpp | transformers | onnxruntime | dump
     model: str                     # GGUF file or Hugging Face folder (dump: the dump file or folder of them)
     settings: dict = field(default_factory=dict)
 
@@ -38,6 +38,8 @@ class SourceSpec:
             return LlamaCppSource(self, ctx)
         if self.kind == "transformers":
             return TransformersSource(self)
+        if self.kind == "onnxruntime":
+            return OnnxRuntimeSource(self)
         if self.kind == "dump":
             return DumpSource(self)
         raise ParameterError(f"unknown logits source {self.kind!r}")
@@ -79,6 +81,25 @@ class TransformersSource:
         with self.torch.no_grad():
             out = self.model(self.torch.tensor([list(tokens)])).logits[0, first:len(tokens) - 1]
         return out.float().numpy()
+
+
+class OnnxRuntimeSource:
+    """ONNX Runtime GenAI's own logits of every row of a chunk (an ONNX folder, or a GGUF file / Hugging Face
+    folder built into one at settings["precision"])."""
+
+    def __init__(self, spec: SourceSpec):
+        from .onnx_runtime import _import_ort, onnx_folder_for
+        _, self.og = _import_ort()
+        self.spec = spec
+        self.model = self.og.Model(str(onnx_folder_for(spec.model, spec.settings.get("precision") or "fp32")))
+
+    def logits(self, tokens, first: int) -> np.ndarray:
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(tokens) + 1, do_sample=False)
+        gen = og.Generator(self.model, params)
+        gen.append_tokens(np.asarray(list(tokens), dtype=np.int32))
+        return np.array(gen.get_output("logits"), dtype=np.float32)[0, first:len(tokens) - 1]
 
 
 class DumpSource:

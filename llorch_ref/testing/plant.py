@@ -96,3 +96,27 @@ DECODE_BUGS = {  # name -> (plant, config changes the bug needs, where it must b
     "sliding window off by one in decode": (sliding_window_off_by_one_in_decode, {"sliding_window": 4},
                                             (1, "4", 0, "kq_soft_max@step1")),
 }
+
+
+# -- planted changes in an ONNX Runtime GenAI folder ---------------------------------------------------------
+def plant_onnx(src, dst, initializer: str, change) -> Path:
+    """Copy an ONNX folder to dst with one initializer changed in place: change(array) edits a writable view of
+    it (e.g. `lambda a: a.__imul__(1.05)` on a layer's weight scales, or a RoPE cache row set to another's)."""
+    from ..loaders.onnx_folder import OnnxGraph
+
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise ValueError(f"{dst} exists: plant_onnx writes a new folder")
+    shutil.copytree(src, dst)
+    g = OnnxGraph(dst)
+    t = g.inits.get(initializer)
+    if t is None or t.data_location != 1:
+        raise KeyError(f"{src}: no external initializer {initializer!r}")
+    info = {e.key: e.value for e in t.external_data}
+    dt = {1: np.float32, 10: np.float16}[t.data_type]
+    mm = np.memmap(dst / info["location"], dtype=np.uint8, mode="r+")
+    off, n = int(info.get("offset", 0)), int(info["length"])
+    change(mm[off:off + n].view(dt).reshape(list(t.dims)))
+    mm.flush()
+    del mm
+    return dst
