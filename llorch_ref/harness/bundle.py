@@ -99,8 +99,9 @@ def runtime_versions(engine) -> dict:
     if name == "cupy":
         import cupy
         rt = cupy.cuda.runtime
-        out.update(cupy=cupy.__version__, cuda_runtime=rt.runtimeGetVersion(), cuda_driver=rt.driverGetVersion(),
-                   gpu=rt.getDeviceProperties(0)["name"].decode())
+        ver = lambda v: f"{v // 1000}.{v % 1000 // 10}"              # 13020 -> "13.2"
+        out.update(cupy=cupy.__version__, cuda_runtime=ver(rt.runtimeGetVersion()),
+                   cuda_driver=ver(rt.driverGetVersion()), gpu=rt.getDeviceProperties(0)["name"].decode())
     return out
 
 
