@@ -181,9 +181,9 @@ def test_cli_dump_and_diff_subject_on_a_tiny_model(tiny, tmp_path):
     assert main(["diff", "--subject", str(out), "--model", str(m), "--greedy", "0"]) == 0
     assert main(["prove", "--subject", str(out), "--model", str(m), "--out", str(tmp_path / "pb"),
                  "--run-id", "r1"]) == 0
-    index = (tmp_path / "pb" / "r1.md").read_text()
-    assert "all checkpoints inside their bands" in index and "llorch-ref" in index
-    assert (tmp_path / "pb" / "cp2_qkv" / "r1" / "subject.npz").exists()
+    index = (tmp_path / "pb" / "r1" / "summary.md").read_text()
+    assert "every checkpoint inside its band" in index and "llorch-ref" in index
+    assert (tmp_path / "pb" / "r1" / "cp2_qkv" / "subject.npz").exists()
     assert main(["dump", "--engine", "llorch", "--model", str(m), "--out", str(out)]) == 2        # exists
     assert main(["dump", "--engine", "llamacpp", "--model", str(m), "--numerics", "ggml",
                  "--out", str(tmp_path / "x.safetensors")]) == 2                                       # not applied

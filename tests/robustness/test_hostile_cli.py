@@ -67,7 +67,8 @@ def test_prove_checks_out_and_run_id_before_the_comparison(tmp_path, capsys, not
 
 
 def test_prove_refuses_a_finished_run_id_before_the_comparison(tmp_path, capsys, nothing_runs):
-    (tmp_path / "r1.md").write_text("# Proof run r1\n")
+    (tmp_path / "r1").mkdir()                       # a finished run's folder
+    (tmp_path / "r1" / "summary.md").write_text("# Proof run r1\n")
     one_line_error(capsys, ["prove", "--out", str(tmp_path), "--run-id", "r1"], "already exists")
 
 
