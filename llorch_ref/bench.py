@@ -36,6 +36,16 @@ def _median_runs(fn, repeats):
     return statistics.median(fn() for _ in range(repeats))
 
 
+def _paths():
+    """The numba backend's count of matrix products by path (an empty one without numba)."""
+    try:
+        from llorch_ref.backends.numba_backend import PATHS
+    except ImportError:
+        from collections import Counter
+        return Counter()
+    return PATHS
+
+
 def measure_llorch(path, backend, prefill, decode, repeats, threads, dtype="float32", numerics="exact",
                    weights="auto"):
     import llorch_ref
@@ -63,17 +73,23 @@ def measure_llorch(path, backend, prefill, decode, repeats, threads, dtype="floa
         eng.backend.synchronize()
         return decode / res.decode_s
 
+    counted = _paths()
+    counted.clear()
     pre, dec = _median_runs(one_prefill, repeats), _median_runs(one_decode, repeats)
     wi = eng.weights_info()
+    paths = {f"{t}: {how}, {rows}": n for (t, how, rows), n in sorted(counted.items())}
+    if backend == "numba" and os.environ.get("LLORCH_BENCH_VECTOR_REGISTERS", "1") != "0":
+        from llorch_ref.backends.numba_backend import vector_registers
+        eng.backend.info["vector_registers"] = vector_registers()      # after the timed runs
     return {"engine": f"llorch-ref {backend}" + (f" {dtype}" if dtype != "float32" else "")
             + (" ggml" if numerics == "ggml" else "") + (" lazy" if wi.get("lazy") else " eager"),
             "device": eng.backend.device, "load_s": load_s, "prefill_tok_s": pre, "decode_tok_s": dec,
-            "peak_mb": _peak_mb(), "info": {**eng.backend.info, "weights": wi}}
+            "peak_mb": _peak_mb(), "info": {**eng.backend.info, "weights": wi, "matrix_paths": paths}}
 
 
 def measure_llamacpp(path, prefill, decode, repeats, threads):
     tok = from_gguf_metadata(read_metadata(open_reader(path)))        # the vocabulary only, no weights
-    ids = tok.encode(PROMPT)[:prefill]
+    ids = tok.encode(PROMPT)[:prefill] if tok is not None else list(range(1, prefill + 1))   # no vocabulary: ids
     import gc
     gc.collect()
     t0 = time.perf_counter()
@@ -169,8 +185,9 @@ def run_bench(path, engines, prefill=128, decode=128, repeats=3, threads=None, t
             results.append({"engine": e, "error": tail})
             continue
         results.append(json.loads(line[6:]))
+    from llorch_ref.harness.bundle import cpu_flags, cpu_model
     return {"model": str(path), "prefill_tokens": prefill, "decode_tokens": decode, "repeats": repeats,
-            "threads": threads, "results": results}
+            "threads": threads, "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "results": results}
 
 
 def _tps(x) -> str:
@@ -182,7 +199,7 @@ def markdown(report) -> str:
     base = next((r for r in report["results"] if r.get("engine") == "llama.cpp" and "error" not in r), None)
     lines = [f"model `{os.path.basename(report['model'])}`, {report['threads']} threads, prefill "
              f"{report['prefill_tokens']} tokens, decode {report['decode_tokens']} tokens (EOS ignored), "
-             f"medians of {report['repeats']}", "",
+             f"medians of {report['repeats']}; CPU {report.get('cpu_model')} ({report.get('cpu_flags')})", "",
              "| engine | device | load s | prefill tok/s | decode tok/s | peak MB | prefill vs llama.cpp | "
              "decode vs llama.cpp |", "|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
@@ -193,6 +210,14 @@ def markdown(report) -> str:
         rd = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
         lines.append(f"| {r['engine']} | {r['device']} | {r['load_s']:.2f} | {_tps(r['prefill_tok_s'])} | "
                      f"{_tps(r['decode_tok_s'])} | {r['peak_mb']:.0f} | {rp} | {rd} |")
+    for r in report["results"]:
+        info = r.get("info") or {}
+        if info.get("matrix_paths"):
+            lines += ["", f"{r['engine']}: matrix products by path (every prefill and decode run): "
+                      + "; ".join(f"{k} x{n}" for k, n in info["matrix_paths"].items())]
+        if info.get("vector_registers"):
+            lines += ["", f"{r['engine']}: compiled kernels' vector registers: "
+                      + "; ".join(f"{k} {v}" for k, v in info["vector_registers"].items())]
     return "\n".join(lines)
 
 

@@ -162,10 +162,14 @@ def tables():
     print(f"wrote {out}")
 
 
-def corpus():
+def corpus(only=()):
+    """Each row's eval JSON in results/onnx/<row>.json (rows named in `only` are run again, others only if
+    missing); the table is made from every JSON there."""
     f = folders()
     rows = [("onnxruntime-int4-vs-f32", ["--subject", "onnxruntime", "--subject-model", str(f["int4"])],
              "ONNX Runtime GenAI int4 (MatMulNBits, requantized from the Q4_1 values)"),
+            ("llorch-on-ort-int4-weights-vs-f32", ["--subject", "numpy", "--subject-model", str(f["int4"])],
+             "llorch-ref exact on the int4 folder's own weights (dequantized): the int4 quantization alone"),
             ("onnxruntime-fp32-vs-f32", ["--subject", "onnxruntime", "--subject-model", str(f["fp32"])],
              "ONNX Runtime GenAI fp32 (the same values as the F32 parent)"),
             ("llamacpp-q4_1-vs-f32", ["--subject", "llamacpp", "--subject-model", str(Q41)],
@@ -177,23 +181,32 @@ def corpus():
     lines = ["# Corpus statistics: ONNX Runtime GenAI and llama.cpp against the float32 reference", "",
              f"On {cpu_model()}: each row is `llorch-ref eval --model {F32.name} <subject> --ctx 512 --chunks 20 "
              f"--json <row>.json` (the default corpus, Hamlet; reference: llorch-ref numpy exact on the F32 parent, "
-             f"which is the Q4_1 file dequantized). Same top p and RMS Δp in percent.", "",
+             f"which is the Q4_1 file dequantized); `python tools/onnx_runtime_tables.py corpus [row ...]`. Same top p "
+             f"and RMS Δp in percent.", "",
              "| row | subject | Mean KLD | 99.9% KLD | Maximum KLD | Same top p | Mean PPL(Q)/PPL(base) | RMS Δp | wall (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, args, what in rows:
         js = out_dir / f"{name}.json"
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "llorch_ref.cli", "eval", "--model", str(F32), *args, "--ctx", "512",
-                        "--chunks", "20", "--json", str(js), "--overwrite"], check=True, capture_output=True)
-        s = json.loads(js.read_text())["statistics"]
+        if name in only or not js.exists():
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "llorch_ref.cli", "eval", "--model", str(F32), *args, "--ctx", "512",
+                            "--chunks", "20", "--json", str(js), "--overwrite"], check=True, capture_output=True)
+            data = json.loads(js.read_text())
+            data["wall_s"] = round(time.perf_counter() - t, 1)
+            js.write_text(json.dumps(data))
+        data = json.loads(js.read_text())
+        s = data["statistics"]
         v = lambda k, pct=False, s=s: (f"{s[k][0] * (100 if pct else 1):.6g} ± {s[k][1] * (100 if pct else 1):.2g}"
                                         if isinstance(s[k], list) else f"{s[k]:.6g}")
         lines.append(f"| {name} | {what} | {v('Mean KLD')} | {v('99.9% KLD')} | {v('Maximum KLD')} | "
                      f"{v('Same top p', True)} | {v('Mean PPL(Q)/PPL(base)')} | {v('RMS Δp', True)} | "
-                     f"{time.perf_counter() - t:.0f} |")
+                     f"{data.get('wall_s', '-')} |")
         print(lines[-1], flush=True)
     (out_dir / "corpus.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    {"calibrate": calibrate, "tables": tables, "corpus": corpus}[sys.argv[1]]()
+    if sys.argv[1] == "corpus":
+        corpus(sys.argv[2:])
+    else:
+        {"calibrate": calibrate, "tables": tables}[sys.argv[1]]()

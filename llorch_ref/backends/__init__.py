@@ -74,6 +74,29 @@ def backend_name(name: str | None = None) -> str:
     return name or os.environ.get("LLORCH_BACKEND") or "numpy"
 
 
+_BLAS_LIMIT = []      # the threadpoolctl limit in force (kept alive: dropping it would not undo it, but keep it)
+
+
+def cpu_threads(threads=None) -> int:
+    """The thread count of a CPU backend: --threads, else $LLORCH_THREADS, else the cores this process may use."""
+    n = threads or os.environ.get("LLORCH_THREADS")
+    if n is None:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = int(n)
+    if n < 1:
+        raise ParameterError(f"threads={n} must be >= 1")
+    return n
+
+
+def limit_blas(threads: int) -> dict:
+    """Every BLAS library loaded in this process (OpenBLAS, MKL under NumPy) to `threads` threads, through
+    threadpoolctl; -> {library: threads} as it now stands."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    _BLAS_LIMIT[:] = [threadpool_limits(limits=threads, user_api="blas")]
+    return {i["internal_api"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+
 def get_backend(name=None, dtype: str = "float32", threads: int | None = None) -> Backend:
     name = backend_name(name)
     if name not in BACKENDS:
@@ -85,7 +108,8 @@ def get_backend(name=None, dtype: str = "float32", threads: int | None = None) -
             raise ParameterError("the numpy backend computes in float32 only (it is the oracle)")
         import numpy as np
 
-        return Backend("numpy", np, lambda a: a, lambda a: a, "cpu")
+        n = cpu_threads(threads)
+        return Backend("numpy", np, lambda a: a, lambda a: a, "cpu", info={"threads": n, "blas": limit_blas(n)})
     reason = available()[name]
     if reason:
         raise ParameterError(f"backend {name!r} is not available: {reason}")

@@ -4,18 +4,20 @@ the cache does not keep; otherwise those go to BLAS), and Numba RMSNorm, RoPE, S
 one-token steps."""
 from __future__ import annotations
 
-import os
+import re
 import time
 import types
+from collections import Counter
 
 import numpy as np
 
 from ..numerics.ggml_cpu import ACT_TYPE, f16_at, k4_scales, quantize_q8
 from ..numerics.ggml_cpu import QuantMatrix as GgmlNumpy
-from . import Backend
+from . import Backend, cpu_threads, limit_blas
 from . import numba_kernels as K
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+PATHS: Counter = Counter()        # (weight type, path, rows) -> products: what `bench` reports
 _NO_C = np.zeros((0, 0, 0), np.float32)
 MATRIX_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -164,8 +166,11 @@ class QuantMatrix:
     def matmul(self, x):
         """x: [T, K] f32 -> [T, N] f32: the kernel for one row, and for several when the float32 weight would
         have to be dequantized first (lazy weights not cached); BLAS on the float32 weight otherwise."""
+        rows = "1 row" if x.shape[0] == 1 else "several rows"
         if x.shape[0] == 1 or not self._ready():
+            PATHS[(self.blocks.qtype, f"numba kernel ({self.blocks.kind})", rows)] += 1
             return self.blocks.matmul(x)[:, self.lo:self.hi]
+        PATHS[(self.blocks.qtype, "BLAS on the float32 weight", rows)] += 1
         return x @ self._dense().T
 
 
@@ -265,14 +270,42 @@ class GgmlQuantMatrix:
         return out[:, :self.shape[0]]
 
 
+def vector_registers(names=None) -> dict:
+    """{kernel: the widest vector registers its machine code uses (zmm: AVX-512, ymm: AVX2/AVX, xmm: SSE), with
+    counts}, read from code numba compiles for this CPU now (a fresh, uncached copy: cached code keeps no
+    assembly), not assumed from the CPU's flags. Takes a few seconds per kernel."""
+    import numba
+
+    x = np.ones((1, 32), np.float32)
+    d, out = np.ones((1, 1, 1), np.float32), np.empty((1, 1), np.float32)
+    u8 = np.zeros((1, 1, 1), np.uint8)
+    calls = {"matvec_nibbles": (np.zeros((1, 1, 16, 1), np.uint8), d, d, 8, x, out),
+             "matvec_q4_k": (np.zeros((1, 1, 16, 1), np.uint8), u8, u8, d, d, x, out),
+             "matvec_bytes": (np.zeros((1, 1, 32, 1), np.int8), d, _NO_C, x, out),
+             "ggml_q8_dot": (np.zeros((1, 1, 32, 1), np.int8), d, d, np.zeros((1, 1, 32), np.int8), d[0], d[0], out)}
+    res = {}
+    for name, args in calls.items():
+        if names is not None and name not in names:
+            continue
+        f = getattr(K, name)
+        g = numba.njit(**{k: v for k, v in f.targetoptions.items() if k != "cache"})(f.py_func)
+        g(*args)
+        asm = "\n".join(g.inspect_asm().values())
+        n = {r: len(re.findall(rf"%{r}\d", asm)) for r in ("zmm", "ymm", "xmm")}
+        widest = next((r for r in ("zmm", "ymm", "xmm") if n[r]), "none")
+        res[name] = f"{widest} ({n['zmm']} zmm, {n['ymm']} ymm, {n['xmm']} xmm operands)"
+    return res
+
+
 class NumbaBackend(Backend):
     def __init__(self, threads=None):
         import numba
 
-        threads = int(threads or os.environ.get("LLORCH_THREADS") or os.cpu_count() or 1)
+        threads = cpu_threads(threads)
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         super().__init__(name="numba", xp=np, asarray=lambda a: a, to_numpy=lambda a: a, device="cpu",
-                         info={"numba": numba.__version__, "threads": numba.get_num_threads(), "fastmath": False})
+                         info={"numba": numba.__version__, "threads": numba.get_num_threads(), "fastmath": False,
+                               "blas": limit_blas(threads)})
         self.n_matrices, self.all_kernels = 0, False
         t0 = time.perf_counter()
         self._warm_up()
@@ -354,7 +387,11 @@ class NumbaBackend(Backend):
         ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})
 
         def linear(xp, x, w):
-            return w.matmul(x) if isinstance(w, QuantMatrix) else base_ops.linear(xp, x, w)
+            if isinstance(w, QuantMatrix):
+                return w.matmul(x)
+            PATHS[(str(getattr(w, "dtype", "?")), "NumPy/BLAS (no kernel for this type)",
+                   "1 row" if x.shape[0] == 1 else "several rows")] += 1
+            return base_ops.linear(xp, x, w)
 
         def stacked(x, *ws):
             """-> the outputs of a stacked group for one row, one [1, N_i] array per weight, or None."""
@@ -362,6 +399,7 @@ class NumbaBackend(Backend):
                     or not all(w.blocks is ws[0].blocks for w in ws) or ws[-1].hi != ws[0].blocks.n:
                 return None
             y = ws[0].blocks.matvec(x[0])[None, :]
+            PATHS[(ws[0].blocks.qtype, f"numba kernel ({ws[0].blocks.kind}), {len(ws)} matrices stacked", "1 row")] += 1
             return [y[:, w.lo:w.hi] for w in ws]
 
         # The elementwise and attention kernels serve one-token steps; several rows go to the reference

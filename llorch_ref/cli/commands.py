@@ -134,7 +134,6 @@ def cmd_dump(args):
                                ("--threads", args.threads is not None)) if on]
         if lcp:
             raise ParameterError(f"{', '.join(lcp)}: llama.cpp settings, for --engine llamacpp (--ubatch: llamacpp and transformers)")
-    args.threads = args.threads or 2
     if args.engine != "llorch":
         given = [f"--{k.replace('_', '-')} {v}" for k, v, d in (("backend", args.backend, None),
                  ("dtype", args.dtype, "float32"), ("numerics", args.numerics, None)) if v != d]
@@ -148,7 +147,7 @@ def cmd_dump(args):
         rec = dump_llamacpp(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
                             decode_steps=args.decode_steps,
                             kv_dtype=args.kv_dtype or "float32", checkpoints=args.checkpoint, flash_attn=args.flash_attn,
-                            n_ubatch=args.ubatch or 512, n_threads=args.threads, rows=rows)
+                            n_ubatch=args.ubatch or 512, n_threads=args.threads or 2, rows=rows)
     elif args.engine == "onnxruntime":
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; onnxruntime dumps hold all")

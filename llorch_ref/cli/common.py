@@ -22,7 +22,8 @@ def load_engine(args):
     eng = llorch_ref.load(args.model, backend=getattr(args, "backend", None), dtype=args.dtype,
                           n_ctx=getattr(args, "ctx", None), numerics=args.numerics or "exact",
                           kv_dtype=args.kv_dtype or "float32",
-                          weights=args.weights, weight_cache_mb=args.weight_cache_mb, weight_dtype=args.weight_dtype)
+                          weights=args.weights, weight_cache_mb=args.weight_cache_mb, weight_dtype=args.weight_dtype,
+                          threads=getattr(args, "threads", None))
     wi = eng.weights_info()
     how = (f"lazy weights ({wi['dequantized_mb']:.0f} MB dequantized as {wi['storage']}, cache "
            f"{wi['budget_mb']:.0f} MB)" if wi["lazy"] else f"weights dequantized at load ({wi['storage']})")

