@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from llorch_ref.backends import cpu_flags, cpu_model
 from llorch_ref.engine import GenerationResult
 from llorch_ref.loaders.gguf_file import open_reader, read_metadata
 from llorch_ref.references.llamacpp import LlamaCpp
@@ -185,7 +186,6 @@ def run_bench(path, engines, prefill=128, decode=128, repeats=3, threads=None, t
             results.append({"engine": e, "error": tail})
             continue
         results.append(json.loads(line[6:]))
-    from llorch_ref.harness.bundle import cpu_flags, cpu_model
     return {"model": str(path), "prefill_tokens": prefill, "decode_tokens": decode, "repeats": repeats,
             "threads": threads, "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "results": results}
 

@@ -123,6 +123,7 @@ LAZY_ON_PURPOSE = {
     ("llorch_ref/backends/__init__.py", "llorch_ref.backends.numba_backend"): "numba, an optional dependency",
     ("llorch_ref/backends/__init__.py", "llorch_ref.backends.cupy_backend"): "cupy, an optional dependency",
     ("llorch_ref/cli/commands.py", "llorch_ref.server.app"): "the web stack, for serve only",
+    ("llorch_ref/bench.py", "llorch_ref.backends.numba_backend"): "numba, an optional dependency",
     ("llorch_ref/cli/commands.py", "llorch_ref.server.connections"): "the web stack, for serve only",
 }
 PLUGIN = "llorch_ref/pytest_plugin.py"      # loaded by every pytest session: imports the harness when asked

@@ -8,12 +8,38 @@ cupy   the whole forward on an NVIDIA GPU: weights uploaded once, float32 (TF32 
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ParameterError
 
 BACKENDS = ("numpy", "numba", "cupy")
+
+
+def _cpuinfo(key: str) -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (named beside every speed figure)."""
+    return _cpuinfo("model name") or platform.processor() or "unknown"
+
+
+def cpu_flags() -> str:
+    """The SIMD flags that change kernels (and the low bits of results)."""
+    flags = set((_cpuinfo("flags") or "").split())
+    keep = ["sse3", "ssse3", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+            "avx_vnni", "amx_tile"]
+    return " ".join(f for f in keep if f in flags) or platform.processor()
+
 
 
 @dataclass

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends import cpu_flags, cpu_model
 from ..dump import model_sha256
 from ..errors import HarnessError
 from ..output_paths import check_container, check_output, check_run_id
@@ -56,29 +57,6 @@ def _git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         pass
     return None
-
-
-def _cpuinfo(key: str) -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(key):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_model() -> str:
-    """The CPU's model name (named beside every speed figure)."""
-    return _cpuinfo("model name") or platform.processor() or "unknown"
-
-
-def cpu_flags() -> str:
-    """The SIMD flags that change kernels (and the low bits of results)."""
-    flags = set((_cpuinfo("flags") or "").split())
-    keep = ["sse3", "ssse3", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-            "avx_vnni", "amx_tile"]
-    return " ".join(f for f in keep if f in flags) or platform.processor()
 
 
 def _dist_version(name):

@@ -16,6 +16,7 @@ from ..dump import load_dump
 from ..errors import DumpError, ParameterError
 from .engines import _import_hf, _load_hf_model, hf_folder_for
 from .llamacpp import LlamaCpp
+from .onnx_runtime import _import_ort, onnx_folder_for
 
 ENGINE_KINDS = ("numpy", "numba", "cupy")
 
@@ -88,7 +89,6 @@ class OnnxRuntimeSource:
     folder built into one at settings["precision"])."""
 
     def __init__(self, spec: SourceSpec):
-        from .onnx_runtime import _import_ort, onnx_folder_for
         _, self.og = _import_ort()
         self.spec = spec
         self.model = self.og.Model(str(onnx_folder_for(spec.model, spec.settings.get("precision") or "fp32")))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..loaders.onnx_folder import OnnxGraph
 from ..model import cache as cache_mod
 
 # type name -> (bytes per block, byte offsets of the f16 scales that multiply every weight of the block)
@@ -102,8 +103,6 @@ DECODE_BUGS = {  # name -> (plant, config changes the bug needs, where it must b
 def plant_onnx(src, dst, initializer: str, change) -> Path:
     """Copy an ONNX folder to dst with one initializer changed in place: change(array) edits a writable view of
     it (e.g. `lambda a: a.__imul__(1.05)` on a layer's weight scales, or a RoPE cache row set to another's)."""
-    from ..loaders.onnx_folder import OnnxGraph
-
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise ValueError(f"{dst} exists: plant_onnx writes a new folder")
