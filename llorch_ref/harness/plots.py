@@ -25,8 +25,10 @@ def _plt():
 
 def svg(fig) -> str:
     """The figure as inline SVG markup (the XML prolog dropped); the figure is closed."""
+    import matplotlib
     buf = io.StringIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None})       # no date: the same figures give the same page
+    with matplotlib.rc_context({"svg.fonttype": "none"}):          # text as text, not glyph paths: a small page
+        fig.savefig(buf, format="svg", metadata={"Date": None})   # no date: the same figures give the same page
     _plt().close(fig)
     text = buf.getvalue()
     return text[text.index("<svg"):]
