@@ -12,9 +12,12 @@ from pathlib import Path
 import numpy as np
 
 
-def prove_cmd(model, out, run_id):
+def prove_cmd(model, out, run_id, *more):
     return [sys.executable, "-m", "llorch_ref.cli", "prove", "--model", str(model), "--out", str(out),
-            "--run-id", run_id, "--greedy", "4"]
+            "--run-id", run_id, "--greedy", "4", *more]
+
+
+SOME = ["--checkpoint", "1", "--checkpoint", "4", "--checkpoint", "8", "--checkpoint", "12"]   # several folders
 
 
 def looks_complete(out: Path, run_id: str) -> list:
@@ -35,13 +38,13 @@ def test_kill_9_at_random_points_leaves_nothing_that_looks_complete(tiny, tmp_pa
     model = tiny(vocab="bpe")
     out = tmp_path / "pb"
     t0 = time.perf_counter()
-    subprocess.run(prove_cmd(model, out, "timing"), check=True, capture_output=True, timeout=300)
+    subprocess.run(prove_cmd(model, out, "timing", *SOME), check=True, capture_output=True, timeout=300)
     full = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     killed, complete_looking, completed = 0, 0, 0
     for i in range(12):
         run_id = f"k{i}"
-        p = subprocess.Popen(prove_cmd(model, out, run_id), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(prove_cmd(model, out, run_id, *SOME), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(float(rng.uniform(0.2, full * 1.1)))
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
@@ -51,7 +54,7 @@ def test_kill_9_at_random_points_leaves_nothing_that_looks_complete(tiny, tmp_pa
         existed = (out / run_id).exists()
         completed += existed
         # the same run id works again afterwards (a complete one is refused, an interrupted one is redone)
-        r = subprocess.run(prove_cmd(model, out, run_id), capture_output=True, text=True, timeout=300)
+        r = subprocess.run(prove_cmd(model, out, run_id, *SOME), capture_output=True, text=True, timeout=300)
         if existed:
             assert r.returncode == 2
             assert "never overwritten" in r.stderr
