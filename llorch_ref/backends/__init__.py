@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -73,9 +74,25 @@ class Backend:
         return lambda token: engine.forward([token], cache, rows=[0])
 
 
+def numba_wide_vectors():
+    """On a CPU with AVX-512, let numba's LLVM use 512-bit vectors: its host tuning prefers 256-bit ones
+    (`prefer-256-bit`), which left the decode kernels at 0.55x llama.cpp where zmm registers give 0.75-0.79x
+    (results/cpu/avx512-vectors.md). Set through NUMBA_CPU_FEATURES before numba is first imported; a value the
+    user set is kept, and a numba already imported keeps its own."""
+    if "NUMBA_CPU_FEATURES" in os.environ or "numba" in sys.modules or "avx512f" not in cpu_flags().split():
+        return
+    try:
+        import llvmlite.binding as ll
+        ll.initialize_native_target()
+        os.environ["NUMBA_CPU_FEATURES"] = ll.get_host_cpu_features().flatten() + ",-prefer-256-bit"
+    except Exception:           # llvmlite missing or unable to read the host: numba's own defaults
+        pass
+
+
 def available() -> dict:
     """name -> None if usable here, else the reason it is not."""
     out = {"numpy": None}
+    numba_wide_vectors()
     try:
         import numba  # noqa: F401
         out["numba"] = None

@@ -21,8 +21,12 @@ once). Three kernels serve every supported type:
 """
 from __future__ import annotations
 
-import numba as nb
-import numpy as np
+from . import numba_wide_vectors
+
+numba_wide_vectors()            # before numba reads its configuration: 512-bit vectors on AVX-512 CPUs
+
+import numba as nb  # noqa: E402
+import numpy as np  # noqa: E402
 
 
 @nb.njit(cache=True)
