@@ -268,3 +268,18 @@ def test_backend_run_records_numba_and_verifies(tiny, tmp_path):
     assert man["recipe"]["kind"] == "llorch" and man["recipe"]["backend_band"]
     v = verify_bundle(run)
     assert v.ok and v.rerun["figures_hold"] and v.rerun["comparisons"] == len(res.rows)
+
+
+def test_transformers_run_verifies(tiny, tmp_path):
+    """A --reference transformers run keeps a recipe too: verify re-runs transformers and the figures hold."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    from llorch_ref.cli import main
+    from llorch_ref.harness.verify import verify_bundle
+
+    model = tiny(vocab="bpe", n_layers=2)
+    assert main(["prove", "--reference", "transformers", "--model", str(model), "--greedy", "4", "--out",
+                 str(tmp_path), "--run-id", "t"]) == 0
+    man = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    assert man["recipe"]["kind"] == "transformers"
+    v = verify_bundle(tmp_path / "t")
+    assert v.ok and v.rerun["figures_hold"] and v.rerun["reference_bit_equal"] == v.rerun["reference_tensors"]

@@ -95,6 +95,8 @@ def run_transformers(args):
     res = compare_dumps(sub, ref, eng.config, band_class_for(args, eng), checkpoints=args.checkpoint,
                         subject_label=engine_label(eng), reference_label=f"transformers {ref.version}",
                         model=str(eng.path), reference_model=str(ref.model_path))
+    res.recipe = harness_run.recipe("transformers", ref.model_path, ids, prompt=args.prompt, n_greedy=args.greedy,
+                                    checkpoints=args.checkpoint)
     return eng, res
 
 

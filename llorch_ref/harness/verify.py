@@ -131,6 +131,9 @@ def _reference(recipe, path: Path, log):
 
 def rerun_and_compare(folder: Path, man, model=None, log=None) -> dict:
     recipe = man["recipe"]
+    if not recipe:
+        raise HarnessError(f"{folder}: the manifest keeps no recipe for the reference side (its run wrote none): "
+                           f"verify --no-rerun checks the hashes")
     path = Path(model) if model else expand_path(recipe["model"])
     if not path.exists():
         raise HarnessError(f"{path}: the reference's model file is not here (the manifest names {recipe['model']}); "
