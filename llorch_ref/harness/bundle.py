@@ -181,13 +181,14 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
              or any(u["checkpoint"] == s.id for u in result.not_covered)]
     plot = plot and plots.available()
     with target.staged_folder() as d:
-        for s in specs:
-            _write_checkpoint(d / bundle_md.checkpoint_folder(s), s, result, man, plot, tensors)
+        svgs = {s.id: _write_checkpoint(d / bundle_md.checkpoint_folder(s), s, result, man, plot, tensors)
+                for s in specs}
         case = repro.write(d / "repro", result, engine, man) if repro_case else None
         (d / "result.json").write_text(json.dumps(portable(result.to_json()), indent=2, default=_json_default) + "\n")
         (d / "summary.md").write_text(bundle_md.summary(result, man, run_id, specs))
         (d / "junit.xml").write_text(junit.xml(result, run_id))
-        (d / "report.html").write_text(report_html.render(result, man, run_id, engine, case, plot=plot))
+        (d / "report.html").write_text(report_html.render(result, man, run_id, engine, case, plot=plot,
+                                                                 layer_svgs={k: v for k, v in svgs.items() if v}))
         (d / MANIFEST).write_text(json.dumps({**man, "run_id": run_id, "checkpoints": [s.id for s in specs],
                                               "tensors": tensors,
                                               "files": file_hashes(d)}, indent=2) + "\n")
@@ -200,7 +201,8 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
             "repro": run / "repro" if case else None}
 
 
-def _write_checkpoint(d: Path, spec, result, man, plot, tensors=True):
+def _write_checkpoint(d: Path, spec, result, man, plot, tensors=True) -> str | None:
+    """One checkpoint's folder; -> its error-by-layer figure as SVG for the page (drawn once: PNG and SVG)."""
     d.mkdir()
     rows = [r for r in result.rows if r.checkpoint == spec.id]
     pre = f"cp{spec.id}."
@@ -218,8 +220,11 @@ def _write_checkpoint(d: Path, spec, result, man, plot, tensors=True):
     missing = [u for u in result.not_covered if u["checkpoint"] == spec.id]
     (d / "report.md").write_text(bundle_md.checkpoint(spec, rows, man, passed, missing,
                                                       plot="error_by_layer.png" if drawn else None, tensors=tensors))
-    if drawn:
-        plots.save(report_html.layer_figure(spec, rows, man["local_layers"], figsize=(7, 3.5)), d / "error_by_layer.png")
+    if not drawn:
+        return None
+    fig = report_html.layer_figure(spec, rows, man["local_layers"], figsize=(7, 3.5))
+    plots.save(fig, d / "error_by_layer.png", close=False)
+    return plots.svg(fig)
 
 
 def _json_default(o):

@@ -42,9 +42,10 @@ def png(fig, dpi=100) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def save(fig, path, dpi=90):
+def save(fig, path, dpi=90, close=True):
     fig.savefig(path, dpi=dpi)
-    _plt().close(fig)
+    if close:
+        _plt().close(fig)
 
 
 def error_by_layer(title: str, series: dict, band: float | None, local_layers=None, local_series=None,

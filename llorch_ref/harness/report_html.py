@@ -110,14 +110,11 @@ def divergence_card(result, case, plot: bool) -> dict | None:
     return card
 
 
-def render(result, man, run_id, engine, case, plot=True) -> str:
-    """The run's page; case: repro.write's answer (with the operation's outputs) or None."""
-    specs = {s.id: s for s in result.specs}
-    figures = []
-    for sid, spec in specs.items():
-        rows = [r for r in result.rows if r.checkpoint == sid]
-        if plot and spec.scope == "layer" and any("nmse" in r.metrics for r in rows):
-            figures.append({"id": sid, "title": spec.title, "svg": plots.svg(layer_figure(spec, rows, man.get("local_layers")))})
+def render(result, man, run_id, engine, case, plot=True, layer_svgs=None) -> str:
+    """The run's page; case: repro.write's answer (with the operation's outputs) or None; layer_svgs:
+    {checkpoint id: its error-by-layer figure as SVG} (the bundle draws each once)."""
+    figures = [{"id": s.id, "title": s.title, "svg": layer_svgs[s.id]} for s in result.specs
+               if s.id in (layer_svgs or {})]
     summary = []
     for s in result.summary():
         rows = [r for r in result.rows if r.checkpoint == s["checkpoint"]]

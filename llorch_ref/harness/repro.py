@@ -119,10 +119,8 @@ def _record(result, engine, row):
         return a
 
     w = engine.weights
-    view = types.SimpleNamespace(layers={row.layer: _Recorded(w.layers[row.layer], weights)} if row.layer is not None
-                                 else {}, tok_embd=w.tok_embd, out_norm=None, output=None)
-    if row.layer is None:
-        view = _Recorded(w, weights)
+    view = (_Recorded(w, weights) if row.layer is None else        # the head reads out_norm / output
+            types.SimpleNamespace(layers={row.layer: _Recorded(w.layers[row.layer], weights)}, tok_embd=w.tok_embd))
     ids = [sub.token_ids[r] for r in sub.rows]
     proxy = types.SimpleNamespace(config=cfg, ops=engine.ops, xp=engine.xp, backend=engine.backend,
                                   numerics=engine.numerics, new_cache=engine.new_cache, weights=view,
