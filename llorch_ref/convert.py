@@ -71,7 +71,8 @@ def convert_gguf(src, dst, dtype="float32", overwrite=False, kv_overrides=None, 
     dtype = dtype_name(dtype, tuple(FILE_TYPES), "--dtype")
     src = Path(src)
     out = check_output(dst, inputs=[src], overwrite=overwrite)
-    reader = open_reader(src)
+    open_reader(src)                           # one-line errors for a bad file, before gguf's own reader
+    reader = gguf.GGUFReader(str(src), "r")    # its fields carry the value types the writer needs
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(None, arch)
     _copy_fields(reader, writer, FILE_TYPES[dtype], kv_overrides)

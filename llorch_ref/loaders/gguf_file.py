@@ -1,12 +1,13 @@
-"""GGUF -> (Config, Weights, tokenizer metadata), through the `gguf` package.
+"""GGUF -> (Config, Weights, tokenizer metadata): the header by gguf_header, types and dequantization by `gguf`.
 
 ggml order vs NumPy order: a GGUF tensor with ggml shape ne = [ne0, ne1] (ne0 fastest) is the NumPy array
-of shape (ne1, ne0). `gguf.GGUFReader` reports `.shape` in ggml order; we always store NumPy order.
+of shape (ne1, ne0). Tensor infos report `.shape` in ggml order (as gguf.GGUFReader); we always store NumPy order.
 GGUF llama files hold Wq/Wk rows permuted by llama.cpp's converter so that RoPE rotates adjacent pairs
 (2i, 2i+1): Config.rope_style = "adjacent" records that.
 """
 from __future__ import annotations
 
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from ..errors import ModelFileError, ParameterError, UnsupportedModelError
 from ..model.weights import LayerWeights, Weights
 from ..numerics import NUMERICS
 from ..numerics.ggml_cpu import ACT_TYPE, FloatMatrix, KQuantMatrix, QuantMatrix
+from .gguf_header import GGUFFile, read_gguf
 from .lazy_weights import (
     LazyLayers,
     LazyRows,
@@ -81,21 +83,18 @@ def _check_header(path: Path) -> int:
     return size
 
 
-def open_reader(path) -> "gguf.GGUFReader":  # noqa: F821
-    """Open a GGUF file with gguf.GGUFReader, turning its failures into one-line ModelFileErrors."""
-    import gguf
-
+def open_reader(path) -> GGUFFile:
+    """Open a GGUF file (gguf_header.read_gguf), turning its failures into one-line ModelFileErrors."""
     path = Path(path)
     size = _check_header(path)
     try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except (ValueError, IndexError, KeyError, OverflowError, MemoryError, TypeError, UnicodeDecodeError,
-            AttributeError, AssertionError) as e:
+        reader = read_gguf(path)
+    except (ValueError, IndexError, KeyError, OverflowError, MemoryError, TypeError, struct.error) as e:
         msg = str(e).splitlines()[0][:200] if str(e) else ""
         raise ModelFileError(f"{path}: malformed GGUF header or metadata ({type(e).__name__}: {msg})") from None
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
-        if end > size or t.data.nbytes != int(t.n_bytes):
+        if end > size:
             raise ModelFileError(
                 f"{path}: truncated: tensor {t.name!r} ends at byte {end} but the file has {size} bytes")
         if int(t.data_offset) % reader.alignment:
@@ -105,21 +104,9 @@ def open_reader(path) -> "gguf.GGUFReader":  # noqa: F821
 
 
 def read_metadata(reader) -> dict:
-    import gguf
-
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            if field.types and field.types[0] == gguf.GGUFValueType.ARRAY and \
-                    field.types[-1] != gguf.GGUFValueType.STRING:
-                meta[key] = np.array([field.parts[i][0] for i in field.data])
-            else:
-                meta[key] = field.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as e:
-            raise ModelFileError(f"{reader.data.filename}: metadata key {key!r} unreadable: {e}") from None
-    return meta
+    """Every key/value of the file (scalars as Python numbers, strings as str, arrays of strings as lists,
+    arrays of numbers as NumPy arrays)."""
+    return dict(reader.metadata)
 
 
 def _get(meta, key, default=None, *, required=False, path=""):
@@ -281,7 +268,7 @@ def release_pages(reader, t):
     """Drop this tensor's pages from the process's mapping (they stay in the page cache)."""
     import mmap
 
-    mm = getattr(getattr(reader, "data", None), "_mmap", None)
+    mm = getattr(reader, "mm", None)
     if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
         return
     page = mmap.PAGESIZE
