@@ -51,10 +51,10 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="float3
         else:   # folders load eagerly unless lazy weights are asked for (--weights lazy)
             m = load_hf_folder(path, lazy=weights == "lazy", weight_cache_mb=weight_cache_mb,
                                weight_dtype=weight_dtype)
-        tok, raw_blocks = m.tokenizer, None
+        tok, qtensors = m.tokenizer, None
     else:
         m = load_gguf(path, numerics=numerics, lazy=lazy, weight_cache_mb=weight_cache_mb, weight_dtype=weight_dtype)
-        tok, raw_blocks = from_gguf_metadata(m.metadata, source=str(m.path)), m.raw_blocks
+        tok, qtensors = from_gguf_metadata(m.metadata, source=str(m.path)), m.qtensors
     return Engine(m.config, m.weights, tok, path=m.path, metadata=m.metadata, tensor_types=m.tensor_types,
                   backend=backend, n_ctx=n_ctx, numerics=numerics, kv_dtype=kv_dtype, dtype=dtype, threads=threads,
-                  raw_blocks=raw_blocks)
+                  qtensors=qtensors)

@@ -52,7 +52,7 @@ def _cancel_between_layers(cancel):
 class Engine:
     def __init__(self, config, weights, tokenizer, *, path=None, metadata=None, tensor_types=None,
                  backend=None, n_ctx=None, numerics="exact", kv_dtype="float32", dtype="float32", threads=None,
-                 raw_blocks=None):
+                 qtensors=None):
 
         self.config = config
         self.qk_rows = config.rope_style      # the row order of Wq/Wk as loaded: what a dump of Q/K declares
@@ -64,7 +64,7 @@ class Engine:
         if numerics == "ggml" and self.backend.name not in ("numpy", "numba"):
             raise ParameterError("numerics='ggml' runs on the numpy and numba backends only")
         self.xp = self.backend.xp
-        self.weights = self.backend.prepare_weights(weights, raw_blocks, numerics)
+        self.weights = self.backend.prepare_weights(weights, qtensors, numerics)
         if n_ctx is not None and not (0 < int(n_ctx) <= config.context_length):
             raise ParameterError(f"n_ctx={n_ctx} must be in 1..{config.context_length} (the model's context)")
         # default: the model's context up to DEFAULT_CTX, since the K/V cache is preallocated (a 128k-token

@@ -72,7 +72,14 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_space_prefix = add_space_prefix
         self.pre = pre
-        self._bytes = [self._piece_bytes(i) for i in range(len(tokens))]
+        self._bytes_cache = None
+
+    @property
+    def _bytes(self) -> list:
+        """Every token's bytes, built on first use (streaming, decode) rather than at load."""
+        if self._bytes_cache is None:
+            self._bytes_cache = [self._piece_bytes(i) for i in range(len(self.tokens))]
+        return self._bytes_cache
 
     @property
     def n_vocab(self):
@@ -247,7 +254,7 @@ def _from_gguf_metadata(meta: dict, source="") -> Tokenizer | None:
     if not tokens:
         raise TokenizerError(f"{source}: tokenizer.ggml.tokens is missing or empty")
     tokens = list(tokens)
-    types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens))]
+    types = np.asarray(meta.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens))).astype(int).tolist()
     if len(types) != len(tokens):
         raise TokenizerError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
 

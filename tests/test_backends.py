@@ -83,42 +83,38 @@ def test_numba_checkpoints_against_numpy_default_model(default_model):
     assert res.first_divergence is None
 
 
-def test_numba_kernel_matches_dequantized_product():
+SCALES_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+             "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_qtensor(qt, n, k, seed):
+    """Random blocks with finite float16 scales (random codes, as tinygrad's tests draw them)."""
+    from llorch_ref.model.qtensor import QTensor, block_size
+
+    block, size = block_size(qt)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for at in SCALES_AT[qt]:
+        raw[..., at:at + 2] = rng.uniform(0.001, 0.02, (n, k // block, 1)).astype(np.float16).view(np.uint8)
+    return QTensor(qt, (n, k), raw.reshape(n, -1), f"random {qt}")
+
+
+@pytest.mark.parametrize("qt", list(SCALES_AT))
+def test_numba_kernels_match_the_dequantized_product(qt):
+    """Every kernel type, two QTensors stacked by rows (72 + 40 rows: padding in the last chunk), one token and
+    three, against gguf-py's dequantized weights times x in float64: equal up to summation order."""
     need_backend("numba")
-    import gguf
+    from llorch_ref.backends.numba_backend import KernelBlocks
 
-    from llorch_ref.backends.numba_backend import QuantBlocks
-
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((96, 128)).astype(np.float32)
-    x = rng.standard_normal(128).astype(np.float32)
-    for qt in ("Q4_0", "Q4_1", "Q8_0"):
-        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt])
-        deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qt])
-        got = QuantBlocks(raw, qt).tile(2).matvec(x)
-        np.testing.assert_allclose(got, deq @ x, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("qt", ["Q4_K", "Q6_K"])
-def test_numba_k_quant_kernels_match_dequantized_product(qt):
-    """K-quant blocks (no quantizer in gguf-py: random codes with finite f16 scales, as tinygrad's tests do)."""
-    need_backend("numba")
-    import gguf
-
-    from llorch_ref.backends.numba_backend import QuantBlocks
-
-    rng = np.random.default_rng(1)
-    size = {"Q4_K": 144, "Q6_K": 210}[qt]
-    raw = rng.integers(0, 256, (64, 2 * size), dtype=np.uint8).reshape(64, 2, size)
-    scale = np.array([0.01], np.float16).view(np.uint8)
-    if qt == "Q4_K":
-        raw[..., 0:2], raw[..., 2:4] = scale, scale               # d, dmin
-    else:
-        raw[..., 208:210] = scale                                 # d
-    raw = raw.reshape(64, 2 * size)
-    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qt])
-    x = rng.standard_normal(512).astype(np.float32)
-    np.testing.assert_allclose(QuantBlocks(raw, qt).tile(2).matvec(x), deq @ x, rtol=1e-4, atol=1e-4)
+    a, b = random_qtensor(qt, 72, 512, 1), random_qtensor(qt, 40, 512, 2)
+    x = np.random.default_rng(3).standard_normal((3, 512)).astype(np.float32)
+    deq = np.concatenate([a.dequantize(), b.dequantize()]).astype(np.float64)
+    want, scale = x @ deq.T, np.abs(x) @ np.abs(deq).T
+    blocks = KernelBlocks([a, b], threads=2)
+    got = blocks.matmul(x)
+    assert got.shape == (3, 112)
+    assert (np.abs(got - want) <= 1e-6 * scale + 1e-30).all(), float((np.abs(got - want) / scale).max())
+    np.testing.assert_array_equal(blocks.matvec(x[1]), got[1])            # each row exactly as alone
 
 
 def test_cupy_checkpoints_against_numpy(tiny):

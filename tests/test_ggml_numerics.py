@@ -32,17 +32,18 @@ def test_q8_1_sum_field():
 
 @pytest.mark.parametrize("qt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_numba_ggml_products_equal_the_numpy_emulation(qt):
-    """The numba kernel against ggml_cpu.QuantMatrix, bit for bit: one row and several, activations of very
+    """The numba kernel against ggml_cpu.LegacyQuantMatrix, bit for bit: one row and several, activations of very
     different scales, a row of zeros (its Q8 scale is 0)."""
     need_backend("numba")
     import gguf
 
-    from llorch_ref.backends.numba_backend import GgmlQuantMatrix
+    from llorch_ref.backends.numba_backend import GgmlKernelMatrix
+    from llorch_ref.model.qtensor import QTensor
 
     rng = np.random.default_rng(3)
     w = rng.standard_normal((200, 256)).astype(np.float32)
-    qm = ggml_cpu.QuantMatrix(gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt]), qt, w.shape)
-    fast = GgmlQuantMatrix(qm, threads=2)
+    qm = ggml_cpu.LegacyQuantMatrix(QTensor(qt, w.shape, gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt])))
+    fast = GgmlKernelMatrix(qm, threads=2)
     x = (rng.standard_normal((6, 256)) * np.array([[1e-4], [1], [50], [1], [3e3], [0]])).astype(np.float32)
     for rows in (x[:1], x):
         assert np.array_equal(fast.matmul(rows), qm.matmul(rows))

@@ -57,9 +57,9 @@ class Backend:
         """-> the layer-function namespace for this backend (base_ops with hot kernels overridden)."""
         return base_ops
 
-    def prepare_weights(self, weights, raw_blocks=None, numerics="exact"):
-        """-> the weights as this backend computes with them. raw_blocks: the GGUF loader's quantized blocks
-        (kernels that read them: numba); numerics: "exact" or "ggml" (matrix objects that stay as they are)."""
+    def prepare_weights(self, weights, qtensors=None, numerics="exact"):
+        """-> the weights as this backend computes with them. qtensors: the GGUF loader's quantized matrices
+        ((layer, field) or "output" -> QTensor), for kernels that multiply by the blocks (numba); numerics: "exact" or "ggml" (matrix objects that stay as they are)."""
         return weights.map(self.asarray)
 
     def synchronize(self):

@@ -35,7 +35,7 @@ class CupyBackend(Backend):
     def make_decoder(self, engine, cache):
         return GraphDecoder(engine, cache)
 
-    def prepare_weights(self, weights, raw_blocks=None, numerics="exact"):
+    def prepare_weights(self, weights, qtensors=None, numerics="exact"):
         cp = self.xp
         if self.dtype == "float32":
             return weights.map(cp.asarray)

@@ -11,135 +11,88 @@ from collections import Counter
 
 import numpy as np
 
-from ..numerics.ggml_cpu import ACT_TYPE, f16_at, k4_scales, quantize_q8
-from ..numerics.ggml_cpu import QuantMatrix as GgmlNumpy
+from ..numerics.ggml_cpu import ACT_TYPE, LegacyQuantMatrix, f16_at, k4_scales, quantize_q8, unpack_blocks
 from . import Backend, cpu_threads, limit_blas
 from . import numba_kernels as K
 
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 PATHS: Counter = Counter()        # (weight type, path, rows) -> products: what `bench` reports
 _NO_C = np.zeros((0, 0, 0), np.float32)
 MATRIX_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def tile_rows(obj, names, n, threads, max_rows=1024):
-    """obj's arrays `names`: [.., N] -> [C, .., R], N padded with zero rows to C*R, R % 16 == 0. C is a
-    multiple of the thread count, with R <= max_rows so that a chunk's partial sums stay in L1; each chunk
-    is one contiguous region, which one thread streams."""
+F16_VALUES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)   # float16 bits -> value
+NIBBLES = {"Q4_0": (18, 2, 8), "Q4_1": (20, 4, 0)}          # bytes per block, where the codes start, offset
+
+
+def chunking(n, threads, max_rows=1024):
+    """Rows [N] -> (C chunks, R rows each): C a multiple of the thread count, R % 16 == 0 and <= max_rows, so
+    that a chunk's partial sums stay in L1 and each chunk is one contiguous region one thread streams."""
     chunks = threads * -(-n // (threads * max_rows))
-    r = -(-n // (16 * chunks)) * 16
-    for name in names:
-        a = getattr(obj, name)
-        a = np.concatenate([a, np.zeros(a.shape[:-1] + (chunks * r - n,), a.dtype)], axis=-1)
-        a = a.reshape(a.shape[:-1] + (chunks, r))
-        setattr(obj, name, np.ascontiguousarray(np.moveaxis(a, -2, 0)))
+    return chunks, -(-n // (16 * chunks)) * 16
 
 
-class QuantBlocks:
-    """The GGUF blocks of one weight [N, K], unpacked once into what the kernels read (numba_kernels):
-    "nibbles" (Q4_0, Q4_1): qs [B, 16, N] uint8, d and m [B, N] f32, offset;
-    "q4k" (Q4_K): qs [G, 16, N] uint8, sc and mn [G, N] uint8, dsb and dminsb [G/8, N] f32;
-    "bytes" (Q8_0, Q6_K): qs [G, S, N] int8/uint8 codes, a and c [G, N] f32 (Q8_0: no c).
-    Block-major and row-minor, so that stacked() can join the rows of several weights; tile() then splits
-    the rows into contiguous chunks, the layout the kernels read."""
+class KernelBlocks:
+    """One or several QTensors of one type and input size, stacked by rows ([sum N_i, K]: one kernel launch
+    computes them all, each row exactly as its own matrix would), laid out for numba_kernels: rows split
+    into C chunks of R rows, each chunk block-major and row-minor.
 
-    tiled = False
+    "nibbles" (Q4_0, Q4_1) and "q4k" (Q4_K) hold the file's own bytes, rearranged in one parallel pass
+    (lay_out_*) at the file's size: qs [C, B, 16, R] uint8, float16 scales as uint16 [C, B, R] (Q4_K: 6-bit
+    sc, mn [C, G, R] and d, dmin [C, G/8, R]); the file's pages are released after (they stay in the page
+    cache). "bytes" (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K): one code per byte, qs [C, G, S, R], a and c [C, G, R]
+    float32 (w = a * q + c; Q8_0 and Q5_0 have no c); Q8_0 laid out by lay_out_q8_0 (the file's size and
+    2 bytes per 32 weights), the others unpacked by NumPy (byte_codes)."""
 
-    def __init__(self, raw, qtype):
-        n = raw.shape[0]
-        size, block_len = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32), "Q4_K": (144, 256),
-                           "Q6_K": (210, 256)}[qtype]
-        self.qtype, self.n, self.k = qtype, n, raw.shape[1] // size * block_len
-        if qtype in ("Q4_K", "Q6_K"):
-            self._init_k(np.asarray(raw), qtype)
-            return
-        blk = np.asarray(raw).reshape(n, -1, size)
-        d = np.ascontiguousarray(f16_at(blk, 0).T)
-        if qtype == "Q8_0":
-            self.kind, self.a, self.c = "bytes", d, None                      # w = d * q: no c term
-            self.qs = np.ascontiguousarray(blk[..., 2:34].view(np.int8).transpose(1, 2, 0))
-            return
-        self.kind, self.d = "nibbles", d
-        if qtype == "Q4_0":
-            qs, self.m, self.offset = blk[..., 2:18], np.zeros_like(d), 8     # m = 0 adds an exact zero
+    def __init__(self, qts, threads):
+        self.qtype, self.k = qts[0].qtype, qts[0].shape[1]
+        self.n = sum(q.shape[0] for q in qts)
+        c, r = chunking(self.n, threads)
+        if self.qtype in NIBBLES:
+            size, q_at, self.offset = NIBBLES[self.qtype]
+            b = self.k // 32
+            self.kind, self.qs = "nibbles", np.zeros((c, b, 16, r), np.uint8)
+            self.d = np.zeros((c, b, r), np.uint16)
+            self.m = np.zeros((c, b, r) if self.offset == 0 else (0, 0, 0), np.uint16)
+            self._lay_out(qts, lambda blk, row0: K.lay_out_nibbles(blk, size, q_at, row0, self.qs, self.d, self.m))
+        elif self.qtype == "Q4_K":
+            g = self.k // 32
+            self.kind, self.qs = "q4k", np.zeros((c, g, 16, r), np.uint8)
+            self.sc, self.mn = np.zeros((c, g, r), np.uint8), np.zeros((c, g, r), np.uint8)
+            self.d, self.dmin = np.zeros((c, g // 8, r), np.uint16), np.zeros((c, g // 8, r), np.uint16)
+            self._lay_out(qts, lambda blk, row0: K.lay_out_q4_k(blk, row0, self.qs, self.sc, self.mn, self.d,
+                                                                 self.dmin))
+        elif self.qtype == "Q8_0":
+            b = self.k // 32
+            self.kind, self.qs, self.c = "bytes", np.zeros((c, b, 32, r), np.int8), None
+            self.a = np.zeros((c, b, r), np.float32)
+            self._lay_out(qts, lambda blk, row0: K.lay_out_q8_0(blk, F16_VALUES, row0, self.qs, self.a))
         else:
-            qs, self.m, self.offset = blk[..., 4:20], np.ascontiguousarray(f16_at(blk, 2).T), 0
-        self.qs = np.ascontiguousarray(qs.transpose(1, 2, 0))
+            self.kind = "bytes"
+            parts = [byte_codes(q) for q in qts]
+            self.qs, self.a = (np.concatenate([p[i] for p in parts], axis=-1) for i in (0, 1))
+            self.c = None if parts[0][2] is None else np.concatenate([p[2] for p in parts], axis=-1)
+            tile_rows(self, ("qs", "a") if self.c is None else ("qs", "a", "c"), self.n, c, r)
 
-    def _init_k(self, raw, qtype):
-        """K-quants, w = a * q + c per group: Q4_K as nibbles in groups of 32 with its 6-bit scales and
-        super-block d, dmin (a = d*sc, c = -dmin*mn in the kernel), Q6_K as one byte per code in groups of
-        16 with a, c in float32; codes block-major and row-minor."""
+    def _lay_out(self, qts, lay):
+        row0 = 0
+        for q in qts:
+            lay(np.ascontiguousarray(q.blocks), row0)
+            q.drop_pages()
+            row0 += q.shape[0]
 
-        n = self.n
-        if qtype == "Q4_K":             # nibbles repacked per group of 32; the scales as the file has them
-            blk = raw.reshape(n, -1, 144)
-            sc, mn = k4_scales(blk[..., 4:16])                                      # [N, NB, 8]
-            qs = blk[..., 16:144].reshape(n, -1, 4, 32)          # chunk c: group 2c low nibbles, 2c+1 high
-            q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, 32)              # [N, G, 32] in 0..15
-            packed = q[..., :16] | (q[..., 16:] << 4)                                # element j low, j+16 high
-            self.kind = "q4k"
-            self.qs = np.ascontiguousarray(packed.transpose(1, 2, 0))                # [G, 16, N]
-            self.sc = np.ascontiguousarray(sc.reshape(n, -1).T.astype(np.uint8))     # [G, N]
-            self.mn = np.ascontiguousarray(mn.reshape(n, -1).T.astype(np.uint8))
-            self.dsb, self.dminsb = np.ascontiguousarray(f16_at(blk, 0).T), np.ascontiguousarray(f16_at(blk, 2).T)
-            return
-        # Q6_K: one byte per code, groups of 16
-        blk = raw.reshape(n, -1, 210)
-        ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
-        sc = blk[..., 192:208].view(np.int8).astype(np.float32)                  # [N, NB, 16]
-        d = f16_at(blk, 208)
-        parts = []
-        for j in range(2):
-            l0, l1, h = ql[..., 64 * j:64 * j + 32], ql[..., 64 * j + 32:64 * j + 64], qh[..., 32 * j:32 * j + 32]
-            parts += [(l0 & 15) | ((h & 3) << 4), (l1 & 15) | (((h >> 2) & 3) << 4),
-                      (l0 >> 4) | (((h >> 4) & 3) << 4), (l1 >> 4) | (((h >> 6) & 3) << 4)]
-        q = np.concatenate(parts, axis=-1).reshape(n, -1, 16, 16).astype(np.uint8)  # [N, NB, 16, 16]
-        a = d[..., None] * sc
-        c = np.float32(-32) * a
-        gs = 16
-        self.kind = "bytes"
-        self.qs = np.ascontiguousarray(q.reshape(n, -1, gs).transpose(1, 2, 0).astype(np.uint8))
-        self.a = np.ascontiguousarray(a.reshape(n, -1).T.astype(np.float32))
-        self.c = np.ascontiguousarray(c.reshape(n, -1).T.astype(np.float32))
-
-    def _fields(self):
-        if self.kind == "nibbles":
-            return ("qs", "d", "m")
-        if self.kind == "q4k":
-            return ("qs", "sc", "mn", "dsb", "dminsb")
-        return ("qs", "a") if self.c is None else ("qs", "a", "c")
-
-    @classmethod
-    def stacked(cls, parts):
-        """Several weights of one type and input size stacked by rows ([sum N_i, K]): one kernel launch
-        computes them all, each row exactly as its own matrix would (rows are independent)."""
-        out = cls.__new__(cls)
-        vars(out).update(vars(parts[0]))
-        out.n = sum(p.n for p in parts)
-        for name in out._fields():
-            setattr(out, name, np.concatenate([getattr(p, name) for p in parts], axis=-1))
-        return out
-
-    def compatible(self, other):
-        return (self.qtype, self.kind, self.qs.shape[:2]) == (other.qtype, other.kind, other.qs.shape[:2])
-
-    def tile(self, threads, max_rows=1024):
-        """Lay the rows out for the kernels (tile_rows)."""
-        tile_rows(self, self._fields(), self.n, threads, max_rows)
-        self.tiled = True
-        return self
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
 
     def matmul(self, x):
-        """x: [T, K] f32 -> [T, N] f32 (after tile()); every row exactly as matvec computes it alone."""
-        assert self.tiled, "QuantBlocks.tile(chunks) lays the rows out for the kernels first"
+        """x: [T, K] f32 -> [T, N] f32; every row exactly as matvec computes it alone."""
         c, r = self.qs.shape[0], self.qs.shape[-1]
         out = np.empty((x.shape[0], c * r), dtype=np.float32)
         x = np.ascontiguousarray(x, dtype=np.float32)
         if self.kind == "nibbles":
-            K.matvec_nibbles(self.qs, self.d, self.m, self.offset, x, out)
+            K.matvec_nibbles(self.qs, self.d, self.m, self.offset, F16_VALUES, x, out)
         elif self.kind == "q4k":
-            K.matvec_q4_k(self.qs, self.sc, self.mn, self.dsb, self.dminsb, x, out)
+            K.matvec_q4_k(self.qs, self.sc, self.mn, self.d, self.dmin, F16_VALUES, x, out)
         else:
             K.matvec_bytes(self.qs, self.a, _NO_C if self.c is None else self.c, x, out)
         return out[:, :self.n]
@@ -149,10 +102,54 @@ class QuantBlocks:
         return self.matmul(x[None, :])[0]
 
 
-class QuantMatrix:
-    """A weight [N, K] as the numba backend holds it: rows lo..hi of tiled QuantBlocks (a stacked group's
-    member, or the whole of its own), and the float32 weight for several-token products when it is at hand
-    (eager weights, or lazy ones the cache keeps or will keep): dense_ready() says so, dense() gets it."""
+def tile_rows(obj, names, n, chunks, r):
+    """obj's arrays `names`: [.., N] -> [C, .., R], N padded with zero rows to C*R."""
+    for name in names:
+        a = getattr(obj, name)
+        a = np.concatenate([a, np.zeros(a.shape[:-1] + (chunks * r - n,), a.dtype)], axis=-1)
+        a = a.reshape(a.shape[:-1] + (chunks, r))
+        setattr(obj, name, np.ascontiguousarray(np.moveaxis(a, -2, 0)))
+
+
+def byte_codes(qt):
+    """A QTensor of a "bytes" type -> (codes [G, S, N] int8 or uint8, a [G, N] f32, c [G, N] f32 or None), with
+    w = a * code + c exactly gguf-py's dequantized weight (Q6_K: up to the rounding of a * code)."""
+    n, raw = qt.shape[0], np.asarray(qt.blocks)
+    if qt.qtype in ("Q8_0", "Q5_0", "Q5_1"):
+        q, d, m = unpack_blocks(raw, qt.qtype)                                   # [N, B, 32] int16, [N, B]
+        codes = q.astype(np.int8 if m is None else np.uint8)
+        return (np.ascontiguousarray(codes.transpose(1, 2, 0)), np.ascontiguousarray(d.T),
+                None if m is None else np.ascontiguousarray(m.T))
+    if qt.qtype == "Q5_K":
+        blk = raw.reshape(n, -1, 176)
+        sc, mn = k4_scales(blk[..., 4:16])                                       # [N, NB, 8]
+        ql = blk[..., 48:176].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+        ql = (ql & 15).reshape(n, -1, 8, 32)
+        qh = (blk[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+        codes = (ql | (qh << 4)).reshape(n, -1, 32)                               # [N, G, 32] in 0..31
+        a = (f16_at(blk, 0)[..., None] * sc.astype(np.float32)).reshape(n, -1)
+        c = -(f16_at(blk, 2)[..., None] * mn.astype(np.float32)).reshape(n, -1)
+        return np.ascontiguousarray(codes.transpose(1, 2, 0)), np.ascontiguousarray(a.T), np.ascontiguousarray(c.T)
+    if qt.qtype == "Q6_K":
+        blk = raw.reshape(n, -1, 210)
+        ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
+        sc = blk[..., 192:208].view(np.int8).astype(np.float32)                  # [N, NB, 16]
+        parts = []
+        for j in range(2):
+            l0, l1, h = ql[..., 64 * j:64 * j + 32], ql[..., 64 * j + 32:64 * j + 64], qh[..., 32 * j:32 * j + 32]
+            parts += [(l0 & 15) | ((h & 3) << 4), (l1 & 15) | (((h >> 2) & 3) << 4),
+                      (l0 >> 4) | (((h >> 4) & 3) << 4), (l1 >> 4) | (((h >> 6) & 3) << 4)]
+        q = np.concatenate(parts, axis=-1).reshape(n, -1, 16).astype(np.uint8)   # [N, G, 16]
+        a = (f16_at(blk, 208)[..., None] * sc).reshape(n, -1)
+        return (np.ascontiguousarray(q.transpose(1, 2, 0)), np.ascontiguousarray(a.T),
+                np.ascontiguousarray((np.float32(-32) * a).T))
+    raise ValueError(f"no numba kernel for {qt.qtype}")
+
+
+class KernelMatrix:
+    """A weight [N, K] as the numba backend holds it: rows lo..hi of KernelBlocks (a stacked group's member,
+    or the whole of its own), and the float32 weight for several-token products when it is at hand (eager
+    weights, or lazy ones the cache keeps or will keep): dense_ready() says so, dense() gets it."""
 
     dtype = np.dtype(np.float32)
 
@@ -175,7 +172,7 @@ class QuantMatrix:
 
 
 class NumbaLayers:
-    """The model's layers with QuantMatrix handles in place of the kernel-served matrices; every other
+    """The model's layers with KernelMatrix handles in place of the kernel-served matrices; every other
     field (norms, biases, matrices of other types) is read from the weights underneath, eager or lazy."""
 
     def __init__(self, layers, handles):
@@ -206,7 +203,7 @@ class _NumbaLayer:
         if h is not None:
             layers, i = self._layers, self._i
             keeps = getattr(layers, "keeps", None)                  # lazy layers; eager ones are always at hand
-            value = QuantMatrix(*h, lambda: getattr(layers[i], name), (lambda: keeps(i)) if keeps else (lambda: True))
+            value = KernelMatrix(*h, lambda: getattr(layers[i], name), (lambda: keeps(i)) if keeps else (lambda: True))
         else:
             value = getattr(self._layers[self._i], name)
             if getattr(value, "ndim", 2) != 1:
@@ -226,7 +223,7 @@ class NumbaWeights:
         self.lazy = getattr(weights, "lazy", False)
         if output is not None:
             ready = weights.keeps_output if self.lazy else (lambda: True)
-            self._handle = QuantMatrix(*output, lambda: weights.output, ready)
+            self._handle = KernelMatrix(*output, lambda: weights.output, ready)
 
     @property
     def output(self):
@@ -239,11 +236,11 @@ class NumbaWeights:
         seen = {id(h[0]): h[0] for layer in self.layers._handles for h in layer.values()}
         if self._output is not None:
             seen[id(self._output[0])] = self._output[0]
-        return sum(a.nbytes for q in seen.values() for a in vars(q).values() if isinstance(a, np.ndarray))
+        return sum(q.nbytes() for q in seen.values())
 
 
-class GgmlQuantMatrix:
-    """numerics="ggml": a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight (numerics.ggml_cpu.QuantMatrix) whose product runs
+class GgmlKernelMatrix:
+    """numerics="ggml": a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight (numerics.ggml_cpu.LegacyQuantMatrix) whose product runs
     the numba kernel ggml_q8_dot, bit for bit the NumPy emulation's result (and so llama.cpp's)."""
 
     def __init__(self, qm, threads):
@@ -252,7 +249,7 @@ class GgmlQuantMatrix:
         self.q = qm.q_lanes.reshape(-1, 32, n).astype(np.int8)                         # [B, 32, N]
         self.d = qm.d.T
         self.m = qm.m.T if qm.m is not None else None
-        tile_rows(self, ("q", "d") if self.m is None else ("q", "d", "m"), n, threads)  # [C, B, 32, R], [C, B, R]
+        tile_rows(self, ("q", "d") if self.m is None else ("q", "d", "m"), n, *chunking(n, threads))  # [C, B, 32, R]
         if self.m is None:
             self.m = np.zeros((0, 0, 0), np.float32)
         self.with_sum = ACT_TYPE[qm.qtype] == "Q8_1"
@@ -279,8 +276,9 @@ def vector_registers(names=None) -> dict:
     x = np.ones((1, 32), np.float32)
     d, out = np.ones((1, 1, 1), np.float32), np.empty((1, 1), np.float32)
     u8 = np.zeros((1, 1, 1), np.uint8)
-    calls = {"matvec_nibbles": (np.zeros((1, 1, 16, 1), np.uint8), d, d, 8, x, out),
-             "matvec_q4_k": (np.zeros((1, 1, 16, 1), np.uint8), u8, u8, d, d, x, out),
+    h = np.zeros((1, 1, 1), np.uint16)
+    calls = {"matvec_nibbles": (np.zeros((1, 1, 16, 1), np.uint8), h, h, 0, F16_VALUES, x, out),
+             "matvec_q4_k": (np.zeros((1, 1, 16, 1), np.uint8), u8, u8, h, h, F16_VALUES, x, out),
              "matvec_bytes": (np.zeros((1, 1, 32, 1), np.int8), d, _NO_C, x, out),
              "ggml_q8_dot": (np.zeros((1, 1, 32, 1), np.int8), d, d, np.zeros((1, 1, 32), np.int8), d[0], d[0], out)}
     res = {}
@@ -316,13 +314,14 @@ class NumbaBackend(Backend):
         x = np.ones((1, 32), np.float32)
         out = np.empty((1, 1), np.float32)
         d = np.ones((1, 1, 1), np.float32)
-        K.matvec_nibbles(np.zeros((1, 1, 16, 1), np.uint8), d, d, 8, x, out)
+        h = np.zeros((1, 1, 1), np.uint16)
+        K.matvec_nibbles(np.zeros((1, 1, 16, 1), np.uint8), h, h, 0, F16_VALUES, x, out)
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.int8), d, _NO_C, x, out)
         K.matvec_bytes(np.zeros((1, 1, 32, 1), np.uint8), d, d, x, out)
         K.ggml_q8_dot(np.zeros((1, 1, 32, 1), np.int8), d, d, np.zeros((1, 1, 32), np.int8), d[0], d[0],
                       np.empty((1, 1), np.float32))
         u8 = np.zeros((1, 1, 1), np.uint8)
-        K.matvec_q4_k(np.zeros((1, 1, 16, 1), np.uint8), u8, u8, d, d, x, out)
+        K.matvec_q4_k(np.zeros((1, 1, 16, 1), np.uint8), u8, u8, h, h, F16_VALUES, x, out)
         K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))
         K.silu_mul(np.ones(4, np.float32), np.ones(4, np.float32), np.empty(4, np.float32))
         for neox in (False, True):
@@ -334,49 +333,44 @@ class NumbaBackend(Backend):
                    0.5, np.zeros(1, np.int64), o, np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
 
     def _prepare_ggml(self, weights):
-        """numerics="ggml": the legacy-quant matrices (ggml_cpu.QuantMatrix) get the numba kernel; K-quant
+        """numerics="ggml": the legacy-quant matrices (ggml_cpu.LegacyQuantMatrix) get the numba kernel; K-quant
         and float matrices keep their NumPy emulation."""
 
         threads = self.info["threads"]
-        swap = lambda a: GgmlQuantMatrix(a, threads) if isinstance(a, GgmlNumpy) else a
-        self.n_matrices = sum(isinstance(a, GgmlNumpy) for lw in weights.layers for a in vars(lw).values())
+        swap = lambda a: GgmlKernelMatrix(a, threads) if isinstance(a, LegacyQuantMatrix) else a
+        self.n_matrices = sum(isinstance(a, LegacyQuantMatrix) for lw in weights.layers for a in vars(lw).values())
         return type(weights)(
             tok_embd=weights.tok_embd,
             layers=[type(lw)(**{k: swap(v) for k, v in vars(lw).items()}) for lw in weights.layers],
             out_norm=weights.out_norm, output=swap(weights.output))
 
-    def prepare_weights(self, weights, raw_blocks=None, numerics="exact"):
-        """raw_blocks: (layer, field) and "output" -> (ggml type name, raw blocks) from the GGUF loader.
+    def prepare_weights(self, weights, qtensors=None, numerics="exact"):
+        """qtensors: (layer, field) and "output" -> QTensor from the GGUF loader.
 
-        Every matrix with blocks of a KERNEL_TYPES type becomes a QuantMatrix handle: one-token products by
-        the kernels, several-token ones by BLAS on the float32 weight (eager, or dequantized on use from lazy
-        weights). Q/K/V and gate/up of a layer, when their blocks are of one type, are stacked by rows
-        (QuantBlocks.stacked) so that a decode step runs one kernel for each group. numerics="ggml": see
-        _prepare_ggml."""
+        Every matrix of a KERNEL_TYPES type becomes a KernelMatrix handle: one-token products by the kernels,
+        several-token ones by BLAS on the float32 weight (eager, or dequantized on use from lazy weights). Q/K/V
+        and gate/up of a layer, when of one type, are stacked by rows (KernelBlocks of several QTensors) so that
+        a decode step runs one kernel for each group. numerics="ggml": see _prepare_ggml."""
         if numerics == "ggml":
             return self._prepare_ggml(weights)
-        raw = {k: v for k, v in (raw_blocks or {}).items() if v[0] in KERNEL_TYPES}
-        per_layer = [{} for _ in range(len(weights.layers))]
-        for key, (qtype, r) in raw.items():
-            if key != "output":
-                per_layer[key[0]][key[1]] = (qtype, r)
+        qts = {k: q for k, q in (qtensors or {}).items() if q.qtype in KERNEL_TYPES}
         threads = self.info["threads"]
         handles = []
-        for layer_raw in per_layer:
-            own = {fld: QuantBlocks(r, qtype) for fld, (qtype, r) in layer_raw.items()}
+        for i in range(len(weights.layers)):
+            own = {key[1]: q for key, q in qts.items() if key != "output" and key[0] == i}
             mats = {}
             for group in (("wq", "wk", "wv"), ("w_gate", "w_up")):
                 parts = [own.get(fld) for fld in group]
-                if all(p is not None and p.compatible(parts[0]) for p in parts):
-                    f = QuantBlocks.stacked(parts).tile(threads)
-                    bounds = np.cumsum([0] + [p.n for p in parts])
+                if all(p is not None and (p.qtype, p.shape[1]) == (parts[0].qtype, parts[0].shape[1]) for p in parts):
+                    f = KernelBlocks(parts, threads)
+                    bounds = np.cumsum([0] + [p.shape[0] for p in parts])
                     for fld, lo, hi in zip(group, bounds[:-1], bounds[1:]):
                         mats[fld] = (f, int(lo), int(hi))
                         del own[fld]
-            mats.update({fld: (q.tile(threads), 0, q.n) for fld, q in own.items()})
+            mats.update({fld: (KernelBlocks([q], threads), 0, q.shape[0]) for fld, q in own.items()})
             handles.append(mats)
-        out = raw.get("output")
-        out = (QuantBlocks(out[1], out[0]).tile(threads), 0, out[1].shape[0]) if out else None
+        out = qts.get("output")
+        out = (KernelBlocks([out], threads), 0, out.shape[0]) if out is not None else None
         self.n_matrices = sum(map(len, handles)) + (out is not None)
         self.info["kernel_matrices"] = self.n_matrices
         # a decode step with any product left to BLAS runs numba's attention serially (attend_one_serial)
@@ -387,7 +381,7 @@ class NumbaBackend(Backend):
         ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})
 
         def linear(xp, x, w):
-            if isinstance(w, QuantMatrix):
+            if isinstance(w, KernelMatrix):
                 return w.matmul(x)
             PATHS[(str(getattr(w, "dtype", "?")), "NumPy/BLAS (no kernel for this type)",
                    "1 row" if x.shape[0] == 1 else "several rows")] += 1
@@ -395,7 +389,7 @@ class NumbaBackend(Backend):
 
         def stacked(x, *ws):
             """-> the outputs of a stacked group for one row, one [1, N_i] array per weight, or None."""
-            if x.shape[0] != 1 or not all(isinstance(w, QuantMatrix) for w in ws) \
+            if x.shape[0] != 1 or not all(isinstance(w, KernelMatrix) for w in ws) \
                     or not all(w.blocks is ws[0].blocks for w in ws) or ws[-1].hi != ws[0].blocks.n:
                 return None
             y = ws[0].blocks.matvec(x[0])[None, :]

@@ -56,63 +56,140 @@ def _nibble_block(qb, x, t, b, s, off):
 
 
 @nb.njit(inline="always")
-def _nibbles_chunk(qs, d, m, x, xsum, acc, s, c, off):
-    """Chunk c of matvec_nibbles for every row t of x; off is a constant at each call site (0 or 8)."""
+def _nibbles_chunk(qs, d16, m16, f16, x, xsum, acc, s, dc, mc, c, off):
+    """Chunk c of matvec_nibbles for every row t of x; off is a constant at each call site (0: Q4_1, with
+    m; 8: Q4_0, without)."""
     w = qs.shape[3]
     for b in range(qs.shape[1]):
-        qb, db, mb = qs[c, b], d[c, b], m[c, b]
+        qb, db = qs[c, b], d16[c, b]
+        for i in range(w):
+            dc[i] = f16[db[i]]
+        if off == 0:
+            mb = m16[c, b]
+            for i in range(w):
+                mc[i] = f16[mb[i]]
         for t in range(x.shape[0]):
             _nibble_block(qb, x, t, b, s, off)
-            xs = xsum[t, b]
-            for i in range(w):
-                acc[t, i] += db[i] * s[i] + mb[i] * xs
+            if off == 0:
+                xs = xsum[t, b]
+                for i in range(w):
+                    acc[t, i] += dc[i] * s[i] + mc[i] * xs
+            else:
+                for i in range(w):
+                    acc[t, i] += dc[i] * s[i]
 
 
 @nb.njit(parallel=True, cache=True, fastmath=False)
-def matvec_nibbles(qs, d, m, offset, x, out):
-    """qs: [C, B, 16, R] uint8, d, m: [C, B, R] f32, offset: 8 (Q4_0) or 0 (Q4_1), x: [T, B*32] f32
-    -> out: [T, C*R] f32 (T = 1 for a decode step; each row t exactly as alone: the block is read once).
+def matvec_nibbles(qs, d16, m16, offset, f16, x, out):
+    """qs: [C, B, 16, R] uint8 (the file's 16 bytes of each block: element j low nibble, j+16 high), d16, m16:
+    [C, B, R] uint16 (the file's float16 scale and min; Q4_0: m16 empty), offset: 8 (Q4_0) or 0 (Q4_1),
+    f16: [65536] f32 (float16 bits -> value), x: [T, B*32] f32 -> out: [T, C*R] f32 (T = 1 for a decode
+    step; each row t exactly as alone: the block is read once).
 
-    out[n] = sum_b d[b,n] * s_b + m[b,n] * sum(x_b), s_b = sum_j (lo_j - offset) x_j + (hi_j - offset) x_{j+16}
-    (Q4_0 passes m = 0: its term adds an exact zero)."""
+    out[n] = sum_b d[b,n] * s_b (+ m[b,n] * sum(x_b)), s_b = sum_j (lo_j - offset) x_j + (hi_j - offset) x_{j+16}."""
     n_chunks, w = qs.shape[0], qs.shape[3]
     xsum = _block_sums(x, 32)
     for c in nb.prange(n_chunks):
         acc = np.zeros((x.shape[0], w), dtype=np.float64)
-        s = np.empty(w, dtype=np.float32)
+        s, dc, mc = np.empty(w, dtype=np.float32), np.empty(w, dtype=np.float32), np.empty(w, dtype=np.float32)
         if offset == 0:
-            _nibbles_chunk(qs, d, m, x, xsum, acc, s, c, 0)
+            _nibbles_chunk(qs, d16, m16, f16, x, xsum, acc, s, dc, mc, c, 0)
         else:
-            _nibbles_chunk(qs, d, m, x, xsum, acc, s, c, 8)
+            _nibbles_chunk(qs, d16, m16, f16, x, xsum, acc, s, dc, mc, c, 8)
         for t in range(x.shape[0]):
             for i in range(w):
                 out[t, c * w + i] = acc[t, i]
 
 
 @nb.njit(parallel=True, cache=True, fastmath=False)
-def matvec_q4_k(qs, sc, mn, dsb, dminsb, x, out):
+def matvec_q4_k(qs, sc, mn, d16, dmin16, f16, x, out):
     """Q4_K from its own scales: qs [C, G, 16, R] uint8 (groups of 32 as matvec_nibbles reads them), sc, mn:
-    [C, G, R] uint8 (6-bit scale and min of each group), dsb, dminsb: [C, G/8, R] f32 (d and dmin of each
-    super-block), x: [T, G*32] f32 -> out: [T, C*R] f32.
+    [C, G, R] uint8 (6-bit scale and min of each group), d16, dmin16: [C, G/8, R] uint16 (the super-block's
+    float16 d and dmin as the file has them), x: [T, G*32] f32 -> out: [T, C*R] f32.
 
     Group g: w = d*sc * q - dmin*mn, so out[n] = sum_g (d*sc) s_g - (dmin*mn) sum(x_g): the same float32
-    values as matvec_nibbles with d = d*sc and m = -dmin*mn (both products exact in float32), from 19
-    bytes per 32 weights instead of 24."""
+    values as matvec_nibbles with d = d*sc and m = -dmin*mn (both products exact in float32), from 18
+    bytes per 32 weights, the file's own size."""
     n_chunks, n_groups, _, w = qs.shape
     xsum = _block_sums(x, 32)
     for c in nb.prange(n_chunks):
         acc = np.zeros((x.shape[0], w), dtype=np.float64)
-        s = np.empty(w, dtype=np.float32)
+        s, dc, mc = np.empty(w, dtype=np.float32), np.empty(w, dtype=np.float32), np.empty(w, dtype=np.float32)
         for g in range(n_groups):
-            qb, scg, mng, dg, dmg = qs[c, g], sc[c, g], mn[c, g], dsb[c, g // 8], dminsb[c, g // 8]
+            qb, scg, mng = qs[c, g], sc[c, g], mn[c, g]
+            if g % 8 == 0:
+                db, dmb = d16[c, g // 8], dmin16[c, g // 8]
+                for i in range(w):
+                    dc[i] = f16[db[i]]
+                    mc[i] = f16[dmb[i]]
             for t in range(x.shape[0]):
                 _nibble_block(qb, x, t, g, s, 0)
                 xs = xsum[t, g]
                 for i in range(w):
-                    acc[t, i] += (dg[i] * np.float32(scg[i])) * s[i] + (-(dmg[i] * np.float32(mng[i]))) * xs
+                    acc[t, i] += (dc[i] * np.float32(scg[i])) * s[i] + (-(mc[i] * np.float32(mng[i]))) * xs
         for t in range(x.shape[0]):
             for i in range(w):
                 out[t, c * w + i] = acc[t, i]
+
+
+# -- laying the file's blocks out for the kernels: one pass, parallel over rows, nothing unpacked ----------
+@nb.njit(parallel=True, cache=True)
+def lay_out_nibbles(blocks, type_size, q_at, row0, qs, d16, m16):
+    """Q4_0 (type_size 18, q_at 2) and Q4_1 (20, 4; m16 non-empty) rows of the file's blocks [n, B*type_size]
+    -> rows row0.. of the tiled layout (qs [C, B, 16, R], d16, m16 [C, B, R]): the same bytes, rows minor."""
+    r_len = qs.shape[3]
+    for r in nb.prange(blocks.shape[0]):
+        c, i = (row0 + r) // r_len, (row0 + r) % r_len
+        row = blocks[r]
+        for b in range(qs.shape[1]):
+            o = b * type_size
+            d16[c, b, i] = np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8))
+            if m16.shape[0] > 0:
+                m16[c, b, i] = np.uint16(row[o + 2]) | (np.uint16(row[o + 3]) << np.uint16(8))
+            for j in range(16):
+                qs[c, b, j, i] = row[o + q_at + j]
+
+
+@nb.njit(parallel=True, cache=True)
+def lay_out_q4_k(blocks, row0, qs, sc, mn, d16, dmin16):
+    """Q4_K rows [n, NB*144] -> rows row0.. of qs [C, G, 16, R] (group g's 32 nibbles as element j low,
+    j+16 high), sc, mn [C, G, R] (get_scale_min_k4), d16, dmin16 [C, NB, R]."""
+    r_len = qs.shape[3]
+    for r in nb.prange(blocks.shape[0]):
+        c, i = (row0 + r) // r_len, (row0 + r) % r_len
+        row = blocks[r]
+        for sb in range(d16.shape[1]):
+            o = sb * 144
+            d16[c, sb, i] = np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8))
+            dmin16[c, sb, i] = np.uint16(row[o + 2]) | (np.uint16(row[o + 3]) << np.uint16(8))
+            for k in range(8):
+                if k < 4:
+                    scale, mins = row[o + 4 + k] & 63, row[o + 8 + k] & 63
+                else:
+                    scale = (row[o + 8 + k] & 15) | ((row[o + k] >> 6) << 4)
+                    mins = (row[o + 8 + k] >> 4) | ((row[o + 4 + k] >> 6) << 4)
+                g = sb * 8 + k
+                sc[c, g, i] = scale
+                mn[c, g, i] = mins
+                base, shift = o + 16 + 32 * (k // 2), 4 * (k % 2)
+                for j in range(16):
+                    lo = (row[base + j] >> shift) & 15
+                    hi = (row[base + j + 16] >> shift) & 15
+                    qs[c, g, j, i] = lo | (hi << 4)
+
+
+@nb.njit(parallel=True, cache=True)
+def lay_out_q8_0(blocks, f16, row0, qs, a):
+    """Q8_0 rows [n, B*34] -> rows row0.. of qs [C, B, 32, R] int8 and a [C, B, R] f32 (the float16 d)."""
+    r_len = qs.shape[3]
+    for r in nb.prange(blocks.shape[0]):
+        c, i = (row0 + r) // r_len, (row0 + r) % r_len
+        row = blocks[r]
+        for b in range(qs.shape[1]):
+            o = b * 34
+            a[c, b, i] = f16[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
+            for j in range(32):
+                qs[c, b, j, i] = np.int8(row[o + 2 + j]) if row[o + 2 + j] < 128 else np.int8(np.int32(row[o + 2 + j]) - 256)
 
 
 @nb.njit(inline="always")

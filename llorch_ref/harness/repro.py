@@ -25,10 +25,11 @@ from ..backends import get_backend
 from ..config import Config
 from ..dump import catalogue, to_canonical
 from ..errors import HarnessError
-from ..loaders.gguf_file import matrix_of_blocks, open_reader, raw_blocks_of
+from ..loaders.gguf_file import open_reader, qtensors_of
 from ..model import layers as layer_ops
 from ..model.cache import Cache, visible_mask
-from ..numerics.ggml_cpu import FloatMatrix, make_ops
+from ..model.qtensor import QTensor
+from ..numerics.ggml_cpu import FloatMatrix, make_ops, matrix_of
 from .compare import dims_of, fused_attention, neox_rows, subject_getter
 from .local import local_outputs, model_outputs
 from .metrics import compare, fmt, fmt_cos, within
@@ -182,12 +183,11 @@ def _weight_files(engine, layer, name, v) -> tuple[dict, dict]:
     if qtype in ("F32", "F16") and hasattr(v, "w"):
         return {"kind": "float_matrix", "qtype": qtype}, {f"weights/{name}.npy": np.asarray(v.w)}
     if qtype is not None and engine.path is not None and engine.path.is_file():
-        blocks = raw_blocks_of(engine.config, {t.name: t for t in open_reader(engine.path).tensors})
-        key = "output" if layer is None and name == "output" else (layer, name)
-        if key in blocks:
-            kind, raw = blocks[key]
-            return ({"kind": "blocks", "qtype": kind, "shape": list(v.shape)},
-                    {f"weights/{name}.blocks.npy": np.ascontiguousarray(raw)})
+        qts = qtensors_of(engine.config, open_reader(engine.path))
+        qt = qts.get("output" if layer is None and name == "output" else (layer, name))
+        if qt is not None:
+            return ({"kind": "blocks", "qtype": qt.qtype, "shape": list(qt.shape)},
+                    {f"weights/{name}.blocks.npy": np.ascontiguousarray(qt.blocks)})
     raise HarnessError(f"no repro: the weight {name} is a {type(v).__name__}, which the repro cannot store")
 
 
@@ -217,9 +217,8 @@ def _engine(case):
         elif how["kind"] == "float_matrix":
             weights[name] = FloatMatrix(np.load(folder / "weights" / f"{name}.npy"), how["qtype"])
         else:
-            raw = np.load(folder / "weights" / f"{name}.blocks.npy")
-            weights[name] = (matrix_of_blocks(raw, how["qtype"], how["shape"]) if case["numerics"] == "ggml"
-                             else _dequantized(raw, how["qtype"], how["shape"]))
+            qt = QTensor(how["qtype"], tuple(how["shape"]), np.load(folder / "weights" / f"{name}.blocks.npy"), name)
+            weights[name] = matrix_of(qt) if case["numerics"] == "ggml" else qt.dequantize()
     ggml = case["numerics"] == "ggml"
     backend = get_backend("numpy")
     n_ctx = max(case["positions"]) + 1
@@ -232,11 +231,6 @@ def _engine(case):
                                     output=weights.get("output")))
     eng.new_cache = lambda: Cache(np, cfg, n_ctx, kv_dtype=case["kv_dtype"], ops=eng.ops)
     return eng
-
-
-def _dequantized(raw, qtype, shape):
-    import gguf
-    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(shape).astype(np.float32)
 
 
 def run(case) -> np.ndarray:

@@ -7,6 +7,7 @@ GGUF llama files hold Wq/Wk rows permuted by llama.cpp's converter so that RoPE 
 """
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 from dataclasses import dataclass
@@ -16,9 +17,10 @@ import numpy as np
 
 from ..config import Config
 from ..errors import ModelFileError, ParameterError, UnsupportedModelError
+from ..model.qtensor import QTensor
 from ..model.weights import LayerWeights, Weights
 from ..numerics import NUMERICS
-from ..numerics.ggml_cpu import ACT_TYPE, FloatMatrix, KQuantMatrix, QuantMatrix
+from ..numerics.ggml_cpu import FloatMatrix, matrix_of
 from .gguf_header import GGUFFile, read_gguf
 from .lazy_weights import (
     LazyLayers,
@@ -45,8 +47,8 @@ class GGUFModel:
     weights: Weights
     metadata: dict            # every key/value of the file (arrays of strings stay lists)
     tensor_types: dict        # name -> ggml type name (e.g. "Q4_1")
-    raw_blocks: dict = None   # (layer, field) or "output" -> (ggml type name, raw uint8 blocks [N, row bytes])
-                              # of every quantized matrix: for backends whose kernels read them (numba)
+    qtensors: dict = None     # (layer, field) or "output" -> QTensor of every quantized matrix, for backends
+                              # and numerics that multiply by the blocks themselves (numba, ggml, cupy)
 
 
 MIN_KV_BYTES = 8 + 1 + 4            # key length, at least one key byte, value type
@@ -266,15 +268,23 @@ def _dequantize_rows_parallel(data, qtype, shape):
 
 def release_pages(reader, t):
     """Drop this tensor's pages from the process's mapping (they stay in the page cache)."""
+    drop_mapped(reader, t.data)
+
+
+def drop_mapped(reader, arr):
+    """Drop the pages under arr (a view of reader's mapping) from the process (madvise DONTNEED: they leave
+    the resident set and stay in the page cache; a later read faults them back in from there)."""
     import mmap
 
     mm = getattr(reader, "mm", None)
-    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED") or arr.size == 0:
         return
     page = mmap.PAGESIZE
-    start = int(t.data_offset) // page * page
-    end = min(len(mm), -(-(int(t.data_offset) + int(t.n_bytes)) // page) * page)
-    if end > start:
+    lo = int(arr.ctypes.data) - int(reader.mapped.ctypes.data)
+    hi = lo + int(arr.nbytes) if arr.flags.c_contiguous else \
+        int(arr[-1].ctypes.data) - int(reader.mapped.ctypes.data) + int(arr[-1].nbytes)
+    start, end = lo // page * page, min(len(mm), -(-hi // page) * page)
+    if 0 <= start < end:
         try:
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
         except (OSError, ValueError):
@@ -311,19 +321,33 @@ def split_fused(cfg, fields: dict) -> dict:
     return fields
 
 
-def raw_blocks_of(cfg, by_name) -> dict:
-    """(layer, field) and "output" -> (ggml type name, raw blocks [N, row bytes]) of every quantized matrix (not
-    F32/F16), as the file maps them (no copy); Phi-3's fused projections split by rows like the weights."""
+def qtensors_of(cfg, reader) -> dict:
+    """(layer, field) and "output" -> QTensor of every quantized matrix (not F32/F16), as the file maps it (no
+    copy); Phi-3's fused projections split by rows like the weights."""
+    by_name = {t.name: t for t in reader.tensors}
+    release = functools.partial(drop_mapped, reader)
+
+    def qt(t):
+        shape = tuple(int(x) for x in reversed([int(s) for s in t.shape]))
+        return QTensor(t.tensor_type.name, shape, t.data, t.name, release)
+
     out = {}
     for i in range(cfg.n_layers):
-        found = {fld: by_name[f"blk.{i}.{suffix}"] for suffix, (fld, shp) in layer_tensors(cfg).items()
+        found = {fld: qt(by_name[f"blk.{i}.{suffix}"]) for suffix, (fld, shp) in layer_tensors(cfg).items()
                  if len(shp(cfg)) == 2 and by_name[f"blk.{i}.{suffix}"].tensor_type.name not in ("F32", "F16")}
-        kind = {fld: t.tensor_type.name for fld, t in found.items()}
-        for fld, raw in split_fused(cfg, {fld: t.data for fld, t in found.items()}).items():
-            out[(i, fld)] = (kind.get(fld) or kind[FUSED_OF[fld]], raw)
+        for fused, parts in (("_qkv", ("wq", "wk", "wv")), ("_gate_up", ("w_gate", "w_up"))):
+            if fused in found:
+                q = found.pop(fused)
+                sizes = {"wq": cfg.n_heads * cfg.head_dim, "wk": cfg.n_kv_heads * cfg.head_dim,
+                         "wv": cfg.n_kv_heads * cfg.head_dim, "w_gate": cfg.d_ff, "w_up": cfg.d_ff}
+                lo = 0
+                for fld in parts:
+                    found[fld] = q.rows(lo, lo + sizes[fld])
+                    lo += sizes[fld]
+        out.update({(i, fld): q for fld, q in found.items()})
     t = by_name["token_embd.weight" if cfg.tied_output else "output.weight"]
     if t.tensor_type.name not in ("F32", "F16"):
-        out["output"] = (t.tensor_type.name, t.data)
+        out["output"] = qt(t)
     return out
 
 
@@ -362,17 +386,7 @@ def ggml_matrix(t, shape):
     name = t.tensor_type.name
     if name in ("F32", "F16"):
         return FloatMatrix(dequantize(t), name)
-    return matrix_of_blocks(np.asarray(t.data), name, shape, what=f"tensor {t.name!r}")
-
-
-def matrix_of_blocks(raw, qtype: str, shape, what: str = "a weight"):
-    """numerics="ggml": a quantized weight [N, K] from its GGUF blocks (raw bytes [N, row bytes]) and type."""
-    if qtype in ACT_TYPE:
-        return QuantMatrix(raw, qtype, shape)
-    if qtype in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
-        return KQuantMatrix(raw, qtype, shape)
-    raise UnsupportedModelError(f"{what}: numerics='ggml' does not implement {qtype} products yet "
-                                f"(implemented: F32, F16, {', '.join(ACT_TYPE)}, Q2_K..Q6_K); use numerics='exact'")
+    return matrix_of(QTensor(name, tuple(shape), np.asarray(t.data), t.name), what=f"tensor {t.name!r}")
 
 
 def rope_freqs_of(by_name):
@@ -449,7 +463,7 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
                       output=out)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types,
-                     raw_blocks=raw_blocks_of(cfg, by_name))
+                     qtensors=qtensors_of(cfg, reader))
 
 
 def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store) -> GGUFModel:
@@ -508,4 +522,4 @@ def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
                           store)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types,
-                     raw_blocks=raw_blocks_of(cfg, by_name))
+                     qtensors=qtensors_of(cfg, reader))

@@ -22,6 +22,7 @@ import functools
 
 import numpy as np
 
+from ..errors import UnsupportedModelError
 from ..model import layers
 
 F32, F64, F16 = np.float32, np.float64, np.float16
@@ -93,12 +94,12 @@ def unpack_blocks(raw, qtype: str):
 ACT_TYPE = {"Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_1": "Q8_1", "Q5_1": "Q8_1"}
 
 
-class QuantMatrix:
-    """A quantized weight [N, K] kept as ggml blocks; matmul(x) reproduces ggml's CPU product."""
+class LegacyQuantMatrix:
+    """A Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight [N, K] from its QTensor; matmul(x) reproduces ggml's CPU product."""
 
-    def __init__(self, raw, qtype: str, shape):
-        self.qtype, self.shape = qtype, tuple(shape)
-        q, d, m = unpack_blocks(raw, qtype)
+    def __init__(self, qt):
+        self.qtype, self.shape = qt.qtype, tuple(qt.shape)
+        q, d, m = unpack_blocks(qt.blocks, qt.qtype)
         n, b, _ = q.shape
         # [B, 8, 4, N]: per block and lane, the 4 weights of that lane, ready for batched matmuls
         self.q_lanes = np.ascontiguousarray(q.reshape(n, b, 8, 4).transpose(1, 2, 3, 0).astype(F32))
@@ -451,8 +452,9 @@ class KQuantMatrix:
     super-block, 8 int32 lanes (lane l = elements 4l..4l+3 of each 32-element group, times that group's
     scale), one FMA per super-block, hsum; Q4_K adds its mins through 4 FMA lanes on Q8_K's block sums."""
 
-    def __init__(self, raw, qtype, shape):
-        self.qtype, self.shape = qtype, tuple(shape)
+    def __init__(self, qt):
+        qtype, raw = qt.qtype, qt.blocks
+        self.qtype, self.shape = qtype, tuple(qt.shape)
         n = raw.shape[0]
         if qtype == "Q4_K":
             blk = np.asarray(raw).reshape(n, -1, 144)
@@ -574,3 +576,14 @@ class KQuantMatrix:
         elif self.qtype == "Q5_K":
             y = y + summs
         return y.astype(F32)
+
+
+def matrix_of(qt, what: str = ""):
+    """numerics="ggml": the product llama.cpp's CPU backend computes with this QTensor's blocks."""
+    if qt.qtype in ACT_TYPE:
+        return LegacyQuantMatrix(qt)
+    if qt.qtype in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+        return KQuantMatrix(qt)
+    raise UnsupportedModelError(f"{what or qt.name or 'a weight'}: numerics='ggml' does not implement {qt.qtype} "
+                                f"products yet (implemented: F32, F16, {', '.join(ACT_TYPE)}, Q2_K..Q6_K); use "
+                                f"numerics='exact'")
