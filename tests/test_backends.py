@@ -117,6 +117,48 @@ def test_numba_kernels_match_the_dequantized_product(qt):
     np.testing.assert_array_equal(blocks.matvec(x[1]), got[1])            # each row exactly as alone
 
 
+@pytest.mark.parametrize("qt", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_cuda_blocks_kernels_match_the_dequantized_product(qt):
+    """The GPU's blocks: dequantized on the device bit for bit as gguf-py does; one token (GEMV) and three
+    (dequantize + cuBLAS) equal to the float64 product up to summation order."""
+    need_backend("cupy")
+    import cupy as cp
+
+    from llorch_ref.backends.cuda_blocks import GpuBlocks
+
+    q = random_qtensor(qt, 72, 512, 4)
+    g = GpuBlocks.from_qtensor(q, cp)
+    np.testing.assert_array_equal(cp.asnumpy(g.dequantize()), q.dequantize())
+    deq = q.dequantize().astype(np.float64)
+    x = np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32)
+    want, scale = x @ deq.T, np.abs(x) @ np.abs(deq).T
+    for rows in (x[:1], x):
+        got = cp.asnumpy(g.matmul(cp.asarray(rows)))
+        assert (np.abs(got - want[:len(rows)]) <= 1e-6 * scale[:len(rows)]).all()
+    for staged in (True, False):                                  # both one-token kernels, whichever serves
+        y = cp.empty((1, 72), dtype=cp.float32)
+        g.gemv_kernel(staged)((9,), (256,), (g.blocks, cp.asarray(x[:1]), y, cp.int32(72), cp.int32(g.units),
+                                             cp.int64(g.blocks.shape[1])))
+        assert (np.abs(cp.asnumpy(y) - want[:1]) <= 1e-6 * scale[:1]).all(), staged
+
+
+@pytest.mark.parametrize("weight_type", ["Q4_0", "Q8_0"])
+def test_cupy_blocks_checkpoints_against_numpy(tiny, weight_type):
+    need_backend("cupy")
+    from llorch_ref.harness.run import run_backend_diff
+
+    path = tiny(vocab="bpe", weight_type=weight_type)
+    eng = llorch_ref.load(path, backend="cupy", dtype="blocks")
+    assert eng.backend.info["blocks_types"] == [weight_type]
+    res = run_backend_diff(eng, llorch_ref.load(path), n_greedy=16)
+    assert res.first_divergence is None, res.first_divergence
+
+
+def test_blocks_dtype_is_the_gpu_s(tiny):
+    with pytest.raises(ParameterError, match="cupy backend's"):
+        llorch_ref.load(tiny(weight_type="Q4_0"), backend="numba", dtype="blocks")
+
+
 def test_cupy_checkpoints_against_numpy(tiny):
     need_backend("cupy")
     from llorch_ref.harness.run import run_backend_diff

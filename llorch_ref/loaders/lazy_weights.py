@@ -128,6 +128,10 @@ class LazyLayers:
         for i in range(self.n):
             yield self[i]
 
+    def field(self, i, name):
+        """One field of layer i, dequantized now and not cached (a backend that reads the others elsewhere)."""
+        return self._deq(i % self.n, name)
+
     def keeps(self, i) -> bool:
         """Whether layer i's weights are (or will be) kept dequantized; else each read dequantizes anew."""
         return self.cache.keeps(("layer", i % self.n), self.layer_bytes)

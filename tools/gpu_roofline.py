@@ -1,0 +1,393 @@
+"""Issue 22's GPU measurements, in one call per part (the results are committed under results/gpu/).
+
+    python tools/gpu_roofline.py profile --out DIR      # bandwidth, GEMV kernels, one 7B decode step by op
+    python tools/gpu_roofline.py speed --out DIR        # 7B float16 and Q4_K decode/prefill vs transformers
+    python tools/gpu_roofline.py big --out DIR          # a 70B-shaped Q4_K model of random blocks on one card
+    python tools/gpu_roofline.py tables --out DIR       # checkpoints of --dtype blocks against numpy
+
+Timing: CUDA events around N back-to-back launches (the GPU's time per launch, not the host's), medians of
+5 such runs, after a warm-up. The card's memory bandwidth is measured in the same call: a read-only kernel
+(uint4 loads, 4 GiB) and a device-to-device copy of 2 GiB (counted as bytes read + written).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUPY_TF32", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+READ_SRC = r"""
+extern "C" __global__ void read_all(const uint4* __restrict__ a, long n, unsigned* out) {
+    unsigned acc = 0;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        uint4 v = __ldcs(a + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) out[0] = acc;      // keeps the loads
+}
+"""
+
+
+def gpu_time(fn, n=50, runs=5, stream=None):
+    """Median over `runs` of the GPU time per call of fn(), n calls back to back between two events (ms),
+    recorded on `stream` (default: the current one)."""
+    import cupy as cp
+
+    fn()
+    cp.cuda.Device().synchronize()
+    times = []
+    for _ in range(runs):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        for _ in range(n):
+            fn()
+        b.record(stream)
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) / n)
+    return statistics.median(times)
+
+
+def bandwidth():
+    """-> {"read_tb_s", "copy_tb_s"}: the card's measured memory bandwidth."""
+    import cupy as cp
+
+    a = cp.ones(4 << 30, dtype=cp.uint8)
+    out = cp.zeros(1, dtype=cp.uint32)
+    k = cp.RawKernel(READ_SRC, "read_all")
+    n = a.nbytes // 16
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    read_ms = gpu_time(lambda a=a: k((sms * 8,), (512,), (a, cp.int64(n), out)), n=5)
+    copy_ms = gpu_time(lambda a=a: cp.copyto(a[2 << 30:], a[: 2 << 30]), n=5)
+    del a
+    return {"read_tb_s": round((4 << 30) / read_ms / 1e9, 3), "copy_tb_s": round(2 * (2 << 30) / copy_ms / 1e9, 3),
+            "read_bytes": 4 << 30, "copy_bytes": 2 << 30}
+
+
+def card():
+    import cupy as cp
+
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    free, total = cp.cuda.runtime.memGetInfo()
+    return {"name": props["name"].decode(), "memory_gib": round(total / 2**30, 1), "sms": props["multiProcessorCount"],
+            "cupy": cp.__version__}
+
+
+def llama2_7b():
+    from llorch_ref.config import Config
+    return Config(arch="llama", n_vocab=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
+                  d_ff=11008, context_length=4096, rms_eps=1e-5, rope_base=10000.0, rope_dim=128,
+                  rope_style="neox", tied_output=False)
+
+
+def llama2_70b():
+    from llorch_ref.config import Config
+    return Config(arch="llama", n_vocab=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+                  d_ff=28672, context_length=4096, rms_eps=1e-5, rope_base=10000.0, rope_dim=128,
+                  rope_style="neox", tied_output=False)
+
+
+def random_blocks(qtype, n, k, cp, seed=0):
+    """A GpuBlocks of random codes drawn on the card, with float16 scales giving weights of about 0.02."""
+    from llorch_ref.backends.cuda_blocks import TYPES, GpuBlocks
+
+    _, size, per = TYPES[qtype]
+    rs = cp.random.RandomState(seed)
+    raw = rs.randint(0, 256, size=(n * k // per, size), dtype=cp.uint8)
+    f16 = lambda v: cp.asarray(cp.full(1, v, dtype=cp.float16).view(cp.uint8))         # noqa: E731
+    at = {"Q4_0": [(0, 0.0043)], "Q4_1": [(0, 0.0027), (2, -0.02)], "Q8_0": [(0, 0.00027)],
+          "Q4_K": [(0, 7.7e-5), (2, 5.8e-4)], "Q6_K": [(208, 1.2e-5)]}[qtype]
+    for off, v in at:
+        raw[:, off:off + 2] = f16(v)
+    return GpuBlocks(qtype, (n, k), raw.reshape(n, -1), cp)
+
+
+def random_engine(cfg, dtype, qtype=None, n_ctx=1024, seed=0):
+    """An Engine of random weights made on the card: float16/float32 matrices, or (qtype) GpuBlocks for every
+    matrix (embeddings float32, norms ones)."""
+    import cupy as cp
+
+    from llorch_ref.engine import Engine
+    from llorch_ref.model.weights import LayerWeights, Weights
+
+    rs = cp.random.RandomState(seed)
+    wd = cp.float16 if dtype == "float16" else cp.float32
+    count = [seed]
+
+    def mat(n, k):
+        if qtype:
+            count[0] += 1
+            return random_blocks(qtype, n, k, cp, seed=count[0])
+        return (rs.standard_normal((n, k), dtype=cp.float32) * 0.02).astype(wd)
+
+    norm = lambda n: cp.ones(n, dtype=cp.float32)                                          # noqa: E731
+    d, f, h, kv, hd = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    layers = [LayerWeights(attn_norm=norm(d), wq=mat(h * hd, d), wk=mat(kv * hd, d), wv=mat(kv * hd, d),
+                           wo=mat(d, h * hd), ffn_norm=norm(d), w_gate=mat(f, d), w_up=mat(f, d), w_down=mat(d, f))
+              for _ in range(cfg.n_layers)]
+    emb = rs.standard_normal((cfg.n_vocab, d), dtype=cp.float32) * 0.02
+    w = Weights(tok_embd=emb, layers=layers, out_norm=norm(d), output=mat(cfg.n_vocab, d))
+    eng = Engine(cfg, w, None, backend="cupy", dtype="blocks" if qtype else dtype, n_ctx=n_ctx)
+    return eng
+
+
+def matrix_bytes(eng):
+    """Bytes of every matrix a decode step reads (layers and output; the embedding reads one row)."""
+    total = 0
+    for lw in eng.weights.layers:
+        for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+            total += int(getattr(lw, name).nbytes)
+    return total + int(eng.weights.output.nbytes)
+
+
+def decode_step_ms(eng, prompt=8, steps=64):
+    """GPU time of one captured decode step (graph replay), after `prompt` tokens."""
+    cache = eng.new_cache()
+    eng.forward(list(range(1, prompt + 1)), cache, rows=[prompt - 1])
+    dec = eng.backend.make_decoder(eng, cache)
+    for _ in range(3):
+        dec(5)
+    if dec.graph is None:
+        return None
+    s = dec.stream
+    return gpu_time(lambda: dec.graph.launch(s), n=20, stream=s)
+
+
+def profile(out):
+    """Bandwidth; the float16 GEMV and the blocks GEMVs on 7B shapes (GB/s); one 7B decode step by op."""
+    import cupy as cp
+
+    from llorch_ref.backends.cupy_backend import _kernels
+
+    res = {"card": card(), "bandwidth": bandwidth(), "gemv": []}
+    bw = res["bandwidth"]["read_tb_s"]
+    print(json.dumps(res), flush=True)
+    K = _kernels(cp)
+    shapes = [(4096, 4096), (12288, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]
+
+    def row(kernel, shape, nbytes, fn):
+        ms = gpu_time(fn)
+        return {"kernel": kernel, "shape": list(shape), "us": round(ms * 1e3, 2), "tb_s": round(nbytes / ms / 1e9, 3),
+                "of_read_bw": round(nbytes / ms / 1e9 / bw, 3)}
+
+    for n, k in shapes:
+        w = (cp.random.standard_normal((n, k), dtype=cp.float32) * 0.02).astype(cp.float16)
+        x = cp.random.standard_normal(k, dtype=cp.float32)
+        y = cp.empty((1, n), dtype=cp.float32)
+        args = (w, x, y, cp.int32(n), cp.int32(k))
+        res["gemv"].append(row("gemv_f16_v8", (n, k), w.nbytes, lambda a=args, g=((n + 7) // 8,): K["gemv_f16_v8"](g, (256,), a)))
+        res["gemv"].append(row("gemv_f16_x4", (n, k), w.nbytes, lambda a=args, g=((n + 3) // 4,): K["gemv_f16_x4"](g, (128,), a)))
+        del w, args
+        for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+            g = random_blocks(qtype, n, k, cp)
+            a = (g.blocks, x, y, cp.int32(n), cp.int32(g.units), cp.int64(g.blocks.shape[1]))
+            for staged in (True, False):
+                f = g.gemv_kernel(staged)
+                res["gemv"].append(row(f"blocks {qtype} {'staged' if staged else 'direct'}", (n, k), g.nbytes,
+                                       lambda a=a, f=f, b=((n + 7) // 8,): f(b, (256,), a)))
+            del g, a
+        print(json.dumps(res["gemv"][-12:]), flush=True)
+    cfg = llama2_7b()
+    res["decode_step"] = []
+    for dtype, qtype in (("float16", None), ("blocks", "Q4_K")):
+        eng = random_engine(cfg, dtype, qtype)
+        ms = decode_step_ms(eng)
+        mb = matrix_bytes(eng)
+        res["decode_step"].append({"dtype": dtype, "qtype": qtype, "graph_step_ms": ms, "matrix_bytes": mb,
+                                   "roofline_ms": round(mb / bw / 1e9, 3),
+                                   "of_roofline": round(mb / bw / 1e9 / ms, 3) if ms else None})
+        print(json.dumps(res["decode_step"][-1]), flush=True)
+        del eng
+        cp.get_default_memory_pool().free_all_blocks()
+    (Path(out) / "profile.json").write_text(json.dumps(res, indent=1))
+
+
+def ours(cfg, dtype, qtype=None, prefill=512, decode=128):
+    """llorch-ref cupy: prefill of `prefill` tokens, decode of `decode` tokens after an 8-token prompt
+    (CUDA graphs), both medians of 3 after a warm-up; the captured step's GPU time; matrix bytes."""
+    import cupy as cp
+
+    from llorch_ref.engine import GenerationResult
+
+    eng = random_engine(cfg, dtype, qtype, n_ctx=max(1024, prefill + 16))
+    ids = list(range(1, prefill + 1))
+
+    def pf():
+        cp.cuda.Device().synchronize()
+        t = time.perf_counter()
+        eng.forward(ids, eng.new_cache(), rows=[prefill - 1])
+        cp.cuda.Device().synchronize()
+        return prefill / (time.perf_counter() - t)
+
+    def dc():
+        res = GenerationResult()
+        for _ in eng.generate_ids(ids[:8], max_tokens=decode, ignore_eos=True, result=res):
+            pass
+        cp.cuda.Device().synchronize()
+        return decode / res.decode_s
+    out = {"engine": "llorch-ref cupy", "dtype": dtype, "qtype": qtype, "prefill_tokens": prefill,
+           "prefill_tok_s": median_of(pf), "decode_tok_s": median_of(dc), "graph_step_ms": decode_step_ms(eng),
+           "matrix_bytes": matrix_bytes(eng), "cuda_graphs": eng.backend.info.get("cuda_graphs"),
+           "memory_used_gib": round((cp.cuda.runtime.memGetInfo()[1] - cp.cuda.runtime.memGetInfo()[0]) / 2**30, 2)}
+    eng = None                                         # noqa: F841 (frees the weights before the next engine)
+    free_gpu()
+    return out
+
+
+def median_of(fn, n=3):
+    fn()
+    return statistics.median(fn() for _ in range(n))
+
+
+def theirs(cfg, prefill=512, decode=128, static=False):
+    """transformers LlamaForCausalLM in float16 on the same card: eager generation, or its fastest path (a
+    static cache, generation compiled by torch.compile, as generate() does with cache_implementation='static')."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaConfig(vocab_size=cfg.n_vocab, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+                     num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                     num_key_value_heads=cfg.n_kv_heads, rms_norm_eps=cfg.rms_eps, rope_theta=cfg.rope_base,
+                     max_position_embeddings=2048, tie_word_embeddings=False,
+                     attn_implementation="sdpa" if static else "eager")
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(hf).to(torch.float16).eval()
+    ids = torch.arange(1, prefill + 1, device="cuda")[None]
+    kw = dict(cache_implementation="static") if static else {}
+
+    def pf():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model(ids)
+        torch.cuda.synchronize()
+        return prefill / (time.perf_counter() - t)
+
+    def dc():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids[:, :8], max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0, **kw)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids[:, :8], max_new_tokens=decode + 1, min_new_tokens=decode + 1, do_sample=False,
+                           pad_token_id=0, **kw)
+        torch.cuda.synchronize()
+        return decode / ((time.perf_counter() - t1) - (t1 - t0))     # minus the prompt and first token
+    t0 = time.time()
+    dc()                                                                  # compiles (static)
+    out = {"engine": "transformers " + ("static cache + compiled generation (sdpa)" if static else "eager"),
+           "dtype": "float16", "prefill_tokens": prefill, "prefill_tok_s": median_of(pf),
+           "decode_tok_s": median_of(dc), "warm_up_s": round(time.time() - t0, 1), "torch": torch.__version__}
+    model = None                                       # noqa: F841
+    free_gpu()
+    return out
+
+
+def free_gpu():
+    import gc
+
+    import cupy as cp
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    try:
+        import torch
+        torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+def speed(out):
+    """Llama-2-7B shape, same card, same call: llorch-ref float16 and Q4_K next to transformers."""
+    import transformers
+
+    res = {"card": card(), "bandwidth": bandwidth(), "transformers": transformers.__version__, "rows": []}
+    bw = res["bandwidth"]["read_tb_s"]
+    cfg = llama2_7b()
+    for dtype, qtype in (("float16", None), ("blocks", "Q4_K"), ("blocks", "Q4_0")):
+        r = ours(cfg, dtype, qtype)
+        r["roofline_tok_s"] = round(bw * 1e12 / r["matrix_bytes"], 1)
+        r["of_roofline"] = round(r["decode_tok_s"] / r["roofline_tok_s"], 3)
+        res["rows"].append(r)
+        print(json.dumps(r), flush=True)
+    for static in (False, True):
+        try:
+            r = theirs(cfg, static=static)
+        except Exception as e:                          # noqa: BLE001 (the error is the result)
+            r = {"engine": f"transformers static={static}", "error": f"{type(e).__name__}: {e}"[:300]}
+        res["rows"].append(r)
+        print(json.dumps(r), flush=True)
+    (Path(out) / "speed.json").write_text(json.dumps(res, indent=1))
+
+
+def big(out):
+    """A Llama-2-70B-shaped model of random Q4_K blocks made on the card: memory and decode speed."""
+    res = {"card": card(), "bandwidth": bandwidth()}
+    cfg = llama2_70b()
+    t0 = time.time()
+    r = ours(cfg, "blocks", "Q4_K", prefill=128, decode=32)
+    r["build_s"] = round(time.time() - t0, 1)
+    r["roofline_tok_s"] = round(res["bandwidth"]["read_tb_s"] * 1e12 / r["matrix_bytes"], 2)
+    r["of_roofline"] = round(r["decode_tok_s"] / r["roofline_tok_s"], 3)
+    r["matrix_gib"] = round(r["matrix_bytes"] / 2**30, 2)
+    res["row"] = r
+    print(json.dumps(res), flush=True)
+    (Path(out) / "big.json").write_text(json.dumps(res, indent=1))
+
+
+def tables(out):
+    """Checkpoint tables: cupy with --dtype blocks against the numpy oracle, every checkpoint, greedy tokens;
+    on the default model (reassembled from the parts carried to the device, if there) and on Llama-2-7B-shaped
+    files of two layers with random Q4_K, Q4_0 and Q8_0 blocks (tools/make_big_model.py --shape small)."""
+    import llorch_ref
+    from llorch_ref.harness.run import run_backend_diff
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import make_big_model
+
+    paths = []
+    parts = sorted(Path(".").glob(".gpu_model_*/q41part*"))
+    if len(parts) == 2:
+        q41 = Path("/tmp/q41.gguf")
+        q41.write_bytes(b"".join(p.read_bytes() for p in parts))
+        paths.append(("SmolLM2-135M-Instruct Q4_1 (default model)", q41))
+    for qtype in ("Q4_K", "Q4_0", "Q8_0"):
+        p = Path(f"/tmp/small-{qtype}.gguf")
+        if not p.exists():
+            make_big_model.write(p, shape="small", qtype=qtype)
+        paths.append((f"Llama-2-7B-shaped, 2 layers, random {qtype}", p))
+    res = {"card": card(), "rows": [], "runs": []}
+    for label, path in paths:
+        eng = llorch_ref.load(path, backend="cupy", dtype="blocks")
+        r = run_backend_diff(eng, llorch_ref.load(path, backend="numpy"), n_greedy=32)
+        res["runs"].append({"model": label, "first_divergence": r.first_divergence, "blocks": eng.backend.info.get(
+            "blocks_types"), "greedy": {k: r.greedy.get(k) for k in ("equal_prefix", "n")}})
+        for s in r.summary():
+            res["rows"].append({"model": label, **{k: s[k] for k in (
+                "checkpoint", "name", "rows", "failed", "worst_nmse", "worst_max_abs", "min_cosine", "min_agreement",
+                "equal_prefix", "band", "passed")}})
+        print(json.dumps(res["runs"][-1]), flush=True)
+        eng = None                                         # noqa: F841
+        free_gpu()
+    (Path(out) / "tables.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("part", choices=["profile", "speed", "big", "tables"])
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    {"profile": profile, "speed": speed, "big": big, "tables": tables}[a.part](a.out)
+    print(f"done in {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
