@@ -117,6 +117,26 @@ def test_numba_kernels_match_the_dequantized_product(qt):
     np.testing.assert_array_equal(blocks.matvec(x[1]), got[1])            # each row exactly as alone
 
 
+@pytest.mark.parametrize("model", ["tiny-Q4_0", "tiny-Q4_1", "default"])
+def test_numba_fused_decode_step_equals_the_op_by_op_step(tiny, default_model, model):
+    """The fused one-token step (each layer in one numba call) against the op-by-op forward the checkpoints
+    record: the same logits and the same K/V cache, to the bit, over several steps."""
+    need_backend("numba")
+    path = default_model if model == "default" else tiny(vocab="bpe", weight_type=model.split("-")[1])
+    eng = llorch_ref.load(path, backend="numba")
+    ids = eng.tokenizer.encode("Hello world, the")
+    a, b = eng.new_cache(), eng.new_cache()
+    for c in (a, b):
+        eng.forward(ids, c, rows=[len(ids) - 1])
+    fused = eng.backend.make_decoder(eng, a)
+    assert eng.backend.info["fused_decode"] and type(fused).__name__ == "FusedDecoder"
+    for tok in (5, 17, 3, 99, 5):
+        np.testing.assert_array_equal(fused(tok), eng.forward([tok], b, rows=[0]))
+    assert a.pos == b.pos
+    np.testing.assert_array_equal(a.k[:, :a.pos], b.k[:, :b.pos])
+    np.testing.assert_array_equal(a.v[:, :a.pos], b.v[:, :b.pos])
+
+
 @pytest.mark.parametrize("qt", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_cuda_blocks_kernels_match_the_dequantized_product(qt):
     """The GPU's blocks: dequantized on the device bit for bit as gguf-py does; one token (GEMV) and three

@@ -51,21 +51,21 @@ class KernelBlocks:
         if self.qtype in NIBBLES:
             size, q_at, self.offset = NIBBLES[self.qtype]
             b = self.k // 32
-            self.kind, self.qs = "nibbles", np.zeros((c, b, 16, r), np.uint8)
-            self.d = np.zeros((c, b, r), np.uint16)
-            self.m = np.zeros((c, b, r) if self.offset == 0 else (0, 0, 0), np.uint16)
+            self.kind, self.qs = "nibbles", np.empty((c, b, 16, r), np.uint8)
+            self.d = np.empty((c, b, r), np.uint16)
+            self.m = np.empty((c, b, r) if self.offset == 0 else (0, 0, 0), np.uint16)
             self._lay_out(qts, lambda blk, row0: K.lay_out_nibbles(blk, size, q_at, row0, self.qs, self.d, self.m))
         elif self.qtype == "Q4_K":
             g = self.k // 32
-            self.kind, self.qs = "q4k", np.zeros((c, g, 16, r), np.uint8)
-            self.sc, self.mn = np.zeros((c, g, r), np.uint8), np.zeros((c, g, r), np.uint8)
-            self.d, self.dmin = np.zeros((c, g // 8, r), np.uint16), np.zeros((c, g // 8, r), np.uint16)
+            self.kind, self.qs = "q4k", np.empty((c, g, 16, r), np.uint8)
+            self.sc, self.mn = np.empty((c, g, r), np.uint8), np.empty((c, g, r), np.uint8)
+            self.d, self.dmin = np.empty((c, g // 8, r), np.uint16), np.empty((c, g // 8, r), np.uint16)
             self._lay_out(qts, lambda blk, row0: K.lay_out_q4_k(blk, row0, self.qs, self.sc, self.mn, self.d,
                                                                  self.dmin))
         elif self.qtype == "Q8_0":
             b = self.k // 32
-            self.kind, self.qs, self.c = "bytes", np.zeros((c, b, 32, r), np.int8), None
-            self.a = np.zeros((c, b, r), np.float32)
+            self.kind, self.qs, self.c = "bytes", np.empty((c, b, 32, r), np.int8), None
+            self.a = np.empty((c, b, r), np.float32)
             self._lay_out(qts, lambda blk, row0: K.lay_out_q8_0(blk, F16_VALUES, row0, self.qs, self.a))
         else:
             self.kind = "bytes"
@@ -75,11 +75,19 @@ class KernelBlocks:
             tile_rows(self, ("qs", "a") if self.c is None else ("qs", "a", "c"), self.n, c, r)
 
     def _lay_out(self, qts, lay):
+        """Each QTensor's rows laid out in turn (then its pages of the file released), the padding rows
+        after them zeroed. The arrays are np.empty, not np.zeros: fresh pages from calloc fault in about 7x
+        slower (3.5 s against 0.5 s for 3.8 GB here), and every byte but the padding is written anyway."""
         row0 = 0
         for q in qts:
             lay(np.ascontiguousarray(q.blocks), row0)
             q.drop_pages()
             row0 += q.shape[0]
+        r = self.qs.shape[-1]
+        for a in vars(self).values():
+            if isinstance(a, np.ndarray) and a.ndim >= 3 and a.shape[0] == self.qs.shape[0] and a.shape[-1] == r:
+                for c in range(self.n // r, a.shape[0]):
+                    a[c, ..., max(0, self.n - c * r):] = 0
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
@@ -239,6 +247,62 @@ class NumbaWeights:
         return sum(q.nbytes() for q in seen.values())
 
 
+_U8_NONE, _U16_NONE = np.zeros((0, 0, 0), np.uint8), np.zeros((0, 0, 0), np.uint16)
+
+
+def _group(ws):
+    """A stacked group's (or one matrix's) KernelBlocks as numba_kernels.decode_layer takes it, or None."""
+    b = ws[0].blocks if isinstance(ws[0], KernelMatrix) else None
+    if b is None or not all(isinstance(w, KernelMatrix) and w.blocks is b for w in ws) or ws[0].lo != 0 \
+            or ws[-1].hi != b.n or b.kind not in ("nibbles", "q4k"):
+        return None
+    if b.kind == "nibbles":
+        return (0, b.qs, b.d, b.m, _U8_NONE, _U8_NONE, b.offset)
+    return (1, b.qs, b.d, b.dmin, b.sc, b.mn, 0)
+
+
+class FusedDecoder:
+    """decode(token) -> logits [1, V]: each layer of a one-token step in one numba call (decode_layer), with the
+    kernels and arguments of the op-by-op path (the same logits to the bit: tests/test_backends.py), so that
+    a decode step pays Python once per layer instead of once per operation. plan(): the layers' arguments, or
+    None where a model needs anything the fused step does not do (then make_decoder keeps the op-by-op step)."""
+
+    def __init__(self, engine, cache, plans):
+        self.engine, self.cache, self.plans = engine, cache, plans
+        self.kv_head = engine.ops.kv_head_of(np, engine.config.n_heads, engine.config.n_kv_heads)
+
+    @staticmethod
+    def plan(engine, cache):
+        cfg, w, be = engine.config, engine.weights, engine.backend
+        if not isinstance(w, NumbaWeights) or not be.all_kernels or cache.kv_dtype != np.float32 or cfg.qkv_bias \
+                or cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.sliding_window \
+                or cfg.rope_base_local is not None or cfg.rope_style not in ("adjacent", "neox"):
+            return None
+        plans = []
+        for lw in w.layers:
+            groups = [_group(g) for g in ((lw.wq, lw.wk, lw.wv), (lw.wo,), (lw.w_gate, lw.w_up), (lw.w_down,))]
+            if any(g is None for g in groups):
+                return None
+            plans.append((lw.attn_norm, lw.ffn_norm, *groups, lw.wq.shape[0], lw.wk.shape[0], lw.w_gate.shape[0]))
+        return plans
+
+    def __call__(self, token):
+        eng, c = self.engine, self.cache
+        cfg, w = eng.config, eng.weights
+        c.check_room(1)
+        x = w.tok_embd[np.asarray([token])].astype(np.float32, copy=False)
+        if cfg.embed_scale is not None:
+            x = x * np.float32(cfg.embed_scale)
+        cos, sin = c.rope_rows(1)
+        neox, parallel = cfg.rope_style == "neox", eng.backend.all_kernels
+        for i, (an, fn, g_qkv, g_o, g_gu, g_dn, nq, nk, nf) in enumerate(self.plans):
+            x = K.decode_layer(x, an, fn, cfg.rms_eps, g_qkv, g_o, g_gu, g_dn, nq, nk, nf, F16_VALUES, cos[0], sin[0],
+                               neox, c.k[i], c.v[i], c.pos, cfg.scale, self.kv_head, parallel)
+        c.advance(1)
+        x = eng.ops.rms_norm(np, x, w.out_norm, cfg.rms_eps)
+        return eng.ops.linear(np, x, w.output)
+
+
 class GgmlKernelMatrix:
     """numerics="ggml": a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight (numerics.ggml_cpu.LegacyQuantMatrix) whose product runs
     the numba kernel ggml_q8_dot, bit for bit the NumPy emulation's result (and so llama.cpp's)."""
@@ -376,6 +440,17 @@ class NumbaBackend(Backend):
         # a decode step with any product left to BLAS runs numba's attention serially (attend_one_serial)
         self.all_kernels = out is not None and all(set(h) >= set(MATRIX_FIELDS) for h in handles)
         return NumbaWeights(weights, handles, out)
+
+    def make_decoder(self, engine, cache):
+        """One-token steps by FusedDecoder where the model allows it (LLORCH_NUMBA_FUSED=0: never), else the
+        op-by-op forward."""
+        import os
+
+        plans = FusedDecoder.plan(engine, cache) if os.environ.get("LLORCH_NUMBA_FUSED", "1") != "0" else None
+        self.info["fused_decode"] = plans is not None
+        if plans is None:
+            return super().make_decoder(engine, cache)
+        return FusedDecoder(engine, cache, plans)
 
     def make_ops(self, base_ops):
         ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})

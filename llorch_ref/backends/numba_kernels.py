@@ -47,12 +47,13 @@ def _block_sums(x, gs):
 def _nibble_block(qb, x, t, b, s, off):
     """s[i] = sum_j (lo_j - off) x_j + (hi_j - off) x_{j+16} over the 16 bytes of block b, row t of x."""
     s[:] = 0.0
+    o = np.float32(off)          # subtracted in float32: exact for these small integers, and 16 lanes wide
     for j in range(16):
         xl, xh, qj = x[t, b * 32 + j], x[t, b * 32 + j + 16], qb[j]
         for i in range(s.shape[0]):
             q = qj[i]
-            s[i] += (np.float32(np.int32(q & np.uint8(15)) - off) * xl
-                     + np.float32(np.int32(q >> np.uint8(4)) - off) * xh)
+            s[i] += ((np.float32(np.int32(q & np.uint8(15))) - o) * xl
+                     + (np.float32(np.int32(q >> np.uint8(4))) - o) * xh)
 
 
 @nb.njit(inline="always")
@@ -136,18 +137,25 @@ def matvec_q4_k(qs, sc, mn, d16, dmin16, f16, x, out):
 @nb.njit(parallel=True, cache=True)
 def lay_out_nibbles(blocks, type_size, q_at, row0, qs, d16, m16):
     """Q4_0 (type_size 18, q_at 2) and Q4_1 (20, 4; m16 non-empty) rows of the file's blocks [n, B*type_size]
-    -> rows row0.. of the tiled layout (qs [C, B, 16, R], d16, m16 [C, B, R]): the same bytes, rows minor."""
-    r_len = qs.shape[3]
-    for r in nb.prange(blocks.shape[0]):
-        c, i = (row0 + r) // r_len, (row0 + r) % r_len
-        row = blocks[r]
+    -> rows row0.. of the tiled layout (qs [C, B, 16, R], d16, m16 [C, B, R]): the same bytes, rows minor.
+    In tiles of 16 destination rows (R % 16 == 0: a tile never straddles two chunks): each tile's rows are
+    read in order, and each code byte is written for 16 rows at a time."""
+    r_len, n = qs.shape[3], blocks.shape[0]
+    first, last = row0 // 16, (row0 + n - 1) // 16
+    for tile in nb.prange(first, last + 1):
+        g0 = tile * 16
+        lo, hi = max(row0, g0), min(row0 + n, g0 + 16)          # destination rows of this tile
+        c, i0 = g0 // r_len, g0 % r_len
         for b in range(qs.shape[1]):
             o = b * type_size
-            d16[c, b, i] = np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8))
-            if m16.shape[0] > 0:
-                m16[c, b, i] = np.uint16(row[o + 2]) | (np.uint16(row[o + 3]) << np.uint16(8))
+            for g in range(lo, hi):
+                r, i = g - row0, i0 + g - g0
+                d16[c, b, i] = np.uint16(blocks[r, o]) | (np.uint16(blocks[r, o + 1]) << np.uint16(8))
+                if m16.shape[0] > 0:
+                    m16[c, b, i] = np.uint16(blocks[r, o + 2]) | (np.uint16(blocks[r, o + 3]) << np.uint16(8))
             for j in range(16):
-                qs[c, b, j, i] = row[o + q_at + j]
+                for g in range(lo, hi):
+                    qs[c, b, j, i0 + g - g0] = blocks[g - row0, o + q_at + j]
 
 
 @nb.njit(parallel=True, cache=True)
@@ -383,3 +391,59 @@ def ggml_q8_dot(q, d, m, qa, da, sa, out):
                 y = (((acc[0, i] + acc[4, i]) + (acc[2, i] + acc[6, i]))
                      + ((acc[1, i] + acc[5, i]) + (acc[3, i] + acc[7, i])))
                 out[t, c * w + i] = y + summs[i] if has_m else y
+
+
+# -- one decode step of a layer in one call (NumbaBackend.make_decoder): the kernels above, in the order and
+# with the arguments the op-by-op path gives them, so that the logits are the same to the bit ---------------
+@nb.njit(cache=True)
+def _mv(g, f16, x, out):
+    """g = (kind, qs, s1, s2, s3, s4, offset): kind 0 "nibbles" (s1, s2 = d, m), 1 "q4k" (s1, s2 = d, dmin;
+    s3, s4 = sc, mn)."""
+    kind, qs, s1, s2, s3, s4, off = g
+    if kind == 0:
+        matvec_nibbles(qs, s1, s2, off, f16, x, out)
+    else:
+        matvec_q4_k(qs, s3, s4, s1, s2, f16, x, out)
+
+
+@nb.njit(cache=True)
+def _mv_out(g, f16, x):
+    out = np.empty((1, g[1].shape[0] * g[1].shape[3]), np.float32)
+    _mv(g, f16, x, out)
+    return out
+
+
+@nb.njit(cache=True)
+def decode_layer(x, attn_norm, ffn_norm, eps, g_qkv, g_o, g_gu, g_down, nq, nk, nf, f16, cos, sin, neox,
+                 kc, vc, pos, scale, kv_head, parallel_attention):
+    """One token through one llama layer: x [1, D] f32 -> [1, D]; writes K and V at `pos` of kc, vc [n_ctx, KV,
+    Hd]. Q/K/V and gate/up are stacked groups (nq, nk, nf: their row counts)."""
+    d = x.shape[1]
+    n_kv, hd = kc.shape[1], kc.shape[2]
+    h = np.empty_like(x)
+    rms_norm_rows(x, attn_norm, eps, h)
+    y = _mv_out(g_qkv, f16, h)
+    q = np.ascontiguousarray(y[0, :nq]).reshape(nq // hd, hd)
+    k = np.ascontiguousarray(y[0, nq:nq + nk]).reshape(n_kv, hd)
+    qr, kr = np.empty_like(q), np.empty_like(k)
+    rope_one(q, cos, sin, neox, qr)
+    rope_one(k, cos, sin, neox, kr)
+    kc[pos] = kr
+    vc[pos] = y[0, nq + nk:nq + 2 * nk].reshape(n_kv, hd)
+    s = pos + 1
+    mask = np.zeros(s, np.float32)
+    att = np.empty((nq // hd, hd), np.float32)
+    kq, probs = np.empty((nq // hd, s), np.float32), np.empty((nq // hd, s), np.float32)
+    if parallel_attention:
+        attend_one(qr, kc[:s], vc[:s], mask, scale, kv_head, att, kq, probs)
+    else:
+        attend_one_serial(qr, kc[:s], vc[:s], mask, scale, kv_head, att, kq, probs)
+    o = _mv_out(g_o, f16, att.reshape(1, nq))
+    x = x + o[:, :d]
+    h = np.empty_like(x)
+    rms_norm_rows(x, ffn_norm, eps, h)
+    gu = _mv_out(g_gu, f16, h)
+    hid = np.empty((1, nf), np.float32)
+    silu_mul(np.ascontiguousarray(gu[0, :nf]), np.ascontiguousarray(gu[0, nf:2 * nf]), hid[0])
+    dn = _mv_out(g_down, f16, hid)
+    return x + dn[:, :d]
