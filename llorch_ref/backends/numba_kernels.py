@@ -211,7 +211,7 @@ def _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs, affine):
             for j in range(gs):
                 xj, qj = x[t, g * gs + j], qg[j]
                 for i in range(w):
-                    s[i] += np.float32(qj[i]) * xj
+                    s[i] += np.float32(np.int32(qj[i])) * xj       # via int32: 16 lanes wide
             if affine:
                 cg, xs = c[ci, g], xsum[t, g]
                 for i in range(w):
