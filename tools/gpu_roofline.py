@@ -378,14 +378,53 @@ def tables(out):
     (Path(out) / "tables.json").write_text(json.dumps(res, indent=1, default=str))
 
 
+def prefill_ops(out, tokens=512):
+    """GPU time of each operation of one 7B float16 layer on a `tokens`-token prefill (cupyx.profiler.benchmark,
+    events around each call), and the whole forward."""
+    import cupy as cp
+    from cupyx.profiler import benchmark
+
+    cfg = llama2_7b()
+    eng = random_engine(cfg, "float16", n_ctx=tokens + 16)
+    ops, lw, t = eng.ops, eng.weights.layers[0], tokens
+    cache = eng.new_cache()
+    x = cp.random.standard_normal((t, cfg.d_model), dtype=cp.float32)
+    h, kvd, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q, k, v = ops.qkv(cp, x, lw.wq, lw.wk, lw.wv, h, kvd, hd)
+    cos, sin = cache.rope_rows(t)
+    mask = cache.mask(t)
+    kv_head = ops.kv_head_of(cp, h, kvd)
+    hid = cp.random.standard_normal((t, cfg.d_ff), dtype=cp.float32)
+    att = cp.random.standard_normal((t, h * hd), dtype=cp.float32)
+    fns = {"rms_norm": lambda: ops.rms_norm(cp, x, lw.attn_norm, cfg.rms_eps),
+           "qkv": lambda: ops.qkv(cp, x, lw.wq, lw.wk, lw.wv, h, kvd, hd),
+           "rope q": lambda: ops.rope(cp, q, cos, sin, cfg.rope_style),
+           "store": lambda: cache.store(0, k, v),
+           "attention": lambda: ops.attention(cp, q, k, v, mask, cfg.scale, kv_head),
+           "wo": lambda: ops.linear(cp, att, lw.wo),
+           "add": lambda: x + x,
+           "swiglu": lambda: ops.swiglu(cp, x, lw.w_gate, lw.w_up, lw.w_down),
+           "w_down": lambda: ops.linear(cp, hid, lw.w_down),
+           "output (1 row)": lambda: ops.linear(cp, x[-1:], eng.weights.output)}
+    res = {"card": card(), "tokens": tokens, "ops_ms": {}}
+    for name, fn in fns.items():
+        r = benchmark(fn, n_repeat=10, n_warmup=3)
+        res["ops_ms"][name] = round(float(r.gpu_times.mean()) * 1e3, 3)
+    r = benchmark(lambda: eng.forward(list(range(1, t + 1)), eng.new_cache(), rows=[t - 1]), n_repeat=3, n_warmup=1)
+    res["forward_ms"] = round(float(r.gpu_times.mean()) * 1e3, 2)
+    res["forward_cpu_ms"] = round(float(r.cpu_times.mean()) * 1e3, 2)
+    print(json.dumps(res), flush=True)
+    (Path(out) / "prefill_ops.json").write_text(json.dumps(res, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["profile", "speed", "big", "tables"])
+    ap.add_argument("part", choices=["profile", "speed", "big", "tables", "prefill"])
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    {"profile": profile, "speed": speed, "big": big, "tables": tables}[a.part](a.out)
+    {"profile": profile, "speed": speed, "big": big, "tables": tables, "prefill": prefill_ops}[a.part](a.out)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -185,8 +185,8 @@ class CupyBackend(Backend):
             forward the harness can record: kq holds every raw dot, as the reference's. A decode step over the
             whole preallocated cache (GraphDecoder sets ops.static_decode): masked keys are not read, and kq
             holds 0 there."""
-            if q.shape[0] != 1:                 # several tokens: batched cuBLAS products, as the reference
-                return base_ops.attention(xp, q, k, v, mask, scale, kv_head)
+            if q.shape[0] != 1:                 # several tokens: batched cuBLAS products and one softmax kernel
+                return attention_rows(q, k, v, mask, scale, kv_head)
             hd = q.shape[2]
             threads = 1024 if hd <= 1024 else 0
             smem = 4 * (k.shape[0] + (threads // max(hd, 1)) * hd)      # scores + partial sums (48 KB max)
@@ -202,6 +202,20 @@ class CupyBackend(Backend):
                                              kq, probs, out, i32(t), i32(s_len), i32(h), i32(kv), i32(hd),
                                              f32(scale), i32(not ops.static_decode)), shared_mem=smem)
             return out, kq, probs
+
+        def attention_rows(q, k, v, mask, scale, kv_head):
+            """The reference's attention for several tokens (layers.attention): q.k^T and P.V as batched cuBLAS
+            products (K/V heads repeated only where there are fewer of them), the softmax of kq * scale + mask
+            in one kernel (the same float32 operations, the sum in float64) instead of seven passes."""
+            t, h, hd = q.shape
+            s_len, kv = k.shape[0], k.shape[1]
+            kh = k if kv == h else k[:, kv_head, :]
+            kq = cp.matmul(q.transpose(1, 0, 2), kh.transpose(1, 2, 0))                  # [H, T, S]
+            probs = cp.empty_like(kq)
+            K["softmax_rows"]((h * t,), (256,), (cp.ascontiguousarray(kq), cp.ascontiguousarray(mask, dtype=f32),
+                                                 probs, f32(scale), i32(s_len), i32(t)))
+            vh = (v if kv == h else v[:, kv_head, :]).transpose(1, 0, 2)                  # [H, S, Hd]
+            return cp.matmul(probs, vh).transpose(1, 0, 2).reshape(t, -1), kq, probs
 
         kv_heads = {}
 
@@ -485,6 +499,40 @@ extern "C" __global__ void kv_store_f16(const float* k, const float* v, __half* 
     if (i < n) { size_t at = (size_t)pos[0] * n + i; kc[at] = __float2half_rn(k[i]); vc[at] = __float2half_rn(v[i]); }
 }
 
+// softmax(kq * scale + mask) of each row of S scores (one block of 256 threads per row; row r of head r / T,
+// token r % T): the reference's float32 operations, each rounded (no fused multiply-add), max, expf, the sum in
+// float64, then e * (float)(1 / sum).
+extern "C" __global__ void softmax_rows(const float* kq, const float* mask, float* probs, float scale, int S, int T) {
+    __shared__ float redf[256];
+    __shared__ double redd[256];
+    const float* row = kq + (size_t)blockIdx.x * S;
+    const float* mk = mask + (size_t)(blockIdx.x % T) * S;
+    float* out = probs + (size_t)blockIdx.x * S;
+    float m = __int_as_float(0xff800000);
+    for (int j = threadIdx.x; j < S; j += blockDim.x) m = fmaxf(m, __fadd_rn(__fmul_rn(row[j], scale), mk[j]));
+    redf[threadIdx.x] = m;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) redf[threadIdx.x] = fmaxf(redf[threadIdx.x], redf[threadIdx.x + o]);
+        __syncthreads();
+    }
+    m = redf[0];
+    double z = 0.0;
+    for (int j = threadIdx.x; j < S; j += blockDim.x) {
+        float e = expf(__fsub_rn(__fadd_rn(__fmul_rn(row[j], scale), mk[j]), m));
+        out[j] = e;
+        z += (double)e;
+    }
+    redd[threadIdx.x] = z;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) redd[threadIdx.x] += redd[threadIdx.x + o];
+        __syncthreads();
+    }
+    float inv = (float)(1.0 / redd[0]);
+    for (int j = threadIdx.x; j < S; j += blockDim.x) out[j] = __fmul_rn(out[j], inv);
+}
+
 // RMSNorm of each row of n values (one block of 256 threads per row): sum of squares in float64 as the NumPy
 // reference, mean and root in float32, y = (x * (1 / sqrt(mean + eps))) * w.
 extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float* y, int n, float eps) {
@@ -613,7 +661,7 @@ def _kernels(cp):
     if not _KERNELS:
         mod = cp.RawModule(code=_KERNELS_SRC, options=("-std=c++17",))
         for name in ("gemv_f32", "gemv_f16", "gemv_f32_row", "gemv_f16_v8", "gemv_f16_x4", "rms_norm_rows",
-                     "rope_rows", "attend", "kv_store_f32", "kv_store_f16"):
+                     "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows"):
             _KERNELS[name] = mod.get_function(name)
         _KERNELS["silu_mul"] = cp.ElementwiseKernel("float32 g, float32 u", "float32 h",
                                                     "h = (g / (1.0f + expf(-g))) * u", "llorch_silu_mul")
