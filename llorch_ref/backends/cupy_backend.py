@@ -155,8 +155,9 @@ class CupyBackend(Backend):
             return y
 
         def parts(x, ws):
-            """One token: the products with matrices stacked in one allocation, by one kernel; else each."""
-            whole = joined(ws, cp) if x.shape[0] == 1 else None
+            """The products with matrices stacked in one allocation by one GEMV (one token) or one cuBLAS product
+            (several: one cast of x, one larger GEMM); matrices apart, each on its own."""
+            whole = joined(ws, cp)
             if whole is None:
                 return [linear(cp, x, w) for w in ws]
             y = linear(cp, x, whole)
