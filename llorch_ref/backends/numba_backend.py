@@ -270,6 +270,12 @@ class FusedDecoder:
     def __init__(self, engine, cache, plans):
         self.engine, self.cache, self.plans = engine, cache, plans
         self.kv_head = engine.ops.kv_head_of(np, engine.config.n_heads, engine.config.n_kv_heads)
+        kinds = Counter()                                   # what `bench` reports: the products of a step
+        for lw in engine.weights.layers:
+            for w, n in ((lw.wq, 3), (lw.wo, 1), (lw.w_gate, 2), (lw.w_down, 1)):
+                stacked = f", {n} matrices stacked" if n > 1 else ""
+                kinds[(w.blocks.qtype, f"numba kernel ({w.blocks.kind}){stacked}, fused layer step", "1 row")] += 1
+        self.paths = kinds
 
     @staticmethod
     def plan(engine, cache):
@@ -299,6 +305,7 @@ class FusedDecoder:
             x = K.decode_layer(x, an, fn, cfg.rms_eps, g_qkv, g_o, g_gu, g_dn, nq, nk, nf, F16_VALUES, cos[0], sin[0],
                                neox, c.k[i], c.v[i], c.pos, cfg.scale, self.kv_head, parallel)
         c.advance(1)
+        PATHS.update(self.paths)
         x = eng.ops.rms_norm(np, x, w.out_norm, cfg.rms_eps)
         return eng.ops.linear(np, x, w.output)
 
