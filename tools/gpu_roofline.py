@@ -209,14 +209,16 @@ def profile(out):
     (Path(out) / "profile.json").write_text(json.dumps(res, indent=1))
 
 
-def ours(cfg, dtype, qtype=None, prefill=512, decode=128):
+def ours(cfg, dtype, qtype=None, prefill=512, decode=128, graphs=True):
     """llorch-ref cupy: prefill of `prefill` tokens, decode of `decode` tokens after an 8-token prompt
-    (CUDA graphs), both medians of 3 after a warm-up; the captured step's GPU time; matrix bytes."""
+    (CUDA graphs unless graphs=False), both medians of 3 after a warm-up; the captured step's GPU time; matrix
+    bytes."""
     import cupy as cp
 
     from llorch_ref.engine import GenerationResult
 
-    eng = random_engine(cfg, dtype, qtype, n_ctx=max(1024, prefill + 16))
+    eng = random_engine(cfg, dtype, qtype, n_ctx=min(cfg.context_length, max(1024, prefill + 16)))
+    eng.backend.info["cuda_graphs"] = graphs
     ids = list(range(1, prefill + 1))
 
     def pf():
@@ -235,6 +237,7 @@ def ours(cfg, dtype, qtype=None, prefill=512, decode=128):
     out = {"engine": "llorch-ref cupy", "dtype": dtype, "qtype": qtype, "prefill_tokens": prefill,
            "prefill_tok_s": median_of(pf), "decode_tok_s": median_of(dc), "graph_step_ms": decode_step_ms(eng),
            "matrix_bytes": matrix_bytes(eng), "cuda_graphs": eng.backend.info.get("cuda_graphs"),
+           "graph_error": eng.backend.info.get("cuda_graphs_error"),
            "memory_used_gib": round((cp.cuda.runtime.memGetInfo()[1] - cp.cuda.runtime.memGetInfo()[0]) / 2**30, 2)}
     eng = None                                         # noqa: F841 (frees the weights before the next engine)
     free_gpu()

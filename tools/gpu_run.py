@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,12 +21,7 @@ from pathlib import Path
 os.environ.setdefault("CUPY_TF32", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_roofline import theirs  # noqa: E402  (transformers' static-cache compiled anchor)
-
-
-def median_of(fn, n=3):
-    fn()
-    return statistics.median(fn() for _ in range(n))
+from gpu_roofline import free_gpu, median_of, ours, random_engine, theirs  # noqa: E402, F401 (random_engine: gpu_profile)
 
 
 def checkpoint_tables(model_paths, out):
@@ -50,54 +44,9 @@ def checkpoint_tables(model_paths, out):
     return rows
 
 
-def random_engine(cfg, dtype):
-    import cupy as cp
-
-    from llorch_ref.engine import Engine
-    from llorch_ref.model.weights import LayerWeights, Weights
-
-    rs = cp.random.RandomState(0)
-    wd = cp.float16 if dtype == "float16" else cp.float32
-
-    def mat(*shape):
-        return (rs.standard_normal(shape, dtype=cp.float32) * 0.02).astype(wd)
-
-    def norm(n):
-        return cp.ones(n, dtype=cp.float32)
-    d, f, h, kv, hd = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    layers = [LayerWeights(attn_norm=norm(d), wq=mat(h * hd, d), wk=mat(kv * hd, d), wv=mat(kv * hd, d),
-                           wo=mat(d, h * hd), ffn_norm=norm(d), w_gate=mat(f, d), w_up=mat(f, d), w_down=mat(d, f))
-              for _ in range(cfg.n_layers)]
-    emb = (rs.standard_normal((cfg.n_vocab, d), dtype=cp.float32) * 0.02)
-    w = Weights(tok_embd=emb, layers=layers, out_norm=norm(d), output=mat(cfg.n_vocab, d))
-    return Engine(cfg, w, None, backend="cupy", dtype=dtype, n_ctx=1024)
-
-
 def speed_ours(cfg, dtype, prefill=128, decode=128, graphs=True):
-    import cupy as cp
-
-    from llorch_ref.engine import GenerationResult
-
-    eng = random_engine(cfg, dtype)
-    eng.backend.info["cuda_graphs"] = graphs
-    ids = list(range(1, prefill + 1))
-
-    def pf():
-        cp.cuda.Device().synchronize()
-        t = time.perf_counter()
-        eng.forward(ids, eng.new_cache(), rows=[prefill - 1])
-        cp.cuda.Device().synchronize()
-        return prefill / (time.perf_counter() - t)
-
-    def dc():
-        res = GenerationResult()
-        for _ in eng.generate_ids(ids[:8], max_tokens=decode, ignore_eos=True, result=res):
-            pass
-        cp.cuda.Device().synchronize()
-        return decode / res.decode_s
-    out = {"prefill_tok_s": median_of(pf), "decode_tok_s": median_of(dc),
-           "cuda_graphs": eng.backend.info.get("cuda_graphs"), "graph_error": eng.backend.info.get("cuda_graphs_error")}
-    return out                                     # the engine's GPU memory goes with this frame
+    """llorch-ref cupy on random weights of cfg's shape (gpu_roofline.ours)."""
+    return ours(cfg, dtype, prefill=prefill, decode=decode, graphs=graphs)
 
 
 def speed_transformers(cfg, dtype, prefill=128, decode=128):
@@ -132,19 +81,6 @@ def speed_transformers(cfg, dtype, prefill=128, decode=128):
         return decode / (time.perf_counter() - t)
     out = {"prefill_tok_s": median_of(pf), "decode_tok_s": median_of(dc)}
     return out
-
-
-def _free_gpu():
-    import gc
-
-    import cupy
-    gc.collect()
-    cupy.get_default_memory_pool().free_all_blocks()
-    try:
-        import torch
-        torch.cuda.empty_cache()
-    except ImportError:
-        pass
 
 
 def _speed_row(r) -> str:
@@ -203,10 +139,10 @@ def main():
     for label, cfg in ({} if a.no_speed else shapes).items():
         for dtype in ("float32", "float16"):
             o = speed_ours(cfg, dtype)
-            _free_gpu()
+            free_gpu()
             eager = speed_ours(cfg, dtype, graphs=False)
             t = speed_transformers(cfg, dtype)
-            _free_gpu()
+            free_gpu()
             row = {"shape": label, "dtype": dtype, "ours": o, "ours_eager": eager, "transformers": t,
                    "decode_ratio": o["decode_tok_s"] / t["decode_tok_s"],
                    "prefill_ratio": o["prefill_tok_s"] / t["prefill_tok_s"]}

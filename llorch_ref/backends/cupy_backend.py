@@ -489,16 +489,16 @@ extern "C" __global__ void gemv_f16_x4(const __half* __restrict__ W, const float
 }
 
 // A decode step's K and V rows into the cache at the device-side position (one launch for both).
+__device__ __forceinline__ void put(float* c, float v) { *c = v; }
+__device__ __forceinline__ void put(__half* c, float v) { *c = __float2half_rn(v); }
+template <typename C> __device__ void kv_store(const float* k, const float* v, C* kc, C* vc, const long long* pos, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { size_t at = (size_t)pos[0] * n + i; put(kc + at, k[i]); put(vc + at, v[i]); }
+}
 extern "C" __global__ void kv_store_f32(const float* k, const float* v, float* kc, float* vc, const long long* pos,
-                                        int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) { size_t at = (size_t)pos[0] * n + i; kc[at] = k[i]; vc[at] = v[i]; }
-}
+                                        int n) { kv_store(k, v, kc, vc, pos, n); }
 extern "C" __global__ void kv_store_f16(const float* k, const float* v, __half* kc, __half* vc, const long long* pos,
-                                        int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) { size_t at = (size_t)pos[0] * n + i; kc[at] = __float2half_rn(k[i]); vc[at] = __float2half_rn(v[i]); }
-}
+                                        int n) { kv_store(k, v, kc, vc, pos, n); }
 
 // softmax(kq * scale + mask) of each row of S scores (one block of 256 threads per row; row r of head r / T,
 // token r % T): the reference's float32 operations, each rounded (no fused multiply-add), max, expf, the sum in

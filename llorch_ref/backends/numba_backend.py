@@ -11,7 +11,7 @@ from collections import Counter
 
 import numpy as np
 
-from ..numerics.ggml_cpu import ACT_TYPE, LegacyQuantMatrix, f16_at, k4_scales, quantize_q8, unpack_blocks
+from ..numerics.ggml_cpu import ACT_TYPE, LegacyQuantMatrix, f16_at, k4_scales, k_codes, quantize_q8, unpack_blocks
 from . import Backend, cpu_threads, limit_blas
 from . import numba_kernels as K
 
@@ -128,27 +128,17 @@ def byte_codes(qt):
         codes = q.astype(np.int8 if m is None else np.uint8)
         return (np.ascontiguousarray(codes.transpose(1, 2, 0)), np.ascontiguousarray(d.T),
                 None if m is None else np.ascontiguousarray(m.T))
-    if qt.qtype == "Q5_K":
+    if qt.qtype == "Q5_K":                         # groups of 32: a = d*sc, c = -(dmin*mn)
         blk = raw.reshape(n, -1, 176)
         sc, mn = k4_scales(blk[..., 4:16])                                       # [N, NB, 8]
-        ql = blk[..., 48:176].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
-        ql = (ql & 15).reshape(n, -1, 8, 32)
-        qh = (blk[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
-        codes = (ql | (qh << 4)).reshape(n, -1, 32)                               # [N, G, 32] in 0..31
+        codes = k_codes(blk, "Q5_K").reshape(n, -1, 32).astype(np.uint8)         # [N, G, 32]
         a = (f16_at(blk, 0)[..., None] * sc.astype(np.float32)).reshape(n, -1)
         c = -(f16_at(blk, 2)[..., None] * mn.astype(np.float32)).reshape(n, -1)
         return np.ascontiguousarray(codes.transpose(1, 2, 0)), np.ascontiguousarray(a.T), np.ascontiguousarray(c.T)
-    if qt.qtype == "Q6_K":
+    if qt.qtype == "Q6_K":                         # groups of 16: a = d*scale, c = -32 a
         blk = raw.reshape(n, -1, 210)
-        ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
-        sc = blk[..., 192:208].view(np.int8).astype(np.float32)                  # [N, NB, 16]
-        parts = []
-        for j in range(2):
-            l0, l1, h = ql[..., 64 * j:64 * j + 32], ql[..., 64 * j + 32:64 * j + 64], qh[..., 32 * j:32 * j + 32]
-            parts += [(l0 & 15) | ((h & 3) << 4), (l1 & 15) | (((h >> 2) & 3) << 4),
-                      (l0 >> 4) | (((h >> 4) & 3) << 4), (l1 >> 4) | (((h >> 6) & 3) << 4)]
-        q = np.concatenate(parts, axis=-1).reshape(n, -1, 16).astype(np.uint8)   # [N, G, 16]
-        a = (f16_at(blk, 208)[..., None] * sc).reshape(n, -1)
+        q = k_codes(blk, "Q6_K").reshape(n, -1, 16).astype(np.uint8)             # [N, G, 16]
+        a = (f16_at(blk, 208)[..., None] * blk[..., 192:208].view(np.int8).astype(np.float32)).reshape(n, -1)
         return (np.ascontiguousarray(q.transpose(1, 2, 0)), np.ascontiguousarray(a.T),
                 np.ascontiguousarray((np.float32(-32) * a).T))
     raise ValueError(f"no numba kernel for {qt.qtype}")

@@ -134,6 +134,12 @@ def matvec_q4_k(qs, sc, mn, d16, dmin16, f16, x, out):
 
 
 # -- laying the file's blocks out for the kernels: one pass, parallel over rows, nothing unpacked ----------
+@nb.njit(inline="always")
+def _u16(row, o):
+    """The little-endian 16-bit word at byte o of row (a float16 scale's bits)."""
+    return np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8))
+
+
 @nb.njit(parallel=True, cache=True)
 def lay_out_nibbles(blocks, type_size, q_at, row0, qs, d16, m16):
     """Q4_0 (type_size 18, q_at 2) and Q4_1 (20, 4; m16 non-empty) rows of the file's blocks [n, B*type_size]
@@ -150,9 +156,9 @@ def lay_out_nibbles(blocks, type_size, q_at, row0, qs, d16, m16):
             o = b * type_size
             for g in range(lo, hi):
                 r, i = g - row0, i0 + g - g0
-                d16[c, b, i] = np.uint16(blocks[r, o]) | (np.uint16(blocks[r, o + 1]) << np.uint16(8))
+                d16[c, b, i] = _u16(blocks[r], o)
                 if m16.shape[0] > 0:
-                    m16[c, b, i] = np.uint16(blocks[r, o + 2]) | (np.uint16(blocks[r, o + 3]) << np.uint16(8))
+                    m16[c, b, i] = _u16(blocks[r], o + 2)
             for j in range(16):
                 for g in range(lo, hi):
                     qs[c, b, j, i0 + g - g0] = blocks[g - row0, o + q_at + j]
@@ -168,8 +174,8 @@ def lay_out_q4_k(blocks, row0, qs, sc, mn, d16, dmin16):
         row = blocks[r]
         for sb in range(d16.shape[1]):
             o = sb * 144
-            d16[c, sb, i] = np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8))
-            dmin16[c, sb, i] = np.uint16(row[o + 2]) | (np.uint16(row[o + 3]) << np.uint16(8))
+            d16[c, sb, i] = _u16(row, o)
+            dmin16[c, sb, i] = _u16(row, o + 2)
             for k in range(8):
                 if k < 4:
                     scale, mins = row[o + 4 + k] & 63, row[o + 8 + k] & 63

@@ -70,10 +70,6 @@ class GGUFFile:
     mapped: np.ndarray = field(repr=False, default=None)     # the whole file, uint8, read-only
     mm: mmap.mmap = field(repr=False, default=None)          # the mapping itself (for madvise)
 
-    @property
-    def tensor_by_name(self) -> dict:
-        return {t.name: t for t in self.tensors}
-
 
 class _Cursor:
     def __init__(self, buf, offset, end):

@@ -447,6 +447,27 @@ def k4_scales(sc):
     return s, m
 
 
+def k_codes(blk, qtype):
+    """Q5_K or Q6_K blocks [N, NB, bytes] -> their codes [N, NB, 256] int32 in element order (Q5_K 0..31: the low
+    nibbles of 32-byte chunk j are group 2j, the high ones 2j+1, bit g of qh[l] the fifth bit of group g; Q6_K
+    0..63, the -32 not applied)."""
+    if qtype == "Q5_K":
+        qh = blk[..., 16:48].astype(np.int32)                                      # [N, NB, 32]
+        qs = blk[..., 48:176].reshape(blk.shape[:2] + (4, 32)).astype(np.int32)
+        chunks = []
+        for j in range(4):
+            chunks += [(qs[:, :, j] & 15) + (((qh >> (2 * j)) & 1) << 4),
+                       (qs[:, :, j] >> 4) + (((qh >> (2 * j + 1)) & 1) << 4)]
+        return np.concatenate(chunks, axis=-1)
+    ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
+    parts = []
+    for j in range(2):
+        l0, l1, h = ql[..., 64 * j:64 * j + 32], ql[..., 64 * j + 32:64 * j + 64], qh[..., 32 * j:32 * j + 32]
+        parts += [(l0 & 15) | ((h & 3) << 4), (l1 & 15) | (((h >> 2) & 3) << 4),
+                  (l0 >> 4) | (((h >> 4) & 3) << 4), (l1 >> 4) | (((h >> 6) & 3) << 4)]
+    return np.concatenate(parts, axis=-1)
+
+
 class KQuantMatrix:
     """A Q2_K..Q6_K weight [N, K]; matmul(x) reproduces ggml_vec_dot_qN_K_q8_K (AVX2 kernels): per
     super-block, 8 int32 lanes (lane l = elements 4l..4l+3 of each 32-element group, times that group's
@@ -468,14 +489,7 @@ class KQuantMatrix:
             blk = np.asarray(raw).reshape(n, -1, 176)
             self.d, self.dmin = f16_at(blk, 0), f16_at(blk, 2)
             self.sc, self.mins = k4_scales(blk[..., 4:16])
-            qh = blk[..., 16:48].astype(np.int32)                                  # [N, NB, 32]
-            qs = blk[..., 48:176].reshape(n, -1, 4, 32).astype(np.int32)
-            chunks = []
-            for j in range(4):
-                lo = (qs[:, :, j] & 15) + (((qh >> (2 * j)) & 1) << 4)
-                hi = (qs[:, :, j] >> 4) + (((qh >> (2 * j + 1)) & 1) << 4)
-                chunks += [lo, hi]
-            q = np.concatenate(chunks, axis=-1)                                     # [N, NB, 256]
+            q = k_codes(blk, "Q5_K")                                                 # [N, NB, 256]
         elif qtype == "Q2_K":
             blk = np.asarray(raw).reshape(n, -1, 84)
             sc = blk[..., 0:16].astype(np.int32)
@@ -500,15 +514,9 @@ class KQuantMatrix:
                                 - 4 * (1 - ((hm >> (4 * j + k)) & 1)) for j in range(2) for k in range(4)], -1)
         elif qtype == "Q6_K":
             blk = np.asarray(raw).reshape(n, -1, 210)
-            ql, qh = blk[..., 0:128].astype(np.int32), blk[..., 128:192].astype(np.int32)
             self.scales16 = blk[..., 192:208].view(np.int8).astype(np.int32)    # [N, NB, 16]
             self.d = f16_at(blk, 208)
-            parts = []
-            for j in range(2):
-                l0, l1, h = ql[..., 64 * j:64 * j + 32], ql[..., 64 * j + 32:64 * j + 64], qh[..., 32 * j:32 * j + 32]
-                parts += [(l0 & 15) | ((h & 3) << 4), (l1 & 15) | (((h >> 2) & 3) << 4),
-                          (l0 >> 4) | (((h >> 4) & 3) << 4), (l1 >> 4) | (((h >> 6) & 3) << 4)]
-            q = np.concatenate(parts, axis=-1)                                   # [N, NB, 256] in 0..63; the
+            q = k_codes(blk, "Q6_K")                                             # [N, NB, 256] in 0..63; the
             # -32 offset is applied at the end through Q8_K's block sums, as ggml's AVX2 kernel does
         else:
             raise NotImplementedError(qtype)
