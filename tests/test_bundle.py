@@ -233,6 +233,21 @@ def test_terminal_table_fits_100_columns_in_a_file(tiny_result):
     assert len(lines) > 20 and max(len(line) for line in lines) <= 100
 
 
+def test_a_narrow_console_folds_names_never_figures():
+    from rich.console import Console
+
+    from llorch_ref.cli.report import _table
+
+    t = _table("t", ["cp", "name", "n", "failed", "worst NMSE", "max abs", "cosine / tokens", "worst at", "band",
+                     "verdict"])
+    t.add_row("4", "attention_scores", "60", "0", "0.00252046", "11.8608", "1-1.25e-03", "L13 kq", "nmse<=0.022",
+              "pass")
+    buf = io.StringIO()
+    Console(file=buf, width=90).print(t)
+    for cell in ("0.00252046", "1-1.25e-03", "nmse<=0.022", "verdict"):
+        assert cell in buf.getvalue(), cell
+
+
 def test_report_renders_in_headless_chromium(planted, tmp_path):
     from llorch_ref.testing.browser import chromium, render
 

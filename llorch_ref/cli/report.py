@@ -62,10 +62,14 @@ def _verdict(s, rows) -> str:
     return v + (f" ({s['not_covered']} n/c)" if s.get("not_covered") else "")
 
 
+FOLDING = ("name", "worst at")      # the columns a narrow console may fold; figures, bands, verdicts stay whole
+
+
 def _table(title, cols) -> Table:
+    """Names and places fold to fit the console; figures, bands and verdicts stay whole on one line."""
     t = Table(title=title, pad_edge=False)
     for col in cols:
-        t.add_column(col, overflow="fold")
+        t.add_column(col, overflow="fold", no_wrap=col not in FOLDING)
     return t
 
 
