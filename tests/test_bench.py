@@ -31,5 +31,5 @@ def test_vector_registers_are_read_from_the_compiled_code():
     pytest.importorskip("numba")
     from llorch_ref.backends.numba_backend import vector_registers
 
-    got = vector_registers(["matvec_nibbles"])["matvec_nibbles"]
+    got = vector_registers(["matmul_rows"])["matmul_rows"]
     assert got.split()[0] in ("zmm", "ymm", "xmm") and "operands" in got

@@ -8,21 +8,18 @@ import re
 import time
 import types
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 
-from ..numerics.ggml_cpu import ACT_TYPE, LegacyQuantMatrix, f16_at, k4_scales, k_codes, quantize_q8, unpack_blocks
+from ..numerics.ggml_cpu import ACT_TYPE, LegacyQuantMatrix, quantize_q8
 from . import Backend, cpu_threads, limit_blas
 from . import numba_kernels as K
+from . import numba_simd as S
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 PATHS: Counter = Counter()        # (weight type, path, rows) -> products: what `bench` reports
-_NO_C = np.zeros((0, 0, 0), np.float32)
 MATRIX_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
-F16_VALUES = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)   # float16 bits -> value
-NIBBLES = {"Q4_0": (18, 2, 8), "Q4_1": (20, 4, 0)}          # bytes per block, where the codes start, offset
 
 
 def chunking(n, threads, max_rows=1024):
@@ -34,76 +31,30 @@ def chunking(n, threads, max_rows=1024):
 
 class KernelBlocks:
     """One or several QTensors of one type and input size, stacked by rows ([sum N_i, K]: one kernel launch
-    computes them all, each row exactly as its own matrix would), laid out for numba_kernels: rows split
-    into C chunks of R rows, each chunk block-major and row-minor.
+    computes them all, each row exactly as its own matrix would), read where they lie: the kernel
+    (numba_kernels.matmul_rows, numba_simd's vector loops) takes the address of every row's blocks in the
+    mapped file, so nothing is copied, unpacked or laid out at load, and the weights' memory is the file's
+    pages. The QTensors are kept: their arrays keep the mapping alive."""
 
-    "nibbles" (Q4_0, Q4_1) and "q4k" (Q4_K) hold the file's own bytes, rearranged in one parallel pass
-    (lay_out_*) at the file's size: qs [C, B, 16, R] uint8, float16 scales as uint16 [C, B, R] (Q4_K: 6-bit
-    sc, mn [C, G, R] and d, dmin [C, G/8, R]); the file's pages are released after (they stay in the page
-    cache). "bytes" (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K): one code per byte, qs [C, G, S, R], a and c [C, G, R]
-    float32 (w = a * q + c; Q8_0 and Q5_0 have no c); Q8_0 laid out by lay_out_q8_0 (the file's size and
-    2 bytes per 32 weights), the others unpacked by NumPy (byte_codes)."""
-
-    def __init__(self, qts, threads):
+    def __init__(self, qts, threads=None):
         self.qtype, self.k = qts[0].qtype, qts[0].shape[1]
+        if self.qtype not in S.TYPE_CODE:
+            raise ValueError(f"no numba kernel for {self.qtype}")
+        self.qts = [q if q.blocks.strides[1] == 1 else replace(q, blocks=np.ascontiguousarray(q.blocks)) for q in qts]
         self.n = sum(q.shape[0] for q in qts)
-        c, r = chunking(self.n, threads)
-        if self.qtype in NIBBLES:
-            size, q_at, self.offset = NIBBLES[self.qtype]
-            b = self.k // 32
-            self.kind, self.qs = "nibbles", np.empty((c, b, 16, r), np.uint8)
-            self.d = np.empty((c, b, r), np.uint16)
-            self.m = np.empty((c, b, r) if self.offset == 0 else (0, 0, 0), np.uint16)
-            self._lay_out(qts, lambda blk, row0: K.lay_out_nibbles(blk, size, q_at, row0, self.qs, self.d, self.m))
-        elif self.qtype == "Q4_K":
-            g = self.k // 32
-            self.kind, self.qs = "q4k", np.empty((c, g, 16, r), np.uint8)
-            self.sc, self.mn = np.empty((c, g, r), np.uint8), np.empty((c, g, r), np.uint8)
-            self.d, self.dmin = np.empty((c, g // 8, r), np.uint16), np.empty((c, g // 8, r), np.uint16)
-            self._lay_out(qts, lambda blk, row0: K.lay_out_q4_k(blk, row0, self.qs, self.sc, self.mn, self.d,
-                                                                 self.dmin))
-        elif self.qtype == "Q8_0":
-            b = self.k // 32
-            self.kind, self.qs, self.c = "bytes", np.empty((c, b, 32, r), np.int8), None
-            self.a = np.empty((c, b, r), np.float32)
-            self._lay_out(qts, lambda blk, row0: K.lay_out_q8_0(blk, F16_VALUES, row0, self.qs, self.a))
-        else:
-            self.kind = "bytes"
-            parts = [byte_codes(q) for q in qts]
-            self.qs, self.a = (np.concatenate([p[i] for p in parts], axis=-1) for i in (0, 1))
-            self.c = None if parts[0][2] is None else np.concatenate([p[2] for p in parts], axis=-1)
-            tile_rows(self, ("qs", "a") if self.c is None else ("qs", "a", "c"), self.n, c, r)
-
-    def _lay_out(self, qts, lay):
-        """Each QTensor's rows laid out in turn (then its pages of the file released), the padding rows
-        after them zeroed. The arrays are np.empty, not np.zeros: fresh pages from calloc fault in about 7x
-        slower (3.5 s against 0.5 s for 3.8 GB here), and every byte but the padding is written anyway."""
-        row0 = 0
-        for q in qts:
-            lay(np.ascontiguousarray(q.blocks), row0)
-            q.drop_pages()
-            row0 += q.shape[0]
-        r = self.qs.shape[-1]
-        for a in vars(self).values():
-            if isinstance(a, np.ndarray) and a.ndim >= 3 and a.shape[0] == self.qs.shape[0] and a.shape[-1] == r:
-                for c in range(self.n // r, a.shape[0]):
-                    a[c, ..., max(0, self.n - c * r):] = 0
+        self.code, self.n_blocks = S.TYPE_CODE[self.qtype], self.k // S.BLOCKS[self.qtype][0]
+        self.kind = "in place"
+        self.rows = np.concatenate([q.blocks.ctypes.data + np.arange(q.shape[0], dtype=np.int64) * q.blocks.strides[0]
+                                    for q in self.qts]).astype(np.int64)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+        return sum(q.blocks.nbytes for q in self.qts)
 
     def matmul(self, x):
         """x: [T, K] f32 -> [T, N] f32; every row exactly as matvec computes it alone."""
-        c, r = self.qs.shape[0], self.qs.shape[-1]
-        out = np.empty((x.shape[0], c * r), dtype=np.float32)
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if self.kind == "nibbles":
-            K.matvec_nibbles(self.qs, self.d, self.m, self.offset, F16_VALUES, x, out)
-        elif self.kind == "q4k":
-            K.matvec_q4_k(self.qs, self.sc, self.mn, self.d, self.dmin, F16_VALUES, x, out)
-        else:
-            K.matvec_bytes(self.qs, self.a, _NO_C if self.c is None else self.c, x, out)
-        return out[:, :self.n]
+        out = np.empty((x.shape[0], self.n), dtype=np.float32)
+        K.matmul_rows(self.code, self.rows, self.n_blocks, np.ascontiguousarray(x, dtype=np.float32), out)
+        return out
 
     def matvec(self, x):
         """x: [K] f32 -> [N] f32."""
@@ -117,31 +68,6 @@ def tile_rows(obj, names, n, chunks, r):
         a = np.concatenate([a, np.zeros(a.shape[:-1] + (chunks * r - n,), a.dtype)], axis=-1)
         a = a.reshape(a.shape[:-1] + (chunks, r))
         setattr(obj, name, np.ascontiguousarray(np.moveaxis(a, -2, 0)))
-
-
-def byte_codes(qt):
-    """A QTensor of a "bytes" type -> (codes [G, S, N] int8 or uint8, a [G, N] f32, c [G, N] f32 or None), with
-    w = a * code + c exactly gguf-py's dequantized weight (Q6_K: up to the rounding of a * code)."""
-    n, raw = qt.shape[0], np.asarray(qt.blocks)
-    if qt.qtype in ("Q8_0", "Q5_0", "Q5_1"):
-        q, d, m = unpack_blocks(raw, qt.qtype)                                   # [N, B, 32] int16, [N, B]
-        codes = q.astype(np.int8 if m is None else np.uint8)
-        return (np.ascontiguousarray(codes.transpose(1, 2, 0)), np.ascontiguousarray(d.T),
-                None if m is None else np.ascontiguousarray(m.T))
-    if qt.qtype == "Q5_K":                         # groups of 32: a = d*sc, c = -(dmin*mn)
-        blk = raw.reshape(n, -1, 176)
-        sc, mn = k4_scales(blk[..., 4:16])                                       # [N, NB, 8]
-        codes = k_codes(blk, "Q5_K").reshape(n, -1, 32).astype(np.uint8)         # [N, G, 32]
-        a = (f16_at(blk, 0)[..., None] * sc.astype(np.float32)).reshape(n, -1)
-        c = -(f16_at(blk, 2)[..., None] * mn.astype(np.float32)).reshape(n, -1)
-        return np.ascontiguousarray(codes.transpose(1, 2, 0)), np.ascontiguousarray(a.T), np.ascontiguousarray(c.T)
-    if qt.qtype == "Q6_K":                         # groups of 16: a = d*scale, c = -32 a
-        blk = raw.reshape(n, -1, 210)
-        q = k_codes(blk, "Q6_K").reshape(n, -1, 16).astype(np.uint8)             # [N, G, 16]
-        a = (f16_at(blk, 208)[..., None] * blk[..., 192:208].view(np.int8).astype(np.float32)).reshape(n, -1)
-        return (np.ascontiguousarray(q.transpose(1, 2, 0)), np.ascontiguousarray(a.T),
-                np.ascontiguousarray((np.float32(-32) * a).T))
-    raise ValueError(f"no numba kernel for {qt.qtype}")
 
 
 class KernelMatrix:
@@ -237,18 +163,13 @@ class NumbaWeights:
         return sum(q.nbytes() for q in seen.values())
 
 
-_U8_NONE, _U16_NONE = np.zeros((0, 0, 0), np.uint8), np.zeros((0, 0, 0), np.uint16)
-
-
 def _group(ws):
     """A stacked group's (or one matrix's) KernelBlocks as numba_kernels.decode_layer takes it, or None."""
     b = ws[0].blocks if isinstance(ws[0], KernelMatrix) else None
     if b is None or not all(isinstance(w, KernelMatrix) and w.blocks is b for w in ws) or ws[0].lo != 0 \
-            or ws[-1].hi != b.n or b.kind not in ("nibbles", "q4k"):
+            or ws[-1].hi != b.n:
         return None
-    if b.kind == "nibbles":
-        return (0, b.qs, b.d, b.m, _U8_NONE, _U8_NONE, b.offset)
-    return (1, b.qs, b.d, b.dmin, b.sc, b.mn, 0)
+    return (b.code, b.rows, b.n_blocks)
 
 
 class FusedDecoder:
@@ -292,7 +213,7 @@ class FusedDecoder:
         cos, sin = c.rope_rows(1)
         neox, parallel = cfg.rope_style == "neox", eng.backend.all_kernels
         for i, (an, fn, g_qkv, g_o, g_gu, g_dn, nq, nk, nf) in enumerate(self.plans):
-            x = K.decode_layer(x, an, fn, cfg.rms_eps, g_qkv, g_o, g_gu, g_dn, nq, nk, nf, F16_VALUES, cos[0], sin[0],
+            x = K.decode_layer(x, an, fn, cfg.rms_eps, g_qkv, g_o, g_gu, g_dn, nq, nk, nf, cos[0], sin[0],
                                neox, c.k[i], c.v[i], c.pos, cfg.scale, self.kv_head, parallel)
         c.advance(1)
         PATHS.update(self.paths)
@@ -336,11 +257,8 @@ def vector_registers(names=None) -> dict:
 
     x = np.ones((1, 32), np.float32)
     d, out = np.ones((1, 1, 1), np.float32), np.empty((1, 1), np.float32)
-    u8 = np.zeros((1, 1, 1), np.uint8)
-    h = np.zeros((1, 1, 1), np.uint16)
-    calls = {"matvec_nibbles": (np.zeros((1, 1, 16, 1), np.uint8), h, h, 0, F16_VALUES, x, out),
-             "matvec_q4_k": (np.zeros((1, 1, 16, 1), np.uint8), u8, u8, h, h, F16_VALUES, x, out),
-             "matvec_bytes": (np.zeros((1, 1, 32, 1), np.int8), d, _NO_C, x, out),
+    blk = np.zeros((1, 18), np.uint8)
+    calls = {"matmul_rows": (S.TYPE_CODE["Q4_0"], np.array([blk.ctypes.data], np.int64), 1, x, out),
              "ggml_q8_dot": (np.zeros((1, 1, 32, 1), np.int8), d, d, np.zeros((1, 1, 32), np.int8), d[0], d[0], out)}
     res = {}
     for name, args in calls.items():
@@ -373,16 +291,11 @@ class NumbaBackend(Backend):
     def _warm_up(self):
         """Compile (or load from the on-disk cache) every kernel once, outside any timed region."""
         x = np.ones((1, 32), np.float32)
-        out = np.empty((1, 1), np.float32)
         d = np.ones((1, 1, 1), np.float32)
-        h = np.zeros((1, 1, 1), np.uint16)
-        K.matvec_nibbles(np.zeros((1, 1, 16, 1), np.uint8), h, h, 0, F16_VALUES, x, out)
-        K.matvec_bytes(np.zeros((1, 1, 32, 1), np.int8), d, _NO_C, x, out)
-        K.matvec_bytes(np.zeros((1, 1, 32, 1), np.uint8), d, d, x, out)
+        blk = np.zeros((1, 18), np.uint8)
+        K.matmul_rows(S.TYPE_CODE["Q4_0"], np.array([blk.ctypes.data], np.int64), 1, x, np.empty((1, 1), np.float32))
         K.ggml_q8_dot(np.zeros((1, 1, 32, 1), np.int8), d, d, np.zeros((1, 1, 32), np.int8), d[0], d[0],
                       np.empty((1, 1), np.float32))
-        u8 = np.zeros((1, 1, 1), np.uint8)
-        K.matvec_q4_k(np.zeros((1, 1, 16, 1), np.uint8), u8, u8, h, h, F16_VALUES, x, out)
         K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))
         K.silu_mul(np.ones(4, np.float32), np.ones(4, np.float32), np.empty(4, np.float32))
         for neox in (False, True):

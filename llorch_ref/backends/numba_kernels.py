@@ -1,23 +1,11 @@
-"""Numba kernels: matrix-vector products straight from GGUF blocks (decode reads the quantized bytes).
+"""Numba kernels: matrix products straight from the GGUF blocks where they lie, and one-token elementwise and
+attention kernels.
 
-Each output row's sum is computed in a fixed order by one thread (prange over chunks of rows), so results
-do not depend on the thread count; fastmath is off; every kernel is compiled once and cached on disk
-(cache=True). Within a block the 32 (or 16) products are summed in float32, in element order; the block
-sums are accumulated over blocks in float64.
-
-Layout: rows are split into C chunks of R rows (one chunk a thread; R a multiple of 16, the last rows
-padding), and each chunk's codes are stored block-major and row-minor, qs[c, b, j, r], so that a thread
-streams one contiguous region. The innermost loop runs over the rows r of a chunk, with one float32
-partial sum per row kept in a small scratch array: a contiguous, independent loop the compiler turns
-into 16-wide vector code with fastmath off (the sums are not reordered, only computed for 16 rows at
-once). Three kernels serve every supported type:
-
-  matvec_nibbles  Q4_0, Q4_1: two 4-bit codes per byte (element j low nibble, element j+16 high nibble)
-                  per block of 32, w = d * (code - offset) + m
-  matvec_q4_k     Q4_K, its nibbles repacked the same way per group of 32, w = d*sc * code - dmin*mn with
-                  the 6-bit sc, mn and the super-block's d, dmin read as the file has them
-  matvec_bytes    Q8_0 (int8 codes, w = d * code), Q6_K unpacked to one uint8 code per element in groups
-                  of 16: w = a * code + c
+matmul_rows serves every quantized type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): rows are given by
+the addresses of their blocks in the mapped file, and each row's dot products run numba_simd's vector loop
+(16 lanes, the block's codes widened and multiplied by x in float32, a fixed-order tree sum at the row's
+end). Each row is computed by one thread, in one order, so results do not depend on the thread count or on
+how many tokens a call carries; fastmath is off; every kernel is compiled once and cached on disk.
 """
 from __future__ import annotations
 
@@ -27,6 +15,8 @@ numba_wide_vectors()            # before numba reads its configuration: 512-bit 
 
 import numba as nb  # noqa: E402
 import numpy as np  # noqa: E402
+
+from . import numba_simd as S  # noqa: E402
 
 
 @nb.njit(cache=True)
@@ -43,216 +33,30 @@ def _block_sums(x, gs):
     return out
 
 
-@nb.njit(inline="always")
-def _nibble_block(qb, x, t, b, s, off):
-    """s[i] = sum_j (lo_j - off) x_j + (hi_j - off) x_{j+16} over the 16 bytes of block b, row t of x."""
-    s[:] = 0.0
-    o = np.float32(off)          # subtracted in float32: exact for these small integers, and 16 lanes wide
-    for j in range(16):
-        xl, xh, qj = x[t, b * 32 + j], x[t, b * 32 + j + 16], qb[j]
-        for i in range(s.shape[0]):
-            q = qj[i]
-            s[i] += ((np.float32(np.int32(q & np.uint8(15))) - o) * xl
-                     + (np.float32(np.int32(q >> np.uint8(4))) - o) * xh)
-
-
-@nb.njit(inline="always")
-def _nibbles_chunk(qs, d16, m16, f16, x, xsum, acc, s, dc, mc, c, off):
-    """Chunk c of matvec_nibbles for every row t of x; off is a constant at each call site (0: Q4_1, with
-    m; 8: Q4_0, without)."""
-    w = qs.shape[3]
-    for b in range(qs.shape[1]):
-        qb, db = qs[c, b], d16[c, b]
-        for i in range(w):
-            dc[i] = f16[db[i]]
-        if off == 0:
-            mb = m16[c, b]
-            for i in range(w):
-                mc[i] = f16[mb[i]]
-        for t in range(x.shape[0]):
-            _nibble_block(qb, x, t, b, s, off)
-            if off == 0:
-                xs = xsum[t, b]
-                for i in range(w):
-                    acc[t, i] += dc[i] * s[i] + mc[i] * xs
-            else:
-                for i in range(w):
-                    acc[t, i] += dc[i] * s[i]
-
-
+# -- products straight from the file's blocks (numba_simd's vector loops), rows anywhere in memory ------------
 @nb.njit(parallel=True, cache=True, fastmath=False)
-def matvec_nibbles(qs, d16, m16, offset, f16, x, out):
-    """qs: [C, B, 16, R] uint8 (the file's 16 bytes of each block: element j low nibble, j+16 high), d16, m16:
-    [C, B, R] uint16 (the file's float16 scale and min; Q4_0: m16 empty), offset: 8 (Q4_0) or 0 (Q4_1),
-    f16: [65536] f32 (float16 bits -> value), x: [T, B*32] f32 -> out: [T, C*R] f32 (T = 1 for a decode
-    step; each row t exactly as alone: the block is read once).
-
-    out[n] = sum_b d[b,n] * s_b (+ m[b,n] * sum(x_b)), s_b = sum_j (lo_j - offset) x_j + (hi_j - offset) x_{j+16}."""
-    n_chunks, w = qs.shape[0], qs.shape[3]
-    xsum = _block_sums(x, 32)
-    for c in nb.prange(n_chunks):
-        acc = np.zeros((x.shape[0], w), dtype=np.float64)
-        s, dc, mc = np.empty(w, dtype=np.float32), np.empty(w, dtype=np.float32), np.empty(w, dtype=np.float32)
-        if offset == 0:
-            _nibbles_chunk(qs, d16, m16, f16, x, xsum, acc, s, dc, mc, c, 0)
-        else:
-            _nibbles_chunk(qs, d16, m16, f16, x, xsum, acc, s, dc, mc, c, 8)
-        for t in range(x.shape[0]):
-            for i in range(w):
-                out[t, c * w + i] = acc[t, i]
-
-
-@nb.njit(parallel=True, cache=True, fastmath=False)
-def matvec_q4_k(qs, sc, mn, d16, dmin16, f16, x, out):
-    """Q4_K from its own scales: qs [C, G, 16, R] uint8 (groups of 32 as matvec_nibbles reads them), sc, mn:
-    [C, G, R] uint8 (6-bit scale and min of each group), d16, dmin16: [C, G/8, R] uint16 (the super-block's
-    float16 d and dmin as the file has them), x: [T, G*32] f32 -> out: [T, C*R] f32.
-
-    Group g: w = d*sc * q - dmin*mn, so out[n] = sum_g (d*sc) s_g - (dmin*mn) sum(x_g): the same float32
-    values as matvec_nibbles with d = d*sc and m = -dmin*mn (both products exact in float32), from 18
-    bytes per 32 weights, the file's own size."""
-    n_chunks, n_groups, _, w = qs.shape
-    xsum = _block_sums(x, 32)
-    for c in nb.prange(n_chunks):
-        acc = np.zeros((x.shape[0], w), dtype=np.float64)
-        s, dc, mc = np.empty(w, dtype=np.float32), np.empty(w, dtype=np.float32), np.empty(w, dtype=np.float32)
-        for g in range(n_groups):
-            qb, scg, mng = qs[c, g], sc[c, g], mn[c, g]
-            if g % 8 == 0:
-                db, dmb = d16[c, g // 8], dmin16[c, g // 8]
-                for i in range(w):
-                    dc[i] = f16[db[i]]
-                    mc[i] = f16[dmb[i]]
-            for t in range(x.shape[0]):
-                _nibble_block(qb, x, t, g, s, 0)
-                xs = xsum[t, g]
-                for i in range(w):
-                    acc[t, i] += (dc[i] * np.float32(scg[i])) * s[i] + (-(mc[i] * np.float32(mng[i]))) * xs
-        for t in range(x.shape[0]):
-            for i in range(w):
-                out[t, c * w + i] = acc[t, i]
-
-
-# -- laying the file's blocks out for the kernels: one pass, parallel over rows, nothing unpacked ----------
-@nb.njit(inline="always")
-def _u16(row, o):
-    """The little-endian 16-bit word at byte o of row (a float16 scale's bits)."""
-    return np.uint16(row[o]) | (np.uint16(row[o + 1]) << np.uint16(8))
-
-
-@nb.njit(parallel=True, cache=True)
-def lay_out_nibbles(blocks, type_size, q_at, row0, qs, d16, m16):
-    """Q4_0 (type_size 18, q_at 2) and Q4_1 (20, 4; m16 non-empty) rows of the file's blocks [n, B*type_size]
-    -> rows row0.. of the tiled layout (qs [C, B, 16, R], d16, m16 [C, B, R]): the same bytes, rows minor.
-    In tiles of 16 destination rows (R % 16 == 0: a tile never straddles two chunks): each tile's rows are
-    read in order, and each code byte is written for 16 rows at a time."""
-    r_len, n = qs.shape[3], blocks.shape[0]
-    first, last = row0 // 16, (row0 + n - 1) // 16
-    for tile in nb.prange(first, last + 1):
-        g0 = tile * 16
-        lo, hi = max(row0, g0), min(row0 + n, g0 + 16)          # destination rows of this tile
-        c, i0 = g0 // r_len, g0 % r_len
-        for b in range(qs.shape[1]):
-            o = b * type_size
-            for g in range(lo, hi):
-                r, i = g - row0, i0 + g - g0
-                d16[c, b, i] = _u16(blocks[r], o)
-                if m16.shape[0] > 0:
-                    m16[c, b, i] = _u16(blocks[r], o + 2)
-            for j in range(16):
-                for g in range(lo, hi):
-                    qs[c, b, j, i0 + g - g0] = blocks[g - row0, o + q_at + j]
-
-
-@nb.njit(parallel=True, cache=True)
-def lay_out_q4_k(blocks, row0, qs, sc, mn, d16, dmin16):
-    """Q4_K rows [n, NB*144] -> rows row0.. of qs [C, G, 16, R] (group g's 32 nibbles as element j low,
-    j+16 high), sc, mn [C, G, R] (get_scale_min_k4), d16, dmin16 [C, NB, R]."""
-    r_len = qs.shape[3]
-    for r in nb.prange(blocks.shape[0]):
-        c, i = (row0 + r) // r_len, (row0 + r) % r_len
-        row = blocks[r]
-        for sb in range(d16.shape[1]):
-            o = sb * 144
-            d16[c, sb, i] = _u16(row, o)
-            dmin16[c, sb, i] = _u16(row, o + 2)
-            for k in range(8):
-                if k < 4:
-                    scale, mins = row[o + 4 + k] & 63, row[o + 8 + k] & 63
-                else:
-                    scale = (row[o + 8 + k] & 15) | ((row[o + k] >> 6) << 4)
-                    mins = (row[o + 8 + k] >> 4) | ((row[o + 4 + k] >> 6) << 4)
-                g = sb * 8 + k
-                sc[c, g, i] = scale
-                mn[c, g, i] = mins
-                base, shift = o + 16 + 32 * (k // 2), 4 * (k % 2)
-                for j in range(16):
-                    lo = (row[base + j] >> shift) & 15
-                    hi = (row[base + j + 16] >> shift) & 15
-                    qs[c, g, j, i] = lo | (hi << 4)
-
-
-@nb.njit(parallel=True, cache=True)
-def lay_out_q8_0(blocks, f16, row0, qs, a):
-    """Q8_0 rows [n, B*34] -> rows row0.. of qs [C, B, 32, R] int8 and a [C, B, R] f32 (the float16 d)."""
-    r_len = qs.shape[3]
-    for r in nb.prange(blocks.shape[0]):
-        c, i = (row0 + r) // r_len, (row0 + r) % r_len
-        row = blocks[r]
-        for b in range(qs.shape[1]):
-            o = b * 34
-            a[c, b, i] = f16[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
-            for j in range(32):
-                qs[c, b, j, i] = np.int8(row[o + 2 + j]) if row[o + 2 + j] < 128 else np.int8(np.int32(row[o + 2 + j]) - 256)
-
-
-@nb.njit(inline="always")
-def _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs, affine):
-    """Chunk ci of matvec_bytes for every row t of x; gs and affine are constants at each call site."""
-    w = qs.shape[3]
-    for g in range(qs.shape[1]):
-        qg, ag = qs[ci, g], a[ci, g]
-        for t in range(x.shape[0]):
-            s[:] = 0.0
-            for j in range(gs):
-                xj, qj = x[t, g * gs + j], qg[j]
-                for i in range(w):
-                    s[i] += np.float32(np.int32(qj[i])) * xj       # via int32: 16 lanes wide
-            if affine:
-                cg, xs = c[ci, g], xsum[t, g]
-                for i in range(w):
-                    acc[t, i] += ag[i] * s[i] + cg[i] * xs
-            else:
-                for i in range(w):
-                    acc[t, i] += ag[i] * s[i]
-
-
-@nb.njit(parallel=True, cache=True, fastmath=False)
-def matvec_bytes(qs, a, c, x, out):
-    """qs: [C, G, S, R] uint8 or int8 codes, a, c: [C, G, R] f32 (c: [0, 0, 0] for none), x: [T, G*S] f32
-    -> out[t, n] = sum_g a*sum_j q*x + c*sum_j x (T = 1 for a decode step; each row t exactly as alone).
-
-    Q8_0: int8 codes, S = 32, a = d, no c. Q6_K after unpacking: w = a * q + c per group of S = 16 elements,
-    a = d*scale, c = -32*d*scale."""
-    n_chunks, _, gs, w = qs.shape
-    xsum = _block_sums(x, gs)
-    affine = c.shape[0] > 0
-    for ci in nb.prange(n_chunks):
-        acc = np.zeros((x.shape[0], w), dtype=np.float64)
-        s = np.empty(w, dtype=np.float32)
-        if not affine and gs == 32:
-            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, 32, False)
-        elif not affine:
-            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs, False)
-        elif gs == 32:
-            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, 32, True)
-        elif gs == 16:
-            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, 16, True)
-        else:
-            _bytes_chunk(qs, a, c, x, xsum, acc, s, ci, gs, True)
-        for t in range(x.shape[0]):
-            for i in range(w):
-                out[t, ci * w + i] = acc[t, i]
+def matmul_rows(code, rows, n_blocks, x, out):
+    """code: numba_simd.TYPE_CODE of the blocks' type, rows: int64 [N] addresses of N rows of its blocks (the
+    mapped file's, where they lie; several matrices stacked by address), x: [T, K] f32 -> out: [T, N] f32.
+    Tiles of 4 rows for one token, of 2 rows by 4 tokens for several; every product the same in any tile (and
+    so whatever T or the thread count)."""
+    t_n, k = x.shape
+    n = rows.shape[0]
+    xs = _block_sums(x, S.GROUP)
+    g = xs.shape[1]
+    ra, xa, xsa, oa = rows.ctypes.data, x.ctypes.data, xs.ctypes.data, out.ctypes.data
+    full = t_n - t_n % 4
+    for q in nb.prange(n // 4):
+        r = 4 * q
+        for t in range(0, full, 4):
+            S.dot_tile(code, 2, 4, ra + 8 * r, xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r), n, n_blocks)
+            S.dot_tile(code, 2, 4, ra + 8 * (r + 2), xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r + 2),
+                       n, n_blocks)
+        for t in range(full, t_n):
+            S.dot_tile(code, 4, 1, ra + 8 * r, xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r), n, n_blocks)
+    for r in range(n - n % 4, n):
+        for t in range(t_n):
+            S.dot_tile(code, 1, 1, ra + 8 * r, xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r), n, n_blocks)
 
 
 # The elementwise kernels below serve one token (a few thousand floats): serial, since starting the
@@ -402,25 +206,16 @@ def ggml_q8_dot(q, d, m, qa, da, sa, out):
 # -- one decode step of a layer in one call (NumbaBackend.make_decoder): the kernels above, in the order and
 # with the arguments the op-by-op path gives them, so that the logits are the same to the bit ---------------
 @nb.njit(cache=True)
-def _mv(g, f16, x, out):
-    """g = (kind, qs, s1, s2, s3, s4, offset): kind 0 "nibbles" (s1, s2 = d, m), 1 "q4k" (s1, s2 = d, dmin;
-    s3, s4 = sc, mn)."""
-    kind, qs, s1, s2, s3, s4, off = g
-    if kind == 0:
-        matvec_nibbles(qs, s1, s2, off, f16, x, out)
-    else:
-        matvec_q4_k(qs, s3, s4, s1, s2, f16, x, out)
-
-
-@nb.njit(cache=True)
-def _mv_out(g, f16, x):
-    out = np.empty((1, g[1].shape[0] * g[1].shape[3]), np.float32)
-    _mv(g, f16, x, out)
+def _mv_out(g, x):
+    """g = (type code, row addresses, blocks per row): a KernelBlocks' product for x [1, K]."""
+    code, rows, n_blocks = g
+    out = np.empty((1, rows.shape[0]), np.float32)
+    matmul_rows(code, rows, n_blocks, x, out)
     return out
 
 
 @nb.njit(cache=True)
-def decode_layer(x, attn_norm, ffn_norm, eps, g_qkv, g_o, g_gu, g_down, nq, nk, nf, f16, cos, sin, neox,
+def decode_layer(x, attn_norm, ffn_norm, eps, g_qkv, g_o, g_gu, g_down, nq, nk, nf, cos, sin, neox,
                  kc, vc, pos, scale, kv_head, parallel_attention):
     """One token through one llama layer: x [1, D] f32 -> [1, D]; writes K and V at `pos` of kc, vc [n_ctx, KV,
     Hd]. Q/K/V and gate/up are stacked groups (nq, nk, nf: their row counts)."""
@@ -428,7 +223,7 @@ def decode_layer(x, attn_norm, ffn_norm, eps, g_qkv, g_o, g_gu, g_down, nq, nk, 
     n_kv, hd = kc.shape[1], kc.shape[2]
     h = np.empty_like(x)
     rms_norm_rows(x, attn_norm, eps, h)
-    y = _mv_out(g_qkv, f16, h)
+    y = _mv_out(g_qkv, h)
     q = np.ascontiguousarray(y[0, :nq]).reshape(nq // hd, hd)
     k = np.ascontiguousarray(y[0, nq:nq + nk]).reshape(n_kv, hd)
     qr, kr = np.empty_like(q), np.empty_like(k)
@@ -444,12 +239,12 @@ def decode_layer(x, attn_norm, ffn_norm, eps, g_qkv, g_o, g_gu, g_down, nq, nk, 
         attend_one(qr, kc[:s], vc[:s], mask, scale, kv_head, att, kq, probs)
     else:
         attend_one_serial(qr, kc[:s], vc[:s], mask, scale, kv_head, att, kq, probs)
-    o = _mv_out(g_o, f16, att.reshape(1, nq))
+    o = _mv_out(g_o, att.reshape(1, nq))
     x = x + o[:, :d]
     h = np.empty_like(x)
     rms_norm_rows(x, ffn_norm, eps, h)
-    gu = _mv_out(g_gu, f16, h)
+    gu = _mv_out(g_gu, h)
     hid = np.empty((1, nf), np.float32)
     silu_mul(np.ascontiguousarray(gu[0, :nf]), np.ascontiguousarray(gu[0, nf:2 * nf]), hid[0])
-    dn = _mv_out(g_down, f16, hid)
+    dn = _mv_out(g_down, hid)
     return x + dn[:, :d]

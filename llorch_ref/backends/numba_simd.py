@@ -1,0 +1,277 @@
+"""Row dot products that read GGUF blocks where they lie: explicit 16-lane vector code through LLVM IR.
+
+numba vectorizes a loop over one block's 16 or 32 weights only with a horizontal sum per block or with
+runtime alias checks (results/cpu/2026-11-27-cpu-speed.md), so the row-major file order needed a layout
+pass before. These intrinsics build the loop over a row's blocks in LLVM IR with vector types: each block's
+codes are loaded as <16 x i8>, widened, turned into floats and multiplied by x's 16 matching floats, and
+16 lane accumulators run along the row; one fixed-order tree sum at the row's end. No fast-math: LLVM
+keeps every multiply and add as written (no reassociation, no fused multiply-add), so a row's result is
+the same whatever the thread count, and differs from the NumPy oracle by summation order only.
+
+Per type, `_segments` turns one block (or super-block) into segments: a float32 scale, an optional min
+term, and 16-lane code vectors with the x offsets they multiply. w = scale * code (+ min per group of 32,
+applied as min * sum(x_group), the sums computed once per product). Every scale and scale*sub-scale is
+exact in float32 (a float16 times an integer of at most 8 bits), as gguf-py's dequantization has it.
+
+`dot_tile` is the intrinsic numba code calls: R rows by T tokens at once (R, T and the type constants), each
+row's blocks decoded once for its T tokens and x's floats loaded once for the R rows.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+L = 16
+F32, F16 = ir.FloatType(), ir.HalfType()
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+VF, VI32, VI8 = ir.VectorType(F32, L), ir.VectorType(I32, L), ir.VectorType(I8, L)
+
+# ggml type -> (weights per block, bytes per block); each a type _segments decodes
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+GROUP = 32                                    # the min terms' x groups (Q4_1, Q5_1, Q4_K, Q5_K): sums of 32
+
+
+def _vi(v):
+    return ir.Constant(VI32, [v] * L) if isinstance(v, int) else ir.Constant(VI32, list(v))
+
+
+class _Block:
+    """Reads of one block at i8* p."""
+
+    def __init__(self, b, p):
+        self.b, self.p = b, p
+
+    def at(self, off, ty):
+        return self.b.bitcast(self.b.gep(self.p, [ir.Constant(I64, off)]), ty.as_pointer())
+
+    def f16(self, off):
+        return self.b.fpext(self.b.load(self.at(off, F16), align=1), F32)
+
+    def u8(self, off):
+        return self.b.zext(self.b.load(self.at(off, I8), align=1), I32)
+
+    def i8(self, off):
+        return self.b.sext(self.b.load(self.at(off, I8), align=1), I32)
+
+    def u32(self, off):
+        return self.b.load(self.at(off, I32), align=1)
+
+    def bytes16(self, off, signed=False):
+        v = self.b.load(self.at(off, VI8), align=1)
+        return self.b.sext(v, VI32) if signed else self.b.zext(v, VI32)
+
+    def bits16(self, word, first):
+        """((word >> (first + j)) & 1) << 4 for lanes j: a 32-bit mask's 16 high bits of codes."""
+        b = self.b
+        w = b.shuffle_vector(b.insert_element(ir.Constant(VI32, ir.Undefined), word, ir.Constant(I32, 0)),
+                             ir.Constant(VI32, ir.Undefined), ir.Constant(VI32, [0] * L))
+        return b.shl(b.and_(b.lshr(w, _vi(range(first, first + L))), _vi(1)), _vi(4))
+
+    def fl(self, v):
+        return self.b.sitofp(v, VF)
+
+
+def _nibbles(k, q, shift):
+    return k.b.and_(k.b.lshr(q, _vi(shift)), _vi(15)) if shift else k.b.and_(q, _vi(15))
+
+
+def _lanes(b, v, idx):
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, len(idx)), list(idx)))
+
+
+def _k4_scales_mins(k):
+    """get_scale_min_k4 for the 8 groups at once, from the 12 scale bytes at offset 4: (scales, mins) <8 x i32>.
+    Groups 0-3: q[j] & 63, q[j+4] & 63; groups 4-7: (q[j+4] & 15) | (q[j-4] >> 6) << 4, (q[j+4] >> 4) |
+    (q[j] >> 6) << 4."""
+    b = k.b
+    q = k.bytes16(4)                                 # bytes 4..19: the 12 scale bytes and 4 code bytes after
+    v8 = lambda c: ir.Constant(ir.VectorType(I32, 8), [c] * 8)                        # noqa: E731
+    first = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1] * 4 + [0] * 4)
+    p, m = _lanes(b, q, (0, 1, 2, 3, 8, 9, 10, 11)), _lanes(b, q, (4, 5, 6, 7, 8, 9, 10, 11))
+    top = lambda idx: b.shl(b.lshr(_lanes(b, q, idx), v8(6)), v8(4))                 # noqa: E731
+    sc = b.select(first, b.and_(p, v8(63)), b.or_(b.and_(p, v8(15)), top((0, 1, 2, 3, 0, 1, 2, 3))))
+    mn = b.select(first, b.and_(m, v8(63)), b.or_(b.lshr(m, v8(4)), top((4, 5, 6, 7, 4, 5, 6, 7))))
+    return sc, mn
+
+
+def _scaled(b, d, ints):
+    """d (a float16's value) times each integer of a vector, in float32: exact (at most 11 x 8 bits)."""
+    n = ints.type.count
+    u = ir.Constant(ir.VectorType(F32, n), ir.Undefined)
+    dv = b.shuffle_vector(b.insert_element(u, d, ir.Constant(I32, 0)), u, ir.Constant(ir.VectorType(I32, n), [0] * n))
+    return b.fmul(dv, b.sitofp(ints, ir.VectorType(F32, n)))
+
+
+def _segments(qtype, k):
+    """One block at k -> (segments, mins): segments [(scale <16 x float>, [(codes <16 x float>, x offset)])],
+    w = scale * code; mins None or (m, G): w += m per group of 32, m a float (G = 1) or <G x float>."""
+    b = k.b
+    if qtype in ("Q4_0", "Q4_1"):
+        q = k.bytes16(2 if qtype == "Q4_0" else 4)
+        lo, hi = _nibbles(k, q, 0), _nibbles(k, q, 4)
+        if qtype == "Q4_0":
+            lo, hi = b.sub(lo, _vi(8)), b.sub(hi, _vi(8))
+        parts = [(k.fl(lo), 0), (k.fl(hi), 16)]
+        return [(_splat(b, k.f16(0)), parts)], None if qtype == "Q4_0" else (k.f16(2), 1)
+    if qtype in ("Q5_0", "Q5_1"):
+        h_at, q_at = (2, 6) if qtype == "Q5_0" else (4, 8)
+        qh, q = k.u32(h_at), k.bytes16(q_at)
+        lo = b.or_(_nibbles(k, q, 0), k.bits16(qh, 0))
+        hi = b.or_(_nibbles(k, q, 4), k.bits16(qh, 16))
+        if qtype == "Q5_0":
+            lo, hi = b.sub(lo, _vi(16)), b.sub(hi, _vi(16))
+        parts = [(k.fl(lo), 0), (k.fl(hi), 16)]
+        return [(_splat(b, k.f16(0)), parts)], None if qtype == "Q5_0" else (k.f16(2), 1)
+    if qtype == "Q8_0":
+        return [(_splat(b, k.f16(0)), [(k.fl(k.bytes16(2, True)), 0), (k.fl(k.bytes16(18, True)), 16)])], None
+    if qtype in ("Q4_K", "Q5_K"):
+        sc, mn = _k4_scales_mins(k)
+        scales = _scaled(b, k.f16(0), sc)
+        mins = b.fsub(ir.Constant(ir.VectorType(F32, 8), [0.0] * 8), _scaled(b, k.f16(2), mn))
+        q_at, out = (16 if qtype == "Q4_K" else 48), []
+        for j in range(8):
+            base, shift = q_at + 32 * (j // 2), 4 * (j % 2)
+            lo, hi = _nibbles(k, k.bytes16(base), shift), _nibbles(k, k.bytes16(base + 16), shift)
+            if qtype == "Q5_K":                          # qh[l] bit j: the fifth bit of element l of group j
+                lo = b.or_(lo, b.shl(b.and_(b.lshr(k.bytes16(16), _vi(j)), _vi(1)), _vi(4)))
+                hi = b.or_(hi, b.shl(b.and_(b.lshr(k.bytes16(32), _vi(j)), _vi(1)), _vi(4)))
+            out.append((_lanes(b, scales, [j] * L), [(k.fl(lo), 32 * j), (k.fl(hi), 32 * j + 16)]))
+        return out, (mins, 8)
+    if qtype == "Q6_K":
+        scales, out = _scaled(b, k.f16(208), k.bytes16(192, True)), []
+        for n in range(2):
+            for which in range(4):
+                for h in range(2):
+                    ql = _nibbles(k, k.bytes16(64 * n + 32 * (which % 2) + 16 * h), 4 * (which // 2))
+                    qh = b.shl(b.and_(b.lshr(k.bytes16(128 + 32 * n + 16 * h), _vi(2 * which)), _vi(3)), _vi(4))
+                    code = b.sub(b.or_(ql, qh), _vi(32))
+                    out.append((_lanes(b, scales, [8 * n + h + 2 * which] * L), [(k.fl(code), 128 * n + 32 * which + 16 * h)]))
+        return out, None
+    raise ValueError(f"no in-place kernel for {qtype}")
+
+
+def _splat(b, v):
+    u = ir.Constant(VF, ir.Undefined)
+    return b.shuffle_vector(b.insert_element(u, v, ir.Constant(I32, 0)), u, ir.Constant(VI32, [0] * L))
+
+
+def _hsum(b, v):
+    """A vector's lanes summed as a fixed tree (halves added, then their halves, ...)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        t = ir.VectorType(F32, n)
+        lo = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
+        hi = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
+        v = b.fadd(lo, hi)
+        assert v.type == t
+    return b.extract_element(v, ir.Constant(I32, 0))
+
+
+def _emit_tile(b, qtype, n_rows, tokens, rowsa, xa, x_stride, xsa, xs_stride, outa, out_stride, n_blocks):
+    """The loop over the blocks of n_rows rows (their addresses: int64s at rowsa) for `tokens` tokens at once;
+    stores out[t * out_stride + r]. Each (row, token) has its own accumulators (two for the super-block types,
+    groups alternating, so that the adds of one block do not wait on each other), every one updated by the
+    same operations in the same order whatever the tile: a product's value does not depend on its tile."""
+    block_len, block_bytes = BLOCKS[qtype]
+    n_acc = 2 if block_len == 256 else 1
+    rows_p = b.inttoptr(rowsa, I64.as_pointer())
+    rowp = [b.inttoptr(b.load(b.gep(rows_p, [ir.Constant(I64, r)])), I8.as_pointer()) for r in range(n_rows)]
+    xp = [b.gep(b.inttoptr(xa, F32.as_pointer()), [b.mul(x_stride, ir.Constant(I64, t))]) for t in range(tokens)]
+    xsp = [b.gep(b.inttoptr(xsa, F32.as_pointer()), [b.mul(xs_stride, ir.Constant(I64, t))]) for t in range(tokens)]
+    keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
+    entry, loop, done = b.block, b.append_basic_block("blocks"), b.append_basic_block("blocks_done")
+    b.cbranch(b.icmp_signed(">", n_blocks, ir.Constant(I64, 0)), loop, done)
+    b.position_at_end(loop)
+    i = b.phi(I64)
+    acc = {(key, a): b.phi(VF) for key in keys for a in range(n_acc)}
+    n_mins = {"Q4_1": 1, "Q5_1": 1, "Q4_K": 8, "Q5_K": 8}.get(qtype, 1)      # the min terms' width
+    CT = F32 if n_mins == 1 else ir.VectorType(F32, n_mins)
+    corr = {key: b.phi(CT) for key in keys}
+    zero_v, zero = ir.Constant(VF, [0.0] * L), ir.Constant(CT, 0.0 if n_mins == 1 else [0.0] * n_mins)
+    i.add_incoming(ir.Constant(I64, 0), entry)
+    for phi in (*acc.values(), *corr.values()):
+        phi.add_incoming(zero_v if phi.type == VF else zero, entry)
+    x0 = b.mul(i, ir.Constant(I64, block_len))
+    g0 = b.mul(i, ir.Constant(I64, block_len // GROUP))
+    xv = {}                                                    # x's 16 floats at an offset, loaded once
+    def x_at(t, off):                                          # noqa: E306
+        if (t, off) not in xv:
+            ptr = b.gep(xp[t], [b.add(x0, ir.Constant(I64, off))])
+            xv[t, off] = b.load(b.bitcast(ptr, VF.as_pointer()), align=4)
+        return xv[t, off]
+    xs_v = {}
+    def xs_at(t, width):                                       # noqa: E306
+        if t not in xs_v:
+            ptr = b.gep(xsp[t], [g0])
+            xs_v[t] = b.load(ptr) if width == 1 else b.load(b.bitcast(ptr, CT.as_pointer()), align=4)
+        return xs_v[t]
+    new_acc, new_corr = dict(acc), dict(corr)
+    for r in range(n_rows):
+        k = _Block(b, b.gep(rowp[r], [b.mul(i, ir.Constant(I64, block_bytes))]))
+        segments, mins = _segments(qtype, k)
+        for n, (sv, parts) in enumerate(segments):
+            for t in range(tokens):
+                s = None
+                for codes, off in parts:
+                    p = b.fmul(codes, x_at(t, off))
+                    s = p if s is None else b.fadd(s, p)
+                key = ((r, t), n % n_acc)
+                new_acc[key] = b.fadd(new_acc[key], b.fmul(sv, s))
+        for t in range(tokens) if mins is not None else ():
+            new_corr[r, t] = b.fadd(new_corr[r, t], b.fmul(mins[0], xs_at(t, mins[1])))
+    i2 = b.add(i, ir.Constant(I64, 1))
+    tail = b.block
+    i.add_incoming(i2, tail)
+    for key, phi in (*acc.items(), *corr.items()):
+        phi.add_incoming((new_acc if phi.type == VF else new_corr)[key], tail)
+    b.cbranch(b.icmp_signed("<", i2, n_blocks), loop, done)
+    b.position_at_end(done)
+    ends = {}
+    for key, phi in (*acc.items(), *corr.items()):            # the phis first: LLVM wants them at the top
+        e = b.phi(phi.type)
+        e.add_incoming(zero_v if phi.type == VF else zero, entry)
+        e.add_incoming((new_acc if phi.type == VF else new_corr)[key], tail)
+        ends[key] = e
+    outp = b.inttoptr(outa, F32.as_pointer())
+    for r, t in keys:
+        v = ends[(r, t), 0]
+        for a in range(1, n_acc):
+            v = b.fadd(v, ends[(r, t), a])
+        at = b.add(b.mul(out_stride, ir.Constant(I64, t)), ir.Constant(I64, r))
+        c = ends[r, t] if n_mins == 1 else _hsum(b, ends[r, t])
+        b.store(b.fadd(_hsum(b, v), c), b.gep(outp, [at]))
+
+
+NAMES = tuple(BLOCKS)
+TYPE_CODE = {name: i for i, name in enumerate(NAMES)}
+
+
+@intrinsic
+def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, xa, x_stride, xsa, xs_stride, outa, out_stride, n_blocks):
+    """dot_tile(code, R, T, rows, x, x_stride, xs, xs_stride, out, out_stride, n_blocks), code = TYPE_CODE[qtype]
+    (a switch over every type's loop unless it is a constant), R and T constants: out[t * out_stride + r] = row
+    r's dot product with x[t * x_stride:] for r < R, t < T (addresses as integers, strides in elements; rows:
+    the address of R int64 row addresses; xs: the sums of x's groups of 32, read for the types with a min)."""
+    if not all(isinstance(a, types.IntegerLiteral) for a in (n_rows, n_tokens)):
+        return None
+    r, t = n_rows.literal_value, n_tokens.literal_value
+    sig = types.void(code, n_rows, n_tokens, *([types.intp] * 8))
+
+    def codegen(context, builder, signature, args):
+        if isinstance(code, types.IntegerLiteral):
+            _emit_tile(builder, NAMES[code.literal_value], r, t, *args[3:])
+            return context.get_dummy_value()
+        merge = builder.append_basic_block("type_done")
+        switch = builder.switch(args[0], merge)
+        for i, name in enumerate(NAMES):
+            case = builder.append_basic_block(f"type_{name}")
+            switch.add_case(ir.Constant(args[0].type, i), case)
+            builder.position_at_end(case)
+            _emit_tile(builder, name, r, t, *args[3:])
+            builder.branch(merge)
+        builder.position_at_end(merge)
+        return context.get_dummy_value()
+    return sig, codegen
