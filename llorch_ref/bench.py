@@ -79,13 +79,14 @@ def measure_llorch(path, backend, prefill, decode, repeats, threads, dtype="floa
     pre, dec = _median_runs(one_prefill, repeats), _median_runs(one_decode, repeats)
     wi = eng.weights_info()
     paths = {f"{t}: {how}, {rows}": n for (t, how, rows), n in sorted(counted.items())}
+    peak = _peak_mb()                # before vector_registers' fresh compile, which is not the engine's memory
     if backend == "numba" and os.environ.get("LLORCH_BENCH_VECTOR_REGISTERS", "1") != "0":
         from llorch_ref.backends.numba_backend import vector_registers
         eng.backend.info["vector_registers"] = vector_registers()      # after the timed runs
     return {"engine": f"llorch-ref {backend}" + (f" {dtype}" if dtype != "float32" else "")
             + (" ggml" if numerics == "ggml" else "") + (" lazy" if wi.get("lazy") else " eager"),
             "device": eng.backend.device, "load_s": load_s, "prefill_tok_s": pre, "decode_tok_s": dec,
-            "peak_mb": _peak_mb(), "info": {**eng.backend.info, "weights": wi, "matrix_paths": paths}}
+            "peak_mb": peak, "info": {**eng.backend.info, "weights": wi, "matrix_paths": paths}}
 
 
 def measure_llamacpp(path, prefill, decode, repeats, threads):

@@ -121,3 +121,26 @@ def test_cache_dtype_is_explicit(tiny):
     assert c.k.dtype == np.float32 and c.cos.dtype == np.float32
     with pytest.raises(llorch_ref.errors.PromptError, match="context full"):
         forward(np, eng.config, eng.weights, list(range(17)), c)
+
+
+def _anon_mib():
+    with open("/proc/self/status") as f:
+        return int(next(ln for ln in f if ln.startswith("RssAnon:")).split()[1]) / 1024
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads Linux's /proc")
+def test_a_large_cache_commits_memory_only_for_the_positions_written():
+    """A 7B-like cache (32 layers, 2048 positions, 8 KV heads of 128: 512 MiB each of K and V) commits a few
+    pages for one token per layer, not numpy's 2 MiB huge pages (which made a 7B prefill's peak 260 MB higher)."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(n_layers=32, n_kv_heads=8, head_dim=128, rope_dim=128, rope_base=10000.0,
+                          rope_freq_scale=1.0, rope_freq_factors=None, rope_base_local=None)
+    before = _anon_mib()
+    c = Cache(np, cfg, 2048)
+    k = np.ones((1, 8, 128), np.float32)
+    for layer in range(32):
+        c.store(layer, k, k)
+    grown = _anon_mib() - before
+    assert grown < 16, f"{grown:.1f} MiB committed for one position of 32 layers"
+    assert c.k[5, 0, 3, 7] == 1 and c.k[5, 1].sum() == 0 and c.v.shape == (32, 2048, 8, 128)
