@@ -84,11 +84,14 @@ class KernelMatrix:
     def shape(self):
         return (self.hi - self.lo, self.blocks.k)
 
+    def dense_ready(self) -> bool:
+        return self._ready()
+
     def matmul(self, x):
         """x: [T, K] f32 -> [T, N] f32: the kernel for one row, and for several when the float32 weight would
         have to be dequantized first (lazy weights not cached); BLAS on the float32 weight otherwise."""
         rows = "1 row" if x.shape[0] == 1 else "several rows"
-        if x.shape[0] == 1 or not self._ready():
+        if x.shape[0] == 1 or not self.dense_ready():
             PATHS[(self.blocks.qtype, f"numba kernel ({self.blocks.kind})", rows)] += 1
             return self.blocks.matmul(x)[:, self.lo:self.hi]
         PATHS[(self.blocks.qtype, "BLAS on the float32 weight", rows)] += 1
@@ -373,12 +376,14 @@ class NumbaBackend(Backend):
             return base_ops.linear(xp, x, w)
 
         def stacked(x, *ws):
-            """-> the outputs of a stacked group for one row, one [1, N_i] array per weight, or None."""
-            if x.shape[0] != 1 or not all(isinstance(w, KernelMatrix) for w in ws) \
-                    or not all(w.blocks is ws[0].blocks for w in ws) or ws[-1].hi != ws[0].blocks.n:
+            """-> the outputs of a stacked group, one [T, N_i] array per weight, from one kernel call (for one
+            row, or for several when the kernel serves them: see KernelMatrix.matmul), or None."""
+            if not all(isinstance(w, KernelMatrix) for w in ws) or not all(w.blocks is ws[0].blocks for w in ws) \
+                    or ws[-1].hi != ws[0].blocks.n or (x.shape[0] != 1 and ws[0].dense_ready()):
                 return None
-            y = ws[0].blocks.matvec(x[0])[None, :]
-            PATHS[(ws[0].blocks.qtype, f"numba kernel ({ws[0].blocks.kind}), {len(ws)} matrices stacked", "1 row")] += 1
+            y = ws[0].blocks.matmul(x)
+            rows = "1 row" if x.shape[0] == 1 else "several rows"
+            PATHS[(ws[0].blocks.qtype, f"numba kernel ({ws[0].blocks.kind}), {len(ws)} matrices stacked", rows)] += 1
             return [y[:, w.lo:w.hi] for w in ws]
 
         # The elementwise and attention kernels serve one-token steps; several rows go to the reference
@@ -393,7 +398,11 @@ class NumbaBackend(Backend):
 
         def swiglu(xp, x, w_gate, w_up, w_down):
             if x.shape[0] != 1:
-                return base_ops.swiglu(xp, x, w_gate, w_up, w_down)
+                gu = stacked(x, w_gate, w_up)
+                if gu is None:
+                    return base_ops.swiglu(xp, x, w_gate, w_up, w_down)
+                h = base_ops.silu(xp, gu[0]) * gu[1]                          # the reference's arithmetic
+                return linear(xp, h, w_down), h
             g, u = stacked(x, w_gate, w_up) or (linear(xp, x, w_gate), linear(xp, x, w_up))
             h = np.empty_like(g)
             K.silu_mul(np.ascontiguousarray(g[0]), np.ascontiguousarray(u[0]), h[0])
