@@ -176,13 +176,14 @@ def _group(ws):
 
 
 class FusedDecoder:
-    """decode(token) -> logits [1, V]: each layer of a one-token step in one numba call (decode_layer), with the
-    kernels and arguments of the op-by-op path (the same logits to the bit: tests/test_backends.py), so that
-    a decode step pays Python once per layer instead of once per operation. plan(): the layers' arguments, or
-    None where a model needs anything the fused step does not do (then make_decoder keeps the op-by-op step)."""
+    """decode(token) -> logits [1, V]: every layer of a one-token step in one numba call (decode_step, each layer
+    by decode_layer), with the kernels and arguments of the op-by-op path (the same logits to the bit:
+    tests/test_backends.py), so that a decode step pays Python once instead of once per operation. plan(): the
+    layers' arguments stacked ([L, ...] arrays), or None where a model needs anything the fused step does not do
+    (then make_decoder keeps the op-by-op step)."""
 
-    def __init__(self, engine, cache, plans):
-        self.engine, self.cache, self.plans = engine, cache, plans
+    def __init__(self, engine, cache, plan):
+        self.engine, self.cache, self.plan_args = engine, cache, plan
         self.kv_head = engine.ops.kv_head_of(np, engine.config.n_heads, engine.config.n_kv_heads)
         kinds = Counter()                                   # what `bench` reports: the products of a step
         for lw in engine.weights.layers:
@@ -198,26 +199,33 @@ class FusedDecoder:
                 or cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.sliding_window \
                 or cfg.rope_base_local is not None or cfg.rope_style not in ("adjacent", "neox"):
             return None
-        plans = []
+        layers = []
         for lw in w.layers:
             groups = [_group(g) for g in ((lw.wq, lw.wk, lw.wv), (lw.wo,), (lw.w_gate, lw.w_up), (lw.w_down,))]
             if any(g is None for g in groups):
                 return None
-            plans.append((lw.attn_norm, lw.ffn_norm, *groups, lw.wq.shape[0], lw.wk.shape[0], lw.w_gate.shape[0]))
-        return plans
+            layers.append((lw.attn_norm, lw.ffn_norm, groups, (lw.wq.shape[0], lw.wk.shape[0], lw.w_gate.shape[0])))
+        if len({(ly[3], *(g[1].shape for g in ly[2])) for ly in layers}) != 1:
+            return None                                   # layers of different shapes: not stackable
+        stack = lambda f, dtype: np.ascontiguousarray(np.stack([f(ly) for ly in layers]), dtype=dtype)   # noqa: E731
+        return dict(attn_norms=stack(lambda ly: ly[0], np.float32), ffn_norms=stack(lambda ly: ly[1], np.float32),
+                    codes=stack(lambda ly: [g[0] for g in ly[2]], np.int64),
+                    n_blocks=stack(lambda ly: [g[2] for g in ly[2]], np.int64),
+                    **{name: stack(lambda ly, j=j: ly[2][j][1], np.int64)
+                       for j, name in enumerate(("qkv_rows", "o_rows", "gu_rows", "dn_rows"))},
+                    shapes=layers[0][3])
 
     def __call__(self, token):
-        eng, c = self.engine, self.cache
+        eng, c, p = self.engine, self.cache, self.plan_args
         cfg, w = eng.config, eng.weights
         c.check_room(1)
         x = w.tok_embd[np.asarray([token])].astype(np.float32, copy=False)
         if cfg.embed_scale is not None:
             x = x * np.float32(cfg.embed_scale)
         cos, sin = c.rope_rows(1)
-        neox, parallel = cfg.rope_style == "neox", eng.backend.all_kernels
-        for i, (an, fn, g_qkv, g_o, g_gu, g_dn, nq, nk, nf) in enumerate(self.plans):
-            x = K.decode_layer(x, an, fn, cfg.rms_eps, g_qkv, g_o, g_gu, g_dn, nq, nk, nf, cos[0], sin[0],
-                               neox, c.k[i], c.v[i], c.pos, cfg.scale, self.kv_head, parallel)
+        x = K.decode_step(x, p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"], p["n_blocks"], p["qkv_rows"],
+                          p["o_rows"], p["gu_rows"], p["dn_rows"], *p["shapes"], cos[0], sin[0],
+                          cfg.rope_style == "neox", c.k, c.v, c.pos, cfg.scale, self.kv_head, eng.backend.all_kernels)
         c.advance(1)
         PATHS.update(self.paths)
         x = eng.ops.rms_norm(np, x, w.out_norm, cfg.rms_eps)

@@ -45,18 +45,22 @@ def matmul_rows(code, rows, n_blocks, x, out):
     xs = _block_sums(x, S.GROUP)
     g = xs.shape[1]
     ra, xa, xsa, oa = rows.ctypes.data, x.ctypes.data, xs.ctypes.data, out.ctypes.data
-    full = t_n - t_n % 4
-    for q in nb.prange(n // 4):
+    full, quads = t_n - t_n % 4, n // 4
+    for q in nb.prange(quads):
         r = 4 * q
+        ahead = ra + 8 * (r + 8 if q + 2 < quads else r)       # the rows two tiles on, this thread's next but one
         for t in range(0, full, 4):
-            S.dot_tile(code, 2, 4, ra + 8 * r, xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r), n, n_blocks)
-            S.dot_tile(code, 2, 4, ra + 8 * (r + 2), xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r + 2),
-                       n, n_blocks)
+            S.dot_tile(code, 2, 4, ra + 8 * r, ahead, xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r), n,
+                       n_blocks)
+            S.dot_tile(code, 2, 4, ra + 8 * (r + 2), ahead + 16, xa + 4 * t * k, k, xsa + 4 * t * g, g,
+                       oa + 4 * (t * n + r + 2), n, n_blocks)
         for t in range(full, t_n):
-            S.dot_tile(code, 4, 1, ra + 8 * r, xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r), n, n_blocks)
+            S.dot_tile(code, 4, 1, ra + 8 * r, ahead, xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r), n,
+                       n_blocks)
     for r in range(n - n % 4, n):
         for t in range(t_n):
-            S.dot_tile(code, 1, 1, ra + 8 * r, xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r), n, n_blocks)
+            S.dot_tile(code, 1, 1, ra + 8 * r, ra + 8 * r, xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r),
+                       n, n_blocks)
 
 
 # The elementwise kernels below serve one token (a few thousand floats): serial, since starting the
@@ -248,3 +252,17 @@ def decode_layer(x, attn_norm, ffn_norm, eps, g_qkv, g_o, g_gu, g_down, nq, nk, 
     silu_mul(np.ascontiguousarray(gu[0, :nf]), np.ascontiguousarray(gu[0, nf:2 * nf]), hid[0])
     dn = _mv_out(g_down, hid)
     return x + dn[:, :d]
+
+
+@nb.njit(cache=True)
+def decode_step(x, attn_norms, ffn_norms, eps, codes, n_blocks, qkv_rows, o_rows, gu_rows, dn_rows, nq, nk, nf, cos,
+                sin, neox, kc, vc, pos, scale, kv_head, parallel_attention):
+    """Every layer of a one-token step: decode_layer for layer i with its norms (attn_norms, ffn_norms: [L, D]) and
+    its four groups (codes, n_blocks: [L, 4] for Q/K/V, output, gate/up, down; *_rows: [L, N] row addresses),
+    K/V at `pos` of kc, vc [L, n_ctx, KV, Hd]."""
+    for i in range(attn_norms.shape[0]):
+        x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, (codes[i, 0], qkv_rows[i], n_blocks[i, 0]),
+                         (codes[i, 1], o_rows[i], n_blocks[i, 1]), (codes[i, 2], gu_rows[i], n_blocks[i, 2]),
+                         (codes[i, 3], dn_rows[i], n_blocks[i, 3]), nq, nk, nf, cos, sin, neox, kc[i], vc[i], pos,
+                         scale, kv_head, parallel_attention)
+    return x

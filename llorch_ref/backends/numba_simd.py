@@ -170,15 +170,25 @@ def _hsum(b, v):
     return b.extract_element(v, ir.Constant(I32, 0))
 
 
-def _emit_tile(b, qtype, n_rows, tokens, rowsa, xa, x_stride, xsa, xs_stride, outa, out_stride, n_blocks):
+def _prefetch(b, ptr):
+    """A hint to bring ptr's cache line in (read, kept in every cache level); no effect on any value."""
+    fnty = ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+    fn = b.module.globals.get("llvm.prefetch.p0") or ir.Function(b.module, fnty, name="llvm.prefetch.p0")
+    b.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
+def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, xsa, xs_stride, outa, out_stride, n_blocks):
     """The loop over the blocks of n_rows rows (their addresses: int64s at rowsa) for `tokens` tokens at once;
-    stores out[t * out_stride + r]. Each (row, token) has its own accumulators (two for the super-block types,
+    stores out[t * out_stride + r]. As it goes, it prefetches the same blocks of the n_rows rows at aheada (the
+    rows a thread takes next: DRAM's latency hidden where the hardware's prefetchers stop at page ends). Each (row, token) has its own accumulators (two for the super-block types,
     groups alternating, so that the adds of one block do not wait on each other), every one updated by the
     same operations in the same order whatever the tile: a product's value does not depend on its tile."""
     block_len, block_bytes = BLOCKS[qtype]
     n_acc = 2 if block_len == 256 else 1
     rows_p = b.inttoptr(rowsa, I64.as_pointer())
     rowp = [b.inttoptr(b.load(b.gep(rows_p, [ir.Constant(I64, r)])), I8.as_pointer()) for r in range(n_rows)]
+    ahead_p = b.inttoptr(aheada, I64.as_pointer())
+    ahead = [b.inttoptr(b.load(b.gep(ahead_p, [ir.Constant(I64, r)])), I8.as_pointer()) for r in range(n_rows)]
     xp = [b.gep(b.inttoptr(xa, F32.as_pointer()), [b.mul(x_stride, ir.Constant(I64, t))]) for t in range(tokens)]
     xsp = [b.gep(b.inttoptr(xsa, F32.as_pointer()), [b.mul(xs_stride, ir.Constant(I64, t))]) for t in range(tokens)]
     keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
@@ -210,7 +220,10 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, xa, x_stride, xsa, xs_stride, ou
         return xs_v[t]
     new_acc, new_corr = dict(acc), dict(corr)
     for r in range(n_rows):
-        k = _Block(b, b.gep(rowp[r], [b.mul(i, ir.Constant(I64, block_bytes))]))
+        at = b.mul(i, ir.Constant(I64, block_bytes))
+        for line in range(0, block_bytes, 64):
+            _prefetch(b, b.gep(ahead[r], [b.add(at, ir.Constant(I64, line))]))
+        k = _Block(b, b.gep(rowp[r], [at]))
         segments, mins = _segments(qtype, k)
         for n, (sv, parts) in enumerate(segments):
             for t in range(tokens):
@@ -250,15 +263,17 @@ TYPE_CODE = {name: i for i, name in enumerate(NAMES)}
 
 
 @intrinsic
-def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, xa, x_stride, xsa, xs_stride, outa, out_stride, n_blocks):
-    """dot_tile(code, R, T, rows, x, x_stride, xs, xs_stride, out, out_stride, n_blocks), code = TYPE_CODE[qtype]
+def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, xa, x_stride, xsa, xs_stride, outa, out_stride,
+             n_blocks):
+    """dot_tile(code, R, T, rows, ahead, x, x_stride, xs, xs_stride, out, out_stride, n_blocks), code = TYPE_CODE[qtype]
     (a switch over every type's loop unless it is a constant), R and T constants: out[t * out_stride + r] = row
     r's dot product with x[t * x_stride:] for r < R, t < T (addresses as integers, strides in elements; rows:
-    the address of R int64 row addresses; xs: the sums of x's groups of 32, read for the types with a min)."""
+    the address of R int64 row addresses; ahead: R more, the rows to prefetch; xs: the sums of x's groups of 32,
+    read for the types with a min)."""
     if not all(isinstance(a, types.IntegerLiteral) for a in (n_rows, n_tokens)):
         return None
     r, t = n_rows.literal_value, n_tokens.literal_value
-    sig = types.void(code, n_rows, n_tokens, *([types.intp] * 8))
+    sig = types.void(code, n_rows, n_tokens, *([types.intp] * 9))
 
     def codegen(context, builder, signature, args):
         if isinstance(code, types.IntegerLiteral):
