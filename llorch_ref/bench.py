@@ -32,9 +32,15 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _median_runs(fn, repeats):
-    fn()                                   # warm-up (compilation, caches, allocator)
-    return statistics.median(fn() for _ in range(repeats))
+def _speeds(one_prefill, one_decode, repeats) -> dict:
+    """Medians of `repeats` runs of each (after one warm-up run: compilation, caches, allocator), with every run
+    kept: the run-to-run spread is part of the figure."""
+    out = {}
+    for name, fn in (("prefill", one_prefill), ("decode", one_decode)):
+        fn()
+        runs = [fn() for _ in range(repeats)]
+        out[f"{name}_tok_s"], out[f"{name}_runs"] = statistics.median(runs), [round(r, 3) for r in runs]
+    return out
 
 
 def _paths():
@@ -76,7 +82,7 @@ def measure_llorch(path, backend, prefill, decode, repeats, threads, dtype="floa
 
     counted = _paths()
     counted.clear()
-    pre, dec = _median_runs(one_prefill, repeats), _median_runs(one_decode, repeats)
+    speeds = _speeds(one_prefill, one_decode, repeats)
     wi = eng.weights_info()
     paths = {f"{t}: {how}, {rows}": n for (t, how, rows), n in sorted(counted.items())}
     peak = _peak_mb()                # before vector_registers' fresh compile, which is not the engine's memory
@@ -85,8 +91,7 @@ def measure_llorch(path, backend, prefill, decode, repeats, threads, dtype="floa
         eng.backend.info["vector_registers"] = vector_registers()      # after the timed runs
     return {"engine": f"llorch-ref {backend}" + (f" {dtype}" if dtype != "float32" else "")
             + (" ggml" if numerics == "ggml" else "") + (" lazy" if wi.get("lazy") else " eager"),
-            "device": eng.backend.device, "load_s": load_s, "prefill_tok_s": pre, "decode_tok_s": dec,
-            "peak_mb": peak, "info": {**eng.backend.info, "weights": wi, "matrix_paths": paths}}
+            "device": eng.backend.device, "load_s": load_s, **speeds, "peak_mb": peak, "info": {**eng.backend.info, "weights": wi, "matrix_paths": paths}}
 
 
 def measure_llamacpp(path, prefill, decode, repeats, threads):
@@ -109,7 +114,7 @@ def measure_llamacpp(path, prefill, decode, repeats, threads):
         return decode / timing["decode_s"]
 
     return {"engine": "llama.cpp", "device": "cpu", "load_s": load_s,
-            "prefill_tok_s": _median_runs(one_prefill, repeats), "decode_tok_s": _median_runs(one_decode, repeats),
+            **_speeds(one_prefill, one_decode, repeats),
             "peak_mb": _peak_mb(), "info": {"settings": ref.settings}}
 
 
@@ -150,7 +155,7 @@ def measure_transformers(path, prefill, decode, repeats, threads):
         return (decode - 1) / (time.perf_counter() - first.t)     # the forwards after the first token
 
     return {"engine": "transformers (CPU, float32)", "device": "cpu", "load_s": load_s,
-            "prefill_tok_s": _median_runs(one_prefill, repeats), "decode_tok_s": _median_runs(one_decode, repeats),
+            **_speeds(one_prefill, one_decode, repeats),
             "peak_mb": _peak_mb(), "info": {"torch": torch.__version__}}
 
 
@@ -211,6 +216,11 @@ def markdown(report) -> str:
         rd = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
         lines.append(f"| {r['engine']} | {r['device']} | {r['load_s']:.2f} | {_tps(r['prefill_tok_s'])} | "
                      f"{_tps(r['decode_tok_s'])} | {r['peak_mb']:.0f} | {rp} | {rd} |")
+    spread = [f"{r['engine']} prefill {_tps(min(r['prefill_runs']))}-{_tps(max(r['prefill_runs']))}, decode "
+              f"{_tps(min(r['decode_runs']))}-{_tps(max(r['decode_runs']))}"
+              for r in report["results"] if r.get("prefill_runs") and r.get("decode_runs")]
+    if spread:
+        lines += ["", "run-to-run spread (tok/s, every timed run): " + "; ".join(spread)]
     for r in report["results"]:
         info = r.get("info") or {}
         if info.get("matrix_paths"):

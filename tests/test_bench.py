@@ -25,6 +25,9 @@ def test_bench_runs_every_engine_on_a_file_without_a_vocabulary(tiny, tmp_path, 
     paths = next(x for x in rep["results"] if x["engine"].startswith("llorch-ref numba"))["info"]["matrix_paths"]
     assert any("Q4_0: numba kernel" in k and k.endswith("1 row") for k in paths), paths
     assert "matrix products by path" in r.stdout
+    for x in rep["results"]:                       # every timed run kept, the median among them
+        assert len(x["prefill_runs"]) == 1 and x["prefill_tok_s"] == pytest.approx(x["prefill_runs"][0], abs=1e-3)
+    assert "run-to-run spread" in r.stdout
 
 
 def test_vector_registers_are_read_from_the_compiled_code():
