@@ -5,6 +5,7 @@
     python tools/gpu_roofline.py big --out DIR          # a 70B-shaped Q4_K model of random blocks on one card
     python tools/gpu_roofline.py tables --out DIR       # checkpoints of --dtype blocks against numpy
     python tools/gpu_roofline.py prefill --out DIR      # one 7B layer of a 512-token prefill, by operation
+    python tools/gpu_roofline.py steps --out DIR        # the fused 7B decode step by position, a loop's parts
     python tools/gpu_roofline.py report --out DIR       # README.md from the JSON files in DIR
 
 Timing: CUDA events around N back-to-back launches (the GPU's time per launch, not the host's), medians of
@@ -238,6 +239,7 @@ def ours(cfg, dtype, qtype=None, prefill=512, decode=128, graphs=True):
            "prefill_tok_s": median_of(pf), "decode_tok_s": median_of(dc), "graph_step_ms": decode_step_ms(eng),
            "matrix_bytes": matrix_bytes(eng), "cuda_graphs": eng.backend.info.get("cuda_graphs"),
            "graph_error": eng.backend.info.get("cuda_graphs_error"),
+           "fused_decode": eng.backend.info.get("fused_decode"),
            "memory_used_gib": round((cp.cuda.runtime.memGetInfo()[1] - cp.cuda.runtime.memGetInfo()[0]) / 2**30, 2)}
     eng = None                                         # noqa: F841 (frees the weights before the next engine)
     free_gpu()
@@ -315,8 +317,11 @@ def speed(out):
     res = {"card": card(), "bandwidth": bandwidth(), "transformers": transformers.__version__, "rows": []}
     bw = res["bandwidth"]["read_tb_s"]
     cfg = llama2_7b()
-    for dtype, qtype in (("float16", None), ("blocks", "Q4_K"), ("blocks", "Q4_0")):
+    for dtype, qtype, fused in (("float16", None, "1"), ("float16", None, "0"), ("blocks", "Q4_K", "1"),
+                                ("blocks", "Q4_0", "1")):
+        os.environ["LLORCH_CUDA_FUSED"] = fused          # "0": the op-by-op step, measured in the same call
         r = ours(cfg, dtype, qtype)
+        os.environ.pop("LLORCH_CUDA_FUSED")
         r["roofline_tok_s"] = round(bw * 1e12 / r["matrix_bytes"], 1)
         r["of_roofline"] = round(r["decode_tok_s"] / r["roofline_tok_s"], 3)
         res["rows"].append(r)
@@ -516,15 +521,50 @@ def report(out):
     (d / "README.md").write_text("\n".join(L) + "\n")
 
 
+def steps(out):
+    """The fused float16 decode step on the 7B shape: its captured GPU time at several positions, and a
+    generation loop's parts per token (the decode call, logits to the host, argmax), medians of 64 tokens."""
+    import cupy as cp
+    import numpy as np
+
+    res = {"card": card(), "bandwidth": bandwidth(), "positions": [], "loop": {}}
+    eng = random_engine(llama2_7b(), "float16", n_ctx=1024)
+    cache = eng.new_cache()
+    eng.forward(list(range(1, 9)), cache, rows=[7])
+    dec = eng.backend.make_decoder(eng, cache)
+    res["fused_decode"] = eng.backend.info.get("fused_decode")
+    parts = {"decode_call_ms": [], "to_host_ms": [], "argmax_ms": []}
+    tok = 5
+    for i in range(72):
+        t0 = time.perf_counter()
+        lg = dec(tok)
+        t1 = time.perf_counter()
+        host = cp.asnumpy(lg)
+        t2 = time.perf_counter()
+        tok = int(np.argmax(host[0]))
+        t3 = time.perf_counter()
+        if i >= 8:
+            for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+                parts[k].append(1e3 * v)
+    res["loop"] = {k: round(statistics.median(v), 4) for k, v in parts.items()}
+    s = dec.stream
+    for p in (8, 64, 128, 512, 1000):
+        cache.pos_dev[...] = p
+        res["positions"].append({"position": p, "graph_step_ms": gpu_time(lambda: dec.graph.launch(s), n=20, stream=s)})
+    res["matrix_bytes"] = matrix_bytes(eng)
+    print(json.dumps(res), flush=True)
+    (Path(out) / "steps.json").write_text(json.dumps(res, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["profile", "speed", "big", "tables", "prefill", "report"])
+    ap.add_argument("part", choices=["profile", "speed", "big", "tables", "prefill", "report", "steps"])
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     {"profile": profile, "speed": speed, "big": big, "tables": tables, "prefill": prefill_ops,
-     "report": report}[a.part](a.out)
+     "report": report, "steps": steps}[a.part](a.out)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 

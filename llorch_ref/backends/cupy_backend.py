@@ -20,6 +20,7 @@ from ..model.weights import LayerWeights, Weights
 from . import Backend
 from .cuda_blocks import TYPES as BLOCK_TYPES
 from .cuda_blocks import GpuBlocks
+from .cuda_fused import FusedStep
 
 
 class CupyBackend(Backend):
@@ -337,8 +338,12 @@ class GraphDecoder:
         self.graph, self.out, self.steps = None, None, 0
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = engine.backend.info.get("cuda_graphs", False)
+        self.fused = FusedStep.plan(engine, cache)             # float16 llama weights: six kernels a layer
+        engine.backend.info["fused_decode"] = self.fused is not None
 
     def _step(self):
+        if self.fused is not None:
+            return self.fused(self.tok)
         c, ops = self.cache, self.engine.ops
         c.static = ops.static_decode = True
         try:

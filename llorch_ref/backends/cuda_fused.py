@@ -1,0 +1,300 @@
+"""A decode step for float16 llama weights in five kernels a layer (the cupy backend's generation path).
+
+The op-by-op step runs the model's operations one by one, each a checkpoint the harness can record: about
+fifteen kernels a layer, most of them tiny. Generation records nothing, so here the operations are fused at
+their boundaries, the way numba's FusedDecoder does on the CPU:
+
+  norm_gemv_f16   RMSNorm folded into the Q/K/V product: y = r * W (x * g), r = 1 / sqrt(mean(x^2) + eps),
+                  the sum of squares computed by every warp from the x it reads anyway
+  rope_attend     RoPE on Q and K, K and V written into the cache at the device-side position, attention
+                  of one block per head over the positions written so far (nothing past them read)
+  gemv_res_f16    the output projection added to the residual stream in place (x += W a)
+  norm_glu_f16    RMSNorm, gate and up rows i and F+i by one warp, silu(g) * u written
+  gemv_res_f16    the down projection added to the residual stream
+
+and the final norm with the output matrix (norm_gemv_f16). The arithmetic differs from the op-by-op step's by
+order and rounding only (r applied after the dot product, sums of squares in float32):
+tests/test_backends.py checks the logits against the op-by-op step's within the float16 band and the greedy
+tokens equal. LLORCH_CUDA_FUSED=0 turns it off.
+"""
+from __future__ import annotations
+
+import os
+
+SRC = r"""
+#include <cuda_fp16.h>
+__device__ __forceinline__ float warp_sum(float a) {
+    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+    return a;
+}
+__device__ __forceinline__ float dot8(uint4 raw, float4 u, float4 v) {
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+    float2 f0 = __half22float2(h[0]), f1 = __half22float2(h[1]), f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+    return f0.x * u.x + f0.y * u.y + f1.x * u.z + f1.y * u.w + f2.x * v.x + f2.y * v.y + f3.x * v.z + f3.y * v.w;
+}
+__device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
+__device__ __forceinline__ float sq4(float4 a) { return a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w; }
+
+// R rows' dot products with x (times g when NORM) by one warp, four 16-byte weight loads in flight per row;
+// with NORM, ss = the warp's sum of x^2 over the whole row.
+template <int R, bool NORM>
+__device__ __forceinline__ void rows_dot(const uint4* const* w, const float4* xv, const float4* gv, int k8, int lane,
+                                         float* dot, float& ss) {
+    float a[R][4], s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int q = 0; q < R; ++q) { a[q][0] = a[q][1] = a[q][2] = a[q][3] = 0.f; }
+    int i = lane;
+    for (; i + 96 < k8; i += 128) {
+        uint4 raw[R][4];
+#pragma unroll
+        for (int q = 0; q < R; ++q)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) raw[q][r] = __ldcs(w[q] + i + 32 * r);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            int c = i + 32 * r;
+            float4 u = __ldg(xv + 2 * c), v = __ldg(xv + 2 * c + 1);
+            if (NORM) { s[r] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + 2 * c)); v = mul4(v, __ldg(gv + 2 * c + 1)); }
+#pragma unroll
+            for (int q = 0; q < R; ++q) a[q][r] += dot8(raw[q][r], u, v);
+        }
+    }
+    for (; i < k8; i += 32) {
+        float4 u = __ldg(xv + 2 * i), v = __ldg(xv + 2 * i + 1);
+        if (NORM) { s[0] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + 2 * i)); v = mul4(v, __ldg(gv + 2 * i + 1)); }
+#pragma unroll
+        for (int q = 0; q < R; ++q) a[q][0] += dot8(__ldcs(w[q] + i), u, v);
+    }
+#pragma unroll
+    for (int q = 0; q < R; ++q) dot[q] = warp_sum((a[q][0] + a[q][1]) + (a[q][2] + a[q][3]));
+    ss = NORM ? warp_sum((s[0] + s[1]) + (s[2] + s[3])) : 0.f;
+}
+
+// y[row] = r * sum_k W[row, k] x[k] g[k]; a warp per row, 4 rows a block of 128 threads; k % 8 == 0.
+extern "C" __global__ void norm_gemv_f16(const __half* __restrict__ W, const float* __restrict__ x,
+                                         const float* __restrict__ g, float* __restrict__ y, int n, int k, float eps) {
+    int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= n) return;
+    const uint4* w[1] = {reinterpret_cast<const uint4*>(W + (size_t)row * k)};
+    float dot[1], ss;
+    rows_dot<1, true>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, lane, dot, ss);
+    if (lane == 0) y[row] = dot[0] * (1.0f / sqrtf(ss / k + eps));
+}
+
+// hid[i] = silu(r * gate_i . (x g)) * (r * up_i . (x g)), gate row i and up row f + i of W [2f, k] by one warp.
+extern "C" __global__ void norm_glu_f16(const __half* __restrict__ W, const float* __restrict__ x,
+                                        const float* __restrict__ g, float* __restrict__ hid, int f, int k, float eps) {
+    int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= f) return;
+    const uint4* w[2] = {reinterpret_cast<const uint4*>(W + (size_t)row * k),
+                         reinterpret_cast<const uint4*>(W + (size_t)(f + row) * k)};
+    float dot[2], ss;
+    rows_dot<2, true>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, lane, dot, ss);
+    if (lane == 0) {
+        float r = 1.0f / sqrtf(ss / k + eps), gate = dot[0] * r, up = dot[1] * r;
+        hid[row] = (gate / (1.0f + expf(-gate))) * up;
+    }
+}
+
+// y[row] += sum_k W[row, k] a[k]: a product added to the residual stream in place (each row one warp's).
+extern "C" __global__ void gemv_res_f16(const __half* __restrict__ W, const float* __restrict__ a, float* y, int n,
+                                        int k) {
+    int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= n) return;
+    const uint4* w[1] = {reinterpret_cast<const uint4*>(W + (size_t)row * k)};
+    float dot[1], ss;
+    rows_dot<1, false>(w, reinterpret_cast<const float4*>(a), nullptr, k / 8, lane, dot, ss);
+    if (lane == 0) y[row] += dot[0];
+}
+
+__device__ __forceinline__ void put(float* c, float v) { *c = v; }
+__device__ __forceinline__ void put(__half* c, float v) { *c = __float2half_rn(v); }
+__device__ __forceinline__ float get(const float* c) { return *c; }
+__device__ __forceinline__ float get(const __half* c) { return __half2float(*c); }
+
+__device__ __forceinline__ float4 load4(const float* c) { return *reinterpret_cast<const float4*>(c); }
+__device__ __forceinline__ float4 load4(const __half* c) {
+    uint2 raw = *reinterpret_cast<const uint2*>(c);
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+    float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ float rnd(const float*, float v) { return v; }
+__device__ __forceinline__ float rnd(const __half*, float v) { return __half2float(__float2half_rn(v)); }
+
+// RoPE, the K/V store and attention of one token, one block per query head. y = [q (H*hd), k (KV*hd), v
+// (KV*hd)]; cos/sin: the [n_ctx, half] tables (neox pairs (i, i + half), else (2i, 2i + 1); dims past 2 half
+// copied); the cache rows at pos are written by the first query head of each KV head, while every block
+// reads positions before pos from the cache and its own rotated k and v (rounded as the cache stores them) at
+// pos. Scores (a warp per position), softmax (max, exp, sum), P.V (a warp per position, four dims a lane), the
+// warps' sums added in a fixed order; out [H * hd]; hd % 4 == 0.
+template <typename C>
+__device__ void rope_attend(const float* y, const float* cs, const float* sn, const long long* pos, C* kc, C* vc,
+                            float* out, int H, int KV, int hd, int half, int neox, float scale) {
+    extern __shared__ float sm[];                // q [hd], k [hd], v [hd], p [L], partials [warps * hd]
+    __shared__ float red[32];
+    int h = blockIdx.x, grp = H / KV, kvh = h / grp;
+    long long P = pos[0];
+    int L = (int)P + 1, nw = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float *qs = sm, *kn = sm + hd, *vn = sm + 2 * hd, *p = sm + 3 * hd;
+    const float *yq = y + (size_t)h * hd, *yk = y + (size_t)(H + kvh) * hd, *yv = y + (size_t)(H + KV + kvh) * hd;
+    const C* c0 = nullptr;
+    for (int i = threadIdx.x; i < hd - half; i += blockDim.x) {
+        if (i < half) {
+            int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            float c = cs[P * half + i], s = sn[P * half + i];
+            float q0 = yq[a], q1 = yq[b], k0 = yk[a], k1 = yk[b];
+            qs[a] = q0 * c - q1 * s; qs[b] = q0 * s + q1 * c;
+            kn[a] = rnd(c0, k0 * c - k1 * s); kn[b] = rnd(c0, k0 * s + k1 * c);
+        } else {
+            int d = 2 * half + (i - half);
+            qs[d] = yq[d]; kn[d] = rnd(c0, yk[d]);
+        }
+    }
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) vn[i] = rnd(c0, yv[i]);
+    __syncthreads();
+    if (h % grp == 0)
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+            size_t at = ((size_t)P * KV + kvh) * hd + i;
+            put(kc + at, kn[i]); put(vc + at, vn[i]);
+        }
+    for (int j = warp; j < L; j += nw) {         // one warp per key position
+        float acc = 0.f;
+        if (j < P) {
+            const C* kj = kc + ((size_t)j * KV + kvh) * hd;
+            for (int d = lane; d < hd; d += 32) acc += qs[d] * get(kj + d);
+        } else {
+            for (int d = lane; d < hd; d += 32) acc += qs[d] * kn[d];
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) p[j] = acc * scale;
+    }
+    __syncthreads();
+    float m = __int_as_float(0xff800000);
+    for (int j = threadIdx.x; j < L; j += blockDim.x) m = fmaxf(m, p[j]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < nw; ++w) m = fmaxf(m, red[w]);
+    __syncthreads();
+    float z = 0.f;
+    for (int j = threadIdx.x; j < L; j += blockDim.x) { float e = expf(p[j] - m); p[j] = e; z += e; }
+    z = warp_sum(z);
+    if (lane == 0) red[warp] = z;
+    __syncthreads();
+    z = 0.f;
+    for (int w = 0; w < nw; ++w) z += red[w];
+    float inv = 1.0f / z, *part = p + ((L + 3) & ~3);   // (16-byte aligned) P.V: warp w sums positions w, w + nw, ...; lane l dims 4l + 128r
+    for (int d0 = 4 * lane; d0 < hd; d0 += 128) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int j = warp; j < L; j += nw) {
+            float4 u = j < P ? load4(vc + ((size_t)j * KV + kvh) * hd + d0) : *reinterpret_cast<const float4*>(vn + d0);
+            float e = p[j];
+            acc.x += e * u.x; acc.y += e * u.y; acc.z += e * u.z; acc.w += e * u.w;
+        }
+        *reinterpret_cast<float4*>(part + warp * hd + d0) = acc;
+    }
+    __syncthreads();
+    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+        float acc = 0.f;
+        for (int w = 0; w < nw; ++w) acc += part[w * hd + dd];
+        out[(size_t)h * hd + dd] = acc * inv;
+    }
+}
+extern "C" __global__ void rope_attend_f32(const float* y, const float* cs, const float* sn, const long long* pos,
+                                           float* kc, float* vc, float* out, int H, int KV, int hd, int half, int neox,
+                                           float scale) {
+    rope_attend(y, cs, sn, pos, kc, vc, out, H, KV, hd, half, neox, scale);
+}
+extern "C" __global__ void rope_attend_f16(const float* y, const float* cs, const float* sn, const long long* pos,
+                                           __half* kc, __half* vc, float* out, int H, int KV, int hd, int half,
+                                           int neox, float scale) {
+    rope_attend(y, cs, sn, pos, kc, vc, out, H, KV, hd, half, neox, scale);
+}
+
+// x = emb[tok] * scale (float32 or float16 rows)
+template <typename T> __device__ void embed(const T* emb, const long long* tok, float* x, int d, float scale) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < d) x[i] = get(emb + (size_t)tok[0] * d + i) * scale;
+}
+extern "C" __global__ void embed_f32(const float* e, const long long* t, float* x, int d, float s) { embed(e, t, x, d, s); }
+extern "C" __global__ void embed_f16(const __half* e, const long long* t, float* x, int d, float s) { embed(e, t, x, d, s); }
+"""
+_MOD = {}
+ATTEND_THREADS = 1024
+
+
+def kernels(cp):
+    if not _MOD:
+        mod = cp.RawModule(code=SRC, options=("-std=c++17",))
+        for name in ("norm_gemv_f16", "norm_glu_f16", "gemv_res_f16", "rope_attend_f32", "rope_attend_f16",
+                     "embed_f32", "embed_f16"):
+            _MOD[name] = mod.get_function(name)
+    return _MOD
+
+
+class FusedStep:
+    """step(tok) -> logits [1, V]: one decode step over the device cache at its device-side position (the caller
+    advances it), from preallocated buffers (capturable as a CUDA graph). plan() gives None where the model or
+    its weights need anything this step does not do; the op-by-op step then serves."""
+
+    def __init__(self, engine, cache, groups):
+        cp, cfg = engine.xp, engine.config
+        self.cp, self.cfg, self.cache, self.w, self.groups = cp, cfg, cache, engine.weights, groups
+        self.K = kernels(cp)
+        d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.x = cp.empty(d, cp.float32)
+        self.y = cp.empty((h + 2 * kv) * hd, cp.float32)
+        self.att = cp.empty(h * hd, cp.float32)
+        self.hid = cp.empty(cfg.d_ff, cp.float32)
+        self.logits = cp.empty((1, cfg.n_vocab), cp.float32)
+        self.kv16 = cache.k.dtype == cp.float16
+        self.smem = 4 * (3 * hd + cache.n_ctx + 4 + ATTEND_THREADS // 32 * hd)
+
+    @staticmethod
+    def plan(engine, cache):
+        from .cupy_backend import joined
+
+        cfg, w, cp = engine.config, engine.weights, engine.xp
+        if os.environ.get("LLORCH_CUDA_FUSED", "1") == "0" or getattr(engine.backend, "dtype", "") != "float16" \
+                or cfg.qkv_bias or cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.sliding_window \
+                or cfg.rope_base_local is not None or cfg.rope_style not in ("adjacent", "neox") \
+                or cfg.head_dim > ATTEND_THREADS or cfg.d_model % 8 or cfg.d_ff % 8 or cfg.n_heads * cfg.head_dim % 8 \
+                or cache.k.dtype not in (cp.float32, cp.float16) \
+                or cfg.head_dim % 4 or 4 * (3 * cfg.head_dim + cache.n_ctx + 4 + ATTEND_THREADS // 32 * cfg.head_dim) > 48 * 1024:
+            return None
+        groups = []
+        for lw in w.layers:
+            qkv, gu = joined((lw.wq, lw.wk, lw.wv), cp), joined((lw.w_gate, lw.w_up), cp)
+            mats = (qkv, lw.wo, gu, lw.w_down)
+            if any(m is None or getattr(m, "dtype", None) != cp.float16 or m.ndim != 2 for m in mats):
+                return None
+            groups.append((qkv, lw.wo, gu, lw.w_down, lw.attn_norm, lw.ffn_norm))
+        out = w.output
+        if getattr(out, "dtype", None) != cp.float16 or w.tok_embd.dtype not in (cp.float32, cp.float16):
+            return None
+        return FusedStep(engine, cache, groups)
+
+    def __call__(self, tok):
+        cp, cfg, c, K = self.cp, self.cfg, self.cache, self.K
+        i32, f32 = cp.int32, cp.float32
+        d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+        eps, half = f32(cfg.rms_eps), cfg.rope_dim // 2
+        emb = self.w.tok_embd
+        K["embed_f16" if emb.dtype == cp.float16 else "embed_f32"](
+            ((d + 255) // 256,), (256,), (emb, tok, self.x, i32(d), f32(cfg.embed_scale or 1.0)))
+        cos, sin = c.tables()
+        attend = "rope_attend_f16" if self.kv16 else "rope_attend_f32"
+        n_qkv, neox = (h + 2 * kv) * hd, i32(cfg.rope_style == "neox")
+        for i, (qkv, wo, gu, wd, an, fn) in enumerate(self.groups):
+            K["norm_gemv_f16"](((n_qkv + 3) // 4,), (128,), (qkv, self.x, an, self.y, i32(n_qkv), i32(d), eps))
+            K[attend]((h,), (ATTEND_THREADS,), (self.y, cos, sin, c.pos_dev, c.k[i], c.v[i], self.att, i32(h), i32(kv),
+                                                i32(hd), i32(half), neox, f32(cfg.scale)), shared_mem=self.smem)
+            K["gemv_res_f16"](((d + 3) // 4,), (128,), (wo, self.att, self.x, i32(d), i32(h * hd)))
+            K["norm_glu_f16"](((f + 3) // 4,), (128,), (gu, self.x, fn, self.hid, i32(f), i32(d), eps))
+            K["gemv_res_f16"](((d + 3) // 4,), (128,), (wd, self.hid, self.x, i32(d), i32(f)))
+        v = cfg.n_vocab
+        K["norm_gemv_f16"](((v + 3) // 4,), (128,), (self.w.output, self.x, self.w.out_norm, self.logits, i32(v), i32(d),
+                                                      eps))
+        return self.logits
