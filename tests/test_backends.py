@@ -110,7 +110,7 @@ def test_numba_kernels_match_the_dequantized_product(qt):
     x = np.random.default_rng(3).standard_normal((3, 512)).astype(np.float32)
     deq = np.concatenate([a.dequantize(), b.dequantize()]).astype(np.float64)
     want, scale = x @ deq.T, np.abs(x) @ np.abs(deq).T
-    blocks = KernelBlocks([a, b], threads=2)
+    blocks = KernelBlocks([a, b])
     got = blocks.matmul(x)
     assert got.shape == (3, 112)
     assert (np.abs(got - want) <= 1e-6 * scale + 1e-30).all(), float((np.abs(got - want) / scale).max())

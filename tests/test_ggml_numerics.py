@@ -41,9 +41,10 @@ def test_numba_ggml_products_equal_the_numpy_emulation(qt):
     from llorch_ref.model.qtensor import QTensor
 
     rng = np.random.default_rng(3)
-    w = rng.standard_normal((200, 256)).astype(np.float32)
-    qm = ggml_cpu.LegacyQuantMatrix(QTensor(qt, w.shape, gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt])))
-    fast = GgmlKernelMatrix(qm, threads=2)
+    w = rng.standard_normal((201, 256)).astype(np.float32)               # 201 rows: tiles of 4 and one left
+    qtensor = QTensor(qt, w.shape, gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt]))
+    qm = ggml_cpu.LegacyQuantMatrix(qtensor)
+    fast = GgmlKernelMatrix(qtensor)
     x = (rng.standard_normal((6, 256)) * np.array([[1e-4], [1], [50], [1], [3e3], [0]])).astype(np.float32)
     for rows in (x[:1], x):
         assert np.array_equal(fast.matmul(rows), qm.matmul(rows))

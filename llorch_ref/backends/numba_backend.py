@@ -22,13 +22,6 @@ PATHS: Counter = Counter()        # (weight type, path, rows) -> products: what 
 MATRIX_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def chunking(n, threads, max_rows=1024):
-    """Rows [N] -> (C chunks, R rows each): C a multiple of the thread count, R % 16 == 0 and <= max_rows, so
-    that a chunk's partial sums stay in L1 and each chunk is one contiguous region one thread streams."""
-    chunks = threads * -(-n // (threads * max_rows))
-    return chunks, -(-n // (16 * chunks)) * 16
-
-
 class KernelBlocks:
     """One or several QTensors of one type and input size, stacked by rows ([sum N_i, K]: one kernel launch
     computes them all, each row exactly as its own matrix would), read where they lie: the kernel
@@ -36,7 +29,7 @@ class KernelBlocks:
     mapped file, so nothing is copied, unpacked or laid out at load, and the weights' memory is the file's
     pages. The QTensors are kept: their arrays keep the mapping alive."""
 
-    def __init__(self, qts, threads=None):
+    def __init__(self, qts):
         self.qtype, self.k = qts[0].qtype, qts[0].shape[1]
         if self.qtype not in S.TYPE_CODE:
             raise ValueError(f"no numba kernel for {self.qtype}")
@@ -59,15 +52,6 @@ class KernelBlocks:
     def matvec(self, x):
         """x: [K] f32 -> [N] f32."""
         return self.matmul(x[None, :])[0]
-
-
-def tile_rows(obj, names, n, chunks, r):
-    """obj's arrays `names`: [.., N] -> [C, .., R], N padded with zero rows to C*R."""
-    for name in names:
-        a = getattr(obj, name)
-        a = np.concatenate([a, np.zeros(a.shape[:-1] + (chunks * r - n,), a.dtype)], axis=-1)
-        a = a.reshape(a.shape[:-1] + (chunks, r))
-        setattr(obj, name, np.ascontiguousarray(np.moveaxis(a, -2, 0)))
 
 
 class KernelMatrix:
@@ -233,19 +217,14 @@ class FusedDecoder:
 
 
 class GgmlKernelMatrix:
-    """numerics="ggml": a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight (numerics.ggml_cpu.LegacyQuantMatrix) whose product runs
-    the numba kernel ggml_q8_dot, bit for bit the NumPy emulation's result (and so llama.cpp's)."""
+    """numerics="ggml": a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight whose product runs the numba kernel ggml_rows on its
+    QTensor's blocks where they lie, bit for bit the NumPy emulation's result (numerics.ggml_cpu.
+    LegacyQuantMatrix, and so llama.cpp's)."""
 
-    def __init__(self, qm, threads):
-        self.qtype, self.shape = qm.qtype, qm.shape
-        n, k = qm.shape
-        self.q = qm.q_lanes.reshape(-1, 32, n).astype(np.int8)                         # [B, 32, N]
-        self.d = qm.d.T
-        self.m = qm.m.T if qm.m is not None else None
-        tile_rows(self, ("q", "d") if self.m is None else ("q", "d", "m"), n, *chunking(n, threads))  # [C, B, 32, R]
-        if self.m is None:
-            self.m = np.zeros((0, 0, 0), np.float32)
-        self.with_sum = ACT_TYPE[qm.qtype] == "Q8_1"
+    def __init__(self, qt):
+        self.qtype, self.shape, self.qt = qt.qtype, tuple(qt.shape), qt
+        self.rows = KernelBlocks([qt]).rows
+        self.with_sum = ACT_TYPE[qt.qtype] == "Q8_1"
 
     @property
     def dtype(self):
@@ -253,11 +232,11 @@ class GgmlKernelMatrix:
 
     def matmul(self, x):
         qa, da, sa = quantize_q8(np.asarray(x, dtype=np.float32), with_sum=self.with_sum)
-        c, r = self.q.shape[0], self.q.shape[-1]
-        out = np.empty((x.shape[0], c * r), np.float32)
-        K.ggml_q8_dot(self.q, self.d, self.m, np.ascontiguousarray(qa.astype(np.int8)), da,
-                      sa if sa is not None else da, out)
-        return out[:, :self.shape[0]]
+        out = np.empty((x.shape[0], self.shape[0]), np.float32)
+        K.ggml_rows(S.TYPE_CODE[self.qtype], self.rows, self.shape[1] // 32,
+                    np.ascontiguousarray(qa.reshape(qa.shape[0], -1), dtype=np.int8), np.ascontiguousarray(da),
+                    np.ascontiguousarray(sa if sa is not None else da), out)
+        return out
 
 
 def vector_registers(names=None) -> dict:
@@ -270,7 +249,8 @@ def vector_registers(names=None) -> dict:
     d, out = np.ones((1, 1, 1), np.float32), np.empty((1, 1), np.float32)
     blk = np.zeros((1, 18), np.uint8)
     calls = {"matmul_rows": (S.TYPE_CODE["Q4_0"], np.array([blk.ctypes.data], np.int64), 1, x, out),
-             "ggml_q8_dot": (np.zeros((1, 1, 32, 1), np.int8), d, d, np.zeros((1, 1, 32), np.int8), d[0], d[0], out)}
+             "ggml_rows": (S.TYPE_CODE["Q4_0"], np.array([blk.ctypes.data], np.int64), 1, np.zeros((1, 32), np.int8),
+                           d[0], d[0], out)}
     res = {}
     for name, args in calls.items():
         if names is not None and name not in names:
@@ -305,8 +285,8 @@ class NumbaBackend(Backend):
         d = np.ones((1, 1, 1), np.float32)
         blk = np.zeros((1, 18), np.uint8)
         K.matmul_rows(S.TYPE_CODE["Q4_0"], np.array([blk.ctypes.data], np.int64), 1, x, np.empty((1, 1), np.float32))
-        K.ggml_q8_dot(np.zeros((1, 1, 32, 1), np.int8), d, d, np.zeros((1, 1, 32), np.int8), d[0], d[0],
-                      np.empty((1, 1), np.float32))
+        K.ggml_rows(S.TYPE_CODE["Q4_0"], np.array([blk.ctypes.data], np.int64), 1, np.zeros((1, 32), np.int8), d[0],
+                    d[0], np.empty((1, 1), np.float32))
         K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))
         K.silu_mul(np.ones(4, np.float32), np.ones(4, np.float32), np.empty(4, np.float32))
         for neox in (False, True):
@@ -317,17 +297,18 @@ class NumbaBackend(Backend):
             attend(o, np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.float32), np.zeros(2, np.float32),
                    0.5, np.zeros(1, np.int64), o, np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
 
-    def _prepare_ggml(self, weights):
-        """numerics="ggml": the legacy-quant matrices (ggml_cpu.LegacyQuantMatrix) get the numba kernel; K-quant
-        and float matrices keep their NumPy emulation."""
-
-        threads = self.info["threads"]
-        swap = lambda a: GgmlKernelMatrix(a, threads) if isinstance(a, LegacyQuantMatrix) else a
-        self.n_matrices = sum(isinstance(a, LegacyQuantMatrix) for lw in weights.layers for a in vars(lw).values())
-        return type(weights)(
-            tok_embd=weights.tok_embd,
-            layers=[type(lw)(**{k: swap(v) for k, v in vars(lw).items()}) for lw in weights.layers],
-            out_norm=weights.out_norm, output=swap(weights.output))
+    def _prepare_ggml(self, weights, qtensors):
+        """numerics="ggml": the legacy-quant matrices (ggml_cpu.LegacyQuantMatrix) with a QTensor get the numba
+        kernel on its blocks; K-quant and float matrices keep their NumPy emulation."""
+        def swap(a, key):
+            qt = qtensors.get(key)
+            if isinstance(a, LegacyQuantMatrix) and qt is not None and qt.qtype == a.qtype:
+                return GgmlKernelMatrix(qt)
+            return a
+        layers = [type(lw)(**{k: swap(v, (i, k)) for k, v in vars(lw).items()}) for i, lw in enumerate(weights.layers)]
+        self.n_matrices = sum(isinstance(a, GgmlKernelMatrix) for lw in layers for a in vars(lw).values())
+        return type(weights)(tok_embd=weights.tok_embd, layers=layers, out_norm=weights.out_norm,
+                             output=swap(weights.output, "output"))
 
     def prepare_weights(self, weights, qtensors=None, numerics="exact"):
         """qtensors: (layer, field) and "output" -> QTensor from the GGUF loader.
@@ -337,9 +318,8 @@ class NumbaBackend(Backend):
         and gate/up of a layer, when of one type, are stacked by rows (KernelBlocks of several QTensors) so that
         a decode step runs one kernel for each group. numerics="ggml": see _prepare_ggml."""
         if numerics == "ggml":
-            return self._prepare_ggml(weights)
+            return self._prepare_ggml(weights, qtensors or {})
         qts = {k: q for k, q in (qtensors or {}).items() if q.qtype in KERNEL_TYPES}
-        threads = self.info["threads"]
         handles = []
         for i in range(len(weights.layers)):
             own = {key[1]: q for key, q in qts.items() if key != "output" and key[0] == i}
@@ -347,15 +327,15 @@ class NumbaBackend(Backend):
             for group in (("wq", "wk", "wv"), ("w_gate", "w_up")):
                 parts = [own.get(fld) for fld in group]
                 if all(p is not None and (p.qtype, p.shape[1]) == (parts[0].qtype, parts[0].shape[1]) for p in parts):
-                    f = KernelBlocks(parts, threads)
+                    f = KernelBlocks(parts)
                     bounds = np.cumsum([0] + [p.shape[0] for p in parts])
                     for fld, lo, hi in zip(group, bounds[:-1], bounds[1:]):
                         mats[fld] = (f, int(lo), int(hi))
                         del own[fld]
-            mats.update({fld: (KernelBlocks([q], threads), 0, q.shape[0]) for fld, q in own.items()})
+            mats.update({fld: (KernelBlocks([q]), 0, q.shape[0]) for fld, q in own.items()})
             handles.append(mats)
         out = qts.get("output")
-        out = (KernelBlocks([out], threads), 0, out.shape[0]) if out is not None else None
+        out = (KernelBlocks([out]), 0, out.shape[0]) if out is not None else None
         self.n_matrices = sum(map(len, handles)) + (out is not None)
         self.info["kernel_matrices"] = self.n_matrices
         # a decode step with any product left to BLAS runs numba's attention serially (attend_one_serial)

@@ -63,6 +63,26 @@ def matmul_rows(code, rows, n_blocks, x, out):
                        n, n_blocks)
 
 
+@nb.njit(parallel=True, cache=True, fastmath=False)
+def ggml_rows(code, rows, n_blocks, qa, da, sa, out):
+    """numerics "ggml": code: numba_simd.TYPE_CODE of a legacy type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), rows: int64 [N]
+    addresses of the rows' blocks where they lie, qa: [T, B*32] int8, da, sa: [T, B] f32 (the Q8 activations;
+    sa read for Q4_1, Q5_1) -> out: [T, N] f32, bit for bit numerics.ggml_cpu.LegacyQuantMatrix's product."""
+    t_n, n = qa.shape[0], rows.shape[0]
+    b = da.shape[1]
+    ra, qa_a, da_a, sa_a, oa = rows.ctypes.data, qa.ctypes.data, da.ctypes.data, sa.ctypes.data, out.ctypes.data
+    quads = n // 4
+    for q in nb.prange(quads):
+        r = 4 * q
+        ahead = ra + 8 * (r + 8 if q + 2 < quads else r)
+        for t in range(t_n):
+            S.ggml_tile(code, 4, 1, ra + 8 * r, ahead, qa_a + 32 * b * t, 32 * b, da_a + 4 * b * t, sa_a + 4 * b * t, b,
+                        oa + 4 * (t * n + r), n, n_blocks)
+    for r in range(4 * quads, n):
+        for t in range(t_n):
+            S.ggml_tile(code, 1, 1, ra + 8 * r, ra + 8 * r, qa_a + 32 * b * t, 32 * b, da_a + 4 * b * t,
+                        sa_a + 4 * b * t, b, oa + 4 * (t * n + r), n, n_blocks)
+
 # The elementwise kernels below serve one token (a few thousand floats): serial, since starting the
 # parallel workers costs more than the work.
 
@@ -164,47 +184,6 @@ def attend_one_serial(q, k, v, mask, scale, kv_head, out, kq, probs):
     a decode step 270 ms instead of 22)."""
     for h in range(q.shape[0]):
         _attend_head(h, q, k, v, mask, scale, kv_head, out, kq, probs)
-
-
-# -- numerics="ggml": llama.cpp's quantized dot products (ggml_cpu.QuantMatrix), bit for bit ---------------
-
-@nb.njit(parallel=True, cache=True, fastmath=False)
-def ggml_q8_dot(q, d, m, qa, da, sa, out):
-    """q: [C, B, 32, R] int8 weight codes, d, m: [C, B, R] f32 (m: [0, 0, 0] for none), qa: [T, B, 32] int8
-    activation codes, da, sa: [T, B] f32 -> out: [T, C*R] f32, exactly as numerics.ggml_cpu.QuantMatrix
-    computes it: per block, lane l holds the integer sum of elements 4l..4l+3 and acc_l = fma(d*da, lane,
-    acc_l) (the FMA emulated in float64, as there); then ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), plus
-    sum_b m*sa in float32."""
-    n_chunks, n_blocks, _, w = q.shape
-    has_m = m.shape[0] > 0
-    for c in nb.prange(n_chunks):
-        acc = np.empty((8, w), np.float32)
-        isum = np.empty(w, np.int32)
-        dd = np.empty(w, np.float32)
-        summs = np.empty(w, np.float32)
-        for t in range(qa.shape[0]):
-            acc[:] = 0.0
-            summs[:] = 0.0
-            for b in range(n_blocks):
-                qb, db, dab = q[c, b], d[c, b], da[t, b]
-                for i in range(w):
-                    dd[i] = db[i] * dab
-                for l in range(8):
-                    isum[:] = 0
-                    for k in range(4):
-                        qe, xe = qb[4 * l + k], np.int32(qa[t, b, 4 * l + k])
-                        for i in range(w):
-                            isum[i] += np.int32(qe[i]) * xe
-                    for i in range(w):
-                        acc[l, i] = np.float32(np.float64(dd[i]) * np.float64(isum[i]) + np.float64(acc[l, i]))
-                if has_m:
-                    mb, sab = m[c, b], sa[t, b]
-                    for i in range(w):
-                        summs[i] = summs[i] + mb[i] * sab
-            for i in range(w):
-                y = (((acc[0, i] + acc[4, i]) + (acc[2, i] + acc[6, i]))
-                     + ((acc[1, i] + acc[5, i]) + (acc[3, i] + acc[7, i])))
-                out[t, c * w + i] = y + summs[i] if has_m else y
 
 
 # -- one decode step of a layer in one call (NumbaBackend.make_decoder): the kernels above, in the order and

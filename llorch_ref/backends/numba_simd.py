@@ -180,9 +180,10 @@ def _prefetch(b, ptr):
 def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, xsa, xs_stride, outa, out_stride, n_blocks):
     """The loop over the blocks of n_rows rows (their addresses: int64s at rowsa) for `tokens` tokens at once;
     stores out[t * out_stride + r]. As it goes, it prefetches the same blocks of the n_rows rows at aheada (the
-    rows a thread takes next: DRAM's latency hidden where the hardware's prefetchers stop at page ends). Each (row, token) has its own accumulators (two for the super-block types,
-    groups alternating, so that the adds of one block do not wait on each other), every one updated by the
-    same operations in the same order whatever the tile: a product's value does not depend on its tile."""
+    rows a thread takes next: DRAM's latency hidden where the hardware's prefetchers stop at page ends). Each
+    (row, token) has its own accumulators (two for the super-block types, groups alternating, so that the adds
+    of one block do not wait on each other), every one updated by the same operations in the same order
+    whatever the tile: a product's value does not depend on its tile."""
     block_len, block_bytes = BLOCKS[qtype]
     n_acc = 2 if block_len == 256 else 1
     rows_p = b.inttoptr(rowsa, I64.as_pointer())
@@ -286,6 +287,137 @@ def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, xa, x_stride, xsa
             switch.add_case(ir.Constant(args[0].type, i), case)
             builder.position_at_end(case)
             _emit_tile(builder, name, r, t, *args[3:])
+            builder.branch(merge)
+        builder.position_at_end(merge)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+# -- ggml's integer products, bit for bit (numerics "ggml"): the legacy types' codes times Q8 activations -----
+LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
+def _legacy_codes(qtype, k):
+    """One legacy block at k -> (codes of elements 0-15, of 16-31: <16 x i32> integers as ggml unpacks them,
+    d, m or None: float32)."""
+    b = k.b
+    if qtype == "Q8_0":
+        return k.bytes16(2, True), k.bytes16(18, True), k.f16(0), None
+    q_at, h_at = {"Q4_0": (2, None), "Q4_1": (4, None), "Q5_0": (6, 2), "Q5_1": (8, 4)}[qtype]
+    q = k.bytes16(q_at)
+    lo, hi = _nibbles(k, q, 0), _nibbles(k, q, 4)
+    if h_at is not None:
+        qh = k.u32(h_at)
+        lo, hi = b.or_(lo, k.bits16(qh, 0)), b.or_(hi, k.bits16(qh, 16))
+    off = {"Q4_0": 8, "Q5_0": 16}.get(qtype)
+    if off:
+        lo, hi = b.sub(lo, _vi(off)), b.sub(hi, _vi(off))
+    return lo, hi, k.f16(0), (k.f16(2) if qtype in ("Q4_1", "Q5_1") else None)
+
+
+def _lane_sums(b, p_lo, p_hi):
+    """Products of elements 0-15 and 16-31 -> <8 x i32>: lane l the sum of elements 4l..4l+3 (exact)."""
+    s = None
+    for j in range(4):
+        v = b.shuffle_vector(p_lo, p_hi, ir.Constant(ir.VectorType(I32, 8), [4 * lane + j for lane in range(8)]))
+        s = v if s is None else b.add(s, v)
+    return s
+
+
+def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa, d_stride, outa, out_stride,
+               n_blocks):
+    """ggml's vec_dot of n_rows legacy-quant rows with `tokens` Q8 activation rows (qa int8 [T, B*32], da, sa f32
+    [T, B]): per block, lane l = sum of elements 4l..4l+3 (integers), acc_l = fma(d * da, lane, acc_l) with the
+    fused multiply-add computed in float64 and rounded once to float32 (as numerics.ggml_cpu emulates it);
+    summs += m * sa in float32; out = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) (+ summs)."""
+    V8, D8, VI8_32 = ir.VectorType(F32, 8), ir.VectorType(ir.DoubleType(), 8), ir.VectorType(I8, L)
+    _, block_bytes = BLOCKS[qtype]
+    rows_p, ahead_p = b.inttoptr(rowsa, I64.as_pointer()), b.inttoptr(aheada, I64.as_pointer())
+    rowp = [b.inttoptr(b.load(b.gep(rows_p, [ir.Constant(I64, r)])), I8.as_pointer()) for r in range(n_rows)]
+    ahead = [b.inttoptr(b.load(b.gep(ahead_p, [ir.Constant(I64, r)])), I8.as_pointer()) for r in range(n_rows)]
+    qap = [b.gep(b.inttoptr(qaa, I8.as_pointer()), [b.mul(qa_stride, ir.Constant(I64, t))]) for t in range(tokens)]
+    dap = [b.gep(b.inttoptr(daa, F32.as_pointer()), [b.mul(d_stride, ir.Constant(I64, t))]) for t in range(tokens)]
+    sap = [b.gep(b.inttoptr(saa, F32.as_pointer()), [b.mul(d_stride, ir.Constant(I64, t))]) for t in range(tokens)]
+    keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
+    entry, loop, done = b.block, b.append_basic_block("gblocks"), b.append_basic_block("gblocks_done")
+    b.cbranch(b.icmp_signed(">", n_blocks, ir.Constant(I64, 0)), loop, done)
+    b.position_at_end(loop)
+    i = b.phi(I64)
+    acc = {key: b.phi(V8) for key in keys}
+    summs = {key: b.phi(F32) for key in keys}
+    zero8, zero = ir.Constant(V8, [0.0] * 8), ir.Constant(F32, 0.0)
+    i.add_incoming(ir.Constant(I64, 0), entry)
+    for key in keys:
+        acc[key].add_incoming(zero8, entry)
+        summs[key].add_incoming(zero, entry)
+    acts = []
+    for t in range(tokens):
+        qa = b.gep(qap[t], [b.mul(i, ir.Constant(I64, 32))])
+        lo = b.sext(b.load(b.bitcast(qa, VI8_32.as_pointer()), align=1), VI32)
+        hi = b.sext(b.load(b.bitcast(b.gep(qa, [ir.Constant(I64, 16)]), VI8_32.as_pointer()), align=1), VI32)
+        acts.append((lo, hi, b.load(b.gep(dap[t], [i])), b.load(b.gep(sap[t], [i]))))
+    new_acc, new_summs = dict(acc), dict(summs)
+    for r in range(n_rows):
+        at = b.mul(i, ir.Constant(I64, block_bytes))
+        for line in range(0, block_bytes, 64):
+            _prefetch(b, b.gep(ahead[r], [b.add(at, ir.Constant(I64, line))]))
+        lo, hi, d, m = _legacy_codes(qtype, _Block(b, b.gep(rowp[r], [at])))
+        for t, (alo, ahi, da, sa) in enumerate(acts):
+            lanes = b.sitofp(_lane_sums(b, b.mul(lo, alo), b.mul(hi, ahi)), D8)
+            dd = b.fpext(_splat8(b, b.fmul(d, da)), D8)
+            new_acc[r, t] = b.fptrunc(b.fadd(b.fmul(dd, lanes), b.fpext(acc[r, t], D8)), V8)
+            if m is not None:
+                new_summs[r, t] = b.fadd(summs[r, t], b.fmul(m, sa))
+    i2 = b.add(i, ir.Constant(I64, 1))
+    tail = b.block
+    i.add_incoming(i2, tail)
+    for key in keys:
+        acc[key].add_incoming(new_acc[key], tail)
+        summs[key].add_incoming(new_summs[key], tail)
+    b.cbranch(b.icmp_signed("<", i2, n_blocks), loop, done)
+    b.position_at_end(done)
+    ends = {}
+    for key in keys:                                         # the phis first: LLVM wants them at the top
+        a, s = b.phi(V8), b.phi(F32)
+        a.add_incoming(zero8, entry)
+        a.add_incoming(new_acc[key], tail)
+        s.add_incoming(zero, entry)
+        s.add_incoming(new_summs[key], tail)
+        ends[key] = (a, s)
+    outp = b.inttoptr(outa, F32.as_pointer())
+    for (r, t), (a, s) in ends.items():
+        e = [b.extract_element(a, ir.Constant(I32, j)) for j in range(8)]
+        y = b.fadd(b.fadd(b.fadd(e[0], e[4]), b.fadd(e[2], e[6])), b.fadd(b.fadd(e[1], e[5]), b.fadd(e[3], e[7])))
+        if qtype in ("Q4_1", "Q5_1"):
+            y = b.fadd(y, s)
+        b.store(y, b.gep(outp, [b.add(b.mul(out_stride, ir.Constant(I64, t)), ir.Constant(I64, r))]))
+
+
+def _splat8(b, v):
+    t = ir.VectorType(F32, 8)
+    u = ir.Constant(t, ir.Undefined)
+    return b.shuffle_vector(b.insert_element(u, v, ir.Constant(I32, 0)), u, ir.Constant(ir.VectorType(I32, 8), [0] * 8))
+
+
+@intrinsic
+def ggml_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, qaa, qa_stride, daa, saa, d_stride, outa,
+              out_stride, n_blocks):
+    """ggml_tile(code, R, T, rows, ahead, qa, qa_stride, da, sa, d_stride, out, out_stride, n_blocks): _emit_ggml
+    for the legacy type TYPE_CODE[...] = code (a switch over the five), R and T constants; qa_stride in bytes,
+    d_stride (da's and sa's) in elements."""
+    if not all(isinstance(a, types.IntegerLiteral) for a in (n_rows, n_tokens)):
+        return None
+    r, t = n_rows.literal_value, n_tokens.literal_value
+    sig = types.void(code, n_rows, n_tokens, *([types.intp] * 10))
+
+    def codegen(context, builder, signature, args):
+        merge = builder.append_basic_block("gtype_done")
+        switch = builder.switch(args[0], merge)
+        for name in LEGACY:
+            case = builder.append_basic_block(f"gtype_{name}")
+            switch.add_case(ir.Constant(args[0].type, TYPE_CODE[name]), case)
+            builder.position_at_end(case)
+            _emit_ggml(builder, name, r, t, *args[3:])
             builder.branch(merge)
         builder.position_at_end(merge)
         return context.get_dummy_value()

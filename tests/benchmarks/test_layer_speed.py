@@ -61,6 +61,6 @@ def test_linear_decode_ffn_up(benchmark, kind):
         pytest.importorskip("numba", reason="numba is not installed")
         from llorch_ref.backends.numba_backend import KernelBlocks
         from llorch_ref.model.qtensor import QTensor
-        qb = KernelBlocks([QTensor("Q4_1", (raw.shape[0], D), raw)], threads=2)
+        qb = KernelBlocks([QTensor("Q4_1", (raw.shape[0], D), raw)])
         y = benchmark(qb.matvec, x[0])[None]
     np.testing.assert_allclose(y, x @ deq.T, rtol=1e-4, atol=1e-4)
