@@ -4,15 +4,15 @@ The op-by-op step runs the model's operations one by one, each a checkpoint the 
 fifteen kernels a layer, most of them tiny. Generation records nothing, so here the operations are fused at
 their boundaries, the way numba's FusedDecoder does on the CPU:
 
-  norm_gemv_f16   RMSNorm folded into the Q/K/V product: y = r * W (x * g), r = 1 / sqrt(mean(x^2) + eps),
-                  the sum of squares computed by every warp from the x it reads anyway
+  norm_gemv4_f16  RMSNorm folded into the Q/K/V product: y = r * W (x * g), r = 1 / sqrt(mean(x^2) + eps),
+                  the sum of squares computed by every warp from the x it reads anyway (4 rows a warp)
   rope_attend     RoPE on Q and K, K and V written into the cache at the device-side position, attention
                   of one block per head over the positions written so far (nothing past them read)
   gemv_res_f16    the output projection added to the residual stream in place (x += W a)
   norm_glu_f16    RMSNorm, gate and up rows i and F+i by one warp, silu(g) * u written
   gemv_res_f16    the down projection added to the residual stream
 
-and the final norm with the output matrix (norm_gemv_f16). The arithmetic differs from the op-by-op step's by
+and the final norm with the output matrix (norm_gemv2_f16, 2 rows a warp). The arithmetic differs from the op-by-op step's by
 order and rounding only (r applied after the dot product, sums of squares in float32):
 tests/test_backends.py checks the logits against the op-by-op step's within the float16 band and the greedy
 tokens equal. LLORCH_CUDA_FUSED=0 turns it off.
@@ -35,23 +35,27 @@ __device__ __forceinline__ float dot8(uint4 raw, float4 u, float4 v) {
 __device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
 __device__ __forceinline__ float sq4(float4 a) { return a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w; }
 
-// R rows' dot products with x (times g when NORM) by one warp, four 16-byte weight loads in flight per row;
-// with NORM, ss = the warp's sum of x^2 over the whole row.
-template <int R, bool NORM>
+// R rows' dot products with x (times g when NORM) by one warp, U 16-byte weight loads in flight per row; with
+// NORM, ss = the warp's sum of x^2 over the whole row. More rows a warp share x's (and g's) loads.
+template <int U, int R, bool NORM>
 __device__ __forceinline__ void rows_dot(const uint4* const* w, const float4* xv, const float4* gv, int k8, int lane,
                                          float* dot, float& ss) {
-    float a[R][4], s[4] = {0.f, 0.f, 0.f, 0.f};
+    float a[R][U], s[U];
 #pragma unroll
-    for (int q = 0; q < R; ++q) { a[q][0] = a[q][1] = a[q][2] = a[q][3] = 0.f; }
+    for (int r = 0; r < U; ++r) {
+        s[r] = 0.f;
+#pragma unroll
+        for (int q = 0; q < R; ++q) a[q][r] = 0.f;
+    }
     int i = lane;
-    for (; i + 96 < k8; i += 128) {
-        uint4 raw[R][4];
+    for (; i + 32 * (U - 1) < k8; i += 32 * U) {
+        uint4 raw[R][U];
 #pragma unroll
         for (int q = 0; q < R; ++q)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) raw[q][r] = __ldcs(w[q] + i + 32 * r);
+            for (int r = 0; r < U; ++r) raw[q][r] = __ldcs(w[q] + i + 32 * r);
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
+        for (int r = 0; r < U; ++r) {
             int c = i + 32 * r;
             float4 u = __ldg(xv + 2 * c), v = __ldg(xv + 2 * c + 1);
             if (NORM) { s[r] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + 2 * c)); v = mul4(v, __ldg(gv + 2 * c + 1)); }
@@ -65,20 +69,41 @@ __device__ __forceinline__ void rows_dot(const uint4* const* w, const float4* xv
 #pragma unroll
         for (int q = 0; q < R; ++q) a[q][0] += dot8(__ldcs(w[q] + i), u, v);
     }
+    float t = 0.f;
 #pragma unroll
-    for (int q = 0; q < R; ++q) dot[q] = warp_sum((a[q][0] + a[q][1]) + (a[q][2] + a[q][3]));
-    ss = NORM ? warp_sum((s[0] + s[1]) + (s[2] + s[3])) : 0.f;
+    for (int r = 0; r < U; ++r) t += s[r];
+    ss = NORM ? warp_sum(t) : 0.f;
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+        float d = 0.f;
+#pragma unroll
+        for (int r = 0; r < U; ++r) d += a[q][r];
+        dot[q] = warp_sum(d);
+    }
 }
 
-// y[row] = r * sum_k W[row, k] x[k] g[k]; a warp per row, 4 rows a block of 128 threads; k % 8 == 0.
-extern "C" __global__ void norm_gemv_f16(const __half* __restrict__ W, const float* __restrict__ x,
-                                         const float* __restrict__ g, float* __restrict__ y, int n, int k, float eps) {
-    int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= n) return;
-    const uint4* w[1] = {reinterpret_cast<const uint4*>(W + (size_t)row * k)};
-    float dot[1], ss;
-    rows_dot<1, true>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, lane, dot, ss);
-    if (lane == 0) y[row] = dot[0] * (1.0f / sqrtf(ss / k + eps));
+// y[row] = r * sum_k W[row, k] x[k] g[k]; R rows a warp, 4 warps a block of 128 threads; k % 8 == 0.
+template <int U, int R>
+__device__ void norm_gemv(const __half* W, const float* x, const float* g, float* y, int n, int k, float eps) {
+    int row0 = (blockIdx.x * 4 + threadIdx.x / 32) * R, lane = threadIdx.x % 32;
+    if (row0 >= n) return;
+    const uint4* w[R];
+#pragma unroll
+    for (int q = 0; q < R; ++q) w[q] = reinterpret_cast<const uint4*>(W + (size_t)min(row0 + q, n - 1) * k);
+    float dot[R], ss;
+    rows_dot<U, R, true>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, lane, dot, ss);
+    float r = 1.0f / sqrtf(ss / k + eps);
+    if (lane == 0)
+#pragma unroll
+        for (int q = 0; q < R; ++q) if (row0 + q < n) y[row0 + q] = dot[q] * r;
+}
+extern "C" __global__ void norm_gemv4_f16(const __half* __restrict__ W, const float* __restrict__ x,
+                                          const float* __restrict__ g, float* __restrict__ y, int n, int k, float eps) {
+    norm_gemv<2, 4>(W, x, g, y, n, k, eps);
+}
+extern "C" __global__ void norm_gemv2_f16(const __half* __restrict__ W, const float* __restrict__ x,
+                                          const float* __restrict__ g, float* __restrict__ y, int n, int k, float eps) {
+    norm_gemv<4, 2>(W, x, g, y, n, k, eps);
 }
 
 // hid[i] = silu(r * gate_i . (x g)) * (r * up_i . (x g)), gate row i and up row f + i of W [2f, k] by one warp.
@@ -89,7 +114,7 @@ extern "C" __global__ void norm_glu_f16(const __half* __restrict__ W, const floa
     const uint4* w[2] = {reinterpret_cast<const uint4*>(W + (size_t)row * k),
                          reinterpret_cast<const uint4*>(W + (size_t)(f + row) * k)};
     float dot[2], ss;
-    rows_dot<2, true>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, lane, dot, ss);
+    rows_dot<4, 2, true>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, lane, dot, ss);
     if (lane == 0) {
         float r = 1.0f / sqrtf(ss / k + eps), gate = dot[0] * r, up = dot[1] * r;
         hid[row] = (gate / (1.0f + expf(-gate))) * up;
@@ -103,7 +128,7 @@ extern "C" __global__ void gemv_res_f16(const __half* __restrict__ W, const floa
     if (row >= n) return;
     const uint4* w[1] = {reinterpret_cast<const uint4*>(W + (size_t)row * k)};
     float dot[1], ss;
-    rows_dot<1, false>(w, reinterpret_cast<const float4*>(a), nullptr, k / 8, lane, dot, ss);
+    rows_dot<4, 1, false>(w, reinterpret_cast<const float4*>(a), nullptr, k / 8, lane, dot, ss);
     if (lane == 0) y[row] += dot[0];
 }
 
@@ -228,7 +253,7 @@ ATTEND_THREADS = 1024
 def kernels(cp):
     if not _MOD:
         mod = cp.RawModule(code=SRC, options=("-std=c++17",))
-        for name in ("norm_gemv_f16", "norm_glu_f16", "gemv_res_f16", "rope_attend_f32", "rope_attend_f16",
+        for name in ("norm_gemv4_f16", "norm_gemv2_f16", "norm_glu_f16", "gemv_res_f16", "rope_attend_f32", "rope_attend_f16",
                      "embed_f32", "embed_f16"):
             _MOD[name] = mod.get_function(name)
     return _MOD
@@ -288,13 +313,13 @@ class FusedStep:
         attend = "rope_attend_f16" if self.kv16 else "rope_attend_f32"
         n_qkv, neox = (h + 2 * kv) * hd, i32(cfg.rope_style == "neox")
         for i, (qkv, wo, gu, wd, an, fn) in enumerate(self.groups):
-            K["norm_gemv_f16"](((n_qkv + 3) // 4,), (128,), (qkv, self.x, an, self.y, i32(n_qkv), i32(d), eps))
+            K["norm_gemv4_f16"](((n_qkv + 15) // 16,), (128,), (qkv, self.x, an, self.y, i32(n_qkv), i32(d), eps))
             K[attend]((h,), (ATTEND_THREADS,), (self.y, cos, sin, c.pos_dev, c.k[i], c.v[i], self.att, i32(h), i32(kv),
                                                 i32(hd), i32(half), neox, f32(cfg.scale)), shared_mem=self.smem)
             K["gemv_res_f16"](((d + 3) // 4,), (128,), (wo, self.att, self.x, i32(d), i32(h * hd)))
             K["norm_glu_f16"](((f + 3) // 4,), (128,), (gu, self.x, fn, self.hid, i32(f), i32(d), eps))
             K["gemv_res_f16"](((d + 3) // 4,), (128,), (wd, self.hid, self.x, i32(d), i32(f)))
         v = cfg.n_vocab
-        K["norm_gemv_f16"](((v + 3) // 4,), (128,), (self.w.output, self.x, self.w.out_norm, self.logits, i32(v), i32(d),
-                                                      eps))
+        K["norm_gemv2_f16"](((v + 7) // 8,), (128,), (self.w.output, self.x, self.w.out_norm, self.logits, i32(v),
+                                                       i32(d), eps))
         return self.logits
