@@ -278,28 +278,23 @@ class FusedStep:
         self.smem = 4 * (3 * hd + cache.n_ctx + 4 + ATTEND_THREADS // 32 * hd)
 
     @staticmethod
-    def plan(engine, cache):
-        from .cupy_backend import joined
-
+    def plan(engine, cache, layers):
+        """layers: per layer (Q/K/V stacked in one allocation or None, wo, gate/up stacked or None, w_down,
+        attn_norm, ffn_norm) -> a FusedStep, or None."""
         cfg, w, cp = engine.config, engine.weights, engine.xp
         if os.environ.get("LLORCH_CUDA_FUSED", "1") == "0" or getattr(engine.backend, "dtype", "") != "float16" \
                 or cfg.qkv_bias or cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.sliding_window \
                 or cfg.rope_base_local is not None or cfg.rope_style not in ("adjacent", "neox") \
                 or cfg.head_dim > ATTEND_THREADS or cfg.d_model % 8 or cfg.d_ff % 8 or cfg.n_heads * cfg.head_dim % 8 \
-                or cache.k.dtype not in (cp.float32, cp.float16) \
-                or cfg.head_dim % 4 or 4 * (3 * cfg.head_dim + cache.n_ctx + 4 + ATTEND_THREADS // 32 * cfg.head_dim) > 48 * 1024:
+                or cache.k.dtype not in (cp.float32, cp.float16) or cfg.head_dim % 4 \
+                or 4 * (3 * cfg.head_dim + cache.n_ctx + 4 + ATTEND_THREADS // 32 * cfg.head_dim) > 48 * 1024:
             return None
-        groups = []
-        for lw in w.layers:
-            qkv, gu = joined((lw.wq, lw.wk, lw.wv), cp), joined((lw.w_gate, lw.w_up), cp)
-            mats = (qkv, lw.wo, gu, lw.w_down)
-            if any(m is None or getattr(m, "dtype", None) != cp.float16 or m.ndim != 2 for m in mats):
+        for mats in layers:
+            if any(m is None or getattr(m, "dtype", None) != cp.float16 or m.ndim != 2 for m in mats[:4]):
                 return None
-            groups.append((qkv, lw.wo, gu, lw.w_down, lw.attn_norm, lw.ffn_norm))
-        out = w.output
-        if getattr(out, "dtype", None) != cp.float16 or w.tok_embd.dtype not in (cp.float32, cp.float16):
+        if getattr(w.output, "dtype", None) != cp.float16 or w.tok_embd.dtype not in (cp.float32, cp.float16):
             return None
-        return FusedStep(engine, cache, groups)
+        return FusedStep(engine, cache, layers)
 
     def __call__(self, tok):
         cp, cfg, c, K = self.cp, self.cfg, self.cache, self.K

@@ -338,7 +338,9 @@ class GraphDecoder:
         self.graph, self.out, self.steps = None, None, 0
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = engine.backend.info.get("cuda_graphs", False)
-        self.fused = FusedStep.plan(engine, cache)             # float16 llama weights: six kernels a layer
+        layers = [(joined((lw.wq, lw.wk, lw.wv), xp), lw.wo, joined((lw.w_gate, lw.w_up), xp), lw.w_down,
+                   lw.attn_norm, lw.ffn_norm) for lw in engine.weights.layers]
+        self.fused = FusedStep.plan(engine, cache, layers)     # float16 llama weights: five kernels a layer
         engine.backend.info["fused_decode"] = self.fused is not None
 
     def _step(self):
