@@ -177,6 +177,52 @@ def _prefetch(b, ptr):
     b.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
+def _block_loop(b, n_blocks, init, body):
+    """for i in range(n_blocks): state = body(i, state), the state a dict of IR values starting at the constants
+    `init` -> the final state. One basic block with phis (LLVM's form of a loop-carried value); none run when
+    n_blocks is 0."""
+    entry, loop, done = b.block, b.append_basic_block("blocks"), b.append_basic_block("blocks_done")
+    b.cbranch(b.icmp_signed(">", n_blocks, ir.Constant(I64, 0)), loop, done)
+    b.position_at_end(loop)
+    i = b.phi(I64)
+    phis = {k: b.phi(v.type) for k, v in init.items()}
+    i.add_incoming(ir.Constant(I64, 0), entry)
+    for k, v in init.items():
+        phis[k].add_incoming(v, entry)
+    new = body(i, dict(phis))
+    i2, tail = b.add(i, ir.Constant(I64, 1)), b.block
+    i.add_incoming(i2, tail)
+    for k in init:
+        phis[k].add_incoming(new[k], tail)
+    b.cbranch(b.icmp_signed("<", i2, n_blocks), loop, done)
+    b.position_at_end(done)
+    out = {}
+    for k, v in init.items():
+        out[k] = b.phi(v.type)
+        out[k].add_incoming(v, entry)
+        out[k].add_incoming(new[k], tail)
+    return out
+
+
+def _pointers(b, addr, n):
+    """n byte pointers read from the int64 addresses at addr."""
+    p = b.inttoptr(addr, I64.as_pointer())
+    return [b.inttoptr(b.load(b.gep(p, [ir.Constant(I64, r)])), I8.as_pointer()) for r in range(n)]
+
+
+def _strided(b, addr, stride, n, ty):
+    """Pointers to rows 0..n-1 of an array of `ty` at addr, `stride` elements apart."""
+    return [b.gep(b.inttoptr(addr, ty.as_pointer()), [b.mul(stride, ir.Constant(I64, t))]) for t in range(n)]
+
+
+def _block_at(b, row, ahead, i, block_bytes):
+    """Block i of a row, after prefetching block i of the row to come (every cache line of it)."""
+    at = b.mul(i, ir.Constant(I64, block_bytes))
+    for line in range(0, block_bytes, 64):
+        _prefetch(b, b.gep(ahead, [b.add(at, ir.Constant(I64, line))]))
+    return _Block(b, b.gep(row, [at]))
+
+
 def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, xsa, xs_stride, outa, out_stride, n_blocks):
     """The loop over the blocks of n_rows rows (their addresses: int64s at rowsa) for `tokens` tokens at once;
     stores out[t * out_stride + r]. As it goes, it prefetches the same blocks of the n_rows rows at aheada (the
@@ -185,77 +231,51 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, xsa, xs_st
     of one block do not wait on each other), every one updated by the same operations in the same order
     whatever the tile: a product's value does not depend on its tile."""
     block_len, block_bytes = BLOCKS[qtype]
-    n_acc = 2 if block_len == 256 else 1
-    rows_p = b.inttoptr(rowsa, I64.as_pointer())
-    rowp = [b.inttoptr(b.load(b.gep(rows_p, [ir.Constant(I64, r)])), I8.as_pointer()) for r in range(n_rows)]
-    ahead_p = b.inttoptr(aheada, I64.as_pointer())
-    ahead = [b.inttoptr(b.load(b.gep(ahead_p, [ir.Constant(I64, r)])), I8.as_pointer()) for r in range(n_rows)]
-    xp = [b.gep(b.inttoptr(xa, F32.as_pointer()), [b.mul(x_stride, ir.Constant(I64, t))]) for t in range(tokens)]
-    xsp = [b.gep(b.inttoptr(xsa, F32.as_pointer()), [b.mul(xs_stride, ir.Constant(I64, t))]) for t in range(tokens)]
-    keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
-    entry, loop, done = b.block, b.append_basic_block("blocks"), b.append_basic_block("blocks_done")
-    b.cbranch(b.icmp_signed(">", n_blocks, ir.Constant(I64, 0)), loop, done)
-    b.position_at_end(loop)
-    i = b.phi(I64)
-    acc = {(key, a): b.phi(VF) for key in keys for a in range(n_acc)}
-    n_mins = {"Q4_1": 1, "Q5_1": 1, "Q4_K": 8, "Q5_K": 8}.get(qtype, 1)      # the min terms' width
+    n_acc, n_mins = (2 if block_len == 256 else 1), {"Q4_K": 8, "Q5_K": 8}.get(qtype, 1)    # min terms' width
     CT = F32 if n_mins == 1 else ir.VectorType(F32, n_mins)
-    corr = {key: b.phi(CT) for key in keys}
-    zero_v, zero = ir.Constant(VF, [0.0] * L), ir.Constant(CT, 0.0 if n_mins == 1 else [0.0] * n_mins)
-    i.add_incoming(ir.Constant(I64, 0), entry)
-    for phi in (*acc.values(), *corr.values()):
-        phi.add_incoming(zero_v if phi.type == VF else zero, entry)
-    x0 = b.mul(i, ir.Constant(I64, block_len))
-    g0 = b.mul(i, ir.Constant(I64, block_len // GROUP))
-    xv = {}                                                    # x's 16 floats at an offset, loaded once
-    def x_at(t, off):                                          # noqa: E306
-        if (t, off) not in xv:
-            ptr = b.gep(xp[t], [b.add(x0, ir.Constant(I64, off))])
-            xv[t, off] = b.load(b.bitcast(ptr, VF.as_pointer()), align=4)
-        return xv[t, off]
-    xs_v = {}
-    def xs_at(t, width):                                       # noqa: E306
-        if t not in xs_v:
-            ptr = b.gep(xsp[t], [g0])
-            xs_v[t] = b.load(ptr) if width == 1 else b.load(b.bitcast(ptr, CT.as_pointer()), align=4)
-        return xs_v[t]
-    new_acc, new_corr = dict(acc), dict(corr)
-    for r in range(n_rows):
-        at = b.mul(i, ir.Constant(I64, block_bytes))
-        for line in range(0, block_bytes, 64):
-            _prefetch(b, b.gep(ahead[r], [b.add(at, ir.Constant(I64, line))]))
-        k = _Block(b, b.gep(rowp[r], [at]))
-        segments, mins = _segments(qtype, k)
-        for n, (sv, parts) in enumerate(segments):
-            for t in range(tokens):
-                s = None
-                for codes, off in parts:
-                    p = b.fmul(codes, x_at(t, off))
-                    s = p if s is None else b.fadd(s, p)
-                key = ((r, t), n % n_acc)
-                new_acc[key] = b.fadd(new_acc[key], b.fmul(sv, s))
-        for t in range(tokens) if mins is not None else ():
-            new_corr[r, t] = b.fadd(new_corr[r, t], b.fmul(mins[0], xs_at(t, mins[1])))
-    i2 = b.add(i, ir.Constant(I64, 1))
-    tail = b.block
-    i.add_incoming(i2, tail)
-    for key, phi in (*acc.items(), *corr.items()):
-        phi.add_incoming((new_acc if phi.type == VF else new_corr)[key], tail)
-    b.cbranch(b.icmp_signed("<", i2, n_blocks), loop, done)
-    b.position_at_end(done)
-    ends = {}
-    for key, phi in (*acc.items(), *corr.items()):            # the phis first: LLVM wants them at the top
-        e = b.phi(phi.type)
-        e.add_incoming(zero_v if phi.type == VF else zero, entry)
-        e.add_incoming((new_acc if phi.type == VF else new_corr)[key], tail)
-        ends[key] = e
+    rows, ahead = _pointers(b, rowsa, n_rows), _pointers(b, aheada, n_rows)
+    xp, xsp = _strided(b, xa, x_stride, tokens, F32), _strided(b, xsa, xs_stride, tokens, F32)
+    keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
+    init = {("acc", r, t, a): ir.Constant(VF, [0.0] * L) for r, t in keys for a in range(n_acc)}
+    init.update({("corr", r, t): ir.Constant(CT, 0.0 if n_mins == 1 else [0.0] * n_mins) for r, t in keys})
+
+    def body(i, st):
+        x0, g0 = b.mul(i, ir.Constant(I64, block_len)), b.mul(i, ir.Constant(I64, block_len // GROUP))
+        xv, xs = {}, {}                                 # x's 16 floats at an offset, group sums: loaded once
+
+        def x_at(t, off):
+            if (t, off) not in xv:
+                ptr = b.gep(xp[t], [b.add(x0, ir.Constant(I64, off))])
+                xv[t, off] = b.load(b.bitcast(ptr, VF.as_pointer()), align=4)
+            return xv[t, off]
+
+        def xs_at(t):
+            if t not in xs:
+                ptr = b.gep(xsp[t], [g0])
+                xs[t] = b.load(ptr) if n_mins == 1 else b.load(b.bitcast(ptr, CT.as_pointer()), align=4)
+            return xs[t]
+        for r in range(n_rows):
+            segments, mins = _segments(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes))
+            for n, (sv, parts) in enumerate(segments):
+                for t in range(tokens):
+                    s = None
+                    for codes, off in parts:
+                        p = b.fmul(codes, x_at(t, off))
+                        s = p if s is None else b.fadd(s, p)
+                    key = ("acc", r, t, n % n_acc)
+                    st[key] = b.fadd(st[key], b.fmul(sv, s))
+            for t in range(tokens) if mins is not None else ():
+                st["corr", r, t] = b.fadd(st["corr", r, t], b.fmul(mins[0], xs_at(t)))
+        return st
+
+    end = _block_loop(b, n_blocks, init, body)
     outp = b.inttoptr(outa, F32.as_pointer())
     for r, t in keys:
-        v = ends[(r, t), 0]
+        v = end["acc", r, t, 0]
         for a in range(1, n_acc):
-            v = b.fadd(v, ends[(r, t), a])
+            v = b.fadd(v, end["acc", r, t, a])
+        c = end["corr", r, t] if n_mins == 1 else _hsum(b, end["corr", r, t])
         at = b.add(b.mul(out_stride, ir.Constant(I64, t)), ir.Constant(I64, r))
-        c = ends[r, t] if n_mins == 1 else _hsum(b, ends[r, t])
         b.store(b.fadd(_hsum(b, v), c), b.gep(outp, [at]))
 
 
@@ -330,66 +350,39 @@ def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa
     [T, B]): per block, lane l = sum of elements 4l..4l+3 (integers), acc_l = fma(d * da, lane, acc_l) with the
     fused multiply-add computed in float64 and rounded once to float32 (as numerics.ggml_cpu emulates it);
     summs += m * sa in float32; out = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) (+ summs)."""
-    V8, D8, VI8_32 = ir.VectorType(F32, 8), ir.VectorType(ir.DoubleType(), 8), ir.VectorType(I8, L)
-    _, block_bytes = BLOCKS[qtype]
-    rows_p, ahead_p = b.inttoptr(rowsa, I64.as_pointer()), b.inttoptr(aheada, I64.as_pointer())
-    rowp = [b.inttoptr(b.load(b.gep(rows_p, [ir.Constant(I64, r)])), I8.as_pointer()) for r in range(n_rows)]
-    ahead = [b.inttoptr(b.load(b.gep(ahead_p, [ir.Constant(I64, r)])), I8.as_pointer()) for r in range(n_rows)]
-    qap = [b.gep(b.inttoptr(qaa, I8.as_pointer()), [b.mul(qa_stride, ir.Constant(I64, t))]) for t in range(tokens)]
-    dap = [b.gep(b.inttoptr(daa, F32.as_pointer()), [b.mul(d_stride, ir.Constant(I64, t))]) for t in range(tokens)]
-    sap = [b.gep(b.inttoptr(saa, F32.as_pointer()), [b.mul(d_stride, ir.Constant(I64, t))]) for t in range(tokens)]
+    V8, D8, VI8_16 = ir.VectorType(F32, 8), ir.VectorType(ir.DoubleType(), 8), ir.VectorType(I8, L)
+    block_bytes = BLOCKS[qtype][1]
+    rows, ahead = _pointers(b, rowsa, n_rows), _pointers(b, aheada, n_rows)
+    qap = _strided(b, qaa, qa_stride, tokens, I8)
+    dap, sap = _strided(b, daa, d_stride, tokens, F32), _strided(b, saa, d_stride, tokens, F32)
     keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
-    entry, loop, done = b.block, b.append_basic_block("gblocks"), b.append_basic_block("gblocks_done")
-    b.cbranch(b.icmp_signed(">", n_blocks, ir.Constant(I64, 0)), loop, done)
-    b.position_at_end(loop)
-    i = b.phi(I64)
-    acc = {key: b.phi(V8) for key in keys}
-    summs = {key: b.phi(F32) for key in keys}
-    zero8, zero = ir.Constant(V8, [0.0] * 8), ir.Constant(F32, 0.0)
-    i.add_incoming(ir.Constant(I64, 0), entry)
-    for key in keys:
-        acc[key].add_incoming(zero8, entry)
-        summs[key].add_incoming(zero, entry)
-    acts = []
-    for t in range(tokens):
-        qa = b.gep(qap[t], [b.mul(i, ir.Constant(I64, 32))])
-        lo = b.sext(b.load(b.bitcast(qa, VI8_32.as_pointer()), align=1), VI32)
-        hi = b.sext(b.load(b.bitcast(b.gep(qa, [ir.Constant(I64, 16)]), VI8_32.as_pointer()), align=1), VI32)
-        acts.append((lo, hi, b.load(b.gep(dap[t], [i])), b.load(b.gep(sap[t], [i]))))
-    new_acc, new_summs = dict(acc), dict(summs)
-    for r in range(n_rows):
-        at = b.mul(i, ir.Constant(I64, block_bytes))
-        for line in range(0, block_bytes, 64):
-            _prefetch(b, b.gep(ahead[r], [b.add(at, ir.Constant(I64, line))]))
-        lo, hi, d, m = _legacy_codes(qtype, _Block(b, b.gep(rowp[r], [at])))
-        for t, (alo, ahi, da, sa) in enumerate(acts):
-            lanes = b.sitofp(_lane_sums(b, b.mul(lo, alo), b.mul(hi, ahi)), D8)
-            dd = b.fpext(_splat8(b, b.fmul(d, da)), D8)
-            new_acc[r, t] = b.fptrunc(b.fadd(b.fmul(dd, lanes), b.fpext(acc[r, t], D8)), V8)
-            if m is not None:
-                new_summs[r, t] = b.fadd(summs[r, t], b.fmul(m, sa))
-    i2 = b.add(i, ir.Constant(I64, 1))
-    tail = b.block
-    i.add_incoming(i2, tail)
-    for key in keys:
-        acc[key].add_incoming(new_acc[key], tail)
-        summs[key].add_incoming(new_summs[key], tail)
-    b.cbranch(b.icmp_signed("<", i2, n_blocks), loop, done)
-    b.position_at_end(done)
-    ends = {}
-    for key in keys:                                         # the phis first: LLVM wants them at the top
-        a, s = b.phi(V8), b.phi(F32)
-        a.add_incoming(zero8, entry)
-        a.add_incoming(new_acc[key], tail)
-        s.add_incoming(zero, entry)
-        s.add_incoming(new_summs[key], tail)
-        ends[key] = (a, s)
+    init = {("acc", r, t): ir.Constant(V8, [0.0] * 8) for r, t in keys}
+    init.update({("summs", r, t): ir.Constant(F32, 0.0) for r, t in keys})
+
+    def body(i, st):
+        acts = []
+        for t in range(tokens):
+            qa = b.gep(qap[t], [b.mul(i, ir.Constant(I64, 32))])
+            lo = b.sext(b.load(b.bitcast(qa, VI8_16.as_pointer()), align=1), VI32)
+            hi = b.sext(b.load(b.bitcast(b.gep(qa, [ir.Constant(I64, 16)]), VI8_16.as_pointer()), align=1), VI32)
+            acts.append((lo, hi, b.load(b.gep(dap[t], [i])), b.load(b.gep(sap[t], [i]))))
+        for r in range(n_rows):
+            lo, hi, d, m = _legacy_codes(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes))
+            for t, (alo, ahi, da, sa) in enumerate(acts):
+                lanes = b.sitofp(_lane_sums(b, b.mul(lo, alo), b.mul(hi, ahi)), D8)
+                dd = b.fpext(_splat8(b, b.fmul(d, da)), D8)
+                st["acc", r, t] = b.fptrunc(b.fadd(b.fmul(dd, lanes), b.fpext(st["acc", r, t], D8)), V8)
+                if m is not None:
+                    st["summs", r, t] = b.fadd(st["summs", r, t], b.fmul(m, sa))
+        return st
+
+    end = _block_loop(b, n_blocks, init, body)
     outp = b.inttoptr(outa, F32.as_pointer())
-    for (r, t), (a, s) in ends.items():
-        e = [b.extract_element(a, ir.Constant(I32, j)) for j in range(8)]
+    for r, t in keys:
+        e = [b.extract_element(end["acc", r, t], ir.Constant(I32, j)) for j in range(8)]
         y = b.fadd(b.fadd(b.fadd(e[0], e[4]), b.fadd(e[2], e[6])), b.fadd(b.fadd(e[1], e[5]), b.fadd(e[3], e[7])))
         if qtype in ("Q4_1", "Q5_1"):
-            y = b.fadd(y, s)
+            y = b.fadd(y, end["summs", r, t])
         b.store(y, b.gep(outp, [b.add(b.mul(out_stride, ir.Constant(I64, t)), ir.Constant(I64, r))]))
 
 
