@@ -1,6 +1,7 @@
 """Engine: a loaded model (config, weights, tokenizer) plus a backend, with logits() and generate()."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,7 @@ class Engine:
             self.ops = make_ops(kv_dtype)
         else:
             self.ops = self.backend.make_ops(layers)
+        self._spare, self._spare_lock = [], threading.Lock()     # (cache, decoder) a finished request left
 
     def weights_info(self) -> dict:
         """Lazy or eager, storage dtype, dequantized size and (lazy) the cache's budget, use, hits, misses."""
@@ -86,6 +88,22 @@ class Engine:
         cls = self.backend.cache_class(Cache)
         return cls(self.xp, self.config, self.n_ctx, kv_dtype=self.kv_dtype,
                    ops=self.ops)
+
+    def _request_state(self):
+        """(cache, decoder or None) for one generation request: the pair an earlier request finished with, the
+        cache reset (its decoder kept: on the GPU, its captured CUDA graph over this cache's buffers), else a
+        new cache. One request holds a pair at a time; concurrent requests get their own."""
+        with self._spare_lock:
+            got = self._spare.pop() if self._spare else None
+        if got is None:
+            return self.new_cache(), None
+        got[0].reset()
+        return got
+
+    def _release_state(self, cache, decoder):
+        with self._spare_lock:
+            if not self._spare:                              # one spare: its cache's pages stay committed
+                self._spare.append((cache, decoder))
 
     def forward(self, token_ids, cache, rows=None, record=None):
         """Append token_ids to the sequence in `cache` -> logits [R, V] for `rows` (None: all)."""
@@ -143,14 +161,14 @@ class Engine:
         res.prompt_ids = ids
         sampler = Sampler(params, history=ids)          # per-request state: its own RNG and history
         res.seed = sampler.seed
-        cache = self.new_cache()                        # per-request state: a fresh cache every time
+        cache, decode = self._request_state()           # a fresh cache, or a finished request's one reset
         t0 = time.perf_counter()
         try:
             logits = self.forward(ids, cache, rows=[len(ids) - 1], record=_cancel_between_layers(cancel))
         except _Cancelled:
             res.prefill_s, res.stop_reason = time.perf_counter() - t0, "cancelled"
             return
-        decode = self.backend.make_decoder(self, cache)
+        decode = decode or self.backend.make_decoder(self, cache)
         res.prefill_s = time.perf_counter() - t0
         eog = self.tokenizer.eog_ids if self.tokenizer is not None else frozenset()
         t0 = time.perf_counter()
@@ -172,6 +190,7 @@ class Engine:
                 break
             logits = decode(nxt)
         res.decode_s = time.perf_counter() - t0
+        self._release_state(cache, decode)              # only after a whole request (not on an error or a close)
 
     def generate(self, prompt=None, max_tokens=128, chat=False, ignore_eos=False, result=None, stop=None,
                  messages=None, system=None, cancel=None, **sampling):

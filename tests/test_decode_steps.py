@@ -166,3 +166,24 @@ def test_transformers_decode_steps_pass(model):
     assert res.first_divergence is None, res.first_divergence
     assert {r.step for r in res.rows} == {0, 1, 2, 3}
     assert all(r.local_passed for r in res.rows if r.step and r.local is not None)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_a_request_reuses_the_finished_one_s_cache_and_gets_a_fresh_sequence(tiny, backend):
+    """Generation keeps the cache (and decoder) a finished request leaves, reset, for the next one: the same
+    object comes back, nothing of the earlier sequence shows (greedy tokens equal to a fresh engine's, after
+    a longer, different request), and a request abandoned half-way leaves nothing to reuse."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    path = tiny(vocab="bpe", weight_type="Q8_0")
+    eng, fresh = llorch_ref.load(path, backend=backend), llorch_ref.load(path, backend=backend)
+    want = list(fresh.generate_ids([5, 9, 2], max_tokens=6, ignore_eos=True))
+    list(eng.generate_ids([7, 3, 11, 4, 8, 1, 6], max_tokens=20, ignore_eos=True))
+    first = eng._spare[0][0]
+    assert list(eng.generate_ids([5, 9, 2], max_tokens=6, ignore_eos=True)) == want
+    assert eng._spare[0][0] is first and first.pos > 3                # reused, holding the last request
+    gen = eng.generate_ids([5, 9, 2], max_tokens=6, ignore_eos=True)
+    next(gen)
+    gen.close()                                                       # abandoned: its pair is not put back
+    assert not eng._spare
+    assert list(eng.generate_ids([5, 9, 2], max_tokens=6, ignore_eos=True)) == want
