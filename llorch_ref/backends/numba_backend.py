@@ -267,6 +267,14 @@ def vector_registers(names=None) -> dict:
 
 class NumbaBackend(Backend):
     def __init__(self, threads=None):
+        import os
+
+        # numba's OpenMP workers spin up to GOMP_SPINCOUNT times at each of a step's ~150 parallel regions before
+        # sleeping; libgomp's default (300000) makes a worker that shares its core with another process hold the
+        # core against the thread doing the work: a decode 10x slower with one busy core, against 2x at 1000
+        # spins, idle speed unchanged (results/cpu/busy-cores.md). Read when numba first starts its threads
+        # (set_num_threads below); a value the user set is kept.
+        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
         import numba
 
         threads = cpu_threads(threads)
