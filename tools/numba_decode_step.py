@@ -1,4 +1,4 @@
-"""Time one numba decode step on the default model (or --model), fused (one call per layer) and op by op.
+"""Time one numba decode step on the default model (or --model), fused (one numba call per step) and op by op.
 
     python tools/numba_decode_step.py [--model PATH] [--steps 60]
 
