@@ -22,6 +22,12 @@ PATHS: Counter = Counter()        # (weight type, path, rows) -> products: what 
 MATRIX_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
+def row_addresses(qts):
+    """QTensors (rows C-contiguous) -> int64 [sum N_i]: where each row's blocks start in memory, in order."""
+    return np.concatenate([q.blocks.ctypes.data + np.arange(q.shape[0], dtype=np.int64) * q.blocks.strides[0]
+                           for q in qts]).astype(np.int64)
+
+
 class KernelBlocks:
     """One or several QTensors of one type and input size, stacked by rows ([sum N_i, K]: one kernel launch
     computes them all, each row exactly as its own matrix would), read where they lie: the kernel
@@ -37,8 +43,7 @@ class KernelBlocks:
         self.n = sum(q.shape[0] for q in qts)
         self.code, self.n_blocks = S.TYPE_CODE[self.qtype], self.k // S.BLOCKS[self.qtype][0]
         self.kind = "in place"
-        self.rows = np.concatenate([q.blocks.ctypes.data + np.arange(q.shape[0], dtype=np.int64) * q.blocks.strides[0]
-                                    for q in self.qts]).astype(np.int64)
+        self.rows = row_addresses(self.qts)
 
     def nbytes(self) -> int:
         return sum(q.blocks.nbytes for q in self.qts)
@@ -222,8 +227,9 @@ class GgmlKernelMatrix:
     LegacyQuantMatrix, and so llama.cpp's)."""
 
     def __init__(self, qt):
-        self.qtype, self.shape, self.qt = qt.qtype, tuple(qt.shape), qt
-        self.rows = KernelBlocks([qt]).rows
+        self.qtype, self.shape = qt.qtype, tuple(qt.shape)
+        self.qt = qt if qt.blocks.strides[1] == 1 else replace(qt, blocks=np.ascontiguousarray(qt.blocks))
+        self.rows = row_addresses([self.qt])
         self.with_sum = ACT_TYPE[qt.qtype] == "Q8_1"
 
     @property

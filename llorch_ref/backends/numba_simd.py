@@ -99,9 +99,7 @@ def _k4_scales_mins(k):
 def _scaled(b, d, ints):
     """d (a float16's value) times each integer of a vector, in float32: exact (at most 11 x 8 bits)."""
     n = ints.type.count
-    u = ir.Constant(ir.VectorType(F32, n), ir.Undefined)
-    dv = b.shuffle_vector(b.insert_element(u, d, ir.Constant(I32, 0)), u, ir.Constant(ir.VectorType(I32, n), [0] * n))
-    return b.fmul(dv, b.sitofp(ints, ir.VectorType(F32, n)))
+    return b.fmul(_splat(b, d, n), b.sitofp(ints, ir.VectorType(F32, n)))
 
 
 def _segments(qtype, k):
@@ -152,9 +150,10 @@ def _segments(qtype, k):
     raise ValueError(f"no in-place kernel for {qtype}")
 
 
-def _splat(b, v):
-    u = ir.Constant(VF, ir.Undefined)
-    return b.shuffle_vector(b.insert_element(u, v, ir.Constant(I32, 0)), u, ir.Constant(VI32, [0] * L))
+def _splat(b, v, n=L):
+    """A float32 scalar in every lane of a <n x float>."""
+    u = ir.Constant(ir.VectorType(F32, n), ir.Undefined)
+    return b.shuffle_vector(b.insert_element(u, v, ir.Constant(I32, 0)), u, ir.Constant(ir.VectorType(I32, n), [0] * n))
 
 
 def _hsum(b, v):
@@ -283,11 +282,24 @@ NAMES = tuple(BLOCKS)
 TYPE_CODE = {name: i for i, name in enumerate(NAMES)}
 
 
+def _per_type(b, code, names, emit):
+    """A switch on the runtime type code: emit(name) for each of `names`, then on to one merge block."""
+    merge = b.append_basic_block("type_done")
+    switch = b.switch(code, merge)
+    for name in names:
+        case = b.append_basic_block(f"type_{name}")
+        switch.add_case(ir.Constant(code.type, TYPE_CODE[name]), case)
+        b.position_at_end(case)
+        emit(name)
+        b.branch(merge)
+    b.position_at_end(merge)
+
+
 @intrinsic
 def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, xa, x_stride, xsa, xs_stride, outa, out_stride,
              n_blocks):
     """dot_tile(code, R, T, rows, ahead, x, x_stride, xs, xs_stride, out, out_stride, n_blocks), code = TYPE_CODE[qtype]
-    (a switch over every type's loop unless it is a constant), R and T constants: out[t * out_stride + r] = row
+    (a switch over every type's loop), R and T constants: out[t * out_stride + r] = row
     r's dot product with x[t * x_stride:] for r < R, t < T (addresses as integers, strides in elements; rows:
     the address of R int64 row addresses; ahead: R more, the rows to prefetch; xs: the sums of x's groups of 32,
     read for the types with a min)."""
@@ -297,18 +309,7 @@ def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, xa, x_stride, xsa
     sig = types.void(code, n_rows, n_tokens, *([types.intp] * 9))
 
     def codegen(context, builder, signature, args):
-        if isinstance(code, types.IntegerLiteral):
-            _emit_tile(builder, NAMES[code.literal_value], r, t, *args[3:])
-            return context.get_dummy_value()
-        merge = builder.append_basic_block("type_done")
-        switch = builder.switch(args[0], merge)
-        for i, name in enumerate(NAMES):
-            case = builder.append_basic_block(f"type_{name}")
-            switch.add_case(ir.Constant(args[0].type, i), case)
-            builder.position_at_end(case)
-            _emit_tile(builder, name, r, t, *args[3:])
-            builder.branch(merge)
-        builder.position_at_end(merge)
+        _per_type(builder, args[0], NAMES, lambda name: _emit_tile(builder, name, r, t, *args[3:]))
         return context.get_dummy_value()
     return sig, codegen
 
@@ -370,7 +371,7 @@ def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa
             lo, hi, d, m = _legacy_codes(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes))
             for t, (alo, ahi, da, sa) in enumerate(acts):
                 lanes = b.sitofp(_lane_sums(b, b.mul(lo, alo), b.mul(hi, ahi)), D8)
-                dd = b.fpext(_splat8(b, b.fmul(d, da)), D8)
+                dd = b.fpext(_splat(b, b.fmul(d, da), 8), D8)
                 st["acc", r, t] = b.fptrunc(b.fadd(b.fmul(dd, lanes), b.fpext(st["acc", r, t], D8)), V8)
                 if m is not None:
                     st["summs", r, t] = b.fadd(st["summs", r, t], b.fmul(m, sa))
@@ -386,12 +387,6 @@ def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa
         b.store(y, b.gep(outp, [b.add(b.mul(out_stride, ir.Constant(I64, t)), ir.Constant(I64, r))]))
 
 
-def _splat8(b, v):
-    t = ir.VectorType(F32, 8)
-    u = ir.Constant(t, ir.Undefined)
-    return b.shuffle_vector(b.insert_element(u, v, ir.Constant(I32, 0)), u, ir.Constant(ir.VectorType(I32, 8), [0] * 8))
-
-
 @intrinsic
 def ggml_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, qaa, qa_stride, daa, saa, d_stride, outa,
               out_stride, n_blocks):
@@ -404,14 +399,6 @@ def ggml_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, qaa, qa_stride, 
     sig = types.void(code, n_rows, n_tokens, *([types.intp] * 10))
 
     def codegen(context, builder, signature, args):
-        merge = builder.append_basic_block("gtype_done")
-        switch = builder.switch(args[0], merge)
-        for name in LEGACY:
-            case = builder.append_basic_block(f"gtype_{name}")
-            switch.add_case(ir.Constant(args[0].type, TYPE_CODE[name]), case)
-            builder.position_at_end(case)
-            _emit_ggml(builder, name, r, t, *args[3:])
-            builder.branch(merge)
-        builder.position_at_end(merge)
+        _per_type(builder, args[0], LEGACY, lambda name: _emit_ggml(builder, name, r, t, *args[3:]))
         return context.get_dummy_value()
     return sig, codegen
