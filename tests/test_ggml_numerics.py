@@ -164,3 +164,119 @@ def test_unimplemented_type_is_a_clear_error(tiny):
     with pytest.raises(UnsupportedModelError, match="numerics='ggml' does not implement BF16"):
         llorch_ref.load(path, numerics="ggml")
     llorch_ref.load(path, numerics="exact")          # the exact mode dequantizes every type gguf knows
+
+
+# -- the fused numba step (backends/numba_ggml.py): each piece against the NumPy emulation, the step against
+# llama.cpp --------------------------------------------------------------------------------------------------
+def _g():
+    need_backend("numba")
+    from llorch_ref.backends import numba_ggml
+    return numba_ggml
+
+
+def test_numba_v_expf_equals_the_emulation_bit_for_bit():
+    g = _g()
+    rng = np.random.default_rng(5)
+    x = np.concatenate([np.linspace(-200, 100, 200001, dtype=np.float32),          # both overflow branches
+                        (rng.standard_normal(20000) * 30).astype(np.float32),
+                        np.array([0.0, -0.0, -np.inf, 1e-40, -1e-40, 88.7, -87.3, -103.9], np.float32)])
+    with np.errstate(all="ignore"):
+        want = ggml_cpu.v_expf(x)
+    got = np.array([g.v_expf(v) for v in x], np.float32)
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+@pytest.mark.parametrize("with_sum", [False, True])
+def test_numba_activation_quantization_equals_the_emulation(with_sum):
+    g = _g()
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal(8 * 32) * np.repeat([1e-4, 1, 50, 3e3, 0, 1, 7, 0.5], 32)).astype(np.float32)
+    x[70] = 2.5 / 127 * 50                                             # halfway cases for rint
+    q, d, s = np.empty(x.shape, np.int8), np.empty(8, np.float32), np.empty(8, np.float32)
+    g.quantize_q8(x, q, d, s)
+    wq, wd, ws = ggml_cpu.quantize_q8(x[None], with_sum=with_sum)
+    assert np.array_equal(q, wq.reshape(-1).astype(np.int8)) and np.array_equal(d, wd[0])
+    if with_sum:
+        assert np.array_equal(s, ws[0])
+
+
+@pytest.mark.parametrize("n_pos", [1, 7, 33, 70])
+def test_numba_one_token_attention_equals_the_emulation(n_pos):
+    g = _g()
+    rng = np.random.default_rng(n_pos)
+    h, kv, hd = 6, 2, 64
+    q = rng.standard_normal((h, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((n_pos, kv, hd)) * 3).astype(np.float32), rng.standard_normal((n_pos, kv, hd)).astype(np.float32)
+    kv_head = np.arange(h) // (h // kv)
+    want, _, _ = ggml_cpu.make_attention("float32")(np, q[None], k, v, np.zeros((1, n_pos), np.float32), 0.125, kv_head)
+    got = g.attend(q, k, v, 0.125, kv_head)
+    assert np.array_equal(got, want[0])
+    bad = g.attend(q, k, v[:, ::-1].copy(), 0.125, kv_head)            # planted: the KV heads swapped
+    assert not np.array_equal(bad, want[0])
+
+
+@pytest.mark.parametrize("wt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_fused_numba_ggml_decode_bit_identical_to_llamacpp(tiny, llamacpp, wt):
+    """The decoder generation uses (one numba call a step) against llama.cpp's decode, every logit, 6 steps."""
+    from llorch_ref.backends.numba_backend import GgmlFusedDecoder
+    from llorch_ref.references.llamacpp import LlamaCpp
+
+    need_backend("numba")
+    path = tiny(vocab="none", weight_type=wt)
+    eng = llorch_ref.load(path, numerics="ggml", kv_dtype="float32", backend="numba")
+    ref = LlamaCpp(path, n_ctx=128, kv_dtype="float32")
+    cache = eng.new_cache()
+    eng.forward(IDS, cache, rows=[len(IDS) - 1])
+    dec = eng.backend.make_decoder(eng, cache)
+    assert isinstance(dec, GgmlFusedDecoder)
+    ref._decode(IDS, 0, None, all_logits=False)
+    for i, tok in enumerate([5, 9, 33, 2, 77, 5]):
+        assert np.array_equal(dec(tok), ref._decode([tok], len(IDS) + i, None, all_logits=False)), f"step {i}"
+    ref.close()
+
+
+def test_default_model_fused_numba_ggml_greedy_identical(default_model, llamacpp):
+    """generate() on numba with numerics='ggml' (the fused step) against llama.cpp's greedy tokens, 64 tokens."""
+    from llorch_ref.references.llamacpp import LlamaCpp
+
+    need_backend("numba")
+    eng = llorch_ref.load(default_model, numerics="ggml", kv_dtype="float32", backend="numba")
+    ids = eng.tokenizer.encode(PROMPT)
+    ours = list(eng.generate_ids(ids, max_tokens=64, ignore_eos=True))
+    assert eng.backend.info["fused_decode"] is True
+    assert ours == LlamaCpp(default_model, n_ctx=256, kv_dtype="float32").greedy(ids, 64)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_numba_rope_norm_and_swiglu_equal_the_emulation(neox):
+    g = _g()
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    cos, sin = ggml_cpu.rope_angles(np, 40, 48, 10000.0)                     # 48 of 64 dims rotated
+    want = ggml_cpu.rope(np, x[None], cos[39:40], sin[39:40], "neox" if neox else "adjacent")[0]
+    assert np.array_equal(g.rope(x, cos[39], sin[39], neox), want)
+    h, w = (rng.standard_normal(576) * 4).astype(np.float32), rng.standard_normal(576).astype(np.float32)
+    assert np.array_equal(g.rms_norm(h, w, 1e-5), ggml_cpu.make_ops().rms_norm(np, h[None], w, 1e-5)[0])
+    gu = (rng.standard_normal(2 * 96) * 6).astype(np.float32)
+    want = (ggml_cpu.silu(np, gu[None, :96]) * gu[None, 96:]).astype(np.float32)[0]
+    assert np.array_equal(g.swiglu_hidden(gu, 96), want)
+
+
+def test_default_model_fused_numba_ggml_step_equals_the_op_by_op_step(default_model, monkeypatch):
+    """Logits and every layer's K/V cache after 8 steps, fused against op by op (LLORCH_NUMBA_FUSED=0), to the bit:
+    the cache holds RoPE's output before any quantization, so a one-ulp slip there shows."""
+    need_backend("numba")
+    eng = llorch_ref.load(default_model, numerics="ggml", kv_dtype="float32", backend="numba")
+    ids = eng.tokenizer.encode(PROMPT)
+    runs = []
+    for fused in ("1", "0"):
+        monkeypatch.setenv("LLORCH_NUMBA_FUSED", fused)
+        cache = eng.new_cache()
+        tok = int(eng.forward(ids, cache, rows=[len(ids) - 1])[0].argmax())
+        dec, logits = eng.backend.make_decoder(eng, cache), []
+        for _ in range(8):
+            logits.append(dec(tok))
+            tok = int(logits[-1][0].argmax())
+        runs.append((np.concatenate(logits), cache.k[:, :cache.pos].copy(), cache.v[:, :cache.pos].copy()))
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)

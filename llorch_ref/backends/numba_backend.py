@@ -14,6 +14,7 @@ import numpy as np
 
 from ..numerics.ggml_cpu import ACT_TYPE, LegacyQuantMatrix, quantize_q8
 from . import Backend, cpu_threads, limit_blas
+from . import numba_ggml as G
 from . import numba_kernels as K
 from . import numba_simd as S
 
@@ -221,6 +222,63 @@ class FusedDecoder:
         return eng.ops.linear(np, x, w.output)
 
 
+class GgmlFusedDecoder:
+    """numerics="ggml": decode(token) -> logits [1, V], every layer of a one-token step in one numba call
+    (numba_ggml.decode_step: ggml's arithmetic bit for bit, as the op-by-op step with ggml_cpu's ops computes it;
+    tests/test_ggml_numerics.py checks both against llama.cpp). plan(): the stacked arguments, or None where the
+    step needs anything decode_step does not do (a float16 K/V cache, biases, QK-norm, Gemma's extras, matrices
+    without a ggml kernel); then the op-by-op step runs."""
+
+    def __init__(self, engine, cache, plan):
+        self.engine, self.cache, self.plan_args = engine, cache, plan
+        self.kv_head = engine.ops.kv_head_of(np, engine.config.n_heads, engine.config.n_kv_heads)
+        lw = engine.weights.layers[0]
+        self.paths = Counter({(w.qtype, f"numba ggml kernel (in place){f', {n} matrices stacked' if n > 1 else ''}, "
+                               "fused layer step", "1 row"): len(engine.weights.layers)
+                              for w, n in ((lw.wq, 3), (lw.wo, 1), (lw.w_gate, 2), (lw.w_down, 1))})
+
+    @staticmethod
+    def plan(engine, cache):
+        cfg, w = engine.config, engine.weights
+        if cache.kv_dtype != np.float32 or cfg.qkv_bias or cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" \
+                or cfg.sliding_window or cfg.rope_base_local is not None or cfg.rope_style not in ("adjacent", "neox"):
+            return None
+        groups = []
+        for lw in w.layers:
+            gs = [(lw.wq, lw.wk, lw.wv), (lw.wo,), (lw.w_gate, lw.w_up), (lw.w_down,)]
+            if not all(isinstance(m, GgmlKernelMatrix) and (m.qtype, m.shape[1]) == (g[0].qtype, g[0].shape[1])
+                       for g in gs for m in g):
+                return None
+            groups.append(gs)
+        shape = lambda gs: tuple(m.shape for g in gs for m in g)           # noqa: E731
+        if len({shape(gs) for gs in groups}) != 1:
+            return None                                   # layers of different shapes: not stackable
+        gs0 = groups[0]
+        return dict(attn_norms=np.stack([np.asarray(lw.attn_norm, np.float32) for lw in w.layers]),
+                    ffn_norms=np.stack([np.asarray(lw.ffn_norm, np.float32) for lw in w.layers]),
+                    codes=np.array([[S.TYPE_CODE[g[0].qtype] for g in gs] for gs in groups], np.int64),
+                    n_blocks=np.array([[g[0].shape[1] // 32 for g in gs] for gs in groups], np.int64),
+                    rows=np.stack([np.concatenate([m.rows for g in gs for m in g]) for gs in groups]),
+                    shapes=(gs0[0][0].shape[0], gs0[0][1].shape[0], gs0[2][0].shape[0]))
+
+    def __call__(self, token):
+        eng, c, p = self.engine, self.cache, self.plan_args
+        cfg, w = eng.config, eng.weights
+        c.check_room(1)
+        x = w.tok_embd[np.asarray([token])].astype(np.float32, copy=False)
+        if cfg.embed_scale is not None:
+            x = x * np.float32(cfg.embed_scale)
+        cos, sin = c.rope_rows(1)
+        x = G.decode_step(np.ascontiguousarray(x[0]), p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"],
+                          p["n_blocks"], p["rows"], *p["shapes"], np.ascontiguousarray(cos[0]),
+                          np.ascontiguousarray(sin[0]), cfg.rope_style == "neox", c.k, c.v, c.pos, cfg.scale,
+                          self.kv_head)
+        c.advance(1)
+        PATHS.update(self.paths)
+        x = eng.ops.rms_norm(np, x[None, :], w.out_norm, cfg.rms_eps)
+        return eng.ops.linear(np, x, w.output)
+
+
 class GgmlKernelMatrix:
     """numerics="ggml": a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight whose product runs the numba kernel ggml_rows on its
     QTensor's blocks where they lie, bit for bit the NumPy emulation's result (numerics.ggml_cpu.
@@ -361,11 +419,12 @@ class NumbaBackend(Backend):
         op-by-op forward."""
         import os
 
-        plans = FusedDecoder.plan(engine, cache) if os.environ.get("LLORCH_NUMBA_FUSED", "1") != "0" else None
+        fused = GgmlFusedDecoder if engine.numerics == "ggml" else FusedDecoder
+        plans = fused.plan(engine, cache) if os.environ.get("LLORCH_NUMBA_FUSED", "1") != "0" else None
         self.info["fused_decode"] = plans is not None
         if plans is None:
             return super().make_decoder(engine, cache)
-        return FusedDecoder(engine, cache, plans)
+        return fused(engine, cache, plans)
 
     def make_ops(self, base_ops):
         ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})

@@ -402,3 +402,37 @@ def ggml_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, qaa, qa_stride, 
         _per_type(builder, args[0], LEGACY, lambda name: _emit_ggml(builder, name, r, t, *args[3:]))
         return context.get_dummy_value()
     return sig, codegen
+
+
+# -- scalar bit helpers for numba code that reproduces ggml's elementwise arithmetic (numba_ggml) -------------
+@intrinsic
+def f16_round(typingctx, x):
+    """A float32 rounded to the nearest float16 (ties to even, as NumPy's astype(float16)), back as float32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], F16), F32)
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """A float32's bits as an int32 (NumPy's view(np.int32))."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], I32)
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, i):
+    """An int32's bits as a float32 (NumPy's view(np.float32))."""
+    if i != types.int32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], F32)
+    return types.float32(types.int32), codegen

@@ -198,6 +198,14 @@ def v_expf(x):
     return res
 
 
+def rms_norm(xp, x, w, eps: float):
+    """ggml's rms_norm then mul: x [..., D] f32 -> x * (1/sqrtf(mean + eps)) * w, the squares (float32) summed in
+    float64 in order (ggml_compute_forward_rms_norm_f32's loop; NumPy's own sum is pairwise)."""
+    ss = np.cumsum(x * x, axis=-1, dtype=F64)[..., -1:]
+    scale = F32(1) / np.sqrt((ss / x.shape[-1]).astype(F32) + F32(eps))
+    return (x * scale) * w
+
+
 def silu(xp, x):
     """ggml_v_silu: x / (1 + v_expf(-x)), float32."""
     return (x / (F32(1) + v_expf((F32(0) - x).astype(F32)))).astype(F32)
@@ -408,7 +416,7 @@ def make_ops(kv_dtype: str = "float32"):
         return layers.linear(xp, h, w_down), h
 
     ops = types.SimpleNamespace(**{n: getattr(layers, n) for n in dir(layers) if not n.startswith("_")})
-    ops.rope_angles, ops.rope, ops.softmax, ops.silu = rope_angles, rope, softmax, silu
+    ops.rope_angles, ops.rope, ops.softmax, ops.silu, ops.rms_norm = rope_angles, rope, softmax, silu, rms_norm
     ops.attention, ops.swiglu, ops.geglu = make_attention(kv_dtype), swiglu, geglu
     ops.name = f"ggml (kv {kv_dtype})"
     return ops

@@ -1,0 +1,216 @@
+"""numerics "ggml" on the numba backend: llama.cpp's CPU arithmetic for a one-token step, in numba, bit for bit
+numerics.ggml_cpu's NumPy emulation (checked against llama.cpp's tensors there) with no NumPy call per operation.
+
+Each function mirrors one of ggml_cpu's: the float32 fused multiply-add emulated in float64 (`_fma`), ggml_v_expf
+with its integer tricks (`v_expf`), Q8_0/Q8_1 activation quantization (`quantize_q8`), the FMA-contracted RoPE,
+ggml_vec_dot_f32's 4 x 8 lanes (`vec_dot_f32`), the softmax in chunks of 8 with a float64 total, and one-token
+attention on a float32 K/V cache. `decode_step` runs every layer of a llama step in one call, its products by
+numba_kernels.ggml_rows on the file's blocks (Q/K/V and gate/up stacked by rows: each row's result is its own),
+in the order ops.block runs them. RMSNorm sums its squares in float64 in order, as ggml does.
+"""
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from . import numba_kernels as K
+from .numba_simd import f16_round, f32_bits, f32_from_bits
+
+F32 = np.float32
+_R, _LOG2E = F32(float.fromhex("0x1.8p23")), F32(float.fromhex("0x1.715476p+0"))
+_LN2HI, _LN2LO = F32(float.fromhex("0x1.62e4p-1")), F32(float.fromhex("0x1.7f7d1cp-20"))
+_C0, _C1 = F32(float.fromhex("0x1.0e4020p-7")), F32(float.fromhex("0x1.573e2ep-5"))
+_C2, _C3 = F32(float.fromhex("0x1.555e66p-3")), F32(float.fromhex("0x1.fffdb6p-2"))
+_C4 = F32(float.fromhex("0x1.ffffecp-1"))
+_ONE_BITS = 0x3F800000
+
+
+@nb.njit(inline="always")
+def _fma(a, b, c):
+    """float32 fused multiply-add, emulated in float64 (ggml_cpu.fma)."""
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+@nb.njit(cache=True)
+def v_expf(x):
+    """ggml_v_expf for one float32 (ggml_cpu.v_expf, lane by lane)."""
+    z = _fma(x, _LOG2E, _R)
+    n = z - _R
+    b = _fma(-n, _LN2LO, _fma(-n, _LN2HI, x))
+    e = np.int32(np.int64(f32_bits(z)) << 23)
+    k = f32_from_bits(np.int32(np.int64(e) + _ONE_BITS))
+    u = b * b
+    j = _fma(_fma(_fma(_C0, b, _C1), u, _fma(_C2, b, _C3)), u, _C4 * b)
+    if abs(n) <= F32(126):
+        return _fma(j, k, k)
+    g = np.int64(-0x7E000000) if n <= F32(0) else np.int64(0)
+    s1 = f32_from_bits(np.int32(g + 0x7F000000))
+    if abs(n) > F32(192):
+        return s1 * s1
+    s2 = f32_from_bits(np.int32(np.int64(e) - g))
+    return _fma(s2, j, s2) * s1
+
+
+@nb.njit(cache=True)
+def quantize_q8(x, q, d, s):
+    """x: [B*32] f32 -> q: [B*32] int8, d, s: [B] f32 (ggml_cpu.quantize_q8: d = amax/127 and s = d * sum(q), both
+    through float16; q = rint(x * 127/amax)). s is written for Q8_1 and harmless for Q8_0."""
+    for blk in range(d.shape[0]):
+        amax = F32(0)
+        for j in range(32):
+            amax = max(amax, abs(x[32 * blk + j]))
+        inv = F32(127) / amax if amax != F32(0) else F32(0)
+        total = F32(0)
+        for j in range(32):
+            v = np.rint(x[32 * blk + j] * inv)
+            q[32 * blk + j] = np.int8(v)
+            total += v
+        dd = amax / F32(127)
+        d[blk], s[blk] = f16_round(dd), f16_round(dd * total)
+
+
+@nb.njit(cache=True)
+def product(code, rows, n_blocks, x):
+    """x: [K] f32 -> [N] f32: the Q8 activations, then ggml_rows on the rows' blocks."""
+    n_b = x.shape[0] // 32
+    q, d, s = np.empty((1, x.shape[0]), np.int8), np.empty((1, n_b), F32), np.empty((1, n_b), F32)
+    quantize_q8(x, q[0], d[0], s[0])
+    out = np.empty((1, rows.shape[0]), F32)
+    K.ggml_rows(code, rows, n_blocks, q, d, s, out)
+    return out[0]
+
+
+@nb.njit(cache=True)
+def rope(x, cos, sin, neox):
+    """x: [nh, Hd] f32 -> rotated copy (ggml_cpu.rope: y0 = fma(x0, c, -(x1 s)), y1 = fma(x0, s, x1 c))."""
+    out = x.copy()
+    half = cos.shape[0]
+    for h in range(x.shape[0]):
+        for i in range(half):
+            i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            x0, x1 = x[h, i0], x[h, i1]
+            out[h, i0] = _fma(x0, cos[i], -(x1 * sin[i]))
+            out[h, i1] = _fma(x0, sin[i], x1 * cos[i])
+    return out
+
+
+@nb.njit(inline="always")
+def _fold32(acc):
+    """ggml_vec_dot_f32's reduction of its 4 accumulators of 8 lanes (acc: [32], accumulator j at 8j..8j+7)."""
+    t = np.empty(8, F32)
+    for lane in range(8):
+        t[lane] = (acc[lane] + acc[16 + lane]) + (acc[8 + lane] + acc[24 + lane])
+    return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]))
+
+
+@nb.njit(inline="always")
+def _fold8(e, at):
+    """hsum8 of e[at:at+8]: ((e0+e4)+(e2+e6)) + ((e1+e5)+(e3+e7))."""
+    return ((e[at] + e[at + 4]) + (e[at + 2] + e[at + 6])) + ((e[at + 1] + e[at + 5]) + (e[at + 3] + e[at + 7]))
+
+
+@nb.njit(inline="always")
+def _scores(q, k, g, scale, z):
+    """z[s] = vec_dot_f32(q, k[s, g]) * scale (ggml_vec_dot_f32: 32 lanes over Hd, folded, leftovers in order)."""
+    hd = q.shape[0]
+    body = hd - hd % 32
+    acc = np.empty(32, F32)
+    for s in range(k.shape[0]):
+        acc[:] = 0
+        for i in range(0, body, 32):
+            for lane in range(32):
+                acc[lane] = _fma(q[i + lane], k[s, g, i + lane], acc[lane])
+        r = _fold32(acc)
+        for i in range(body, hd):
+            r = r + q[i] * k[s, g, i]
+        z[s] = r * scale + F32(0)                   # + the mask's 0, as the emulation adds it
+
+
+@nb.njit(inline="always")
+def _softmax(z, n8):
+    """z: [S] scores (no mask: one new token sees every position) -> probabilities [S] (ggml_cpu.softmax: v_expf
+    in chunks of 8 from position 0, each chunk's hsum8 added to a float64 total, times (float)(1/total))."""
+    n = z.shape[0]
+    top = z[0]
+    for s in range(1, n):
+        top = max(top, z[s])
+    e = np.zeros(n8, F32)
+    for s in range(n):
+        e[s] = v_expf(z[s] - top)
+    total = 0.0
+    for c in range(0, n8, 8):
+        total += np.float64(_fold8(e, c))
+    inv = np.float32(1.0 / total)
+    for s in range(n):
+        z[s] = e[s] * inv
+
+
+@nb.njit(parallel=True, cache=True)
+def attend(q, k, v, scale, kv_head):
+    """One query token on a float32 K/V cache (ggml_cpu.make_attention("float32"), one row): q: [H, Hd], k, v:
+    [S, KV, Hd] -> [H * Hd]. Q.K and P.V by ggml_vec_dot_f32 (P and V padded with zeros to 32 positions)."""
+    nh, hd = q.shape
+    n = k.shape[0]
+    n32 = -(-n // 32) * 32
+    out = np.empty((nh, hd), F32)
+    for h in nb.prange(nh):
+        g = kv_head[h]
+        z = np.empty(n, F32)
+        _scores(q[h], k, g, F32(scale), z)
+        _softmax(z, -(-n // 8) * 8)
+        acc = np.zeros((32, hd), F32)
+        for s in range(n32):
+            p = z[s] if s < n else F32(0)
+            for d in range(hd):
+                acc[s % 32, d] = _fma(p, v[s, g, d] if s < n else F32(0), acc[s % 32, d])
+        for d in range(hd):
+            out[h, d] = _fold32(acc[:, d])
+    return out.reshape(nh * hd)
+
+
+@nb.njit(cache=True)
+def rms_norm(x, w, eps):
+    """x: [D] -> x * (1/sqrtf(mean(x^2) + eps)) * w, the squares summed in float64 in order (ggml's rms_norm)."""
+    out = np.empty((1, x.shape[0]), F32)
+    K.rms_norm_rows(x.reshape(1, -1), w, eps, out)
+    return out[0]
+
+
+@nb.njit(cache=True)
+def swiglu_hidden(gu, nf):
+    """gu: [2F] (gate, then up) -> silu(gate) * up, silu = x / (1 + v_expf(-x)) in float32 (ggml_cpu.silu)."""
+    out = np.empty(nf, F32)
+    for j in range(nf):
+        x = gu[j]
+        out[j] = (x / (F32(1) + v_expf(F32(0) - x))) * gu[nf + j]
+    return out
+
+
+@nb.njit(cache=True)
+def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, nq, nk, nf, cos, sin, neox, kc, vc, pos, scale,
+                 kv_head):
+    """One token through one llama layer as ops.block runs it with ggml's kernels: x [D] f32 -> [D]; writes K and V
+    at `pos` of kc, vc [n_ctx, KV, Hd]. codes, n_blocks: [4] for the groups Q/K/V, output, gate/up, down; rows:
+    their row addresses, in that order (nq + 2 nk, D, 2 nf, D rows)."""
+    d = x.shape[0]
+    n_kv, hd = kc.shape[1], kc.shape[2]
+    o1, o2, o3 = nq + 2 * nk, nq + 2 * nk + d, nq + 2 * nk + d + 2 * nf
+    y = product(codes[0], rows[:o1], n_blocks[0], rms_norm(x, attn_norm, eps))
+    qr = rope(y[:nq].reshape(nq // hd, hd), cos, sin, neox)
+    kc[pos] = rope(y[nq:nq + nk].reshape(n_kv, hd), cos, sin, neox)
+    vc[pos] = y[nq + nk:o1].reshape(n_kv, hd)
+    att = attend(qr, kc[:pos + 1], vc[:pos + 1], scale, kv_head)
+    x = x + product(codes[1], rows[o1:o2], n_blocks[1], att)
+    gu = product(codes[2], rows[o2:o3], n_blocks[2], rms_norm(x, ffn_norm, eps))
+    return x + product(codes[3], rows[o3:], n_blocks[3], swiglu_hidden(gu, nf))
+
+
+@nb.njit(cache=True)
+def decode_step(x, attn_norms, ffn_norms, eps, codes, n_blocks, rows, nq, nk, nf, cos, sin, neox, kc, vc, pos, scale,
+                kv_head):
+    """Every layer of a one-token step (decode_layer for layer i: attn_norms, ffn_norms [L, D], codes, n_blocks
+    [L, 4], rows [L, N], K/V at `pos` of kc, vc [L, n_ctx, KV, Hd]): x [D] -> [D]."""
+    for i in range(attn_norms.shape[0]):
+        x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, codes[i], n_blocks[i], rows[i], nq, nk, nf, cos, sin,
+                         neox, kc[i], vc[i], pos, scale, kv_head)
+    return x
