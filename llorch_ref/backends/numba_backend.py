@@ -295,6 +295,7 @@ class GgmlKernelMatrix:
         return np.dtype(np.float32)
 
     def matmul(self, x):
+        PATHS[(self.qtype, "numba ggml kernel (in place)", "1 row" if x.shape[0] == 1 else "several rows")] += 1
         qa, da, sa = quantize_q8(np.asarray(x, dtype=np.float32), with_sum=self.with_sum)
         out = np.empty((x.shape[0], self.shape[0]), np.float32)
         K.ggml_rows(S.TYPE_CODE[self.qtype], self.rows, self.shape[1] // 32,

@@ -98,12 +98,17 @@ class LegacyQuantMatrix:
     """A Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight [N, K] from its QTensor; matmul(x) reproduces ggml's CPU product."""
 
     def __init__(self, qt):
-        self.qtype, self.shape = qt.qtype, tuple(qt.shape)
-        q, d, m = unpack_blocks(qt.blocks, qt.qtype)
-        n, b, _ = q.shape
-        # [B, 8, 4, N]: per block and lane, the 4 weights of that lane, ready for batched matmuls
-        self.q_lanes = np.ascontiguousarray(q.reshape(n, b, 8, 4).transpose(1, 2, 3, 0).astype(F32))
-        self.d, self.m = d, m                                            # [N, B] f32
+        self.qtype, self.shape, self.qt = qt.qtype, tuple(qt.shape), qt
+        self._unpacked = None            # unpacked on the first product: a backend with its own kernel never does
+
+    def _lanes(self):
+        """-> q_lanes [B, 8, 4, N] (per block and lane, the 4 weights of that lane, ready for batched matmuls),
+        d, m [N, B] f32 (m None for types without a min)."""
+        if self._unpacked is None:
+            q, d, m = unpack_blocks(self.qt.blocks, self.qtype)
+            n, b, _ = q.shape
+            self._unpacked = (np.ascontiguousarray(q.reshape(n, b, 8, 4).transpose(1, 2, 3, 0).astype(F32)), d, m)
+        return self._unpacked
 
     @property
     def dtype(self):
@@ -118,17 +123,18 @@ class LegacyQuantMatrix:
 
     def _matmul(self, x):
         qa, da, sa = quantize_q8(x, with_sum=ACT_TYPE[self.qtype] == "Q8_1")
+        q_lanes, dw, mw = self._lanes()
         t, b, _ = qa.shape
         n = self.shape[0]
         qa_lanes = qa.reshape(t, b, 8, 4).transpose(1, 2, 0, 3)                   # [B, 8, T, 4]
         acc = np.zeros((t, n, 8), dtype=F32)
-        summs = np.zeros((t, n), dtype=F32) if self.m is not None else None
+        summs = np.zeros((t, n), dtype=F32) if mw is not None else None
         for blk in range(b):
-            lane = np.matmul(qa_lanes[blk], self.q_lanes[blk])                    # [8, T, N] exact integers
-            d0d1 = self.d[None, :, blk] * da[:, blk, None]                         # [T, N] f32
+            lane = np.matmul(qa_lanes[blk], q_lanes[blk])                          # [8, T, N] exact integers
+            d0d1 = dw[None, :, blk] * da[:, blk, None]                             # [T, N] f32
             acc = fma(d0d1[..., None], lane.transpose(1, 2, 0), acc)
             if summs is not None:
-                summs = summs + self.m[None, :, blk] * sa[:, blk, None]            # f32
+                summs = summs + mw[None, :, blk] * sa[:, blk, None]                # f32
         y = hsum8(acc)
         return y + summs if summs is not None else y
 
