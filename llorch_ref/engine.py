@@ -47,6 +47,7 @@ def _cancel_between_layers(cancel):
     def record(name, layer, arr):
         if name == "l_out" and cancel.is_set():
             raise _Cancelled
+    record.tensors = False                 # it watches the layer boundaries only
     return record
 
 
@@ -177,7 +178,7 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 res.stop_reason = "cancelled"
                 break
-            nxt = sampler(self.backend.to_numpy(logits[-1]))
+            nxt = sampler.next(logits[-1], self.backend)
             if nxt in eog and not ignore_eos:
                 res.stop_reason = "eos"
                 break

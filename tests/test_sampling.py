@@ -157,3 +157,29 @@ def test_extreme_repetition_penalty_stays_finite(penalty):
             lifted = [t for t in history if logits[t] > 0]
             if penalty < 1e-30 and lifted:
                 assert tok in lifted
+
+
+def test_plain_greedy_takes_the_backend_argmax_and_penalties_the_host_path():
+    """Sampler.next: plain greedy asks the backend for its argmax (a GPU sends back one index); with a penalty
+    the host chain runs, and both answer as Sampler() on the host row does."""
+    class Counting:
+        def __init__(self):
+            self.argmaxes = 0
+
+        def to_numpy(self, x):
+            return np.asarray(x)
+
+        def argmax(self, x):
+            self.argmaxes += 1
+            return int(np.argmax(x))
+
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal(50).astype(np.float32)
+    logits[[7, 30]] = logits.max() + 1                      # a tie: the first wins
+    be = Counting()
+    s = S.Sampler(S.SamplingParams())
+    assert s.next(logits, be) == S.Sampler(S.SamplingParams())(logits) == 7 and be.argmaxes == 1
+    pen = S.SamplingParams(repetition_penalty=2.0)
+    s = S.Sampler(pen, history=[7])
+    assert s.next(logits, be) == S.Sampler(pen, history=[7])(logits) == 30 and be.argmaxes == 1
+    assert s.history == [7, 30]

@@ -310,18 +310,27 @@ def free_gpu():
         pass
 
 
-def speed(out):
+# speed's rows of ours: (dtype, blocks type, environment); "f16-op" is the op-by-op step, "f16-res1" the fused step
+# with one warp a row for its residual products, both measured in the same call as the fused step
+OURS = {"f16": ("float16", None, {}), "f16-op": ("float16", None, {"LLORCH_CUDA_FUSED": "0"}),
+        "f16-res1": ("float16", None, {"LLORCH_CUDA_SPLIT_RES": "0"}), "q4k": ("blocks", "Q4_K", {}),
+        "q40": ("blocks", "Q4_0", {})}
+
+
+def speed(out, rows=("f16", "f16-op", "q4k", "q40")):
     """Llama-2-7B shape, same card, same call: llorch-ref float16 and Q4_K next to transformers."""
     import transformers
 
     res = {"card": card(), "bandwidth": bandwidth(), "transformers": transformers.__version__, "rows": []}
     bw = res["bandwidth"]["read_tb_s"]
     cfg = llama2_7b()
-    for dtype, qtype, fused in (("float16", None, "1"), ("float16", None, "0"), ("blocks", "Q4_K", "1"),
-                                ("blocks", "Q4_0", "1")):
-        os.environ["LLORCH_CUDA_FUSED"] = fused          # "0": the op-by-op step, measured in the same call
+    for row in rows:
+        dtype, qtype, env = OURS[row]
+        os.environ.update(env)
         r = ours(cfg, dtype, qtype)
-        os.environ.pop("LLORCH_CUDA_FUSED")
+        for k in env:
+            os.environ.pop(k)
+        r["row"] = row
         r["roofline_tok_s"] = round(bw * 1e12 / r["matrix_bytes"], 1)
         r["of_roofline"] = round(r["decode_tok_s"] / r["roofline_tok_s"], 3)
         res["rows"].append(r)
@@ -411,6 +420,7 @@ def prefill_ops(out, tokens=512):
            "rope q": lambda: ops.rope(cp, q, cos, sin, cfg.rope_style),
            "store": lambda: cache.store(0, k, v),
            "attention": lambda: ops.attention(cp, q, k, v, mask, cfg.scale, kv_head),
+           "attention_out (unrecorded)": lambda: ops.attention_out(cp, q, k, v, mask, cfg.scale, kv_head),
            "wo": lambda: ops.linear(cp, att, lw.wo),
            "add": lambda: x + x,
            "swiglu": lambda: ops.swiglu(cp, x, lw.w_gate, lw.w_up, lw.w_down),
@@ -533,7 +543,7 @@ def steps(out):
     eng.forward(list(range(1, 9)), cache, rows=[7])
     dec = eng.backend.make_decoder(eng, cache)
     res["fused_decode"] = eng.backend.info.get("fused_decode")
-    parts = {"decode_call_ms": [], "to_host_ms": [], "argmax_ms": []}
+    parts = {"decode_call_ms": [], "to_host_ms": [], "argmax_ms": [], "device_argmax_ms": []}
     tok = 5
     for i in range(72):
         t0 = time.perf_counter()
@@ -543,8 +553,10 @@ def steps(out):
         t2 = time.perf_counter()
         tok = int(np.argmax(host[0]))
         t3 = time.perf_counter()
+        assert eng.backend.argmax(lg[0]) == tok            # what generation does for plain greedy
+        t4 = time.perf_counter()
         if i >= 8:
-            for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+            for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 parts[k].append(1e3 * v)
     res["loop"] = {k: round(statistics.median(v), 4) for k, v in parts.items()}
     s = dec.stream
@@ -560,11 +572,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("part", choices=["profile", "speed", "big", "tables", "prefill", "report", "steps"])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default="f16,f16-op,q4k,q40", help=f"speed: our rows, of {', '.join(OURS)}")
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    {"profile": profile, "speed": speed, "big": big, "tables": tables, "prefill": prefill_ops,
-     "report": report, "steps": steps}[a.part](a.out)
+    if a.part == "speed":
+        speed(a.out, tuple(a.rows.split(",")))
+    else:
+        {"profile": profile, "big": big, "tables": tables, "prefill": prefill_ops, "report": report,
+         "steps": steps}[a.part](a.out)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 

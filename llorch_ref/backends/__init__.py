@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from ..errors import ParameterError
 
 BACKENDS = ("numpy", "numba", "cupy")
@@ -64,6 +66,10 @@ class Backend:
 
     def synchronize(self):
         pass
+
+    def argmax(self, logits) -> int:
+        """logits: [V] on this backend -> the index of the highest (the first on ties and NaN, as np.argmax)."""
+        return int(np.argmax(self.to_numpy(logits)))
 
     def cache_class(self, base_cls):
         """The Cache class this backend uses (cupy: device-side positions for captured decode steps)."""

@@ -219,6 +219,22 @@ class CupyBackend(Backend):
             vh = (v if kv == h else v[:, kv_head, :]).transpose(1, 0, 2)                  # [H, S, Hd]
             return cp.matmul(probs, vh).transpose(1, 0, 2).reshape(t, -1), kq, probs
 
+        def attention_out(xp, q, k, v, mask, scale, kv_head):
+            """Several tokens that no recorder watches (forward.block asks for the output only): attend_rows, one
+            kernel, kq and probs never written (LLORCH_CUDA_FLASH_PREFILL=0: the recorded path's output)."""
+            t, h, hd = q.shape
+            if t == 1 or hd % 32 or hd > 128 or k.dtype not in (cp.float32, cp.float16) \
+                    or os.environ.get("LLORCH_CUDA_FLASH_PREFILL", "1") == "0":
+                return attention(xp, q, k, v, mask, scale, kv_head)[0]
+            s_len, kv = k.shape[0], k.shape[1]
+            out = cp.empty((t, h * hd), dtype=f32)
+            K["attend_rows_f16" if k.dtype == cp.float16 else "attend_rows_f32"](
+                (h, (t + 15) // 16), (128,), (cp.ascontiguousarray(q, dtype=f32), cp.ascontiguousarray(k),
+                                              cp.ascontiguousarray(v), cp.ascontiguousarray(mask, dtype=f32), out,
+                                              i32(t), i32(s_len), i32(h), i32(kv), i32(hd), f32(scale)),
+                shared_mem=4 * (32 * (hd + 4) + 48 * hd))
+            return out
+
         kv_heads = {}
 
         def kv_head_of(xp, n_heads, n_kv_heads):          # the same small index array for every layer
@@ -227,12 +243,18 @@ class CupyBackend(Backend):
             return kv_heads[(n_heads, n_kv_heads)]
 
         ops.linear, ops.qkv, ops.swiglu, ops.geglu, ops.attention = linear, qkv, swiglu, geglu, attention
+        ops.attention_out = attention_out
         ops.kv_head_of = kv_head_of
         ops.rms_norm, ops.rope = rms_norm, rope
         return ops
 
     def synchronize(self):
         self.xp.cuda.get_current_stream().synchronize()
+
+    def argmax(self, logits) -> int:
+        """On the device: one reduction and 8 bytes back instead of the whole row (np.argmax's answer on ties and
+        NaN: tests/test_backends.py)."""
+        return int(self.xp.argmax(logits))
 
 
 def stacked(ws, cp):
@@ -507,6 +529,100 @@ extern "C" __global__ void kv_store_f32(const float* k, const float* v, float* k
 extern "C" __global__ void kv_store_f16(const float* k, const float* v, __half* kc, __half* vc, const long long* pos,
                                         int n) { kv_store(k, v, kc, vc, pos, n); }
 
+// Attention of T new tokens that no recorder watches (generation's prefill): only the output, no kq or probs
+// written. One block of 128 threads per (head, 16 query rows), 4 rows a warp; keys in tiles of 32 staged in shared
+// memory (K rows padded to hd + 4 floats: conflict-free float4 reads), lane j scoring key j of the tile for its 4
+// rows; online softmax per row (running max and sum, rescaled per tile; expf, float32); P.V with the tile's 32
+// probabilities broadcast by shuffle, lane l holding dims l, l + 32, ... Keys past the block's last row's position
+// are not read (the mask is causal at least); the mask's -inf entries (windows) drop out. hd % 32 == 0, hd <= 128.
+__device__ __forceinline__ float get(const float* c) { return *c; }
+__device__ __forceinline__ float get(const __half* c) { return __half2float(*c); }
+template <typename C>
+__device__ void attend_rows(const float* q, const C* k, const C* v, const float* mask, float* out, int T, int S,
+                            int H, int KV, int hd, float scale) {
+    extern __shared__ float sm[];
+    const int KS = hd + 4;
+    float *ks = sm, *vs = sm + 32 * KS, *qs = vs + 32 * hd;      // [32][KS], [32][hd], [16][hd]
+    int h = blockIdx.x, kvh = h / (H / KV), t0 = blockIdx.y * 16, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int p0 = S - T, kmax = min(S, p0 + min(T, t0 + 16));
+    for (int i = threadIdx.x; i < 16 * hd; i += blockDim.x) {
+        int r = i / hd, d = i % hd;
+        qs[i] = t0 + r < T ? q[((size_t)(t0 + r) * H + h) * hd + d] : 0.f;
+    }
+    float m[4], l[4], acc[4][4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        m[r] = __int_as_float(0xff800000); l[r] = 0.f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[r][c] = 0.f;
+    }
+    int nc = hd / 32;
+    for (int j0 = 0; j0 < kmax; j0 += 32) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < 32 * hd; i += blockDim.x) {
+            int j = i / hd, d = i % hd;
+            bool in = j0 + j < kmax;
+            size_t at = ((size_t)(j0 + j) * KV + kvh) * hd + d;
+            ks[j * KS + d] = in ? get(k + at) : 0.f;
+            vs[j * hd + d] = in ? get(v + at) : 0.f;
+        }
+        __syncthreads();
+        float sc[4] = {0.f, 0.f, 0.f, 0.f};
+        const float4* kr = reinterpret_cast<const float4*>(ks + lane * KS);
+        for (int d4 = 0; d4 < hd / 4; ++d4) {
+            float4 kk = kr[d4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                float4 qq = reinterpret_cast<const float4*>(qs + (warp * 4 + r) * hd)[d4];
+                sc[r] += qq.x * kk.x + qq.y * kk.y + qq.z * kk.z + qq.w * kk.w;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            int t = t0 + warp * 4 + r, j = j0 + lane;
+            float s = (t < T && j < kmax) ? sc[r] * scale + mask[(size_t)t * S + j] : __int_as_float(0xff800000);
+            float mt = s;
+            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+            float mn = fmaxf(m[r], mt);
+            if (mn == __int_as_float(0xff800000)) { sc[r] = 0.f; continue; }       // nothing visible yet
+            float alpha = expf(m[r] - mn), pj = expf(s - mn), ps = pj;
+            for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+            l[r] = l[r] * alpha + ps;
+            m[r] = mn;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[r][c] *= alpha;
+            sc[r] = pj;
+        }
+        for (int jj = 0; jj < 32; ++jj) {
+            float pr[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) pr[r] = __shfl_sync(0xffffffffu, sc[r], jj);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                if (c < nc) {
+                    float vv = vs[jj * hd + lane + 32 * c];
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) acc[r][c] += pr[r] * vv;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        int t = t0 + warp * 4 + r;
+        if (t < T)
+            for (int c = 0; c < nc; ++c) out[((size_t)t * H + h) * hd + lane + 32 * c] = acc[r][c] / l[r];
+    }
+}
+extern "C" __global__ void attend_rows_f32(const float* q, const float* k, const float* v, const float* mask,
+                                           float* out, int T, int S, int H, int KV, int hd, float scale) {
+    attend_rows(q, k, v, mask, out, T, S, H, KV, hd, scale);
+}
+extern "C" __global__ void attend_rows_f16(const float* q, const __half* k, const __half* v, const float* mask,
+                                           float* out, int T, int S, int H, int KV, int hd, float scale) {
+    attend_rows(q, k, v, mask, out, T, S, H, KV, hd, scale);
+}
+
 // softmax(kq * scale + mask) of each row of S scores (one block of 256 threads per row; row r of head r / T,
 // token r % T): the reference's float32 operations, each rounded (no fused multiply-add), max, expf, the sum in
 // float64, then e * (float)(1 / sum).
@@ -669,7 +785,8 @@ def _kernels(cp):
     if not _KERNELS:
         mod = cp.RawModule(code=_KERNELS_SRC, options=("-std=c++17",))
         for name in ("gemv_f32", "gemv_f16", "gemv_f32_row", "gemv_f16_v8", "gemv_f16_x4", "rms_norm_rows",
-                     "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows"):
+                     "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows", "attend_rows_f32",
+                     "attend_rows_f16"):
             _KERNELS[name] = mod.get_function(name)
         _KERNELS["silu_mul"] = cp.ElementwiseKernel("float32 g, float32 u", "float32 h",
                                                     "h = (g / (1.0f + expf(-g))) * u", "llorch_silu_mul")

@@ -187,3 +187,13 @@ class Sampler:
         tok = greedy(x) if self.params.greedy else draw(x, self.rng)
         self.history.append(tok)
         return tok
+
+    def next(self, logits, backend) -> int:
+        """logits: [V] on `backend` -> the next token. Plain greedy (no penalty) is the argmax of the raw logits,
+        taken where they are (a GPU sends back one index, not the row); anything else samples on the host."""
+        p = self.params
+        if p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+            tok = backend.argmax(logits)
+            self.history.append(tok)
+            return tok
+        return self(backend.to_numpy(logits))

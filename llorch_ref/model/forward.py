@@ -12,6 +12,12 @@ def _noop(name, layer, arr):
     pass
 
 
+def observes_tensors(record) -> bool:
+    """Whether a recorder looks at the tensors (a checkpoint capture) or only at the layer boundaries (a
+    recorder with `tensors = False`, such as generation's cancel check), so that attention may skip kq and probs."""
+    return record is not _noop and getattr(record, "tensors", True)
+
+
 def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None):
     """x: [T, D] f32 -> [T, D] f32, or [R, D] with out_rows (one block; writes this layer's K/V).
 
@@ -39,8 +45,11 @@ def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None)
     record("k_cache", layer, k_all); record("v_cache", layer, v_all)
     kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
     mask = cache.mask(t, cfg.sliding_window if local else 0)                          # [T, S]
-    att, kq, probs = ops.attention(xp, q, k_all, v_all, mask, cfg.scale, kv_head)      # [T, H*Hd]
-    record("kq", layer, kq); record("kq_soft_max", layer, probs); record("kqv_out", layer, att)
+    if observes_tensors(record) or not hasattr(ops, "attention_out"):
+        att, kq, probs = ops.attention(xp, q, k_all, v_all, mask, cfg.scale, kv_head)  # [T, H*Hd]
+        record("kq", layer, kq); record("kq_soft_max", layer, probs); record("kqv_out", layer, att)
+    else:          # nobody looks at kq or probs: a backend's output-only kernel (cupy: one fused kernel)
+        att = ops.attention_out(xp, q, k_all, v_all, mask, cfg.scale, kv_head)
     att = ops.linear(xp, att, lw.wo)                                                     # [T, D]
     record("attn_out", layer, att)
     if out_rows is not None:
