@@ -2,9 +2,8 @@
 
     OUT=DIR python tools/gpu_gemv_variants.py      # writes DIR/gemv_variants.json (one row per kernel/threads/shape)
 
-U loads in flight per row, R rows a warp, with or without the folded RMSNorm (suffix n); and the fused step's residual
-products, one or two warps a row (gemv_res_f16, gemv_res2_f16); CUDA events around 100 launches, medians of 5; each
-result checked against the float32 product. Measured it: results/gpu/2026-11-27-s10-fused.
+U loads in flight per row, R rows a warp, with or without the folded RMSNorm (suffix n); CUDA events around 100
+launches, medians of 5; each result checked against the float32 product. Measured it: results/gpu/2026-11-27-s10-fused.
 """
 import json
 import os
@@ -60,24 +59,5 @@ for name, R in (("u4r1n", 1), ("u8r1n", 1), ("u4r2n", 2), ("u2r2n", 2), ("u2r4n"
             r = {"kernel": name, "threads": threads, "shape": [n, k], "ms": round(ms, 4), "tb_s": round(W.nbytes / ms / 1e9, 3), "rel_err": err}
             res.append(r); print(json.dumps(r), flush=True)
             del W
-# the residual products of the fused step itself (y += W a): one warp a row, or two (each half of the row)
-fused = cp.RawModule(code=FUSED, options=("-std=c++17",))
-for name, rows_a_block in (("gemv_res_f16", 4), ("gemv_res2_f16", 2)):
-    f = fused.get_function(name)
-    for n, k in ((4096, 4096), (4096, 11008)):
-        W = cp.random.standard_normal((n, k), dtype=cp.float32).astype(cp.float16)
-        x = cp.random.standard_normal(k, dtype=cp.float32); y = cp.zeros(n, cp.float32)
-        grid, args = ((n + rows_a_block - 1) // rows_a_block,), (W, x, y, np.int32(n), np.int32(k))
-        f(grid, (128,), args)
-        err = float(cp.abs(y - W.astype(cp.float32) @ x).max() / cp.abs(y).max())
-        for _ in range(10): f(grid, (128,), args)
-        ts = []
-        for _ in range(5):
-            ev0.record(); [f(grid, (128,), args) for _ in range(100)]; ev1.record(); ev1.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(ev0, ev1) / 100)
-        ms = float(np.median(ts))
-        r = {"kernel": name, "threads": 128, "shape": [n, k], "ms": round(ms, 4), "tb_s": round(W.nbytes / ms / 1e9, 3), "rel_err": err}
-        res.append(r); print(json.dumps(r), flush=True)
-        del W
 out = os.environ.get("OUT", ".")
 open(os.path.join(out, "gemv_variants.json"), "w").write(json.dumps(res, indent=1))

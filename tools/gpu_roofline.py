@@ -310,10 +310,10 @@ def free_gpu():
         pass
 
 
-# speed's rows of ours: (dtype, blocks type, environment); "f16-op" is the op-by-op step, "f16-res1" the fused step
-# with one warp a row for its residual products, both measured in the same call as the fused step
+# speed's rows of ours: (dtype, blocks type, environment); "f16-op": the op-by-op step; "f16-noprefill": the
+# several-token products and prefill attention as before session 11 (float16 outputs cast, attention recorded)
 OURS = {"f16": ("float16", None, {}), "f16-op": ("float16", None, {"LLORCH_CUDA_FUSED": "0"}),
-        "f16-res1": ("float16", None, {"LLORCH_CUDA_SPLIT_RES": "0"}), "q4k": ("blocks", "Q4_K", {}),
+        "f16-noprefill": ("float16", None, {"LLORCH_CUDA_HALF_PREFILL": "0"}), "q4k": ("blocks", "Q4_K", {}),
         "q40": ("blocks", "Q4_0", {})}
 
 

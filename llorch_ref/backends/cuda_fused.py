@@ -8,9 +8,9 @@ their boundaries, the way numba's FusedDecoder does on the CPU:
                   the sum of squares computed by every warp from the x it reads anyway (4 rows a warp)
   rope_attend     RoPE on Q and K, K and V written into the cache at the device-side position, attention
                   of one block per head over the positions written so far (nothing past them read)
-  gemv_res2_f16   the output projection added to the residual stream in place (x += W a; two warps a row)
+  gemv_res_f16    the output projection added to the residual stream in place (x += W a)
   norm_glu_f16    RMSNorm, gate and up rows i and F+i by one warp, silu(g) * u written
-  gemv_res2_f16   the down projection added to the residual stream
+  gemv_res_f16    the down projection added to the residual stream
 
 and the final norm with the output matrix (norm_gemv2_f16, 2 rows a warp). The arithmetic differs from the op-by-op step's by
 order and rounding only (r applied after the dot product, sums of squares in float32):
@@ -130,22 +130,6 @@ extern "C" __global__ void gemv_res_f16(const __half* __restrict__ W, const floa
     float dot[1], ss;
     rows_dot<4, 1, false>(w, reinterpret_cast<const float4*>(a), nullptr, k / 8, lane, dot, ss);
     if (lane == 0) y[row] += dot[0];
-}
-
-// The same with two warps a row, each over half of k (twice the warps in flight for the short 4096-long rows of
-// the output projection); the halves' sums added in a fixed order. 2 rows a block of 128 threads.
-extern "C" __global__ void gemv_res2_f16(const __half* __restrict__ W, const float* __restrict__ a, float* y, int n,
-                                         int k) {
-    __shared__ float part[4];
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row = blockIdx.x * 2 + warp / 2;
-    int k8 = k / 8, lo = (warp % 2) * (k8 / 2), cnt = (warp % 2) ? k8 - k8 / 2 : k8 / 2;
-    const uint4* w[1] = {reinterpret_cast<const uint4*>(W + (size_t)min(row, n - 1) * k) + lo};
-    float dot[1], ss;
-    rows_dot<4, 1, false>(w, reinterpret_cast<const float4*>(a) + 2 * lo, nullptr, cnt, lane, dot, ss);
-    if (lane == 0) part[warp] = dot[0];
-    __syncthreads();
-    int r = blockIdx.x * 2 + threadIdx.x;
-    if (threadIdx.x < 2 && r < n) y[r] += part[2 * threadIdx.x] + part[2 * threadIdx.x + 1];
 }
 
 __device__ __forceinline__ void put(float* c, float v) { *c = v; }
@@ -269,8 +253,7 @@ ATTEND_THREADS = 1024
 def kernels(cp):
     if not _MOD:
         mod = cp.RawModule(code=SRC, options=("-std=c++17",))
-        for name in ("norm_gemv4_f16", "norm_gemv2_f16", "norm_glu_f16", "gemv_res_f16", "gemv_res2_f16",
-                     "rope_attend_f32", "rope_attend_f16",
+        for name in ("norm_gemv4_f16", "norm_gemv2_f16", "norm_glu_f16", "gemv_res_f16", "rope_attend_f32", "rope_attend_f16",
                      "embed_f32", "embed_f16"):
             _MOD[name] = mod.get_function(name)
     return _MOD
@@ -293,8 +276,6 @@ class FusedStep:
         self.logits = cp.empty((1, cfg.n_vocab), cp.float32)
         self.kv16 = cache.k.dtype == cp.float16
         self.smem = 4 * (3 * hd + cache.n_ctx + 4 + ATTEND_THREADS // 32 * hd)
-        split = os.environ.get("LLORCH_CUDA_SPLIT_RES", "1") != "0"       # 0: one warp a row (gemv_res_f16)
-        self.res, self.res_grid = ("gemv_res2_f16", (d + 1) // 2) if split else ("gemv_res_f16", (d + 3) // 4)
 
     @staticmethod
     def plan(engine, cache, layers):
@@ -330,9 +311,9 @@ class FusedStep:
             K["norm_gemv4_f16"](((n_qkv + 15) // 16,), (128,), (qkv, self.x, an, self.y, i32(n_qkv), i32(d), eps))
             K[attend]((h,), (ATTEND_THREADS,), (self.y, cos, sin, c.pos_dev, c.k[i], c.v[i], self.att, i32(h), i32(kv),
                                                 i32(hd), i32(half), neox, f32(cfg.scale)), shared_mem=self.smem)
-            K[self.res]((self.res_grid,), (128,), (wo, self.att, self.x, i32(d), i32(h * hd)))
+            K["gemv_res_f16"](((d + 3) // 4,), (128,), (wo, self.att, self.x, i32(d), i32(h * hd)))
             K["norm_glu_f16"](((f + 3) // 4,), (128,), (gu, self.x, fn, self.hid, i32(f), i32(d), eps))
-            K[self.res]((self.res_grid,), (128,), (wd, self.hid, self.x, i32(d), i32(f)))
+            K["gemv_res_f16"](((d + 3) // 4,), (128,), (wd, self.hid, self.x, i32(d), i32(f)))
         v = cfg.n_vocab
         K["norm_gemv2_f16"](((v + 7) // 8,), (128,), (self.w.output, self.x, self.w.out_norm, self.logits, i32(v),
                                                        i32(d), eps))

@@ -21,6 +21,7 @@ from . import Backend
 from .cuda_blocks import TYPES as BLOCK_TYPES
 from .cuda_blocks import GpuBlocks
 from .cuda_fused import FusedStep
+from .cuda_half import half_attention, half_gemm
 
 
 class CupyBackend(Backend):
@@ -115,6 +116,9 @@ class CupyBackend(Backend):
         ops.static_decode = False          # True while GraphDecoder runs a step over the preallocated cache
         K = _kernels(cp)
         i32, f32 = cp.int32, cp.float32
+        # several-token float16 products with float32 results and generation's prefill attention in float16
+        # products (cuda_half); LLORCH_CUDA_HALF_PREFILL=0: CuPy's float16 matmul cast back, attention as recorded
+        half_prefill = os.environ.get("LLORCH_CUDA_HALF_PREFILL", "1") != "0"
 
         def linear(xp, x, w):
             if isinstance(w, GpuBlocks):
@@ -134,8 +138,8 @@ class CupyBackend(Backend):
                 k = K["gemv_f16" if half else "gemv_f32"]     # a warp per row
                 k(((n + 7) // 8,), (256,), (w, xv, y, i32(n), i32(kdim)))
                 return y
-            if w.dtype == cp.float16:
-                return (x.astype(cp.float16) @ w.T).astype(cp.float32)
+            if w.dtype == cp.float16:                         # float16 products, float32 results (cuBLAS)
+                return half_gemm(cp, x, w) if half_prefill else (x.astype(cp.float16) @ w.T).astype(cp.float32)
             return x @ w.T
 
         def rms_norm(xp, x, w, eps):
@@ -220,20 +224,12 @@ class CupyBackend(Backend):
             return cp.matmul(probs, vh).transpose(1, 0, 2).reshape(t, -1), kq, probs
 
         def attention_out(xp, q, k, v, mask, scale, kv_head):
-            """Several tokens that no recorder watches (forward.block asks for the output only): attend_rows, one
-            kernel, kq and probs never written (LLORCH_CUDA_FLASH_PREFILL=0: the recorded path's output)."""
-            t, h, hd = q.shape
-            if t == 1 or hd % 32 or hd > 128 or k.dtype not in (cp.float32, cp.float16) \
-                    or os.environ.get("LLORCH_CUDA_FLASH_PREFILL", "1") == "0":
+            """Several tokens that no recorder watches (forward.block asks for the output only): with float16
+            weights, Q.K and P.V as float16 cuBLAS products with float32 results (kq and probs never recorded);
+            otherwise the recorded path's output."""
+            if q.shape[0] == 1 or self.dtype != "float16" or not half_prefill:
                 return attention(xp, q, k, v, mask, scale, kv_head)[0]
-            s_len, kv = k.shape[0], k.shape[1]
-            out = cp.empty((t, h * hd), dtype=f32)
-            K["attend_rows_f16" if k.dtype == cp.float16 else "attend_rows_f32"](
-                (h, (t + 15) // 16), (128,), (cp.ascontiguousarray(q, dtype=f32), cp.ascontiguousarray(k),
-                                              cp.ascontiguousarray(v), cp.ascontiguousarray(mask, dtype=f32), out,
-                                              i32(t), i32(s_len), i32(h), i32(kv), i32(hd), f32(scale)),
-                shared_mem=4 * (32 * (hd + 4) + 48 * hd))
-            return out
+            return half_attention(cp, q, k, v, mask, scale, K["softmax_rows"])
 
         kv_heads = {}
 
@@ -252,9 +248,16 @@ class CupyBackend(Backend):
         self.xp.cuda.get_current_stream().synchronize()
 
     def argmax(self, logits) -> int:
-        """On the device: one reduction and 8 bytes back instead of the whole row (np.argmax's answer on ties and
-        NaN: tests/test_backends.py)."""
-        return int(self.xp.argmax(logits))
+        """On the device (argmax_row, np.argmax's answer on ties and NaN: tests/test_backends.py), written into
+        host memory the GPU maps: one launch and a wait instead of the whole row copied back (CuPy's own argmax
+        costs more than the copy: results/gpu/2026-11-27-s11/)."""
+        cp = self.xp
+        if getattr(self, "_argmax_host", None) is None:
+            self._argmax_host = MappedHost(cp, 1, np.int64)
+        x = cp.ascontiguousarray(logits, dtype=cp.float32).reshape(-1)
+        _kernels(cp)["argmax_row"]((1,), (1024,), (x, np.int32(x.size), self._argmax_host.device))
+        cp.cuda.get_current_stream().synchronize()
+        return int(self._argmax_host.host[0])
 
 
 def stacked(ws, cp):
@@ -346,17 +349,42 @@ class DeviceCache:
         return _DeviceCache
 
 
+class MappedHost:
+    """A small host array the GPU reads and writes in place (pinned, mapped: no copy call, so a captured CUDA graph
+    reads the value the host wrote before each replay). .host: the NumPy view; .device: the same memory as a CuPy
+    array (one address space: the host pointer is the device pointer)."""
+
+    def __init__(self, cp, n, dtype):
+        dtype = np.dtype(dtype)
+        rt = cp.cuda.runtime
+        self._rt, self._ptr = rt, rt.hostAlloc(n * dtype.itemsize, rt.hostAllocMapped)
+        import ctypes
+        self.host = np.ctypeslib.as_array((ctypes.c_byte * (n * dtype.itemsize)).from_address(self._ptr)).view(dtype)
+        mem = cp.cuda.UnownedMemory(self._ptr, n * dtype.itemsize, self, device_id=cp.cuda.Device().id)
+        self.device = cp.ndarray((n,), dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+    def __del__(self):
+        try:
+            self._rt.freeHost(self._ptr)
+        except Exception:        # interpreter shutdown: the driver frees it with the process
+            pass
+
+
 class GraphDecoder:
     """decode(token) -> logits [1, V] on the device. The first step runs eagerly (it also fills CuPy's memory
     pool with every buffer a step needs, so that capturing allocates nothing new); the second captures one
-    whole decode step as a CUDA graph; later steps only copy the token in, replay the graph and bump the
-    device position. Nothing else allocates device memory between replays."""
+    whole decode step as a CUDA graph; later steps only write the token into mapped host memory, replay the
+    graph and bump the device position. Nothing else allocates device memory between replays."""
 
     def __init__(self, engine, cache):
         self.engine, self.cache = engine, cache
         xp = engine.xp
         self.xp = xp
-        self.tok = xp.zeros(1, dtype=xp.int64)
+        try:                                  # the token the host writes and the step reads, without a copy call
+            self._tok = MappedHost(xp, 1, np.int64)
+            self.tok = self._tok.device
+        except Exception:                     # no mapped host memory here: a device array, filled each step
+            self._tok, self.tok = None, xp.zeros(1, dtype=xp.int64)
         self.graph, self.out, self.steps = None, None, 0
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = engine.backend.info.get("cuda_graphs", False)
@@ -380,7 +408,10 @@ class GraphDecoder:
         xp, c = self.xp, self.cache
         c.check_room(1)
         with self.stream:
-            self.tok[...] = int(token)
+            if self._tok is not None:
+                self._tok.host[0] = int(token)  # the previous step is over (synchronized below)
+            else:
+                self.tok[...] = int(token)
             self.steps += 1
             if not self.use_graph or self.steps == 1:
                 out = self._step()
@@ -529,98 +560,30 @@ extern "C" __global__ void kv_store_f32(const float* k, const float* v, float* k
 extern "C" __global__ void kv_store_f16(const float* k, const float* v, __half* kc, __half* vc, const long long* pos,
                                         int n) { kv_store(k, v, kc, vc, pos, n); }
 
-// Attention of T new tokens that no recorder watches (generation's prefill): only the output, no kq or probs
-// written. One block of 128 threads per (head, 16 query rows), 4 rows a warp; keys in tiles of 32 staged in shared
-// memory (K rows padded to hd + 4 floats: conflict-free float4 reads), lane j scoring key j of the tile for its 4
-// rows; online softmax per row (running max and sum, rescaled per tile; expf, float32); P.V with the tile's 32
-// probabilities broadcast by shuffle, lane l holding dims l, l + 32, ... Keys past the block's last row's position
-// are not read (the mask is causal at least); the mask's -inf entries (windows) drop out. hd % 32 == 0, hd <= 128.
-__device__ __forceinline__ float get(const float* c) { return *c; }
-__device__ __forceinline__ float get(const __half* c) { return __half2float(*c); }
-template <typename C>
-__device__ void attend_rows(const float* q, const C* k, const C* v, const float* mask, float* out, int T, int S,
-                            int H, int KV, int hd, float scale) {
-    extern __shared__ float sm[];
-    const int KS = hd + 4;
-    float *ks = sm, *vs = sm + 32 * KS, *qs = vs + 32 * hd;      // [32][KS], [32][hd], [16][hd]
-    int h = blockIdx.x, kvh = h / (H / KV), t0 = blockIdx.y * 16, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int p0 = S - T, kmax = min(S, p0 + min(T, t0 + 16));
-    for (int i = threadIdx.x; i < 16 * hd; i += blockDim.x) {
-        int r = i / hd, d = i % hd;
-        qs[i] = t0 + r < T ? q[((size_t)(t0 + r) * H + h) * hd + d] : 0.f;
-    }
-    float m[4], l[4], acc[4][4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        m[r] = __int_as_float(0xff800000); l[r] = 0.f;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[r][c] = 0.f;
-    }
-    int nc = hd / 32;
-    for (int j0 = 0; j0 < kmax; j0 += 32) {
-        __syncthreads();
-        for (int i = threadIdx.x; i < 32 * hd; i += blockDim.x) {
-            int j = i / hd, d = i % hd;
-            bool in = j0 + j < kmax;
-            size_t at = ((size_t)(j0 + j) * KV + kvh) * hd + d;
-            ks[j * KS + d] = in ? get(k + at) : 0.f;
-            vs[j * hd + d] = in ? get(v + at) : 0.f;
+// out[0] = the index of the highest of x[0..n) as np.argmax answers: NaN above everything, the first index on ties
+// (one block of 1024 threads: strided scans, then a tree of pairwise choices).
+__device__ __forceinline__ bool ahead(float a, int ia, float b, int ib) {
+    bool an = a != a, bn = b != b;
+    if (an != bn) return an;
+    if (!an && a != b) return a > b;
+    return ia < ib;
+}
+extern "C" __global__ void argmax_row(const float* x, int n, long long* out) {
+    __shared__ float bv[1024];
+    __shared__ int bi[1024];
+    float v = __int_as_float(0xff800000);
+    int iv = n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) if (iv == n || ahead(x[i], i, v, iv)) { v = x[i]; iv = i; }
+    bv[threadIdx.x] = v; bi[threadIdx.x] = iv;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o && bi[threadIdx.x + o] < n &&
+            (bi[threadIdx.x] == n || ahead(bv[threadIdx.x + o], bi[threadIdx.x + o], bv[threadIdx.x], bi[threadIdx.x]))) {
+            bv[threadIdx.x] = bv[threadIdx.x + o]; bi[threadIdx.x] = bi[threadIdx.x + o];
         }
         __syncthreads();
-        float sc[4] = {0.f, 0.f, 0.f, 0.f};
-        const float4* kr = reinterpret_cast<const float4*>(ks + lane * KS);
-        for (int d4 = 0; d4 < hd / 4; ++d4) {
-            float4 kk = kr[d4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                float4 qq = reinterpret_cast<const float4*>(qs + (warp * 4 + r) * hd)[d4];
-                sc[r] += qq.x * kk.x + qq.y * kk.y + qq.z * kk.z + qq.w * kk.w;
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            int t = t0 + warp * 4 + r, j = j0 + lane;
-            float s = (t < T && j < kmax) ? sc[r] * scale + mask[(size_t)t * S + j] : __int_as_float(0xff800000);
-            float mt = s;
-            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
-            float mn = fmaxf(m[r], mt);
-            if (mn == __int_as_float(0xff800000)) { sc[r] = 0.f; continue; }       // nothing visible yet
-            float alpha = expf(m[r] - mn), pj = expf(s - mn), ps = pj;
-            for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-            l[r] = l[r] * alpha + ps;
-            m[r] = mn;
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[r][c] *= alpha;
-            sc[r] = pj;
-        }
-        for (int jj = 0; jj < 32; ++jj) {
-            float pr[4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) pr[r] = __shfl_sync(0xffffffffu, sc[r], jj);
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                if (c < nc) {
-                    float vv = vs[jj * hd + lane + 32 * c];
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) acc[r][c] += pr[r] * vv;
-                }
-            }
-        }
     }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        int t = t0 + warp * 4 + r;
-        if (t < T)
-            for (int c = 0; c < nc; ++c) out[((size_t)t * H + h) * hd + lane + 32 * c] = acc[r][c] / l[r];
-    }
-}
-extern "C" __global__ void attend_rows_f32(const float* q, const float* k, const float* v, const float* mask,
-                                           float* out, int T, int S, int H, int KV, int hd, float scale) {
-    attend_rows(q, k, v, mask, out, T, S, H, KV, hd, scale);
-}
-extern "C" __global__ void attend_rows_f16(const float* q, const __half* k, const __half* v, const float* mask,
-                                           float* out, int T, int S, int H, int KV, int hd, float scale) {
-    attend_rows(q, k, v, mask, out, T, S, H, KV, hd, scale);
+    if (threadIdx.x == 0) out[0] = bi[0];
 }
 
 // softmax(kq * scale + mask) of each row of S scores (one block of 256 threads per row; row r of head r / T,
@@ -785,8 +748,7 @@ def _kernels(cp):
     if not _KERNELS:
         mod = cp.RawModule(code=_KERNELS_SRC, options=("-std=c++17",))
         for name in ("gemv_f32", "gemv_f16", "gemv_f32_row", "gemv_f16_v8", "gemv_f16_x4", "rms_norm_rows",
-                     "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows", "attend_rows_f32",
-                     "attend_rows_f16"):
+                     "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows", "argmax_row"):
             _KERNELS[name] = mod.get_function(name)
         _KERNELS["silu_mul"] = cp.ElementwiseKernel("float32 g, float32 u", "float32 h",
                                                     "h = (g / (1.0f + expf(-g))) * u", "llorch_silu_mul")

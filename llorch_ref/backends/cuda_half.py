@@ -1,0 +1,74 @@
+"""float16 products with float32 results through cuBLAS, for the cupy backend's several-token steps on float16
+weights: cublasGemmEx / cublasGemmStridedBatchedEx with float16 inputs, float32 accumulation and a float32 output
+(CuPy's own matmul would round the output to float16 and need a cast pass after it).
+
+half_gemm:       y = x W^T for activations x [T, K] (cast to float16) and a float16 weight W [N, K]
+half_attention:  one layer's attention of T new tokens, output only (generation's prefill: no recorder watches):
+                 Q.K^T of each KV head's group of query heads in one batched product (Q, K in float16, scores in
+                 float32, times the scale), the softmax kernel over the scores plus the mask (float32, the sum in
+                 float64), P.V as a second batched product (P, V in float16, float32 results).
+
+Row-major products through column-major cuBLAS: Y [T, N] = X [T, K] W^T is, column-major, Y^T = op(W) X with
+W read as the K x N matrix it is column-major (transposed), X as K x T (not transposed).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)        # host scalars cuBLAS reads (pointer mode host)
+
+
+def _cublas(cp):
+    from cupy_backends.cuda.libs import cublas
+
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    return cublas, handle
+
+
+def half_gemm(cp, x, w):
+    """x: [T, K] (any float), w: [N, K] float16 C-contiguous -> [T, N] float32."""
+    cublas, handle = _cublas(cp)
+    t, k = x.shape
+    n = w.shape[0]
+    x16 = cp.ascontiguousarray(x, dtype=cp.float16)
+    w = cp.ascontiguousarray(w)
+    y = cp.empty((t, n), dtype=cp.float32)
+    r16, r32 = cp.cuda.runtime.CUDA_R_16F, cp.cuda.runtime.CUDA_R_32F
+    cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, t, k, _ONE.ctypes.data, w.data.ptr, r16, k,
+                  x16.data.ptr, r16, k, _ZERO.ctypes.data, y.data.ptr, r32, n, cublas.CUBLAS_COMPUTE_32F,
+                  cublas.CUBLAS_GEMM_DEFAULT)
+    return y
+
+
+def _batched(cp, a, b, c, m, n, k, lda, ldb, ldc, sa, sb, sc, batch, trans_a, alpha):
+    cublas, handle = _cublas(cp)
+    r16, r32 = cp.cuda.runtime.CUDA_R_16F, cp.cuda.runtime.CUDA_R_32F
+    al = np.full(1, alpha, np.float32)
+    cublas.gemmStridedBatchedEx(handle, cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N,
+                                m, n, k, al.ctypes.data, a.data.ptr, r16, lda, sa, b.data.ptr, r16, ldb, sb,
+                                _ZERO.ctypes.data, c.data.ptr, r32, ldc, sc, batch, cublas.CUBLAS_COMPUTE_32F,
+                                cublas.CUBLAS_GEMM_DEFAULT)
+
+
+def half_attention(cp, q, k, v, mask, scale, softmax_rows):
+    """q: [T, H, Hd], k, v: [S, KV, Hd] (float32 or float16), mask: [T, S] float32 -> [T, H*Hd] float32.
+    Query head h reads KV head h // (H / KV) (grouped heads are consecutive, so each KV head's group is one
+    [group*T, Hd] block of the head-major Q). softmax_rows: the cupy backend's kernel (kq * scale + mask)."""
+    t, h, hd = q.shape
+    s, kv = k.shape[0], k.shape[1]
+    g = h // kv
+    q16 = cp.ascontiguousarray(q.transpose(1, 0, 2), dtype=cp.float16)            # [H, T, Hd] = [KV, g*T, Hd]
+    k16 = cp.ascontiguousarray(k.transpose(1, 0, 2), dtype=cp.float16)            # [KV, S, Hd]
+    v16 = cp.ascontiguousarray(v.transpose(1, 0, 2), dtype=cp.float16)
+    kq = cp.empty((h, t, s), dtype=cp.float32)                                     # = [KV, g*T, S]
+    # kq[b] (g*T x S) = q[b] k[b]^T * scale: column-major kq^T (S x gT) = op_T(k as Hd x S) q (Hd x gT)
+    _batched(cp, k16, q16, kq, s, g * t, hd, hd, hd, s, s * hd, g * t * hd, g * t * s, kv, True, scale)
+    probs = cp.empty_like(kq)
+    softmax_rows((h * t,), (256,), (kq, cp.ascontiguousarray(mask, dtype=cp.float32), probs, np.float32(1.0),
+                                    np.int32(s), np.int32(t)))
+    p16 = probs.astype(cp.float16)
+    out = cp.empty((h, t, hd), dtype=cp.float32)                                   # = [KV, g*T, Hd]
+    # out[b] (gT x Hd) = p[b] (gT x S) v[b] (S x Hd): column-major out^T (Hd x gT) = v (Hd x S) p (S x gT)
+    _batched(cp, v16, p16, out, hd, g * t, s, hd, s, hd, s * hd, g * t * s, g * t * hd, kv, False, 1.0)
+    return out.transpose(1, 0, 2).reshape(t, h * hd)
