@@ -12,14 +12,19 @@ their boundaries, the way numba's FusedDecoder does on the CPU:
   norm_glu_f16    RMSNorm, gate and up rows i and F+i by one warp, silu(g) * u written
   gemv_res_f16    the down projection added to the residual stream
 
-and the final norm with the output matrix (norm_gemv2_f16, 2 rows a warp). The arithmetic differs from the op-by-op step's by
+and the final norm with the output matrix (norm_gemv2_f16, 2 rows a warp). Each kernel is launched with programmatic
+dependent launch (Launcher; LLORCH_CUDA_PDL=0 turns it off): it starts while the previous one drains, prefetches its
+first weight lines, and waits for the previous kernel's results before reading anything else. The arithmetic differs from the op-by-op step's by
 order and rounding only (r applied after the dot product, sums of squares in float32):
 tests/test_backends.py checks the logits against the op-by-op step's within the float16 band and the greedy
 tokens equal. LLORCH_CUDA_FUSED=0 turns it off.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+
+import numpy as np
 
 SRC = r"""
 #include <cuda_fp16.h>
@@ -32,6 +37,20 @@ __device__ __forceinline__ float dot8(uint4 raw, float4 u, float4 v) {
     float2 f0 = __half22float2(h[0]), f1 = __half22float2(h[1]), f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
     return f0.x * u.x + f0.y * u.y + f1.x * u.z + f1.y * u.w + f2.x * v.x + f2.y * v.y + f3.x * v.z + f3.y * v.w;
 }
+// Programmatic dependent launch (sm_90+; no-ops when a kernel is launched without it): a kernel may start while
+// the one before it finishes; it touches nothing but its read-only weights until griddep_wait() returns (every
+// earlier kernel complete, its writes visible), and lets the next kernel launch once all its blocks are running.
+__device__ __forceinline__ void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if LLORCH_PREFETCH
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+#endif
+}
 __device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
 __device__ __forceinline__ float sq4(float4 a) { return a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w; }
 
@@ -40,6 +59,11 @@ __device__ __forceinline__ float sq4(float4 a) { return a.x * a.x + a.y * a.y + 
 template <int U, int R, bool NORM>
 __device__ __forceinline__ void rows_dot(const uint4* const* w, const float4* xv, const float4* gv, int k8, int lane,
                                          float* dot, float& ss) {
+#pragma unroll
+    for (int q = 0; q < R; ++q)                  // the first loads' lines on their way before the wait
+#pragma unroll
+        for (int r = 0; r < U; ++r) if (lane + 32 * r < k8) prefetch_l2(w[q] + lane + 32 * r);
+    griddep_wait();
     float a[R][U], s[U];
 #pragma unroll
     for (int r = 0; r < U; ++r) {
@@ -158,6 +182,7 @@ __device__ void rope_attend(const float* y, const float* cs, const float* sn, co
                             float* out, int H, int KV, int hd, int half, int neox, float scale) {
     extern __shared__ float sm[];                // q [hd], k [hd], v [hd], p [L], partials [warps * hd]
     __shared__ float red[32];
+    griddep_wait();
     int h = blockIdx.x, grp = H / KV, kvh = h / grp;
     long long P = pos[0];
     int L = (int)P + 1, nw = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -240,6 +265,7 @@ extern "C" __global__ void rope_attend_f16(const float* y, const float* cs, cons
 
 // x = emb[tok] * scale (float32 or float16 rows)
 template <typename T> __device__ void embed(const T* emb, const long long* tok, float* x, int d, float scale) {
+    griddep_wait();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < d) x[i] = get(emb + (size_t)tok[0] * d + i) * scale;
 }
@@ -250,13 +276,62 @@ _MOD = {}
 ATTEND_THREADS = 1024
 
 
-def kernels(cp):
-    if not _MOD:
-        mod = cp.RawModule(code=SRC, options=("-std=c++17",))
-        for name in ("norm_gemv4_f16", "norm_gemv2_f16", "norm_glu_f16", "gemv_res_f16", "rope_attend_f32", "rope_attend_f16",
-                     "embed_f32", "embed_f16"):
-            _MOD[name] = mod.get_function(name)
-    return _MOD
+def pdl_mode() -> int:
+    """LLORCH_CUDA_PDL: 2 (default) programmatic dependent launch with the weights' first lines prefetched before
+    the wait, 1 without the prefetch, 0 plain launches."""
+    return int(os.environ.get("LLORCH_CUDA_PDL", "2"))
+
+
+def kernels(cp, prefetch=True):
+    if prefetch not in _MOD:
+        mod = cp.RawModule(code=SRC, options=("-std=c++17", f"-DLLORCH_PREFETCH={int(prefetch)}"))
+        _MOD[prefetch] = {name: mod.get_function(name) for name in (
+            "norm_gemv4_f16", "norm_gemv2_f16", "norm_glu_f16", "gemv_res_f16", "rope_attend_f32", "rope_attend_f16",
+            "embed_f32", "embed_f16")}
+    return _MOD[prefetch]
+
+
+class _Attr(ctypes.Structure):               # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _Config(ctypes.Structure):             # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("n_attrs", ctypes.c_uint)]
+
+
+class Launcher:
+    """launch(kernel, grid, block, args, shared_mem): cuLaunchKernelEx with the programmatic-stream-serialization
+    attribute (through the driver library, which CuPy's RawKernel does not expose), so that consecutive kernels of
+    a step overlap their launch and ramp with the previous one's tail (a captured graph keeps the edges as
+    programmatic). Falls back to CuPy's launch where the driver lacks cuLaunchKernelEx."""
+
+    PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+    def __init__(self, cp, enabled=True):
+        self.cp, self.fn = cp, None
+        if enabled:
+            try:
+                self.fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+                self.fn.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                self.fn = None
+        self.attr = _Attr(id=self.PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attr.value[0] = 1
+
+    def __call__(self, kernel, grid, block, args, shared_mem=0):
+        if self.fn is None:
+            return kernel(grid, block, args, shared_mem=shared_mem)
+        cp = self.cp
+        vals = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cp.ndarray) else
+                ctypes.c_int(int(a)) if a.dtype == np.int32 else ctypes.c_float(float(a)) for a in args]
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+        g, b = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        cfg = _Config((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
+                      ctypes.c_void_p(cp.cuda.get_current_stream().ptr), ctypes.pointer(self.attr), 1)
+        err = self.fn(ctypes.byref(cfg), ctypes.c_void_p(kernel.kernel.ptr), params, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
 
 
 class FusedStep:
@@ -267,7 +342,9 @@ class FusedStep:
     def __init__(self, engine, cache, groups):
         cp, cfg = engine.xp, engine.config
         self.cp, self.cfg, self.cache, self.w, self.groups = cp, cfg, cache, engine.weights, groups
-        self.K = kernels(cp)
+        mode = pdl_mode()
+        self.K, self.launch = kernels(cp, prefetch=mode >= 2), Launcher(cp, enabled=mode >= 1)
+        engine.backend.info["cuda_pdl"] = mode if self.launch.fn is not None else 0
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.x = cp.empty(d, cp.float32)
         self.y = cp.empty((h + 2 * kv) * hd, cp.float32)
@@ -297,24 +374,25 @@ class FusedStep:
         return FusedStep(engine, cache, layers)
 
     def __call__(self, tok):
-        cp, cfg, c, K = self.cp, self.cfg, self.cache, self.K
+        cp, cfg, c, K, go = self.cp, self.cfg, self.cache, self.K, self.launch
         i32, f32 = cp.int32, cp.float32
         d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
         eps, half = f32(cfg.rms_eps), cfg.rope_dim // 2
         emb = self.w.tok_embd
-        K["embed_f16" if emb.dtype == cp.float16 else "embed_f32"](
-            ((d + 255) // 256,), (256,), (emb, tok, self.x, i32(d), f32(cfg.embed_scale or 1.0)))
+        go(K["embed_f16" if emb.dtype == cp.float16 else "embed_f32"],
+           ((d + 255) // 256,), (256,), (emb, tok, self.x, i32(d), f32(cfg.embed_scale or 1.0)))
         cos, sin = c.tables()
         attend = "rope_attend_f16" if self.kv16 else "rope_attend_f32"
         n_qkv, neox = (h + 2 * kv) * hd, i32(cfg.rope_style == "neox")
         for i, (qkv, wo, gu, wd, an, fn) in enumerate(self.groups):
-            K["norm_gemv4_f16"](((n_qkv + 15) // 16,), (128,), (qkv, self.x, an, self.y, i32(n_qkv), i32(d), eps))
-            K[attend]((h,), (ATTEND_THREADS,), (self.y, cos, sin, c.pos_dev, c.k[i], c.v[i], self.att, i32(h), i32(kv),
-                                                i32(hd), i32(half), neox, f32(cfg.scale)), shared_mem=self.smem)
-            K["gemv_res_f16"](((d + 3) // 4,), (128,), (wo, self.att, self.x, i32(d), i32(h * hd)))
-            K["norm_glu_f16"](((f + 3) // 4,), (128,), (gu, self.x, fn, self.hid, i32(f), i32(d), eps))
-            K["gemv_res_f16"](((d + 3) // 4,), (128,), (wd, self.hid, self.x, i32(d), i32(f)))
+            go(K["norm_gemv4_f16"], ((n_qkv + 15) // 16,), (128,), (qkv, self.x, an, self.y, i32(n_qkv), i32(d), eps))
+            go(K[attend], (h,), (ATTEND_THREADS,), (self.y, cos, sin, c.pos_dev, c.k[i], c.v[i], self.att, i32(h),
+                                                     i32(kv), i32(hd), i32(half), neox, f32(cfg.scale)),
+               shared_mem=self.smem)
+            go(K["gemv_res_f16"], ((d + 3) // 4,), (128,), (wo, self.att, self.x, i32(d), i32(h * hd)))
+            go(K["norm_glu_f16"], ((f + 3) // 4,), (128,), (gu, self.x, fn, self.hid, i32(f), i32(d), eps))
+            go(K["gemv_res_f16"], ((d + 3) // 4,), (128,), (wd, self.hid, self.x, i32(d), i32(f)))
         v = cfg.n_vocab
-        K["norm_gemv2_f16"](((v + 7) // 8,), (128,), (self.w.output, self.x, self.w.out_norm, self.logits, i32(v),
-                                                       i32(d), eps))
+        go(K["norm_gemv2_f16"], ((v + 7) // 8,), (128,), (self.w.output, self.x, self.w.out_norm, self.logits, i32(v),
+                                                          i32(d), eps))
         return self.logits
