@@ -312,10 +312,10 @@ def free_gpu():
 
 # speed's rows of ours: (dtype, blocks type, environment); "f16-op": the op-by-op step; "f16-noprefill": the
 # several-token products and prefill attention as before session 11 (float16 outputs cast, attention recorded);
-# "f16-pdl1": programmatic dependent launch without the weights' prefetch, "f16-pdl0": plain launches
+# "f16-pdl0": plain launches instead of programmatic dependent launch
 OURS = {"f16": ("float16", None, {}), "f16-op": ("float16", None, {"LLORCH_CUDA_FUSED": "0"}),
         "f16-noprefill": ("float16", None, {"LLORCH_CUDA_HALF_PREFILL": "0"}),
-        "f16-pdl1": ("float16", None, {"LLORCH_CUDA_PDL": "1"}), "f16-pdl0": ("float16", None, {"LLORCH_CUDA_PDL": "0"}),
+        "f16-pdl0": ("float16", None, {"LLORCH_CUDA_PDL": "0"}),
         "q4k": ("blocks", "Q4_K", {}),
         "q40": ("blocks", "Q4_0", {})}
 

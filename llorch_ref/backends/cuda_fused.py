@@ -13,8 +13,9 @@ their boundaries, the way numba's FusedDecoder does on the CPU:
   gemv_res_f16    the down projection added to the residual stream
 
 and the final norm with the output matrix (norm_gemv2_f16, 2 rows a warp). Each kernel is launched with programmatic
-dependent launch (Launcher; LLORCH_CUDA_PDL=0 turns it off): it starts while the previous one drains, prefetches its
-first weight lines, and waits for the previous kernel's results before reading anything else. The arithmetic differs from the op-by-op step's by
+dependent launch (Launcher; LLORCH_CUDA_PDL=0 turns it off): it starts while the previous one drains and waits for
+the previous kernel's results before reading anything (a 3.82 -> 3.74 ms step on the H200; prefetching the first
+weight lines before the wait made it slower: results/gpu/2026-11-27-s11/). The arithmetic differs from the op-by-op step's by
 order and rounding only (r applied after the dot product, sums of squares in float32):
 tests/test_backends.py checks the logits against the op-by-op step's within the float16 band and the greedy
 tokens equal. LLORCH_CUDA_FUSED=0 turns it off.
@@ -38,17 +39,12 @@ __device__ __forceinline__ float dot8(uint4 raw, float4 u, float4 v) {
     return f0.x * u.x + f0.y * u.y + f1.x * u.z + f1.y * u.w + f2.x * v.x + f2.y * v.y + f3.x * v.z + f3.y * v.w;
 }
 // Programmatic dependent launch (sm_90+; no-ops when a kernel is launched without it): a kernel may start while
-// the one before it finishes; it touches nothing but its read-only weights until griddep_wait() returns (every
-// earlier kernel complete, its writes visible), and lets the next kernel launch once all its blocks are running.
+// the one before it finishes; it touches no memory until griddep_wait() returns (every earlier kernel complete,
+// its writes visible), and lets the next kernel launch once all its blocks are running.
 __device__ __forceinline__ void griddep_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#if LLORCH_PREFETCH
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 #endif
 }
 __device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
@@ -59,10 +55,6 @@ __device__ __forceinline__ float sq4(float4 a) { return a.x * a.x + a.y * a.y + 
 template <int U, int R, bool NORM>
 __device__ __forceinline__ void rows_dot(const uint4* const* w, const float4* xv, const float4* gv, int k8, int lane,
                                          float* dot, float& ss) {
-#pragma unroll
-    for (int q = 0; q < R; ++q)                  // the first loads' lines on their way before the wait
-#pragma unroll
-        for (int r = 0; r < U; ++r) if (lane + 32 * r < k8) prefetch_l2(w[q] + lane + 32 * r);
     griddep_wait();
     float a[R][U], s[U];
 #pragma unroll
@@ -276,19 +268,13 @@ _MOD = {}
 ATTEND_THREADS = 1024
 
 
-def pdl_mode() -> int:
-    """LLORCH_CUDA_PDL: 2 (default) programmatic dependent launch with the weights' first lines prefetched before
-    the wait, 1 without the prefetch, 0 plain launches."""
-    return int(os.environ.get("LLORCH_CUDA_PDL", "2"))
-
-
-def kernels(cp, prefetch=True):
-    if prefetch not in _MOD:
-        mod = cp.RawModule(code=SRC, options=("-std=c++17", f"-DLLORCH_PREFETCH={int(prefetch)}"))
-        _MOD[prefetch] = {name: mod.get_function(name) for name in (
-            "norm_gemv4_f16", "norm_gemv2_f16", "norm_glu_f16", "gemv_res_f16", "rope_attend_f32", "rope_attend_f16",
-            "embed_f32", "embed_f16")}
-    return _MOD[prefetch]
+def kernels(cp):
+    if not _MOD:
+        mod = cp.RawModule(code=SRC, options=("-std=c++17",))
+        for name in ("norm_gemv4_f16", "norm_gemv2_f16", "norm_glu_f16", "gemv_res_f16", "rope_attend_f32", "rope_attend_f16",
+                     "embed_f32", "embed_f16"):
+            _MOD[name] = mod.get_function(name)
+    return _MOD
 
 
 class _Attr(ctypes.Structure):               # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -342,9 +328,8 @@ class FusedStep:
     def __init__(self, engine, cache, groups):
         cp, cfg = engine.xp, engine.config
         self.cp, self.cfg, self.cache, self.w, self.groups = cp, cfg, cache, engine.weights, groups
-        mode = pdl_mode()
-        self.K, self.launch = kernels(cp, prefetch=mode >= 2), Launcher(cp, enabled=mode >= 1)
-        engine.backend.info["cuda_pdl"] = mode if self.launch.fn is not None else 0
+        self.K, self.launch = kernels(cp), Launcher(cp, enabled=os.environ.get("LLORCH_CUDA_PDL", "1") != "0")
+        engine.backend.info["cuda_pdl"] = self.launch.fn is not None
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.x = cp.empty(d, cp.float32)
         self.y = cp.empty((h + 2 * kv) * hd, cp.float32)
