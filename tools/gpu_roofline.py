@@ -440,6 +440,36 @@ def prefill_ops(out, tokens=512):
     (Path(out) / "prefill_ops.json").write_text(json.dumps(res, indent=1))
 
 
+def prefill_host(out, tokens=512):
+    """Where a 7B float16 prefill of `tokens` tokens spends its host time: cProfile of one forward (after two
+    warm-up forwards), the top functions by own time, and the forward's wall and GPU time."""
+    import cProfile
+    import io
+    import pstats
+
+    import cupy as cp
+
+    eng = random_engine(llama2_7b(), "float16", n_ctx=tokens + 16)
+    ids = list(range(1, tokens + 1))
+    for _ in range(2):
+        eng.forward(ids, eng.new_cache(), rows=[tokens - 1])
+    cp.cuda.Device().synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    eng.forward(ids, eng.new_cache(), rows=[tokens - 1])
+    prof.disable()
+    t1 = time.perf_counter()
+    cp.cuda.Device().synchronize()
+    t2 = time.perf_counter()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(45)
+    res = {"card": card(), "tokens": tokens, "host_ms_profiled": round(1e3 * (t1 - t0), 2),
+           "wait_after_ms": round(1e3 * (t2 - t1), 2), "top": buf.getvalue()}
+    print(res["top"], flush=True)
+    (Path(out) / "prefill_host.json").write_text(json.dumps(res, indent=1))
+
+
 def _rows_speed(s):
     L = ["| engine | weights | prefill 512 tok/s | decode tok/s | captured step GPU ms | matrix bytes | roofline tok/s | "
          "decode / roofline |", "|---|---|---|---|---|---|---|---|"]
@@ -573,7 +603,8 @@ def steps(out):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["profile", "speed", "big", "tables", "prefill", "report", "steps"])
+    ap.add_argument("part", choices=["profile", "speed", "big", "tables", "prefill", "prefill_host", "report",
+                                     "steps"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="f16,f16-op,q4k,q40", help=f"speed: our rows, of {', '.join(OURS)}")
     a = ap.parse_args()
@@ -582,8 +613,8 @@ def main():
     if a.part == "speed":
         speed(a.out, tuple(a.rows.split(",")))
     else:
-        {"profile": profile, "big": big, "tables": tables, "prefill": prefill_ops, "report": report,
-         "steps": steps}[a.part](a.out)
+        {"profile": profile, "big": big, "tables": tables, "prefill": prefill_ops, "prefill_host": prefill_host,
+         "report": report, "steps": steps}[a.part](a.out)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 
