@@ -16,11 +16,15 @@ from __future__ import annotations
 import numpy as np
 
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)        # host scalars cuBLAS reads (pointer mode host)
+_ALPHA = {}                                                             # more of them, one array per value
+_LIB = []
 
 
 def _cublas(cp):
-    from cupy_backends.cuda.libs import cublas
-
+    if not _LIB:
+        from cupy_backends.cuda.libs import cublas
+        _LIB.append(cublas)
+    cublas = _LIB[0]
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     return cublas, handle
@@ -32,7 +36,7 @@ def half_gemm(cp, x, w):
     t, k = x.shape
     n = w.shape[0]
     x16 = cp.ascontiguousarray(x, dtype=cp.float16)
-    w = cp.ascontiguousarray(w)
+    w = w if w.flags.c_contiguous else cp.ascontiguousarray(w)
     y = cp.empty((t, n), dtype=cp.float32)
     r16, r32 = cp.cuda.runtime.CUDA_R_16F, cp.cuda.runtime.CUDA_R_32F
     cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, t, k, _ONE.ctypes.data, w.data.ptr, r16, k,
@@ -44,7 +48,9 @@ def half_gemm(cp, x, w):
 def _batched(cp, a, b, c, m, n, k, lda, ldb, ldc, sa, sb, sc, batch, trans_a, alpha):
     cublas, handle = _cublas(cp)
     r16, r32 = cp.cuda.runtime.CUDA_R_16F, cp.cuda.runtime.CUDA_R_32F
-    al = np.full(1, alpha, np.float32)
+    al = _ALPHA.get(alpha)
+    if al is None:
+        al = _ALPHA.setdefault(alpha, np.full(1, alpha, np.float32))
     cublas.gemmStridedBatchedEx(handle, cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N,
                                 m, n, k, al.ctypes.data, a.data.ptr, r16, lda, sa, b.data.ptr, r16, ldb, sb,
                                 _ZERO.ctypes.data, c.data.ptr, r32, ldc, sc, batch, cublas.CUBLAS_COMPUTE_32F,
@@ -65,7 +71,8 @@ def half_attention(cp, q, k, v, mask, scale, softmax_rows):
     # kq[b] (g*T x S) = q[b] k[b]^T * scale: column-major kq^T (S x gT) = op_T(k as Hd x S) q (Hd x gT)
     _batched(cp, k16, q16, kq, s, g * t, hd, hd, hd, s, s * hd, g * t * hd, g * t * s, kv, True, scale)
     probs = cp.empty_like(kq)
-    softmax_rows((h * t,), (256,), (kq, cp.ascontiguousarray(mask, dtype=cp.float32), probs, np.float32(1.0),
+    mask = mask if mask.dtype == cp.float32 and mask.flags.c_contiguous else cp.ascontiguousarray(mask, cp.float32)
+    softmax_rows((h * t,), (256,), (kq, mask, probs, np.float32(1.0),
                                     np.int32(s), np.int32(t)))
     p16 = probs.astype(cp.float16)
     out = cp.empty((h, t, hd), dtype=cp.float32)                                   # = [KV, g*T, Hd]

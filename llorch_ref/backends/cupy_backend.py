@@ -142,21 +142,28 @@ class CupyBackend(Backend):
                 return half_gemm(cp, x, w) if half_prefill else (x.astype(cp.float16) @ w.T).astype(cp.float32)
             return x @ w.T
 
+        def dense(a):
+            """a as a C-contiguous float32 array (itself when it is one: no call into CuPy)."""
+            return a if a.dtype == f32 and a.flags.c_contiguous else cp.ascontiguousarray(a, dtype=f32)
+
         def rms_norm(xp, x, w, eps):
-            x = cp.ascontiguousarray(x, dtype=cp.float32)
+            x = dense(x)
             y = cp.empty_like(x)
             n = w.shape[0]
             K["rms_norm_rows"]((x.size // n,), (256,), (x, w, y, i32(n), f32(eps)))
             return y
 
         def rope(xp, x, cos, sin, style):
-            x = cp.ascontiguousarray(x, dtype=cp.float32)
-            y = cp.empty_like(x)
+            """x: [T, nh, Hd]; read in place when each token's heads are contiguous (a slice of the stacked Q/K/V
+            product's rows), else copied first."""
             t, nh, hd, half = x.shape[0], x.shape[1], x.shape[2], cos.shape[-1]
+            if not (x.dtype == f32 and x.strides[2] == 4 and x.strides[1] == 4 * hd and x.strides[0] % 4 == 0):
+                x = cp.ascontiguousarray(x, dtype=f32)
+            y = cp.empty((t, nh, hd), dtype=f32)
             total = t * nh * (hd - half)
-            K["rope_rows"](((total + 255) // 256,), (256,), (x, cp.ascontiguousarray(cos), cp.ascontiguousarray(sin),
-                                                            y, i32(t), i32(nh), i32(hd), i32(half),
-                                                            i32(style == "neox")))
+            K["rope_rows"](((total + 255) // 256,), (256,), (x, dense(cos), dense(sin), y, i32(t), i32(nh), i32(hd),
+                                                            i32(half), i32(style == "neox"),
+                                                            cp.int64(x.strides[0] // 4)))
             return y
 
         def parts(x, ws):
@@ -642,13 +649,13 @@ extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float* 
 // RoPE: x [T, nh, hd], cos/sin [T, half] (half = rotated dims / 2); neox: pairs (i, i + half),
 // adjacent: pairs (2i, 2i + 1); dims past 2 * half are copied. One thread per pair or copied dim.
 extern "C" __global__ void rope_rows(const float* x, const float* cs, const float* sn, float* y, int T, int nh,
-                                     int hd, int half, int neox) {
+                                     int hd, int half, int neox, long long stride) {
     long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
     int per = hd - half;                                   // pairs + copied dims per head
     if (idx >= (long)T * nh * per) return;
     int t = idx / (nh * per), rem = idx % (nh * per);
     int h = rem / per, i = rem % per;
-    const float* xh = x + ((size_t)t * nh + h) * hd;
+    const float* xh = x + (size_t)t * stride + (size_t)h * hd;     // token rows `stride` floats apart
     float* yh = y + ((size_t)t * nh + h) * hd;
     if (i < half) {
         int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
