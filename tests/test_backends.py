@@ -206,10 +206,13 @@ def test_cupy_fused_decode_step_matches_the_op_by_op_step(tiny, monkeypatch):
         assert eng.backend.info["fused_decode"] is (fused == "1")
         if fused == "1":
             assert eng.backend.info["cuda_pdl"] is True       # programmatic dependent launch in use
-        rows = []
-        for _ in range(8):
-            rows.append(cp.asnumpy(dec(tok)).copy())
+        rows, be = [], eng.backend
+        for i in range(8):
+            out = dec(tok)
+            rows.append(cp.asnumpy(out).copy())
             tok = int(rows[-1].argmax())
+            assert (out.data.ptr in be.step_argmax) is (i >= 1)        # replays carry the argmax they took
+            assert be.argmax(out[-1]) == tok and not be.step_argmax
         got[fused] = np.concatenate(rows)
     a, b = got["1"], got["0"]
     nmse = float(((a - b) ** 2).sum() / (b ** 2).sum())

@@ -37,6 +37,7 @@ class CupyBackend(Backend):
                          device=f"cuda:{dev.id} {props['name'].decode()}", dtype=dtype,
                          info={"tf32": os.environ.get("CUPY_TF32"), "cupy": cupy.__version__,
                                "cuda_graphs": graphs})
+        self.step_argmax = {}     # a replayed graph's logits (data address) -> (logits, the argmax it took)
 
     def cache_class(self, base_cls):
         return DeviceCache.make(base_cls)
@@ -259,6 +260,11 @@ class CupyBackend(Backend):
         host memory the GPU maps: one launch and a wait instead of the whole row copied back (CuPy's own argmax
         costs more than the copy: results/gpu/2026-11-27-s11/)."""
         cp = self.xp
+        # logits a replayed decode graph just made carry the argmax it took (the entry holds them alive, so their
+        # address is theirs; nothing writes into a step's logits); the first argmax after the replay consumes it
+        done = self.step_argmax.pop(logits.data.ptr, None)
+        if done is not None and logits.size == done[0].size and logits.dtype == done[0].dtype:
+            return int(done[1].host[0])
         if getattr(self, "_argmax_host", None) is None:
             self._argmax_host = MappedHost(cp, 1, np.int64)
         x = cp.ascontiguousarray(logits, dtype=cp.float32).reshape(-1)
@@ -380,18 +386,19 @@ class MappedHost:
 class GraphDecoder:
     """decode(token) -> logits [1, V] on the device. The first step runs eagerly (it also fills CuPy's memory
     pool with every buffer a step needs, so that capturing allocates nothing new); the second captures one
-    whole decode step as a CUDA graph; later steps only write the token into mapped host memory, replay the
-    graph and bump the device position. Nothing else allocates device memory between replays."""
+    whole decode step as a CUDA graph (with the argmax of its logits, which backend.argmax then reads instead of
+    launching its own: plain greedy sampling costs no launch); later steps only write the token into mapped host
+    memory, replay the graph and bump the device position. Nothing else allocates device memory between replays."""
 
     def __init__(self, engine, cache):
         self.engine, self.cache = engine, cache
         xp = engine.xp
         self.xp = xp
-        try:                                  # the token the host writes and the step reads, without a copy call
-            self._tok = MappedHost(xp, 1, np.int64)
+        try:          # the token the host writes and the step reads, and the step's argmax, without copy calls
+            self._tok, self._next = MappedHost(xp, 1, np.int64), MappedHost(xp, 1, np.int64)
             self.tok = self._tok.device
         except Exception:                     # no mapped host memory here: a device array, filled each step
-            self._tok, self.tok = None, xp.zeros(1, dtype=xp.int64)
+            self._tok, self._next, self.tok = None, None, xp.zeros(1, dtype=xp.int64)
         self.graph, self.out, self.steps = None, None, 0
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = engine.backend.info.get("cuda_graphs", False)
@@ -430,6 +437,9 @@ class GraphDecoder:
                         mode = getattr(rt, "streamCaptureModeRelaxed", None)
                         self.stream.begin_capture(*(() if mode is None else (mode,)))
                         self.out = self._step()
+                        if self._next is not None:  # the argmax greedy sampling asks for, in the same graph
+                            _kernels(xp)["argmax_row"]((1,), (1024,), (self.out, np.int32(self.out.size),
+                                                                        self._next.device))
                         self.graph = self.stream.end_capture()
                     except Exception as e:   # capture unsupported here: run eagerly from now on
                         try:
@@ -446,6 +456,8 @@ class GraphDecoder:
                 self.graph.launch(self.stream)
                 c.pos += 1
                 out = self.out
+                if self._next is not None:
+                    self.engine.backend.step_argmax[out.data.ptr] = (out, self._next)
             c.pos_dev += 1
         self.stream.synchronize()
         return out
