@@ -165,16 +165,38 @@ def _group(ws):
     return (b.code, b.rows, b.n_blocks)
 
 
-class FusedDecoder:
-    """decode(token) -> logits [1, V]: every layer of a one-token step in one numba call (decode_step, each layer
-    by decode_layer), with the kernels and arguments of the op-by-op path (the same logits to the bit:
-    tests/test_backends.py), so that a decode step pays Python once instead of once per operation. plan(): the
-    layers' arguments stacked ([L, ...] arrays), or None where a model needs anything the fused step does not do
-    (then make_decoder keeps the op-by-op step)."""
+class _OneCallStep:
+    """decode(token) -> logits [1, V]: the embedding, every layer in one numba call (a subclass's _layers), then
+    the final norm and output product by the engine's ops. plan(engine, cache) (a subclass's): the layers'
+    arguments stacked ([L, ...] arrays), or None where a model needs anything the call does not do (then
+    make_decoder keeps the op-by-op step)."""
 
     def __init__(self, engine, cache, plan):
         self.engine, self.cache, self.plan_args = engine, cache, plan
         self.kv_head = engine.ops.kv_head_of(np, engine.config.n_heads, engine.config.n_kv_heads)
+
+    def __call__(self, token):
+        eng, c = self.engine, self.cache
+        cfg, w = eng.config, eng.weights
+        c.check_room(1)
+        x = w.tok_embd[np.asarray([token])].astype(np.float32, copy=False)
+        if cfg.embed_scale is not None:
+            x = x * np.float32(cfg.embed_scale)
+        cos, sin = c.rope_rows(1)
+        x = self._layers(x, np.ascontiguousarray(cos[0]), np.ascontiguousarray(sin[0]))
+        c.advance(1)
+        PATHS.update(self.paths)
+        x = eng.ops.rms_norm(np, x.reshape(1, -1), w.out_norm, cfg.rms_eps)
+        return eng.ops.linear(np, x, w.output)
+
+
+class FusedDecoder(_OneCallStep):
+    """Exact numerics: decode_step (each layer by decode_layer) with the kernels and arguments of the op-by-op path
+    (the same logits to the bit: tests/test_backends.py), so that a decode step pays Python once instead of once
+    per operation."""
+
+    def __init__(self, engine, cache, plan):
+        super().__init__(engine, cache, plan)
         kinds = Counter()                                   # what `bench` reports: the products of a step
         for lw in engine.weights.layers:
             for w, n in ((lw.wq, 3), (lw.wo, 1), (lw.w_gate, 2), (lw.w_down, 1)):
@@ -205,33 +227,20 @@ class FusedDecoder:
                        for j, name in enumerate(("qkv_rows", "o_rows", "gu_rows", "dn_rows"))},
                     shapes=layers[0][3])
 
-    def __call__(self, token):
-        eng, c, p = self.engine, self.cache, self.plan_args
-        cfg, w = eng.config, eng.weights
-        c.check_room(1)
-        x = w.tok_embd[np.asarray([token])].astype(np.float32, copy=False)
-        if cfg.embed_scale is not None:
-            x = x * np.float32(cfg.embed_scale)
-        cos, sin = c.rope_rows(1)
-        x = K.decode_step(x, p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"], p["n_blocks"], p["qkv_rows"],
-                          p["o_rows"], p["gu_rows"], p["dn_rows"], *p["shapes"], cos[0], sin[0],
-                          cfg.rope_style == "neox", c.k, c.v, c.pos, cfg.scale, self.kv_head, eng.backend.all_kernels)
-        c.advance(1)
-        PATHS.update(self.paths)
-        x = eng.ops.rms_norm(np, x, w.out_norm, cfg.rms_eps)
-        return eng.ops.linear(np, x, w.output)
+    def _layers(self, x, cos, sin):
+        eng, c, p, cfg = self.engine, self.cache, self.plan_args, self.engine.config
+        return K.decode_step(x, p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"], p["n_blocks"], p["qkv_rows"],
+                             p["o_rows"], p["gu_rows"], p["dn_rows"], *p["shapes"], cos, sin, cfg.rope_style == "neox",
+                             c.k, c.v, c.pos, cfg.scale, self.kv_head, eng.backend.all_kernels)
 
 
-class GgmlFusedDecoder:
-    """numerics="ggml": decode(token) -> logits [1, V], every layer of a one-token step in one numba call
-    (numba_ggml.decode_step: ggml's arithmetic bit for bit, as the op-by-op step with ggml_cpu's ops computes it;
-    tests/test_ggml_numerics.py checks both against llama.cpp). plan(): the stacked arguments, or None where the
-    step needs anything decode_step does not do (a float16 K/V cache, biases, QK-norm, Gemma's extras, matrices
-    without a ggml kernel); then the op-by-op step runs."""
+class GgmlFusedDecoder(_OneCallStep):
+    """numerics="ggml": numba_ggml.decode_step, ggml's arithmetic bit for bit as the op-by-op step with ggml_cpu's
+    ops computes it (tests/test_ggml_numerics.py checks both against llama.cpp). plan() gives None for what
+    decode_step does not do: a float16 K/V cache, biases, QK-norm, Gemma's extras, matrices without a ggml kernel."""
 
     def __init__(self, engine, cache, plan):
-        self.engine, self.cache, self.plan_args = engine, cache, plan
-        self.kv_head = engine.ops.kv_head_of(np, engine.config.n_heads, engine.config.n_kv_heads)
+        super().__init__(engine, cache, plan)
         lw = engine.weights.layers[0]
         self.paths = Counter({(w.qtype, f"numba ggml kernel (in place){f', {n} matrices stacked' if n > 1 else ''}, "
                                "fused layer step", "1 row"): len(engine.weights.layers)
@@ -261,22 +270,11 @@ class GgmlFusedDecoder:
                     rows=np.stack([np.concatenate([m.rows for g in gs for m in g]) for gs in groups]),
                     shapes=(gs0[0][0].shape[0], gs0[0][1].shape[0], gs0[2][0].shape[0]))
 
-    def __call__(self, token):
-        eng, c, p = self.engine, self.cache, self.plan_args
-        cfg, w = eng.config, eng.weights
-        c.check_room(1)
-        x = w.tok_embd[np.asarray([token])].astype(np.float32, copy=False)
-        if cfg.embed_scale is not None:
-            x = x * np.float32(cfg.embed_scale)
-        cos, sin = c.rope_rows(1)
-        x = G.decode_step(np.ascontiguousarray(x[0]), p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"],
-                          p["n_blocks"], p["rows"], *p["shapes"], np.ascontiguousarray(cos[0]),
-                          np.ascontiguousarray(sin[0]), cfg.rope_style == "neox", c.k, c.v, c.pos, cfg.scale,
-                          self.kv_head)
-        c.advance(1)
-        PATHS.update(self.paths)
-        x = eng.ops.rms_norm(np, x[None, :], w.out_norm, cfg.rms_eps)
-        return eng.ops.linear(np, x, w.output)
+    def _layers(self, x, cos, sin):
+        c, p, cfg = self.cache, self.plan_args, self.engine.config
+        return G.decode_step(np.ascontiguousarray(x[0]), p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"],
+                             p["n_blocks"], p["rows"], *p["shapes"], cos, sin, cfg.rope_style == "neox", c.k, c.v,
+                             c.pos, cfg.scale, self.kv_head)
 
 
 class GgmlKernelMatrix:
