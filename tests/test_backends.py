@@ -315,9 +315,10 @@ def test_cupy_half_products_against_float64_on_float16_inputs():
 
 @pytest.mark.parametrize("d_model,kv_dtype", [(128, "float32"), (256, "float16")])
 def test_cupy_generation_prefill_within_the_float16_band(tiny, d_model, kv_dtype):
-    """float16 weights: generation's prefill (no recorder: half-precision attention products) against the recorded
-    path, head dims 32 and 64, grouped KV heads, a prompt in two parts (the second attends to a cached prefix):
-    within the cupy:float16 band; float32 weights take the recorded path, equal to the bit."""
+    """float16 weights: generation's prefill (no recorder: RoPE and the cache write in one kernel, half-precision
+    attention products) against the recorded path, head dims 32 and 64, grouped KV heads, a prompt in two parts
+    (the second attends to a cached prefix): logits within the cupy:float16 band, the K/V cache equal to the bit;
+    float32 weights take the recorded path, equal to the bit."""
     need_backend("cupy")
     import cupy as cp
 
@@ -325,13 +326,16 @@ def test_cupy_generation_prefill_within_the_float16_band(tiny, d_model, kv_dtype
     ids = [(7 * i + 3) % 200 + 1 for i in range(53)]
     for dtype in ("float16", "float32"):
         eng = llorch_ref.load(path, backend="cupy", dtype=dtype, kv_dtype=kv_dtype)
-        out = {}
+        out, caches = {}, {}
         for watched in (False, True):
             record = (lambda name, layer, arr: None) if watched else None
             cache = eng.new_cache()
             a = eng.forward(ids[:20], cache, record=record)
             b = eng.forward(ids[20:], cache, record=record)
             out[watched] = np.concatenate([cp.asnumpy(a), cp.asnumpy(b)])
+            caches[watched] = (cp.asnumpy(cache.k[:, :cache.pos]), cp.asnumpy(cache.v[:, :cache.pos]))
+        for fast_kv, ref_kv in zip(caches[False], caches[True]):
+            assert np.array_equal(fast_kv, ref_kv)
         fast, ref = out[False], out[True]
         nmse = float(((fast - ref) ** 2).sum() / (ref ** 2).sum())
         print(f"{dtype}: unrecorded vs recorded prefill NMSE {nmse:.2e}, max abs {np.abs(fast - ref).max():.2e}")

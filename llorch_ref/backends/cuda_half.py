@@ -61,19 +61,23 @@ def half_attention(cp, q, k, v, mask, scale, softmax_rows):
     """q: [T, H, Hd], k, v: [S, KV, Hd] (float32 or float16), mask: [T, S] float32 -> [T, H*Hd] float32.
     Query head h reads KV head h // (H / KV) (grouped heads are consecutive, so each KV head's group is one
     [group*T, Hd] block of the head-major Q). softmax_rows: the cupy backend's kernel (kq * scale + mask)."""
-    t, h, hd = q.shape
-    s, kv = k.shape[0], k.shape[1]
-    g = h // kv
     q16 = cp.ascontiguousarray(q.transpose(1, 0, 2), dtype=cp.float16)            # [H, T, Hd] = [KV, g*T, Hd]
     k16 = cp.ascontiguousarray(k.transpose(1, 0, 2), dtype=cp.float16)            # [KV, S, Hd]
     v16 = cp.ascontiguousarray(v.transpose(1, 0, 2), dtype=cp.float16)
+    return half_attention_core(cp, q16, k16, v16, mask, scale, softmax_rows)
+
+
+def half_attention_core(cp, q16, k16, v16, mask, scale, softmax_rows):
+    """half_attention on float16 head-major copies: q16 [H, T, Hd], k16, v16 [KV, S, Hd] -> [T, H*Hd] float32."""
+    h, t, hd = q16.shape
+    kv, s = k16.shape[0], k16.shape[1]
+    g = h // kv
     kq = cp.empty((h, t, s), dtype=cp.float32)                                     # = [KV, g*T, S]
     # kq[b] (g*T x S) = q[b] k[b]^T * scale: column-major kq^T (S x gT) = op_T(k as Hd x S) q (Hd x gT)
     _batched(cp, k16, q16, kq, s, g * t, hd, hd, hd, s, s * hd, g * t * hd, g * t * s, kv, True, scale)
     probs = cp.empty_like(kq)
     mask = mask if mask.dtype == cp.float32 and mask.flags.c_contiguous else cp.ascontiguousarray(mask, cp.float32)
-    softmax_rows((h * t,), (256,), (kq, mask, probs, np.float32(1.0),
-                                    np.int32(s), np.int32(t)))
+    softmax_rows((h * t,), (256,), (kq, mask, probs, np.float32(1.0), np.int32(s), np.int32(t)))
     p16 = probs.astype(cp.float16)
     out = cp.empty((h, t, hd), dtype=cp.float32)                                   # = [KV, g*T, Hd]
     # out[b] (gT x Hd) = p[b] (gT x S) v[b] (S x Hd): column-major out^T (Hd x gT) = v (Hd x S) p (S x gT)

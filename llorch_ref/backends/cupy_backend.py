@@ -21,7 +21,7 @@ from . import Backend
 from .cuda_blocks import TYPES as BLOCK_TYPES
 from .cuda_blocks import GpuBlocks
 from .cuda_fused import FusedStep
-from .cuda_half import half_attention, half_gemm
+from .cuda_half import half_attention, half_attention_core, half_gemm
 
 
 class CupyBackend(Backend):
@@ -239,6 +239,34 @@ class CupyBackend(Backend):
                 return attention(xp, q, k, v, mask, scale, kv_head)[0]
             return half_attention(cp, q, k, v, mask, scale, K["softmax_rows"])
 
+        def rope_store_attend(xp, q, k, v, cos, sin, style, cache, layer, mask, scale, kv_head):
+            """Several tokens that no recorder watches, float16 weights, q/k/v straight from the stacked Q/K/V
+            product: RoPE, the cache write and the float16 head-major copies in one kernel (rope_store), then the
+            attention's batched products (cuda_half) -> the attention output [T, H*Hd]; None where that does not
+            apply (block() then runs the operations one by one)."""
+            t, h, hd = q.shape
+            kv = k.shape[1]
+            row = q.strides[0]
+            if t == 1 or self.dtype != "float16" or not half_prefill or style not in ("adjacent", "neox") \
+                    or getattr(cache, "static", False) or q.dtype != f32 or cache.k.dtype not in (f32, cp.float16) \
+                    or not (k.strides[0] == v.strides[0] == row and q.strides[1:] == k.strides[1:] == v.strides[1:]
+                            == (4 * hd, 4) and k.data.ptr == q.data.ptr + 4 * h * hd
+                            and v.data.ptr == q.data.ptr + 4 * (h + kv) * hd):
+                return None
+            pos, half = cache.pos, cos.shape[-1]
+            s_len = pos + t
+            q16 = cp.empty((h, t, hd), dtype=cp.float16)
+            k16, v16 = cp.empty((kv, s_len, hd), dtype=cp.float16), cp.empty((kv, s_len, hd), dtype=cp.float16)
+            if pos:                                         # the cached prefix, as float16 in head-major order
+                k16[:, :pos] = cache.k[layer, :pos].transpose(1, 0, 2)
+                v16[:, :pos] = cache.v[layer, :pos].transpose(1, 0, 2)
+            n = t * (h + 2 * kv) * hd
+            K["rope_store_f16" if cache.k.dtype == cp.float16 else "rope_store_f32"](
+                ((n + 255) // 256,), (256,), (q, cp.int64(row // 4), dense(cos), dense(sin), cache.k[layer],
+                                              cache.v[layer], q16, k16, v16, i32(t), i32(h), i32(kv), i32(hd),
+                                              i32(half), i32(style == "neox"), i32(pos), i32(s_len)))
+            return half_attention_core(cp, q16, k16, v16, mask, scale, K["softmax_rows"])
+
         kv_heads = {}
 
         def kv_head_of(xp, n_heads, n_kv_heads):          # the same small index array for every layer
@@ -247,7 +275,7 @@ class CupyBackend(Backend):
             return kv_heads[(n_heads, n_kv_heads)]
 
         ops.linear, ops.qkv, ops.swiglu, ops.geglu, ops.attention = linear, qkv, swiglu, geglu, attention
-        ops.attention_out = attention_out
+        ops.attention_out, ops.rope_store_attend = attention_out, rope_store_attend
         ops.kv_head_of = kv_head_of
         ops.rms_norm, ops.rope = rms_norm, rope
         return ops
@@ -658,6 +686,11 @@ extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float* 
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = (xr[i] * scale) * w[i];
 }
 
+// A pair's rotation, each product and difference rounded as NumPy rounds them (no contraction into an FMA):
+// y0 = x0 c - x1 s, y1 = x0 s + x1 c.
+__device__ __forceinline__ float rot0(float x0, float x1, float c, float s) { return __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)); }
+__device__ __forceinline__ float rot1(float x0, float x1, float c, float s) { return __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)); }
+
 // RoPE: x [T, nh, hd], cos/sin [T, half] (half = rotated dims / 2); neox: pairs (i, i + half),
 // adjacent: pairs (2i, 2i + 1); dims past 2 * half are copied. One thread per pair or copied dim.
 extern "C" __global__ void rope_rows(const float* x, const float* cs, const float* sn, float* y, int T, int nh,
@@ -672,12 +705,50 @@ extern "C" __global__ void rope_rows(const float* x, const float* cs, const floa
     if (i < half) {
         int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
         float x0 = xh[a], x1 = xh[b], c = cs[t * half + i], s = sn[t * half + i];
-        yh[a] = x0 * c - x1 * s;
-        yh[b] = x0 * s + x1 * c;
+        yh[a] = rot0(x0, x1, c, s);
+        yh[b] = rot1(x0, x1, c, s);
     } else {
         int d = 2 * half + (i - half);
         yh[d] = xh[d];
     }
+}
+
+// Generation's prefill (no recorder watching): RoPE of the T new tokens' q and k read straight from the stacked
+// Q/K/V product y (token rows ys floats apart: q at 0, k at H hd, v at (H + KV) hd), k and v written into this
+// layer's cache rows pos.. (type C), and q, k, v as float16 in head-major order for the attention's batched
+// products: q16 [H, T, hd], k16, v16 [KV, S, hd] at rows pos... The rotation is rope_rows's to the bit. One thread
+// per (token, head of q, k or v, dim).
+template <typename C>
+__device__ void rope_store(const float* y, long long ys, const float* cs, const float* sn, C* kc, C* vc, __half* q16,
+                           __half* k16, __half* v16, int T, int H, int KV, int hd, int half, int neox, int pos, int S) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    int heads = H + 2 * KV;
+    if (idx >= (long)T * heads * hd) return;
+    int t = idx / (heads * hd), rem = idx % (heads * hd), hh = rem / hd, d = rem % hd;
+    const float* xh = y + (size_t)t * ys + (size_t)hh * hd;
+    float val = xh[d];
+    if (hh < H + KV && d < 2 * half) {                       // q or k, a rotated dim: its pair's formula
+        int i = neox ? (d < half ? d : d - half) : d / 2;
+        bool first = neox ? d < half : d % 2 == 0;
+        int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        float c = cs[t * half + i], s = sn[t * half + i];
+        val = first ? rot0(xh[a], xh[b], c, s) : rot1(xh[a], xh[b], c, s);
+    }
+    if (hh < H) { q16[((size_t)hh * T + t) * hd + d] = __float2half_rn(val); return; }
+    bool is_k = hh < H + KV;
+    int kvh = is_k ? hh - H : hh - H - KV;
+    put((is_k ? kc : vc) + ((size_t)(pos + t) * KV + kvh) * hd + d, val);
+    (is_k ? k16 : v16)[((size_t)kvh * S + pos + t) * hd + d] = __float2half_rn(val);
+}
+extern "C" __global__ void rope_store_f32(const float* y, long long ys, const float* cs, const float* sn, float* kc,
+                                          float* vc, __half* q16, __half* k16, __half* v16, int T, int H, int KV,
+                                          int hd, int half, int neox, int pos, int S) {
+    rope_store(y, ys, cs, sn, kc, vc, q16, k16, v16, T, H, KV, hd, half, neox, pos, S);
+}
+extern "C" __global__ void rope_store_f16(const float* y, long long ys, const float* cs, const float* sn, __half* kc,
+                                          __half* vc, __half* q16, __half* k16, __half* v16, int T, int H, int KV,
+                                          int hd, int half, int neox, int pos, int S) {
+    rope_store(y, ys, cs, sn, kc, vc, q16, k16, v16, T, H, KV, hd, half, neox, pos, S);
 }
 
 // Attention, one block of 1024 threads per (query head, query token). q [T, H, hd]; k, v [S, KV, hd];
@@ -767,7 +838,8 @@ def _kernels(cp):
     if not _KERNELS:
         mod = cp.RawModule(code=_KERNELS_SRC, options=("-std=c++17",))
         for name in ("gemv_f32", "gemv_f16", "gemv_f32_row", "gemv_f16_v8", "gemv_f16_x4", "rms_norm_rows",
-                     "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows", "argmax_row"):
+                     "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows", "argmax_row",
+                     "rope_store_f32", "rope_store_f16"):
             _KERNELS[name] = mod.get_function(name)
         _KERNELS["silu_mul"] = cp.ElementwiseKernel("float32 g, float32 u", "float32 h",
                                                     "h = (g / (1.0f + expf(-g))) * u", "llorch_silu_mul")
