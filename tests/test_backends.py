@@ -317,8 +317,8 @@ def test_cupy_half_products_against_float64_on_float16_inputs():
 def test_cupy_generation_prefill_within_the_float16_band(tiny, d_model, kv_dtype):
     """float16 weights: generation's prefill (no recorder: RoPE and the cache write in one kernel, half-precision
     attention products) against the recorded path, head dims 32 and 64, grouped KV heads, a prompt in two parts
-    (the second attends to a cached prefix): logits within the cupy:float16 band, the K/V cache equal to the bit;
-    float32 weights take the recorded path, equal to the bit."""
+    (the second attends to a cached prefix): logits and the K/V cache within the cupy:float16 band, layer 0's cache
+    (before any attention difference) equal to the bit; float32 weights take the recorded path, equal to the bit."""
     need_backend("cupy")
     import cupy as cp
 
@@ -335,7 +335,9 @@ def test_cupy_generation_prefill_within_the_float16_band(tiny, d_model, kv_dtype
             out[watched] = np.concatenate([cp.asnumpy(a), cp.asnumpy(b)])
             caches[watched] = (cp.asnumpy(cache.k[:, :cache.pos]), cp.asnumpy(cache.v[:, :cache.pos]))
         for fast_kv, ref_kv in zip(caches[False], caches[True]):
-            assert np.array_equal(fast_kv, ref_kv)
+            assert np.array_equal(fast_kv[0], ref_kv[0])    # layer 0: RoPE and the write alone; later layers
+            e = float(((fast_kv - ref_kv) ** 2).sum() / (ref_kv ** 2).sum())     # see attention's differences
+            assert e < 1e-3 if dtype == "float16" else e == 0.0
         fast, ref = out[False], out[True]
         nmse = float(((fast - ref) ** 2).sum() / (ref ** 2).sum())
         print(f"{dtype}: unrecorded vs recorded prefill NMSE {nmse:.2e}, max abs {np.abs(fast - ref).max():.2e}")
