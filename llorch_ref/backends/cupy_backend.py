@@ -239,7 +239,7 @@ class CupyBackend(Backend):
                 return attention(xp, q, k, v, mask, scale, kv_head)[0]
             return half_attention(cp, q, k, v, mask, scale, K["softmax_rows"])
 
-        def rope_store_attend(xp, q, k, v, cos, sin, style, cache, layer, mask, scale, kv_head):
+        def rope_store_attend(xp, q, k, v, cos, sin, style, cache, layer, window, scale, kv_head):
             """Several tokens that no recorder watches, float16 weights, q/k/v straight from the stacked Q/K/V
             product: RoPE, the cache write and the float16 head-major copies in one kernel (rope_store), then the
             attention's batched products (cuda_half) -> the attention output [T, H*Hd]; None where that does not
@@ -265,7 +265,7 @@ class CupyBackend(Backend):
                 ((n + 255) // 256,), (256,), (q, cp.int64(row // 4), dense(cos), dense(sin), cache.k[layer],
                                               cache.v[layer], q16, k16, v16, i32(t), i32(h), i32(kv), i32(hd),
                                               i32(half), i32(style == "neox"), i32(pos), i32(s_len)))
-            return half_attention_core(cp, q16, k16, v16, mask, scale, K["softmax_rows"])
+            return half_attention_core(cp, q16, k16, v16, cache.mask(t, window), scale, K["softmax_rows"])
 
         kv_heads = {}
 

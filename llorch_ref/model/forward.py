@@ -38,13 +38,13 @@ def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None)
         k = ops.rms_norm(xp, k, lw.k_norm, cfg.rms_eps)                                  # [T, KV, Hd]
         record("q_normed", layer, q); record("k_normed", layer, k)
     cos, sin = cache.rope_rows(t, local)                                               # [T, R/2]
+    window = cfg.sliding_window if local else 0
     kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
-    mask = cache.mask(t, cfg.sliding_window if local else 0)                          # [T, S]
     watched = observes_tensors(record)
     att = None if watched or not hasattr(ops, "rope_store_attend") else ops.rope_store_attend(
-        xp, q, k, v, cos, sin, cfg.rope_style, cache, layer, mask, cfg.scale, kv_head)  # a backend's fused path
+        xp, q, k, v, cos, sin, cfg.rope_style, cache, layer, window, cfg.scale, kv_head)  # a backend's fused path
     if att is None:
-        att = _rope_store_attend(xp, cfg, ops, q, k, v, cos, sin, cache, layer, mask, kv_head, record, watched)
+        att = _rope_store_attend(xp, cfg, ops, q, k, v, cos, sin, cache, layer, window, kv_head, record, watched)
     att = ops.linear(xp, att, lw.wo)                                                     # [T, D]
     record("attn_out", layer, att)
     if out_rows is not None:
@@ -67,13 +67,15 @@ def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None)
     return x
 
 
-def _rope_store_attend(xp, cfg, ops, q, k, v, cos, sin, cache, layer, mask, kv_head, record, watched):
-    """RoPE, the cache write and attention, operation by operation (each a checkpoint) -> [T, H*Hd]."""
+def _rope_store_attend(xp, cfg, ops, q, k, v, cos, sin, cache, layer, window, kv_head, record, watched):
+    """RoPE, the cache write and attention, operation by operation (each a checkpoint) -> [T, H*Hd]. The mask is
+    asked for after the write (a cache may build it from what it holds)."""
     q = ops.rope(xp, q, cos, sin, cfg.rope_style)                                        # [T, H, Hd]
     k = ops.rope(xp, k, cos, sin, cfg.rope_style)                                        # [T, KV, Hd]
     record("q", layer, q); record("k", layer, k)
     k_all, v_all = cache.store(layer, k, v)                                            # [S, KV, Hd]
     record("k_cache", layer, k_all); record("v_cache", layer, v_all)
+    mask = cache.mask(q.shape[0], window)                                              # [T, S]
     if watched or not hasattr(ops, "attention_out"):
         att, kq, probs = ops.attention(xp, q, k_all, v_all, mask, cfg.scale, kv_head)  # [T, H*Hd]
         record("kq", layer, kq); record("kq_soft_max", layer, probs); record("kqv_out", layer, att)
