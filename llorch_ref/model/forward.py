@@ -1,7 +1,9 @@
 """block() and forward(): the whole model, with an optional recorder for checkpoints.
 
 The recorder is an observer: `record(name, layer, array)` is called with every checkpoint tensor
-(layer None outside the blocks). It never changes the computation.
+(layer None outside the blocks). A recorder that looks at tensors always gets the operation-by-operation path;
+without one (generation), a backend may fuse operations whose tensors nobody sees (cupy with float16 weights: RoPE,
+the cache write and attention of a prefill), with results that differ by rounding, within that backend's band.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ def _noop(name, layer, arr):
 
 def observes_tensors(record) -> bool:
     """Whether a recorder looks at the tensors (a checkpoint capture) or only at the layer boundaries (a
-    recorder with `tensors = False`, such as generation's cancel check), so that attention may skip kq and probs."""
+    recorder with `tensors = False`, such as generation's cancel check): if not, a backend may fuse operations."""
     return record is not _noop and getattr(record, "tensors", True)
 
 
