@@ -201,30 +201,38 @@ def test_numba_activation_quantization_equals_the_emulation(with_sum):
 
 
 @pytest.mark.parametrize("n_pos", [1, 7, 33, 70])
-def test_numba_one_token_attention_equals_the_emulation(n_pos):
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_numba_one_token_attention_equals_the_emulation(n_pos, kv_dtype):
+    """Over the first n_pos rows of a longer cache; a float16 cache passed as its bits (uint16), as the step does."""
     g = _g()
     rng = np.random.default_rng(n_pos)
     h, kv, hd = 6, 2, 64
     q = rng.standard_normal((h, hd)).astype(np.float32)
-    k, v = (rng.standard_normal((n_pos, kv, hd)) * 3).astype(np.float32), rng.standard_normal((n_pos, kv, hd)).astype(np.float32)
+    k = (rng.standard_normal((n_pos + 5, kv, hd)) * 3).astype(kv_dtype)
+    v = rng.standard_normal((n_pos + 5, kv, hd)).astype(kv_dtype)
     kv_head = np.arange(h) // (h // kv)
-    want, _, _ = ggml_cpu.make_attention("float32")(np, q[None], k, v, np.zeros((1, n_pos), np.float32), 0.125, kv_head)
-    got = g.attend(q, k, v, 0.125, kv_head)
+    want, _, _ = ggml_cpu.make_attention(kv_dtype)(np, q[None], k[:n_pos].astype(np.float32),
+                                                   v[:n_pos].astype(np.float32), np.zeros((1, n_pos), np.float32),
+                                                   0.125, kv_head)
+    bits = (lambda a: a.view(np.uint16)) if kv_dtype == "float16" else (lambda a: a)
+    got = g.attend(q, bits(k), bits(v), n_pos, 0.125, kv_head)
     assert np.array_equal(got, want[0])
-    bad = g.attend(q, k, v[:, ::-1].copy(), 0.125, kv_head)            # planted: the KV heads swapped
+    bad = g.attend(q, bits(k), bits(v[:, ::-1].copy()), n_pos, 0.125, kv_head)   # planted: the KV heads swapped
     assert not np.array_equal(bad, want[0])
 
 
 @pytest.mark.parametrize("wt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
-def test_fused_numba_ggml_decode_bit_identical_to_llamacpp(tiny, llamacpp, wt):
-    """The decoder generation uses (one numba call a step) against llama.cpp's decode, every logit, 6 steps."""
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_fused_numba_ggml_decode_bit_identical_to_llamacpp(tiny, llamacpp, wt, kv):
+    """The decoder generation uses (one numba call a step) against llama.cpp's decode, every logit, 6 steps, on
+    either K/V cache type."""
     from llorch_ref.backends.numba_backend import GgmlFusedDecoder
     from llorch_ref.references.llamacpp import LlamaCpp
 
     need_backend("numba")
     path = tiny(vocab="none", weight_type=wt)
-    eng = llorch_ref.load(path, numerics="ggml", kv_dtype="float32", backend="numba")
-    ref = LlamaCpp(path, n_ctx=128, kv_dtype="float32")
+    eng = llorch_ref.load(path, numerics="ggml", kv_dtype=kv, backend="numba")
+    ref = LlamaCpp(path, n_ctx=128, kv_dtype=kv)
     cache = eng.new_cache()
     eng.forward(IDS, cache, rows=[len(IDS) - 1])
     dec = eng.backend.make_decoder(eng, cache)
@@ -235,16 +243,17 @@ def test_fused_numba_ggml_decode_bit_identical_to_llamacpp(tiny, llamacpp, wt):
     ref.close()
 
 
-def test_default_model_fused_numba_ggml_greedy_identical(default_model, llamacpp):
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_default_model_fused_numba_ggml_greedy_identical(default_model, llamacpp, kv):
     """generate() on numba with numerics='ggml' (the fused step) against llama.cpp's greedy tokens, 64 tokens."""
     from llorch_ref.references.llamacpp import LlamaCpp
 
     need_backend("numba")
-    eng = llorch_ref.load(default_model, numerics="ggml", kv_dtype="float32", backend="numba")
+    eng = llorch_ref.load(default_model, numerics="ggml", kv_dtype=kv, backend="numba")
     ids = eng.tokenizer.encode(PROMPT)
     ours = list(eng.generate_ids(ids, max_tokens=64, ignore_eos=True))
     assert eng.backend.info["fused_decode"] is True
-    assert ours == LlamaCpp(default_model, n_ctx=256, kv_dtype="float32").greedy(ids, 64)
+    assert ours == LlamaCpp(default_model, n_ctx=256, kv_dtype=kv).greedy(ids, 64)
 
 
 @pytest.mark.parametrize("neox", [False, True])
@@ -262,11 +271,12 @@ def test_numba_rope_norm_and_swiglu_equal_the_emulation(neox):
     assert np.array_equal(g.swiglu_hidden(gu, 96), want)
 
 
-def test_default_model_fused_numba_ggml_step_equals_the_op_by_op_step(default_model, monkeypatch):
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_default_model_fused_numba_ggml_step_equals_the_op_by_op_step(default_model, monkeypatch, kv):
     """Logits and every layer's K/V cache after 8 steps, fused against op by op (LLORCH_NUMBA_FUSED=0), to the bit:
     the cache holds RoPE's output before any quantization, so a one-ulp slip there shows."""
     need_backend("numba")
-    eng = llorch_ref.load(default_model, numerics="ggml", kv_dtype="float32", backend="numba")
+    eng = llorch_ref.load(default_model, numerics="ggml", kv_dtype=kv, backend="numba")
     ids = eng.tokenizer.encode(PROMPT)
     runs = []
     for fused in ("1", "0"):

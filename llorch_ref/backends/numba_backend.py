@@ -236,8 +236,9 @@ class FusedDecoder(_OneCallStep):
 
 class GgmlFusedDecoder(_OneCallStep):
     """numerics="ggml": numba_ggml.decode_step, ggml's arithmetic bit for bit as the op-by-op step with ggml_cpu's
-    ops computes it (tests/test_ggml_numerics.py checks both against llama.cpp). plan() gives None for what
-    decode_step does not do: a float16 K/V cache, biases, QK-norm, Gemma's extras, matrices without a ggml kernel."""
+    ops computes it (tests/test_ggml_numerics.py checks both against llama.cpp), on a float32 or float16 K/V cache.
+    plan() gives None for what decode_step does not do: biases, QK-norm, Gemma's extras, matrices without a ggml
+    kernel."""
 
     def __init__(self, engine, cache, plan):
         super().__init__(engine, cache, plan)
@@ -249,8 +250,9 @@ class GgmlFusedDecoder(_OneCallStep):
     @staticmethod
     def plan(engine, cache):
         cfg, w = engine.config, engine.weights
-        if cache.kv_dtype != np.float32 or cfg.qkv_bias or cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" \
-                or cfg.sliding_window or cfg.rope_base_local is not None or cfg.rope_style not in ("adjacent", "neox"):
+        if cache.kv_dtype not in (np.float32, np.float16) or cfg.qkv_bias or cfg.qk_norm or cfg.post_norms \
+                or cfg.ffn_act != "silu" or cfg.sliding_window or cfg.rope_base_local is not None \
+                or cfg.rope_style not in ("adjacent", "neox"):
             return None
         groups = []
         for lw in w.layers:
@@ -272,8 +274,9 @@ class GgmlFusedDecoder(_OneCallStep):
 
     def _layers(self, x, cos, sin):
         c, p, cfg = self.cache, self.plan_args, self.engine.config
+        kc, vc = (c.k, c.v) if c.k.dtype == np.float32 else (c.k.view(np.uint16), c.v.view(np.uint16))   # f16 bits
         return G.decode_step(np.ascontiguousarray(x[0]), p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"],
-                             p["n_blocks"], p["rows"], *p["shapes"], cos, sin, cfg.rope_style == "neox", c.k, c.v,
+                             p["n_blocks"], p["rows"], *p["shapes"], cos, sin, cfg.rope_style == "neox", kc, vc,
                              c.pos, cfg.scale, self.kv_head)
 
 

@@ -3,8 +3,8 @@ numerics.ggml_cpu's NumPy emulation (checked against llama.cpp's tensors there) 
 
 Each function mirrors one of ggml_cpu's: the float32 fused multiply-add emulated in float64 (`_fma`), ggml_v_expf
 with its integer tricks (`v_expf`), Q8_0/Q8_1 activation quantization (`quantize_q8`), the FMA-contracted RoPE,
-ggml_vec_dot_f32's 4 x 8 lanes (`vec_dot_f32`), the softmax in chunks of 8 with a float64 total, and one-token
-attention on a float32 K/V cache. `decode_step` runs every layer of a llama step in one call, its products by
+ggml_vec_dot_f32's 4 x 8 lanes (`_fold32`), the softmax in chunks of 8 with a float64 total, and one-token
+attention on a float32 or float16 K/V cache (kv_get/kv_put/kv_round: one code for both). `decode_step` runs every layer of a llama step in one call, its products by
 numba_kernels.ggml_rows on the file's blocks (Q/K/V and gate/up stacked by rows: each row's result is its own),
 in the order ops.block runs them. RMSNorm sums its squares in float64 in order, as ggml does.
 """
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from . import numba_kernels as K
-from .numba_simd import f16_round, f32_bits, f32_from_bits
+from .numba_simd import f16_bits_to_f32, f16_round, f32_bits, f32_from_bits, f32_to_f16_bits
 
 F32 = np.float32
 _R, _LOG2E = F32(float.fromhex("0x1.8p23")), F32(float.fromhex("0x1.715476p+0"))
@@ -94,6 +96,56 @@ def rope(x, cos, sin, neox):
     return out
 
 
+# -- the K/V cache as float32, or float16 held as its bits (a uint16 view): the same code reads and writes both ------
+def kv_get(a, s, g, d):
+    """a[s, g, d] as float32."""
+
+
+def kv_put(a, s, g, d, v):
+    """a[s, g, d] = v (rounded to float16 for a float16 cache)."""
+
+
+def kv_round(a, v):
+    """v as the products with this cache's values see it: rounded to float16 for a float16 cache (ggml converts
+    Q and the probabilities to the cache's type), else unchanged."""
+
+
+@overload(kv_get, inline="always")
+def _kv_get(a, s, g, d):
+    if a.dtype == types.uint16:
+        return lambda a, s, g, d: f16_bits_to_f32(a[s, g, d])
+    return lambda a, s, g, d: a[s, g, d]
+
+
+@overload(kv_put, inline="always")
+def _kv_put(a, s, g, d, v):
+    if a.dtype == types.uint16:
+        def put(a, s, g, d, v):
+            a[s, g, d] = f32_to_f16_bits(v)
+        return put
+
+    def put32(a, s, g, d, v):
+        a[s, g, d] = v
+    return put32
+
+
+def kv_half(a):
+    """Whether the cache holds float16 bits (a constant where numba compiles)."""
+
+
+@overload(kv_half, inline="always")
+def _kv_half(a):
+    half = a.dtype == types.uint16
+    return lambda a: half
+
+
+@overload(kv_round, inline="always")
+def _kv_round(a, v):
+    if a.dtype == types.uint16:
+        return lambda a, v: f16_round(v)
+    return lambda a, v: v
+
+
 @nb.njit(inline="always")
 def _fold32(acc):
     """ggml_vec_dot_f32's reduction of its 4 accumulators of 8 lanes (acc: [32], accumulator j at 8j..8j+7)."""
@@ -110,19 +162,26 @@ def _fold8(e, at):
 
 
 @nb.njit(inline="always")
-def _scores(q, k, g, scale, z):
-    """z[s] = vec_dot_f32(q, k[s, g]) * scale (ggml_vec_dot_f32: 32 lanes over Hd, folded, leftovers in order)."""
+def _scores(q, k, n, g, scale, z):
+    """z[s] = vec_dot(q, k[s, g]) * scale for s < n (ggml_vec_dot_f32, or _f16 on a float16 cache with q rounded to
+    float16: 32 lanes over Hd, folded; leftovers in order, in float64 for float16 as ggml_cpu's emulation has it)."""
     hd = q.shape[0]
     body = hd - hd % 32
     acc = np.empty(32, F32)
-    for s in range(k.shape[0]):
+    for s in range(n):
         acc[:] = 0
         for i in range(0, body, 32):
             for lane in range(32):
-                acc[lane] = _fma(q[i + lane], k[s, g, i + lane], acc[lane])
+                acc[lane] = _fma(q[i + lane], kv_get(k, s, g, i + lane), acc[lane])
         r = _fold32(acc)
-        for i in range(body, hd):
-            r = r + q[i] * k[s, g, i]
+        if kv_half(k):
+            r64 = np.float64(r)
+            for i in range(body, hd):
+                r64 = r64 + np.float64(q[i] * kv_get(k, s, g, i))
+            r = np.float32(r64)
+        else:
+            for i in range(body, hd):
+                r = r + q[i] * kv_get(k, s, g, i)
         z[s] = r * scale + F32(0)                   # + the mask's 0, as the emulation adds it
 
 
@@ -146,23 +205,26 @@ def _softmax(z, n8):
 
 
 @nb.njit(parallel=True, cache=True)
-def attend(q, k, v, scale, kv_head):
-    """One query token on a float32 K/V cache (ggml_cpu.make_attention("float32"), one row): q: [H, Hd], k, v:
-    [S, KV, Hd] -> [H * Hd]. Q.K and P.V by ggml_vec_dot_f32 (P and V padded with zeros to 32 positions)."""
+def attend(q, k, v, n, scale, kv_head):
+    """One query token (ggml_cpu.make_attention(kv_dtype), one row) over the first n positions of the cache: q:
+    [H, Hd], k, v: [n_ctx, KV, Hd] float32 or float16 bits (uint16) -> [H * Hd]. Q.K and P.V by ggml's vec_dot
+    (P and V padded with zeros to 32 positions); on a float16 cache Q and P rounded to float16 first."""
     nh, hd = q.shape
-    n = k.shape[0]
     n32 = -(-n // 32) * 32
     out = np.empty((nh, hd), F32)
     for h in nb.prange(nh):
         g = kv_head[h]
+        qh = np.empty(hd, F32)
+        for d in range(hd):
+            qh[d] = kv_round(k, q[h, d])
         z = np.empty(n, F32)
-        _scores(q[h], k, g, F32(scale), z)
+        _scores(qh, k, n, g, F32(scale), z)
         _softmax(z, -(-n // 8) * 8)
         acc = np.zeros((32, hd), F32)
         for s in range(n32):
-            p = z[s] if s < n else F32(0)
+            p = kv_round(v, z[s]) if s < n else F32(0)
             for d in range(hd):
-                acc[s % 32, d] = _fma(p, v[s, g, d] if s < n else F32(0), acc[s % 32, d])
+                acc[s % 32, d] = _fma(p, kv_get(v, s, g, d) if s < n else F32(0), acc[s % 32, d])
         for d in range(hd):
             out[h, d] = _fold32(acc[:, d])
     return out.reshape(nh * hd)
@@ -190,16 +252,19 @@ def swiglu_hidden(gu, nf):
 def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, nq, nk, nf, cos, sin, neox, kc, vc, pos, scale,
                  kv_head):
     """One token through one llama layer as ops.block runs it with ggml's kernels: x [D] f32 -> [D]; writes K and V
-    at `pos` of kc, vc [n_ctx, KV, Hd]. codes, n_blocks: [4] for the groups Q/K/V, output, gate/up, down; rows:
-    their row addresses, in that order (nq + 2 nk, D, 2 nf, D rows)."""
+    at `pos` of kc, vc [n_ctx, KV, Hd] (float32, or float16 as uint16 bits). codes, n_blocks: [4] for the groups
+    Q/K/V, output, gate/up, down; rows: their row addresses, in that order (nq + 2 nk, D, 2 nf, D rows)."""
     d = x.shape[0]
     n_kv, hd = kc.shape[1], kc.shape[2]
     o1, o2, o3 = nq + 2 * nk, nq + 2 * nk + d, nq + 2 * nk + d + 2 * nf
     y = product(codes[0], rows[:o1], n_blocks[0], rms_norm(x, attn_norm, eps))
     qr = rope(y[:nq].reshape(nq // hd, hd), cos, sin, neox)
-    kc[pos] = rope(y[nq:nq + nk].reshape(n_kv, hd), cos, sin, neox)
-    vc[pos] = y[nq + nk:o1].reshape(n_kv, hd)
-    att = attend(qr, kc[:pos + 1], vc[:pos + 1], scale, kv_head)
+    kr = rope(y[nq:nq + nk].reshape(n_kv, hd), cos, sin, neox)
+    for g in range(n_kv):
+        for d in range(hd):
+            kv_put(kc, pos, g, d, kr[g, d])
+            kv_put(vc, pos, g, d, y[nq + nk + g * hd + d])
+    att = attend(qr, kc, vc, pos + 1, scale, kv_head)
     x = x + product(codes[1], rows[o1:o2], n_blocks[1], att)
     gu = product(codes[2], rows[o2:o3], n_blocks[2], rms_norm(x, ffn_norm, eps))
     return x + product(codes[3], rows[o3:], n_blocks[3], swiglu_hidden(gu, nf))

@@ -436,3 +436,25 @@ def f32_from_bits(typingctx, i):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], F32)
     return types.float32(types.int32), codegen
+
+
+@intrinsic
+def f16_bits_to_f32(typingctx, b):
+    """A float16 stored as its 16 bits (a uint16 view of a float16 array) -> its value as float32 (exact)."""
+    if b != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], F16), F32)
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def f32_to_f16_bits(typingctx, x):
+    """A float32 rounded to float16 (ties to even) -> its 16 bits, to store into a uint16 view of a float16 array."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], F16), I16)
+    return types.uint16(types.float32), codegen
