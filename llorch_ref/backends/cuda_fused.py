@@ -328,7 +328,8 @@ class FusedStep:
     def __init__(self, engine, cache, groups):
         cp, cfg = engine.xp, engine.config
         self.cp, self.cfg, self.cache, self.w, self.groups = cp, cfg, cache, engine.weights, groups
-        self.K, self.launch = kernels(cp), Launcher(cp, enabled=os.environ.get("LLORCH_CUDA_PDL", "1") != "0")
+        pdl = os.environ.get("LLORCH_CUDA_PDL", "1") != "0" and int(cp.cuda.Device().compute_capability) >= 90
+        self.K, self.launch = kernels(cp), Launcher(cp, enabled=pdl)        # the attribute needs sm_90 (Hopper)
         engine.backend.info["cuda_pdl"] = self.launch.fn is not None
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.x = cp.empty(d, cp.float32)
