@@ -371,18 +371,14 @@ class NumbaBackend(Backend):
             attend(o, np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.float32), np.zeros(2, np.float32),
                    0.5, np.zeros(1, np.int64), o, np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
 
-    def _prepare_ggml(self, weights, qtensors):
-        """numerics="ggml": the legacy-quant matrices (ggml_cpu.LegacyQuantMatrix) with a QTensor get the numba
-        kernel on its blocks; K-quant and float matrices keep their NumPy emulation."""
-        def swap(a, key):
-            qt = qtensors.get(key)
-            if isinstance(a, LegacyQuantMatrix) and qt is not None and qt.qtype == a.qtype:
-                return GgmlKernelMatrix(qt)
-            return a
-        layers = [type(lw)(**{k: swap(v, (i, k)) for k, v in vars(lw).items()}) for i, lw in enumerate(weights.layers)]
+    def _prepare_ggml(self, weights):
+        """numerics="ggml": the legacy-quant matrices (ggml_cpu.LegacyQuantMatrix) get the numba kernel on the
+        blocks of the QTensor each carries; K-quant and float matrices keep their NumPy emulation."""
+        swap = lambda a: GgmlKernelMatrix(a.qt) if isinstance(a, LegacyQuantMatrix) else a      # noqa: E731
+        layers = [type(lw)(**{k: swap(v) for k, v in vars(lw).items()}) for lw in weights.layers]
         self.n_matrices = sum(isinstance(a, GgmlKernelMatrix) for lw in layers for a in vars(lw).values())
         return type(weights)(tok_embd=weights.tok_embd, layers=layers, out_norm=weights.out_norm,
-                             output=swap(weights.output, "output"))
+                             output=swap(weights.output))
 
     def prepare_weights(self, weights, qtensors=None, numerics="exact"):
         """qtensors: (layer, field) and "output" -> QTensor from the GGUF loader.
@@ -392,7 +388,7 @@ class NumbaBackend(Backend):
         and gate/up of a layer, when of one type, are stacked by rows (KernelBlocks of several QTensors) so that
         a decode step runs one kernel for each group. numerics="ggml": see _prepare_ggml."""
         if numerics == "ggml":
-            return self._prepare_ggml(weights, qtensors or {})
+            return self._prepare_ggml(weights)
         qts = {k: q for k, q in (qtensors or {}).items() if q.qtype in KERNEL_TYPES}
         handles = []
         for i in range(len(weights.layers)):

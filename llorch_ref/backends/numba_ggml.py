@@ -4,9 +4,9 @@ numerics.ggml_cpu's NumPy emulation (checked against llama.cpp's tensors there) 
 Each function mirrors one of ggml_cpu's: the float32 fused multiply-add emulated in float64 (`_fma`), ggml_v_expf
 with its integer tricks (`v_expf`), Q8_0/Q8_1 activation quantization (`quantize_q8`), the FMA-contracted RoPE,
 ggml_vec_dot_f32's 4 x 8 lanes (`_fold32`), the softmax in chunks of 8 with a float64 total, and one-token
-attention on a float32 or float16 K/V cache (kv_get/kv_put/kv_round: one code for both). `decode_step` runs every layer of a llama step in one call, its products by
-numba_kernels.ggml_rows on the file's blocks (Q/K/V and gate/up stacked by rows: each row's result is its own),
-in the order ops.block runs them. RMSNorm sums its squares in float64 in order, as ggml does.
+attention on a float32 or float16 K/V cache (kv_get/kv_put/kv_round: one code for both). `decode_step` runs every
+layer of a llama step in one call, its products by numba_kernels.ggml_rows on the file's blocks (Q/K/V and gate/up
+stacked by rows: each row's result is its own), in the order ops.block runs them. RMSNorm sums its squares in float64 in order, as ggml does.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from numba import types
 from numba.extending import overload
 
 from . import numba_kernels as K
-from .numba_simd import f16_bits_to_f32, f16_round, f32_bits, f32_from_bits, f32_to_f16_bits
+from .numba_simd import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
 
 F32 = np.float32
 _R, _LOG2E = F32(float.fromhex("0x1.8p23")), F32(float.fromhex("0x1.715476p+0"))
@@ -31,6 +31,12 @@ _ONE_BITS = 0x3F800000
 def _fma(a, b, c):
     """float32 fused multiply-add, emulated in float64 (ggml_cpu.fma)."""
     return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+@nb.njit(inline="always")
+def _f16(v):
+    """A float32 rounded to the nearest float16, back as float32 (NumPy's astype(float16).astype(float32))."""
+    return f16_bits_to_f32(f32_to_f16_bits(v))
 
 
 @nb.njit(cache=True)
@@ -68,7 +74,7 @@ def quantize_q8(x, q, d, s):
             q[32 * blk + j] = np.int8(v)
             total += v
         dd = amax / F32(127)
-        d[blk], s[blk] = f16_round(dd), f16_round(dd * total)
+        d[blk], s[blk] = _f16(dd), _f16(dd * total)
 
 
 @nb.njit(cache=True)
@@ -105,9 +111,8 @@ def kv_put(a, s, g, d, v):
     """a[s, g, d] = v (rounded to float16 for a float16 cache)."""
 
 
-def kv_round(a, v):
-    """v as the products with this cache's values see it: rounded to float16 for a float16 cache (ggml converts
-    Q and the probabilities to the cache's type), else unchanged."""
+def kv_half(a):
+    """Whether the cache holds float16 bits (a constant where numba compiles)."""
 
 
 @overload(kv_get, inline="always")
@@ -120,17 +125,13 @@ def _kv_get(a, s, g, d):
 @overload(kv_put, inline="always")
 def _kv_put(a, s, g, d, v):
     if a.dtype == types.uint16:
-        def put(a, s, g, d, v):
+        def put16(a, s, g, d, v):
             a[s, g, d] = f32_to_f16_bits(v)
-        return put
+        return put16
 
     def put32(a, s, g, d, v):
         a[s, g, d] = v
     return put32
-
-
-def kv_half(a):
-    """Whether the cache holds float16 bits (a constant where numba compiles)."""
 
 
 @overload(kv_half, inline="always")
@@ -139,11 +140,11 @@ def _kv_half(a):
     return lambda a: half
 
 
-@overload(kv_round, inline="always")
-def _kv_round(a, v):
-    if a.dtype == types.uint16:
-        return lambda a, v: f16_round(v)
-    return lambda a, v: v
+@nb.njit(inline="always")
+def kv_round(a, v):
+    """v as the products with this cache's values see it: rounded to float16 for a float16 cache (ggml converts
+    Q and the probabilities to the cache's type), else unchanged."""
+    return _f16(v) if kv_half(a) else v
 
 
 @nb.njit(inline="always")

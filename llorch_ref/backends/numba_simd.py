@@ -295,6 +295,20 @@ def _per_type(b, code, names, emit):
     b.position_at_end(merge)
 
 
+def _tile(code, n_rows, n_tokens, n_addr, names, emit):
+    """A tile intrinsic's typing: R and T literal integers, then n_addr integer arguments (addresses, strides,
+    counts) -> (signature, codegen): a switch on the runtime type code over `names`, each emit(builder, name, R, T,
+    *the n_addr values)."""
+    if not all(isinstance(a, types.IntegerLiteral) for a in (n_rows, n_tokens)):
+        return None
+    r, t = n_rows.literal_value, n_tokens.literal_value
+
+    def codegen(context, builder, signature, args):
+        _per_type(builder, args[0], names, lambda name: emit(builder, name, r, t, *args[3:]))
+        return context.get_dummy_value()
+    return types.void(code, n_rows, n_tokens, *([types.intp] * n_addr)), codegen
+
+
 @intrinsic
 def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, xa, x_stride, xsa, xs_stride, outa, out_stride,
              n_blocks):
@@ -303,15 +317,7 @@ def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, xa, x_stride, xsa
     r's dot product with x[t * x_stride:] for r < R, t < T (addresses as integers, strides in elements; rows:
     the address of R int64 row addresses; ahead: R more, the rows to prefetch; xs: the sums of x's groups of 32,
     read for the types with a min)."""
-    if not all(isinstance(a, types.IntegerLiteral) for a in (n_rows, n_tokens)):
-        return None
-    r, t = n_rows.literal_value, n_tokens.literal_value
-    sig = types.void(code, n_rows, n_tokens, *([types.intp] * 9))
-
-    def codegen(context, builder, signature, args):
-        _per_type(builder, args[0], NAMES, lambda name: _emit_tile(builder, name, r, t, *args[3:]))
-        return context.get_dummy_value()
-    return sig, codegen
+    return _tile(code, n_rows, n_tokens, 9, NAMES, _emit_tile)
 
 
 # -- ggml's integer products, bit for bit (numerics "ggml"): the legacy types' codes times Q8 activations -----
@@ -393,68 +399,30 @@ def ggml_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, qaa, qa_stride, 
     """ggml_tile(code, R, T, rows, ahead, qa, qa_stride, da, sa, d_stride, out, out_stride, n_blocks): _emit_ggml
     for the legacy type TYPE_CODE[...] = code (a switch over the five), R and T constants; qa_stride in bytes,
     d_stride (da's and sa's) in elements."""
-    if not all(isinstance(a, types.IntegerLiteral) for a in (n_rows, n_tokens)):
-        return None
-    r, t = n_rows.literal_value, n_tokens.literal_value
-    sig = types.void(code, n_rows, n_tokens, *([types.intp] * 10))
-
-    def codegen(context, builder, signature, args):
-        _per_type(builder, args[0], LEGACY, lambda name: _emit_ggml(builder, name, r, t, *args[3:]))
-        return context.get_dummy_value()
-    return sig, codegen
+    return _tile(code, n_rows, n_tokens, 10, LEGACY, _emit_ggml)
 
 
 # -- scalar bit helpers for numba code that reproduces ggml's elementwise arithmetic (numba_ggml) -------------
-@intrinsic
-def f16_round(typingctx, x):
-    """A float32 rounded to the nearest float16 (ties to even, as NumPy's astype(float16)), back as float32."""
-    if x != types.float32:
-        return None
+def _scalar(name, arg, res, emit, doc):
+    """An intrinsic of one scalar of numba type `arg` -> `res`, its IR emit(builder, value)."""
+    def typer(typingctx, x):
+        if x != arg:
+            return None
 
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.fptrunc(args[0], F16), F32)
-    return types.float32(types.float32), codegen
-
-
-@intrinsic
-def f32_bits(typingctx, x):
-    """A float32's bits as an int32 (NumPy's view(np.int32))."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], I32)
-    return types.int32(types.float32), codegen
+        def codegen(context, builder, signature, args):
+            return emit(builder, args[0])
+        return res(arg), codegen
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def f32_from_bits(typingctx, i):
-    """An int32's bits as a float32 (NumPy's view(np.float32))."""
-    if i != types.int32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], F32)
-    return types.float32(types.int32), codegen
-
-
-@intrinsic
-def f16_bits_to_f32(typingctx, b):
-    """A float16 stored as its 16 bits (a uint16 view of a float16 array) -> its value as float32 (exact)."""
-    if b != types.uint16:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], F16), F32)
-    return types.float32(types.uint16), codegen
-
-
-@intrinsic
-def f32_to_f16_bits(typingctx, x):
-    """A float32 rounded to float16 (ties to even) -> its 16 bits, to store into a uint16 view of a float16 array."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], F16), I16)
-    return types.uint16(types.float32), codegen
+f32_bits = _scalar("f32_bits", types.float32, types.int32, lambda b, v: b.bitcast(v, I32),
+                   "A float32's bits as an int32 (NumPy's view(np.int32)).")
+f32_from_bits = _scalar("f32_from_bits", types.int32, types.float32, lambda b, v: b.bitcast(v, F32),
+                        "An int32's bits as a float32 (NumPy's view(np.float32)).")
+f16_bits_to_f32 = _scalar("f16_bits_to_f32", types.uint16, types.float32, lambda b, v: b.fpext(b.bitcast(v, F16), F32),
+                          "A float16 held as its 16 bits (a uint16 view of a float16 array) -> its value as float32.")
+f32_to_f16_bits = _scalar("f32_to_f16_bits", types.float32, types.uint16,
+                          lambda b, v: b.bitcast(b.fptrunc(v, F16), I16),
+                          "A float32 rounded to float16 (ties to even, as NumPy's astype(float16)) -> its 16 bits.")

@@ -76,6 +76,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any repetition, presence or frequency penalty applies (apply_penalties changes the logits)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 # -- the filters: logits [V] float32 -> logits [V] float32 (removed tokens at -inf) ---------------------
 def apply_penalties(logits, history, repetition=1.0, presence=0.0, frequency=0.0, last_n=64):
@@ -191,8 +196,7 @@ class Sampler:
     def next(self, logits, backend) -> int:
         """logits: [V] on `backend` -> the next token. Plain greedy (no penalty) is the argmax of the raw logits,
         taken where they are (a GPU sends back one index, not the row); anything else samples on the host."""
-        p = self.params
-        if p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+        if self.params.greedy and not self.params.penalized:
             tok = backend.argmax(logits)
             self.history.append(tok)
             return tok
