@@ -296,33 +296,78 @@ def test_cupy_half_products_against_float64_on_float16_inputs():
     y = cp.asnumpy(half_gemm(cp, cp.asarray(x), cp.asarray(w)))
     want = r16(x) @ w.astype(np.float64).T
     assert y.dtype == np.float32 and np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
-    t, s, h, kv, hd = 21, 29, 6, 2, 64
-    q = rng.standard_normal((t, h, hd)).astype(np.float32)
-    k, v = rng.standard_normal((s, kv, hd)).astype(np.float32), rng.standard_normal((s, kv, hd)).astype(np.float32)
-    mask = visible_mask(np, np.arange(s - t, s)[:, None], np.arange(s)[None, :]).astype(np.float32)
-    got = cp.asnumpy(half_attention(cp, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(mask), 0.125,
-                                    _kernels(cp)["softmax_rows"]))
-    g = h // kv
-    sc = np.einsum("thd,shd->hts", r16(q), r16(k)[:, np.arange(h) // g]) * 0.125 + mask
-    p = np.exp(sc - sc.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    want = np.einsum("hts,shd->thd", r16(p), r16(v)[:, np.arange(h) // g]).reshape(t, h * hd)
-    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()               # p's float16 rounding differs
-    bad = cp.asnumpy(half_attention(cp, cp.asarray(q), cp.asarray(k[:, ::-1].copy()), cp.asarray(v),
-                                    cp.asarray(mask), 0.125, _kernels(cp)["softmax_rows"]))
-    assert np.abs(bad - want).max() > 1e-2 * np.abs(want).max()                 # planted: the KV heads swapped
+    for h, kv in ((6, 2), (4, 4)):                   # grouped heads (transposed after), one a KV head (in place)
+        t, s, hd = 21, 29, 64
+        q = rng.standard_normal((t, h, hd)).astype(np.float32)
+        k, v = rng.standard_normal((s, kv, hd)).astype(np.float32), rng.standard_normal((s, kv, hd)).astype(np.float32)
+        mask = visible_mask(np, np.arange(s - t, s)[:, None], np.arange(s)[None, :]).astype(np.float32)
+        got = half_attention(cp, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(mask), 0.125,
+                             _kernels(cp)["softmax_rows_f16"])
+        assert got.dtype == cp.float16 and got.shape == (t, h * hd)
+        got = cp.asnumpy(got).astype(np.float64)
+        g = h // kv
+        sc = np.einsum("thd,shd->hts", r16(q), r16(k)[:, np.arange(h) // g]) * 0.125 + mask
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        want = np.einsum("hts,shd->thd", r16(p), r16(v)[:, np.arange(h) // g]).reshape(t, h * hd)
+        assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()           # p's float16 rounding differs
+        bad = cp.asnumpy(half_attention(cp, cp.asarray(q), cp.asarray(k[:, ::-1].copy()), cp.asarray(v),
+                                        cp.asarray(mask), 0.125, _kernels(cp)["softmax_rows_f16"]))
+        assert np.abs(bad - want).max() > 1e-2 * np.abs(want).max()             # planted: the KV heads swapped
 
 
-@pytest.mark.parametrize("d_model,kv_dtype", [(128, "float32"), (256, "float16")])
-def test_cupy_generation_prefill_within_the_float16_band(tiny, d_model, kv_dtype):
-    """float16 weights: generation's prefill (no recorder: RoPE and the cache write in one kernel, half-precision
-    attention products) against the recorded path, head dims 32 and 64, grouped KV heads, a prompt in two parts
-    (the second attends to a cached prefix): logits and the K/V cache within the cupy:float16 band, layer 0's cache
-    (before any attention difference) equal to the bit; float32 weights take the recorded path, equal to the bit."""
+def test_cupy_fused_norm_and_gated_activation_kernels():
+    """The kernels of the unwatched prefill: add_rms_norm (x + a and its RMSNorm in one pass) equal to the bit to
+    CuPy's x + a then the rms_norm kernel, its float16 form that result rounded; glu_f16 (read from the two halves of
+    a stacked gate/up product) the elementwise silu_mul rounded to float16, gelu within one float16 step. Planted: the
+    sum left out of the norm, gate and up swapped."""
     need_backend("cupy")
     import cupy as cp
 
-    path = tiny(vocab="bpe", d_model=d_model, n_heads=4, n_kv_heads=2)
+    from llorch_ref.backends.cupy_backend import _kernels
+
+    K, rng = _kernels(cp), np.random.default_rng(5)
+    t, n = 7, 576
+    x, a = (cp.asarray(rng.standard_normal((t, n)).astype(np.float32) * 3) for _ in range(2))
+    w = cp.asarray(rng.standard_normal(n).astype(np.float32))
+    ref_s = x + a
+    ref_y = cp.empty_like(x)
+    K["rms_norm_rows"]((t,), (256,), (ref_s, w, ref_y, np.int32(n), np.float32(1e-5)))
+    for name, dt in (("add_rms_norm_f32", cp.float32), ("add_rms_norm_f16", cp.float16)):
+        s, y = cp.empty_like(x), cp.empty((t, n), dtype=dt)
+        K[name]((t,), (256,), (x, a, s, w, y, np.int32(n), np.float32(1e-5)))
+        assert cp.array_equal(s, ref_s) and cp.array_equal(y, ref_y.astype(dt))
+    y16 = cp.empty((t, n), dtype=cp.float16)
+    K["rms_norm_rows_f16"]((t,), (256,), (x, w, y16, np.int32(n), np.float32(1e-5)))
+    assert not cp.array_equal(y16, ref_y.astype(cp.float16))                   # planted: x alone, without a
+    nf = 320
+    gu = cp.asarray(rng.standard_normal((t, 2 * nf)).astype(np.float32) * 4)
+    g, u = gu[:, :nf], gu[:, nf:]
+    for gelu, name in ((0, "silu_mul"), (1, "gelu_mul")):
+        h = cp.empty((t, nf), dtype=cp.float16)
+        K["glu_f16"](((t * nf + 255) // 256,), (256,), (g, u, np.int64(2 * nf), h, np.int32(nf), np.int64(t * nf),
+                                                         np.int32(gelu)))
+        want = K[name](g, u)
+        step = np.abs(cp.asnumpy(want.astype(cp.float16)).astype(np.float32)) * 2.0 ** -10
+        diff = np.abs(cp.asnumpy(h).astype(np.float32) - cp.asnumpy(want.astype(cp.float16)).astype(np.float32))
+        assert (diff == 0).all() if not gelu else (diff <= step + 1e-7).all()
+        swapped = cp.empty_like(h)
+        K["glu_f16"](((t * nf + 255) // 256,), (256,), (u, g, np.int64(2 * nf), swapped, np.int32(nf),
+                                                         np.int64(t * nf), np.int32(gelu)))
+        assert np.abs(cp.asnumpy(swapped).astype(np.float32) - cp.asnumpy(want)).max() > 0.1
+
+
+@pytest.mark.parametrize("d_model,kv_dtype,kv_heads", [(128, "float32", 2), (256, "float16", 2), (128, "float16", 4)])
+def test_cupy_generation_prefill_within_the_float16_band(tiny, d_model, kv_dtype, kv_heads):
+    """float16 weights: generation's prefill (no recorder: RoPE and the cache write in one kernel, half-precision
+    attention products, the residual adds fused with the next norms, float16 activations into the products) against
+    the recorded path, head dims 32 and 64, grouped KV heads or one query head a KV head, a prompt in two parts (the
+    second attends to a cached prefix): logits and the K/V cache within the cupy:float16 band, layer 0's cache
+    (before any attention difference) equal to the bit; float32 weights (fused adds and norms only) equal to the bit."""
+    need_backend("cupy")
+    import cupy as cp
+
+    path = tiny(vocab="bpe", d_model=d_model, n_heads=4, n_kv_heads=kv_heads)
     ids = [(7 * i + 3) % 200 + 1 for i in range(53)]
     for dtype in ("float16", "float32"):
         eng = llorch_ref.load(path, backend="cupy", dtype=dtype, kv_dtype=kv_dtype)

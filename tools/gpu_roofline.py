@@ -312,8 +312,10 @@ def free_gpu():
 
 # speed's rows of ours: (dtype, blocks type, environment); "f16-op": the op-by-op step; "f16-noprefill": the
 # several-token products and prefill attention as before session 11 (float16 outputs cast, attention recorded);
-# "f16-pdl0": plain launches instead of programmatic dependent launch
+# "f16-pdl0": plain launches instead of programmatic dependent launch; "f16-nonorm": no residual add fused with
+# the next norm and no float16 activations into the products (as before session 12)
 OURS = {"f16": ("float16", None, {}), "f16-op": ("float16", None, {"LLORCH_CUDA_FUSED": "0"}),
+        "f16-nonorm": ("float16", None, {"LLORCH_CUDA_FUSED_NORM": "0"}),
         "f16-noprefill": ("float16", None, {"LLORCH_CUDA_HALF_PREFILL": "0"}),
         "f16-pdl0": ("float16", None, {"LLORCH_CUDA_PDL": "0"}),
         "q4k": ("blocks", "Q4_K", {}),

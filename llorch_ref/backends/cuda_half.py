@@ -6,7 +6,10 @@ half_gemm:       y = x W^T for activations x [T, K] (cast to float16) and a floa
 half_attention:  one layer's attention of T new tokens, output only (generation's prefill: no recorder watches):
                  Q.K^T of each KV head's group of query heads in one batched product (Q, K in float16, scores in
                  float32, times the scale), the softmax kernel over the scores plus the mask (float32, the sum in
-                 float64), P.V as a second batched product (P, V in float16, float32 results).
+                 float64, the probabilities rounded to float16), P.V as a second batched product (P, V in float16,
+                 float32 accumulation, the output rounded to float16: the output projection's input, which its
+                 float16 product would round so). Without grouped heads the product writes the [T, H*Hd] rows in
+                 place; with them, its head-major result is transposed after.
 
 Row-major products through column-major cuBLAS: Y [T, N] = X [T, K] W^T is, column-major, Y^T = op(W) X with
 W read as the K x N matrix it is column-major (transposed), X as K x T (not transposed).
@@ -35,7 +38,7 @@ def half_gemm(cp, x, w):
     cublas, handle = _cublas(cp)
     t, k = x.shape
     n = w.shape[0]
-    x16 = cp.ascontiguousarray(x, dtype=cp.float16)
+    x16 = x if x.dtype == cp.float16 and x.flags.c_contiguous else cp.ascontiguousarray(x, dtype=cp.float16)
     w = w if w.flags.c_contiguous else cp.ascontiguousarray(w)
     y = cp.empty((t, n), dtype=cp.float32)
     r16, r32 = cp.cuda.runtime.CUDA_R_16F, cp.cuda.runtime.CUDA_R_32F
@@ -46,21 +49,24 @@ def half_gemm(cp, x, w):
 
 
 def _batched(cp, a, b, c, m, n, k, lda, ldb, ldc, sa, sb, sc, batch, trans_a, alpha):
+    """float16 a, b; c float32 or float16 (float32 accumulation either way)."""
     cublas, handle = _cublas(cp)
     r16, r32 = cp.cuda.runtime.CUDA_R_16F, cp.cuda.runtime.CUDA_R_32F
+    rc = r16 if c.dtype == cp.float16 else r32
     al = _ALPHA.get(alpha)
     if al is None:
         al = _ALPHA.setdefault(alpha, np.full(1, alpha, np.float32))
     cublas.gemmStridedBatchedEx(handle, cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N,
                                 m, n, k, al.ctypes.data, a.data.ptr, r16, lda, sa, b.data.ptr, r16, ldb, sb,
-                                _ZERO.ctypes.data, c.data.ptr, r32, ldc, sc, batch, cublas.CUBLAS_COMPUTE_32F,
+                                _ZERO.ctypes.data, c.data.ptr, rc, ldc, sc, batch, cublas.CUBLAS_COMPUTE_32F,
                                 cublas.CUBLAS_GEMM_DEFAULT)
 
 
 def half_attention(cp, q, k, v, mask, scale, softmax_rows):
-    """q: [T, H, Hd], k, v: [S, KV, Hd] (float32 or float16), mask: [T, S] float32 -> [T, H*Hd] float32.
+    """q: [T, H, Hd], k, v: [S, KV, Hd] (float32 or float16), mask: [T, S] float32 -> [T, H*Hd] float16.
     Query head h reads KV head h // (H / KV) (grouped heads are consecutive, so each KV head's group is one
-    [group*T, Hd] block of the head-major Q). softmax_rows: the cupy backend's kernel (kq * scale + mask)."""
+    [group*T, Hd] block of the head-major Q). softmax_rows: the cupy backend's kernel softmax(kq * scale + mask) with
+    float16 probabilities (softmax_rows_f16)."""
     q16 = cp.ascontiguousarray(q.transpose(1, 0, 2), dtype=cp.float16)            # [H, T, Hd] = [KV, g*T, Hd]
     k16 = cp.ascontiguousarray(k.transpose(1, 0, 2), dtype=cp.float16)            # [KV, S, Hd]
     v16 = cp.ascontiguousarray(v.transpose(1, 0, 2), dtype=cp.float16)
@@ -68,18 +74,22 @@ def half_attention(cp, q, k, v, mask, scale, softmax_rows):
 
 
 def half_attention_core(cp, q16, k16, v16, mask, scale, softmax_rows):
-    """half_attention on float16 head-major copies: q16 [H, T, Hd], k16, v16 [KV, S, Hd] -> [T, H*Hd] float32."""
+    """half_attention on float16 head-major copies: q16 [H, T, Hd], k16, v16 [KV, S, Hd] -> [T, H*Hd] float16."""
     h, t, hd = q16.shape
     kv, s = k16.shape[0], k16.shape[1]
     g = h // kv
     kq = cp.empty((h, t, s), dtype=cp.float32)                                     # = [KV, g*T, S]
     # kq[b] (g*T x S) = q[b] k[b]^T * scale: column-major kq^T (S x gT) = op_T(k as Hd x S) q (Hd x gT)
     _batched(cp, k16, q16, kq, s, g * t, hd, hd, hd, s, s * hd, g * t * hd, g * t * s, kv, True, scale)
-    probs = cp.empty_like(kq)
+    p16 = cp.empty((h, t, s), dtype=cp.float16)
     mask = mask if mask.dtype == cp.float32 and mask.flags.c_contiguous else cp.ascontiguousarray(mask, cp.float32)
-    softmax_rows((h * t,), (256,), (kq, mask, probs, np.float32(1.0), np.int32(s), np.int32(t)))
-    p16 = probs.astype(cp.float16)
-    out = cp.empty((h, t, hd), dtype=cp.float32)                                   # = [KV, g*T, Hd]
-    # out[b] (gT x Hd) = p[b] (gT x S) v[b] (S x Hd): column-major out^T (Hd x gT) = v (Hd x S) p (S x gT)
+    softmax_rows((h * t,), (256,), (kq, mask, p16, np.float32(1.0), np.int32(s), np.int32(t)))
+    # out[b] (gT x Hd) = p[b] (gT x S) v[b] (S x Hd): column-major out^T (Hd x gT) = v (Hd x S) p (S x gT); one query
+    # head a KV head (g = 1): column t of batch b is row t's head b, written in place (ldc H*Hd, batches Hd apart)
+    if g == 1:
+        out = cp.empty((t, h * hd), dtype=cp.float16)
+        _batched(cp, v16, p16, out, hd, t, s, hd, s, h * hd, s * hd, t * s, hd, kv, False, 1.0)
+        return out
+    out = cp.empty((h, t, hd), dtype=cp.float16)                                   # = [KV, g*T, Hd]
     _batched(cp, v16, p16, out, hd, g * t, s, hd, s, hd, s * hd, g * t * s, g * t * hd, kv, False, 1.0)
     return out.transpose(1, 0, 2).reshape(t, h * hd)

@@ -154,6 +154,22 @@ class CupyBackend(Backend):
             K["rms_norm_rows"]((x.size // n,), (256,), (x, w, y, i32(n), f32(eps)))
             return y
 
+        def add_norm(xp, x, a, w, eps):
+            """forward.block's residual add and the RMSNorm after it in one kernel, where nobody watches: -> (x + a,
+            its RMSNorm), a None: (x, RMSNorm of x). The sum as x + a, the norm as rms_norm's, to the bit; the normed
+            rows in float16 where several-token float16 products take them next (they round them so anyway)."""
+            x = dense(x)
+            n = w.shape[0]
+            half = self.dtype == "float16" and x.shape[0] > 1
+            y = cp.empty(x.shape, dtype=cp.float16 if half else f32)
+            if a is None:
+                K["rms_norm_rows_f16" if half else "rms_norm_rows"]((x.size // n,), (256,), (x, w, y, i32(n), f32(eps)))
+                return x, y
+            s = cp.empty_like(x)
+            K["add_rms_norm_f16" if half else "add_rms_norm_f32"]((x.size // n,), (256,),
+                                                                  (x, dense(a), s, w, y, i32(n), f32(eps)))
+            return s, y
+
         def rope(xp, x, cos, sin, style):
             """x: [T, nh, Hd]; read in place when each token's heads are contiguous (a slice of the stacked Q/K/V
             product's rows), else copied first."""
@@ -184,15 +200,24 @@ class CupyBackend(Backend):
             q, k, v = parts(x, (wq, wk, wv))
             return q.reshape(t, h, hd), k.reshape(t, kv, hd), v.reshape(t, kv, hd)
 
-        def swiglu(xp, x, w_gate, w_up, w_down):
+        def glu(x, w_gate, w_up, w_down, gelu):
+            """The gated FFN; on float16 input (add_norm's, where nobody watches) the hidden rows come in float16 too,
+            for the down product that would round them so."""
             g, u = parts(x, (w_gate, w_up))
-            h = K["silu_mul"](g, u)
-            return linear(xp, h, w_down), h
+            if x.dtype == cp.float16 and g.strides == u.strides and g.strides[1] == 4 and g.dtype == u.dtype == f32:
+                t, nf = g.shape
+                h = cp.empty((t, nf), dtype=cp.float16)
+                K["glu_f16"](((t * nf + 255) // 256,), (256,), (g, u, cp.int64(g.strides[0] // 4), h, i32(nf),
+                                                                 cp.int64(t * nf), i32(gelu)))
+            else:
+                h = K["gelu_mul" if gelu else "silu_mul"](g, u)
+            return linear(cp, h, w_down), h
+
+        def swiglu(xp, x, w_gate, w_up, w_down):
+            return glu(x, w_gate, w_up, w_down, False)
 
         def geglu(xp, x, w_gate, w_up, w_down):
-            g, u = parts(x, (w_gate, w_up))
-            h = K["gelu_mul"](g, u)
-            return linear(xp, h, w_down), h
+            return glu(x, w_gate, w_up, w_down, True)
 
         def attention(xp, q, k, v, mask, scale, kv_head):
             """One token: one fused kernel per layer (scores, softmax, P.V), one block per head. Every
@@ -233,17 +258,17 @@ class CupyBackend(Backend):
 
         def attention_out(xp, q, k, v, mask, scale, kv_head):
             """Several tokens that no recorder watches (forward.block asks for the output only): with float16
-            weights, Q.K and P.V as float16 cuBLAS products with float32 results (kq and probs never recorded);
-            otherwise the recorded path's output."""
+            weights, Q.K and P.V as float16 cuBLAS products (kq and probs never recorded), the output in float16 for
+            the output projection's float16 product; otherwise the recorded path's output."""
             if q.shape[0] == 1 or self.dtype != "float16" or not half_prefill:
                 return attention(xp, q, k, v, mask, scale, kv_head)[0]
-            return half_attention(cp, q, k, v, mask, scale, K["softmax_rows"])
+            return half_attention(cp, q, k, v, mask, scale, K["softmax_rows_f16"])
 
         def rope_store_attend(xp, q, k, v, cos, sin, style, cache, layer, window, scale, kv_head):
             """Several tokens that no recorder watches, float16 weights, q/k/v straight from the stacked Q/K/V
             product: RoPE, the cache write and the float16 head-major copies in one kernel (rope_store), then the
-            attention's batched products (cuda_half) -> the attention output [T, H*Hd]; None where that does not
-            apply (block() then runs the operations one by one)."""
+            attention's batched products (cuda_half) -> the attention output [T, H*Hd] in float16; None where that
+            does not apply (block() then runs the operations one by one)."""
             t, h, hd = q.shape
             kv = k.shape[1]
             row = q.strides[0]
@@ -265,7 +290,7 @@ class CupyBackend(Backend):
                 ((n + 255) // 256,), (256,), (q, cp.int64(row // 4), dense(cos), dense(sin), cache.k[layer],
                                               cache.v[layer], q16, k16, v16, i32(t), i32(h), i32(kv), i32(hd),
                                               i32(half), i32(style == "neox"), i32(pos), i32(s_len)))
-            return half_attention_core(cp, q16, k16, v16, cache.mask(t, window), scale, K["softmax_rows"])
+            return half_attention_core(cp, q16, k16, v16, cache.mask(t, window), scale, K["softmax_rows_f16"])
 
         kv_heads = {}
 
@@ -276,6 +301,8 @@ class CupyBackend(Backend):
 
         ops.linear, ops.qkv, ops.swiglu, ops.geglu, ops.attention = linear, qkv, swiglu, geglu, attention
         ops.attention_out, ops.rope_store_attend = attention_out, rope_store_attend
+        if os.environ.get("LLORCH_CUDA_FUSED_NORM", "1") != "0":       # =0: the adds and norms one by one (A/B)
+            ops.add_norm = add_norm
         ops.kv_head_of = kv_head_of
         ops.rms_norm, ops.rope = rms_norm, rope
         return ops
@@ -595,9 +622,11 @@ extern "C" __global__ void gemv_f16_x4(const __half* __restrict__ W, const float
     if (lane == 0) y[row] = acc;
 }
 
-// A decode step's K and V rows into the cache at the device-side position (one launch for both).
+// An element stored as float32, or rounded to float16 (a float16 cache, or the input of a float16 product).
 __device__ __forceinline__ void put(float* c, float v) { *c = v; }
 __device__ __forceinline__ void put(__half* c, float v) { *c = __float2half_rn(v); }
+
+// A decode step's K and V rows into the cache at the device-side position (one launch for both).
 template <typename C> __device__ void kv_store(const float* k, const float* v, C* kc, C* vc, const long long* pos, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) { size_t at = (size_t)pos[0] * n + i; put(kc + at, k[i]); put(vc + at, v[i]); }
@@ -635,13 +664,17 @@ extern "C" __global__ void argmax_row(const float* x, int n, long long* out) {
 
 // softmax(kq * scale + mask) of each row of S scores (one block of 256 threads per row; row r of head r / T,
 // token r % T): the reference's float32 operations, each rounded (no fused multiply-add), max, expf, the sum in
-// float64, then e * (float)(1 / sum).
-extern "C" __global__ void softmax_rows(const float* kq, const float* mask, float* probs, float scale, int S, int T) {
+// float64, then e * (float)(1 / sum) (e computed again, the same expf, rather than stored and read back).
+__device__ __forceinline__ float softmax_e(const float* row, const float* mk, int j, float scale, float m) {
+    return expf(__fsub_rn(__fadd_rn(__fmul_rn(row[j], scale), mk[j]), m));
+}
+template <typename O>
+__device__ void softmax_row(const float* kq, const float* mask, O* probs, float scale, int S, int T) {
     __shared__ float redf[256];
     __shared__ double redd[256];
     const float* row = kq + (size_t)blockIdx.x * S;
     const float* mk = mask + (size_t)(blockIdx.x % T) * S;
-    float* out = probs + (size_t)blockIdx.x * S;
+    O* out = probs + (size_t)blockIdx.x * S;
     float m = __int_as_float(0xff800000);
     for (int j = threadIdx.x; j < S; j += blockDim.x) m = fmaxf(m, __fadd_rn(__fmul_rn(row[j], scale), mk[j]));
     redf[threadIdx.x] = m;
@@ -652,11 +685,7 @@ extern "C" __global__ void softmax_rows(const float* kq, const float* mask, floa
     }
     m = redf[0];
     double z = 0.0;
-    for (int j = threadIdx.x; j < S; j += blockDim.x) {
-        float e = expf(__fsub_rn(__fadd_rn(__fmul_rn(row[j], scale), mk[j]), m));
-        out[j] = e;
-        z += (double)e;
-    }
+    for (int j = threadIdx.x; j < S; j += blockDim.x) z += (double)softmax_e(row, mk, j, scale, m);
     redd[threadIdx.x] = z;
     __syncthreads();
     for (int o = blockDim.x / 2; o > 0; o >>= 1) {
@@ -664,18 +693,31 @@ extern "C" __global__ void softmax_rows(const float* kq, const float* mask, floa
         __syncthreads();
     }
     float inv = (float)(1.0 / redd[0]);
-    for (int j = threadIdx.x; j < S; j += blockDim.x) out[j] = __fmul_rn(out[j], inv);
+    for (int j = threadIdx.x; j < S; j += blockDim.x) put(out + j, __fmul_rn(softmax_e(row, mk, j, scale, m), inv));
+}
+extern "C" __global__ void softmax_rows(const float* kq, const float* mask, float* probs, float scale, int S, int T) {
+    softmax_row(kq, mask, probs, scale, S, T);
+}
+extern "C" __global__ void softmax_rows_f16(const float* kq, const float* mask, __half* probs, float scale, int S,
+                                            int T) {
+    softmax_row(kq, mask, probs, scale, S, T);
 }
 
 // RMSNorm of each row of n values (one block of 256 threads per row): sum of squares in float64 as the NumPy
-// reference, mean and root in float32, y = (x * (1 / sqrt(mean + eps))) * w.
-extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float* y, int n, float eps) {
+// reference, mean and root in float32, y = (x * (1 / sqrt(mean + eps))) * w. With a (add_rms_norm_*): the row is
+// s = x + a (float32, written out: the residual stream) and y its RMSNorm, one pass for the two operations.
+template <typename O>
+__device__ void norm_row(const float* x, const float* a, float* s, const float* w, O* y, int n, float eps) {
     __shared__ double part[256];
-    const float* xr = x + (size_t)blockIdx.x * n;
-    float* yr = y + (size_t)blockIdx.x * n;
-    double s = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) { float v = xr[i]; s += (double)(v * v); }
-    part[threadIdx.x] = s;
+    size_t at = (size_t)blockIdx.x * n;
+    const float* xr = (a ? s : x) + at;                     // the normed row (s once written)
+    double acc = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = x[at + i];
+        if (a) { v = __fadd_rn(v, a[at + i]); s[at + i] = v; }
+        acc += (double)(v * v);
+    }
+    part[threadIdx.x] = acc;
     __syncthreads();
     for (int off = blockDim.x / 2; off > 0; off >>= 1) {
         if (threadIdx.x < off) part[threadIdx.x] += part[threadIdx.x + off];
@@ -683,7 +725,35 @@ extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float* 
     }
     float mean = (float)(part[0] / n);
     float scale = 1.0f / sqrtf(mean + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = (xr[i] * scale) * w[i];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) put(y + at + i, (xr[i] * scale) * w[i]);   // own writes
+}
+extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float* y, int n, float eps) {
+    norm_row(x, (const float*)0, (float*)0, w, y, n, eps);
+}
+extern "C" __global__ void rms_norm_rows_f16(const float* x, const float* w, __half* y, int n, float eps) {
+    norm_row(x, (const float*)0, (float*)0, w, y, n, eps);
+}
+extern "C" __global__ void add_rms_norm_f32(const float* x, const float* a, float* s, const float* w, float* y, int n,
+                                            float eps) {
+    norm_row(x, a, s, w, y, n, eps);
+}
+extern "C" __global__ void add_rms_norm_f16(const float* x, const float* a, float* s, const float* w, __half* y, int n,
+                                            float eps) {
+    norm_row(x, a, s, w, y, n, eps);
+}
+
+// The gated activations with a float16 output (the down product's input): g and u [T, F] rows ld floats apart
+// (the two halves of the stacked gate/up product, or two arrays), h [T, F] = act(g) * u, the float32 expressions of
+// the silu_mul / gelu_mul elementwise kernels, then rounded. One thread per element, grid-stride.
+extern "C" __global__ void glu_f16(const float* g, const float* u, long long ld, __half* h, int F, long long n,
+                                   int gelu) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long at = (i / F) * ld + i % F;
+        float gv = g[at], uv = u[at];
+        float a = gelu ? (0.5f * gv * (1.0f + tanhf(0.7978845608028654f * (gv + 0.044715f * gv * gv * gv))))
+                       : (gv / (1.0f + expf(-gv)));
+        h[i] = __float2half_rn(a * uv);
+    }
 }
 
 // A pair's rotation, each product and difference rounded as NumPy rounds them (no contraction into an FMA):
@@ -839,7 +909,8 @@ def _kernels(cp):
         mod = cp.RawModule(code=_KERNELS_SRC, options=("-std=c++17",))
         for name in ("gemv_f32", "gemv_f16", "gemv_f32_row", "gemv_f16_v8", "gemv_f16_x4", "rms_norm_rows",
                      "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows", "argmax_row",
-                     "rope_store_f32", "rope_store_f16"):
+                     "rope_store_f32", "rope_store_f16", "softmax_rows_f16", "rms_norm_rows_f16",
+                     "add_rms_norm_f32", "add_rms_norm_f16", "glu_f16"):
             _KERNELS[name] = mod.get_function(name)
         _KERNELS["silu_mul"] = cp.ElementwiseKernel("float32 g, float32 u", "float32 h",
                                                     "h = (g / (1.0f + expf(-g))) * u", "llorch_silu_mul")

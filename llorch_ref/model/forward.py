@@ -2,8 +2,9 @@
 
 The recorder is an observer: `record(name, layer, array)` is called with every checkpoint tensor
 (layer None outside the blocks). A recorder that looks at tensors always gets the operation-by-operation path;
-without one (generation), a backend may fuse operations whose tensors nobody sees (cupy with float16 weights: RoPE,
-the cache write and attention of a prefill), with results that differ by rounding, within that backend's band.
+without one (generation), a backend may fuse operations whose tensors nobody sees (cupy: the residual add with the
+next RMSNorm; with float16 weights, RoPE, the cache write and attention of a prefill, and activations that only
+feed float16 products carried in float16), with results that differ by rounding, within that backend's band.
 """
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ def _noop(name, layer, arr):
 
 def observes_tensors(record) -> bool:
     """Whether a recorder looks at the tensors (a checkpoint capture) or only at the layer boundaries (a
-    recorder with `tensors = False`, such as generation's cancel check): if not, a backend may fuse operations."""
+    recorder with `tensors = False`, such as generation's cancel check): if not, a backend may fuse operations (and
+    such a recorder may be handed None for an array a fused path never formed)."""
     return record is not _noop and getattr(record, "tensors", True)
 
 
-def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None):
-    """x: [T, D] f32 -> [T, D] f32, or [R, D] with out_rows (one block; writes this layer's K/V).
+def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None, residual=None):
+    """x: [T, D] f32 -> (x, None): the block's output [T, D] f32, or [R, D] with out_rows (one block; writes this
+    layer's K/V). Where nobody watches and the backend fuses add_norm, the FFN's output is not added here: -> (x, ffn),
+    and the next block, given it as `residual`, adds it in its first norm's kernel (forward adds the last one).
 
     ops: the namespace of layer functions (default: model.layers, the reference; numerics="ggml" passes
     llama.cpp's CPU kernels). out_rows: keep only these rows after attention, as llama.cpp does in
@@ -29,7 +33,9 @@ def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None)
     Architecture switches (Config): qkv_bias (Qwen2); qk_norm, post_norms, ffn_act, local layers (Gemma 3)."""
     t = x.shape[0]
     local = cfg.is_local(layer)
-    h = ops.rms_norm(xp, x, lw.attn_norm, cfg.rms_eps)                                   # [T, D]
+    watched = observes_tensors(record)
+    fused = None if watched else getattr(ops, "add_norm", None)                         # a backend's, unwatched
+    x, h = _add_norm(xp, ops, x, residual, lw.attn_norm, cfg.rms_eps, fused)             # [T, D]
     record("attn_norm", layer, h)
     q, k, v = ops.qkv(xp, h, lw.wq, lw.wk, lw.wv, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
     if cfg.qkv_bias:                                                                     # Qwen2
@@ -42,7 +48,6 @@ def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None)
     cos, sin = cache.rope_rows(t, local)                                               # [T, R/2]
     window = cfg.sliding_window if local else 0
     kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
-    watched = observes_tensors(record)
     att = None if watched or not hasattr(ops, "rope_store_attend") else ops.rope_store_attend(
         xp, q, k, v, cos, sin, cfg.rope_style, cache, layer, window, cfg.scale, kv_head)  # a backend's fused path
     if att is None:
@@ -54,19 +59,30 @@ def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None)
     if cfg.post_norms:                                                                   # Gemma 3
         att = ops.rms_norm(xp, att, lw.post_attn_norm, cfg.rms_eps)
         record("attn_post_norm", layer, att)
-    x = x + att
-    record("ffn_inp", layer, x)
-    h = ops.rms_norm(xp, x, lw.ffn_norm, cfg.rms_eps)
-    record("ffn_norm", layer, h)
+    x, h = _add_norm(xp, ops, x, att, lw.ffn_norm, cfg.rms_eps, fused)
+    record("ffn_inp", layer, x); record("ffn_norm", layer, h)
     glu = ops.swiglu if cfg.ffn_act == "silu" else ops.geglu
     ffn, hidden = glu(xp, h, lw.w_gate, lw.w_up, lw.w_down)                             # [T, D], [T, F]
     record("ffn_swiglu", layer, hidden); record("ffn_out", layer, ffn)
     if cfg.post_norms:
         ffn = ops.rms_norm(xp, ffn, lw.post_ffn_norm, cfg.rms_eps)
         record("ffn_post_norm", layer, ffn)
+    if fused is not None:                             # the next block's first norm adds ffn (forward after the last)
+        record("l_out", layer, None)                  # the boundary, for a recorder that watches boundaries only
+        return x, ffn
     x = x + ffn
     record("l_out", layer, x)
-    return x
+    return x, None
+
+
+def _add_norm(xp, ops, x, a, w, eps, fused):
+    """(x + a, its RMSNorm), a None: (x, RMSNorm of x). fused: a backend's add_norm, given only where nobody watches
+    (one kernel; its normed rows may come in the precision of the products they feed, float16 on float16 weights)."""
+    if fused is not None:
+        return fused(xp, x, a, w, eps)
+    if a is not None:
+        x = x + a
+    return x, ops.rms_norm(xp, x, w, eps)
 
 
 def _rope_store_attend(xp, cfg, ops, q, k, v, cos, sin, cache, layer, window, kv_head, record, watched):
@@ -98,8 +114,11 @@ def forward(xp, cfg, w, tokens, cache, rows=None, record=_noop, ops=L):
     record("embd", None, x)
     last = len(w.layers) - 1
     out_rows = None if rows is None else xp.asarray(rows)
+    rest = None
     for i, lw in enumerate(w.layers):
-        x = block(xp, cfg, lw, x, cache, i, record, ops, out_rows if i == last else None)
+        x, rest = block(xp, cfg, lw, x, cache, i, record, ops, out_rows if i == last else None, rest)
+    if rest is not None:
+        x = x + rest
     cache.advance(t)
     x = ops.rms_norm(xp, x, w.out_norm, cfg.rms_eps)
     record("result_norm", None, x)
