@@ -175,6 +175,12 @@ def _special_added_tokens(tokens, types):
             for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)]
 
 
+def _first_ids(tokens) -> dict:
+    """token text -> its first id (a vocabulary may repeat a text): built from the end, so the first id is written
+    last."""
+    return dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))
+
+
 def build_gpt2(tokens, types, merges, pre):
     from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
@@ -187,15 +193,11 @@ def build_gpt2(tokens, types, merges, pre):
         print(f"llorch-ref: warning: unknown pre-tokenizer {pre!r}, using 'default' as llama.cpp does",
               file=sys.stderr)
     regexes, ignore_merges = PRE_TOKENIZERS.get(pre, PRE_TOKENIZERS["default"])
-    vocab = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
-    merge_pairs = []
-    for m in merges:
-        a, sep, b = m.partition(" ")
-        if not sep:
-            raise TokenizerError(f"malformed merge {m!r} in tokenizer.ggml.merges")
-        merge_pairs.append((a, b))
+    vocab = _first_ids(tokens)
+    merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bad = next((m for m, pair in zip(merges, merge_pairs) if len(pair) != 2), None)
+    if bad is not None:
+        raise TokenizerError(f"malformed merge {bad!r} in tokenizer.ggml.merges")
     model = models.BPE(vocab=vocab, merges=merge_pairs, ignore_merges=ignore_merges)
     hf = HFTokenizer(model)
     hf.pre_tokenizer = pre_tokenizers.Sequence(
@@ -210,9 +212,7 @@ def _build_spm(tokens, types, scores, add_space_prefix, unk_id):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, normalizers
 
-    vocab = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
+    vocab = _first_ids(tokens)
     # llama.cpp's SPM tokenizer merges the adjacent pair whose concatenation has the highest score;
     # BPE with merges ranked by that score does the same.
     merges = []

@@ -167,3 +167,18 @@ def test_regression_inconsistent_bpe_vocabulary(tiny, tmp_path):
             "tokenizer.ggml.merges": ["Th e"]}
     with pytest.raises(TokenizerError, match="cannot be turned into a tokenizer"):
         from_gguf_metadata(meta, source="fuzzed.gguf")
+
+
+def test_malformed_merge_and_repeated_token_text():
+    """A merge without its space is one TokenizerError naming it; a token text the vocabulary repeats maps to its
+    first id (llama.cpp's token_to_id keeps the first), so encoding gives that id."""
+    from llorch_ref.errors import TokenizerError
+    from llorch_ref.tokenizer import from_gguf_metadata
+
+    base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.bos_token_id": 0,
+            "tokenizer.ggml.eos_token_id": 1}
+    with pytest.raises(TokenizerError, match="malformed merge 'ab'"):
+        from_gguf_metadata({**base, "tokenizer.ggml.tokens": ["a", "b", "ab"], "tokenizer.ggml.merges": ["a b", "ab"]})
+    tok = from_gguf_metadata({**base, "tokenizer.ggml.tokens": ["a", "b", "ab", "x", "ab"],
+                              "tokenizer.ggml.merges": ["a b"]})
+    assert tok.encode("ab", add_special=False) == [2]
