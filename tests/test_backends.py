@@ -189,18 +189,21 @@ def test_cupy_checkpoints_against_numpy(tiny):
         assert res.first_divergence is None, (dtype, res.first_divergence)
 
 
-def test_cupy_fused_decode_step_matches_the_op_by_op_step(tiny, monkeypatch):
+@pytest.mark.parametrize("prompt", [5, 252, 300])
+def test_cupy_fused_decode_step_matches_the_op_by_op_step(tiny, monkeypatch, prompt):
     """The float16 decode step in five kernels a layer (cuda_fused.FusedStep) against the op-by-op step, eight
-    greedy steps after a prompt (graph replays included): the same tokens, logits equal up to summation order."""
+    greedy steps after a prompt (graph replays included): the same tokens, logits equal up to summation order.
+    Prompts of 5, 252 and 300 tokens: attention in one block a head, crossing into chunks of 128 positions (three)
+    between two replays of the graph, and over three chunks combined."""
     need_backend("cupy")
     import cupy as cp
 
-    path = tiny(vocab="bpe", n_layers=3)
+    path = tiny(vocab="bpe", n_layers=3, context_length=512)
     got = {}
     for fused in ("1", "0"):
         monkeypatch.setenv("LLORCH_CUDA_FUSED", fused)
         eng = llorch_ref.load(path, backend="cupy", dtype="float16")
-        cache, ids = eng.new_cache(), [1, 5, 9, 14, 3]
+        cache, ids = eng.new_cache(), [(7 * i + 3) % 200 + 1 for i in range(prompt)]
         tok = int(cp.asnumpy(eng.forward(ids, cache, rows=[len(ids) - 1])).argmax())
         dec = eng.backend.make_decoder(eng, cache)
         assert eng.backend.info["fused_decode"] is (fused == "1")
@@ -209,6 +212,7 @@ def test_cupy_fused_decode_step_matches_the_op_by_op_step(tiny, monkeypatch):
         rows, be = [], eng.backend
         for i in range(8):
             out = dec(tok)
+            assert cache.pos == int(cache.pos_dev[0]) == prompt + i + 1      # host and device positions agree
             rows.append(cp.asnumpy(out).copy())
             tok = int(rows[-1].argmax())
             assert (out.data.ptr in be.step_argmax) is (i >= 1)        # replays carry the argmax they took
@@ -219,6 +223,33 @@ def test_cupy_fused_decode_step_matches_the_op_by_op_step(tiny, monkeypatch):
     print(f"fused vs op-by-op: NMSE {nmse:.2e}, max abs {np.abs(a - b).max():.2e}")
     np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
     assert nmse < 1e-8
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_cupy_generation_stops_at_a_full_context_with_its_positions_agreeing(tiny, monkeypatch, fused):
+    """Greedy generation on the card until the context is full (40 positions, a 5-token prompt): 36 tokens, stop
+    reason context_full, and the host's and the device's positions both at 40 at the end: the fused float16 step's
+    first (eager) step once left the host position one behind, so the last step wrote one row past the cache. The
+    float32 tokens (op-by-op step, captured) equal the numpy oracle's."""
+    need_backend("cupy")
+    import cupy as cp
+
+    from llorch_ref.engine import GenerationResult
+
+    monkeypatch.setenv("LLORCH_CUDA_FUSED", fused)
+    path = tiny(vocab="bpe", n_layers=2, context_length=64)
+    prompt = [1, 5, 9, 14, 3]
+    ref = list(llorch_ref.load(path, backend="numpy", n_ctx=40).generate_ids(prompt, max_tokens=100, ignore_eos=True))
+    for dtype in ("float16", "float32"):
+        eng = llorch_ref.load(path, backend="cupy", dtype=dtype, n_ctx=40)
+        res = GenerationResult()
+        toks = list(eng.generate_ids(prompt, max_tokens=100, ignore_eos=True, result=res))
+        assert res.stop_reason == "context_full" and len(toks) == 36
+        cache, _ = eng._spare[0]                            # the finished request's pair, before any reset
+        assert cache.pos == int(cp.asnumpy(cache.pos_dev)[0]) == 40
+        assert eng.backend.info["fused_decode"] is (fused == "1" and dtype == "float16")
+        if dtype == "float32":
+            assert toks == ref
 
 
 def test_unavailable_or_unknown_backend_is_a_clear_error(tiny, monkeypatch):

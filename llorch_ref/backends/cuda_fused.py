@@ -7,7 +7,9 @@ their boundaries, the way numba's FusedDecoder does on the CPU:
   norm_gemv4_f16  RMSNorm folded into the Q/K/V product: y = r * W (x * g), r = 1 / sqrt(mean(x^2) + eps),
                   the sum of squares computed by every warp from the x it reads anyway (4 rows a warp)
   rope_attend     RoPE on Q and K, K and V written into the cache at the device-side position, attention
-                  of one block per head over the positions written so far (nothing past them read)
+                  over the positions written so far (nothing past them read): a block per head, past 256
+                  positions a block per head and chunk of 128, the chunks' partial softmax sums combined by each
+                  head's last block
   gemv_res_f16    the output projection added to the residual stream in place (x += W a)
   norm_glu_f16    RMSNorm, gate and up rows i and F+i by one warp, silu(g) * u written
   gemv_res_f16    the down projection added to the residual stream
@@ -163,21 +165,31 @@ __device__ __forceinline__ float4 load4(const __half* c) {
 __device__ __forceinline__ float rnd(const float*, float v) { return v; }
 __device__ __forceinline__ float rnd(const __half*, float v) { return __half2float(__float2half_rn(v)); }
 
-// RoPE, the K/V store and attention of one token, one block per query head. y = [q (H*hd), k (KV*hd), v
-// (KV*hd)]; cos/sin: the [n_ctx, half] tables (neox pairs (i, i + half), else (2i, 2i + 1); dims past 2 half
-// copied); the cache rows at pos are written by the first query head of each KV head, while every block
-// reads positions before pos from the cache and its own rotated k and v (rounded as the cache stores them) at
-// pos. Scores (a warp per position), softmax (max, exp, sum), P.V (a warp per position, four dims a lane), the
-// warps' sums added in a fixed order; out [H * hd]; hd % 4 == 0.
+// RoPE, the K/V store and attention of one token: a block per query head for up to ATTEND_ONE key positions, past
+// that a block per head and chunk of ATTEND_CHUNK positions (flash-decoding: a long context spreads over the card
+// instead of one block a head; blocks past the context exit).
+// y = [q (H*hd), k (KV*hd), v (KV*hd)]; cos/sin: the [n_ctx, half] tables (neox pairs (i, i + half), else (2i,
+// 2i + 1); dims past 2 half copied); the cache rows at pos are written by chunk 0 of the first query head of each KV
+// head, while every block reads positions before pos from the cache and its own rotated k and v (rounded as the
+// cache stores them) at pos. Scores (a warp per position), softmax (max, exp, sum), P.V (a warp per position, four
+// dims a lane), the warps' sums added in a fixed order; out [H * hd]; hd % 4 == 0. One chunk: out = acc / sum. Several: each block leaves (max, sum, acc) in part, and the head's last
+// block to finish (a counter per head, reset by it) rescales them to the largest max and writes out.
+#define ATTEND_ONE 256
+#define ATTEND_CHUNK 128
 template <typename C>
 __device__ void rope_attend(const float* y, const float* cs, const float* sn, const long long* pos, C* kc, C* vc,
-                            float* out, int H, int KV, int hd, int half, int neox, float scale) {
-    extern __shared__ float sm[];                // q [hd], k [hd], v [hd], p [L], partials [warps * hd]
+                            float* out, float* part, int* count, int H, int KV, int hd, int half, int neox,
+                            float scale) {
+    extern __shared__ float sm[];                // q [hd], k [hd], v [hd], p [ATTEND_ONE], partials [warps * hd]
     __shared__ float red[32];
+    __shared__ int last;
     griddep_wait();
     int h = blockIdx.x, grp = H / KV, kvh = h / grp;
     long long P = pos[0];
-    int L = (int)P + 1, nw = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int L = (int)P + 1, ns = L <= ATTEND_ONE ? 1 : (L + ATTEND_CHUNK - 1) / ATTEND_CHUNK, ch = blockIdx.y;
+    if (ch >= ns) return;
+    int j0 = ch * ATTEND_CHUNK, j1 = ns == 1 ? L : min(L, j0 + ATTEND_CHUNK);
+    int nw = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float *qs = sm, *kn = sm + hd, *vn = sm + 2 * hd, *p = sm + 3 * hd;
     const float *yq = y + (size_t)h * hd, *yk = y + (size_t)(H + kvh) * hd, *yv = y + (size_t)(H + KV + kvh) * hd;
     const C* c0 = nullptr;
@@ -195,12 +207,12 @@ __device__ void rope_attend(const float* y, const float* cs, const float* sn, co
     }
     for (int i = threadIdx.x; i < hd; i += blockDim.x) vn[i] = rnd(c0, yv[i]);
     __syncthreads();
-    if (h % grp == 0)
+    if (ch == 0 && h % grp == 0)
         for (int i = threadIdx.x; i < hd; i += blockDim.x) {
             size_t at = ((size_t)P * KV + kvh) * hd + i;
             put(kc + at, kn[i]); put(vc + at, vn[i]);
         }
-    for (int j = warp; j < L; j += nw) {         // one warp per key position
+    for (int j = j0 + warp; j < j1; j += nw) {   // one warp per key position
         float acc = 0.f;
         if (j < P) {
             const C* kj = kc + ((size_t)j * KV + kvh) * hd;
@@ -209,11 +221,11 @@ __device__ void rope_attend(const float* y, const float* cs, const float* sn, co
             for (int d = lane; d < hd; d += 32) acc += qs[d] * kn[d];
         }
         acc = warp_sum(acc);
-        if (lane == 0) p[j] = acc * scale;
+        if (lane == 0) p[j - j0] = acc * scale;
     }
     __syncthreads();
     float m = __int_as_float(0xff800000);
-    for (int j = threadIdx.x; j < L; j += blockDim.x) m = fmaxf(m, p[j]);
+    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) m = fmaxf(m, p[j]);
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0) red[warp] = m;
     __syncthreads();
@@ -221,38 +233,67 @@ __device__ void rope_attend(const float* y, const float* cs, const float* sn, co
     for (int w = 1; w < nw; ++w) m = fmaxf(m, red[w]);
     __syncthreads();
     float z = 0.f;
-    for (int j = threadIdx.x; j < L; j += blockDim.x) { float e = expf(p[j] - m); p[j] = e; z += e; }
+    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) { float e = expf(p[j] - m); p[j] = e; z += e; }
     z = warp_sum(z);
     if (lane == 0) red[warp] = z;
     __syncthreads();
     z = 0.f;
     for (int w = 0; w < nw; ++w) z += red[w];
-    float inv = 1.0f / z, *part = p + ((L + 3) & ~3);   // (16-byte aligned) P.V: warp w sums positions w, w + nw, ...; lane l dims 4l + 128r
+    float* pw = p + ATTEND_ONE;                  // P.V: warp w sums positions w, w + nw, ...; lane l dims 4l + 128r
     for (int d0 = 4 * lane; d0 < hd; d0 += 128) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int j = warp; j < L; j += nw) {
+        for (int j = j0 + warp; j < j1; j += nw) {
             float4 u = j < P ? load4(vc + ((size_t)j * KV + kvh) * hd + d0) : *reinterpret_cast<const float4*>(vn + d0);
-            float e = p[j];
+            float e = p[j - j0];
             acc.x += e * u.x; acc.y += e * u.y; acc.z += e * u.z; acc.w += e * u.w;
         }
-        *reinterpret_cast<float4*>(part + warp * hd + d0) = acc;
+        *reinterpret_cast<float4*>(pw + warp * hd + d0) = acc;
     }
     __syncthreads();
+    if (ns == 1) {
+        float inv = 1.0f / z;
+        for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+            float acc = 0.f;
+            for (int w = 0; w < nw; ++w) acc += pw[w * hd + dd];
+            out[(size_t)h * hd + dd] = acc * inv;
+        }
+        return;
+    }
+    float* mine = part + ((size_t)h * gridDim.y + ch) * (hd + 2);      // [max, sum, acc (hd)]
     for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
         float acc = 0.f;
-        for (int w = 0; w < nw; ++w) acc += part[w * hd + dd];
+        for (int w = 0; w < nw; ++w) acc += pw[w * hd + dd];
+        mine[2 + dd] = acc;
+    }
+    if (threadIdx.x == 0) { mine[0] = m; mine[1] = z; }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(count + h, 1) == ns - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* all = part + (size_t)h * gridDim.y * (hd + 2);
+    float M = __int_as_float(0xff800000), Z = 0.f;
+    for (int t = 0; t < ns; ++t) M = fmaxf(M, __ldcg(all + (size_t)t * (hd + 2)));
+    for (int t = 0; t < ns; ++t) Z += __ldcg(all + (size_t)t * (hd + 2) + 1) * expf(__ldcg(all + (size_t)t * (hd + 2)) - M);
+    float inv = 1.0f / Z;
+    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+        float acc = 0.f;
+        for (int t = 0; t < ns; ++t)
+            acc += __ldcg(all + (size_t)t * (hd + 2) + 2 + dd) * expf(__ldcg(all + (size_t)t * (hd + 2)) - M);
         out[(size_t)h * hd + dd] = acc * inv;
     }
+    if (threadIdx.x == 0) count[h] = 0;
 }
 extern "C" __global__ void rope_attend_f32(const float* y, const float* cs, const float* sn, const long long* pos,
-                                           float* kc, float* vc, float* out, int H, int KV, int hd, int half, int neox,
-                                           float scale) {
-    rope_attend(y, cs, sn, pos, kc, vc, out, H, KV, hd, half, neox, scale);
+                                           float* kc, float* vc, float* out, float* part, int* count, int H, int KV,
+                                           int hd, int half, int neox, float scale) {
+    rope_attend(y, cs, sn, pos, kc, vc, out, part, count, H, KV, hd, half, neox, scale);
 }
 extern "C" __global__ void rope_attend_f16(const float* y, const float* cs, const float* sn, const long long* pos,
-                                           __half* kc, __half* vc, float* out, int H, int KV, int hd, int half,
-                                           int neox, float scale) {
-    rope_attend(y, cs, sn, pos, kc, vc, out, H, KV, hd, half, neox, scale);
+                                           __half* kc, __half* vc, float* out, float* part, int* count, int H, int KV,
+                                           int hd, int half, int neox, float scale) {
+    rope_attend(y, cs, sn, pos, kc, vc, out, part, count, H, KV, hd, half, neox, scale);
 }
 
 // x = emb[tok] * scale (float32 or float16 rows)
@@ -266,6 +307,7 @@ extern "C" __global__ void embed_f16(const __half* e, const long long* t, float*
 """
 _MOD = {}
 ATTEND_THREADS = 1024
+ATTEND_ONE, ATTEND_CHUNK = 256, 128  # rope_attend: one block a head up to 256 positions, else chunks of 128 (SRC)
 
 
 def kernels(cp):
@@ -338,7 +380,10 @@ class FusedStep:
         self.hid = cp.empty(cfg.d_ff, cp.float32)
         self.logits = cp.empty((1, cfg.n_vocab), cp.float32)
         self.kv16 = cache.k.dtype == cp.float16
-        self.smem = 4 * (3 * hd + cache.n_ctx + 4 + ATTEND_THREADS // 32 * hd)
+        self.smem = 4 * (3 * hd + ATTEND_ONE + ATTEND_THREADS // 32 * hd)
+        self.chunks = -(-cache.n_ctx // ATTEND_CHUNK)       # rope_attend's grid (h, chunks): those past pos exit
+        self.part = cp.empty((h, self.chunks, hd + 2), cp.float32)      # each chunk's max, sum and P.V
+        self.count = cp.zeros(h, cp.int32)                              # chunks done, per head (reset by the last)
 
     @staticmethod
     def plan(engine, cache, layers):
@@ -350,7 +395,7 @@ class FusedStep:
                 or cfg.rope_base_local is not None or cfg.rope_style not in ("adjacent", "neox") \
                 or cfg.head_dim > ATTEND_THREADS or cfg.d_model % 8 or cfg.d_ff % 8 or cfg.n_heads * cfg.head_dim % 8 \
                 or cache.k.dtype not in (cp.float32, cp.float16) or cfg.head_dim % 4 \
-                or 4 * (3 * cfg.head_dim + cache.n_ctx + 4 + ATTEND_THREADS // 32 * cfg.head_dim) > 48 * 1024:
+                or 4 * (3 * cfg.head_dim + ATTEND_ONE + ATTEND_THREADS // 32 * cfg.head_dim) > 48 * 1024:
             return None
         for mats in layers:
             if any(m is None or getattr(m, "dtype", None) != cp.float16 or m.ndim != 2 for m in mats[:4]):
@@ -372,9 +417,9 @@ class FusedStep:
         n_qkv, neox = (h + 2 * kv) * hd, i32(cfg.rope_style == "neox")
         for i, (qkv, wo, gu, wd, an, fn) in enumerate(self.groups):
             go(K["norm_gemv4_f16"], ((n_qkv + 15) // 16,), (128,), (qkv, self.x, an, self.y, i32(n_qkv), i32(d), eps))
-            go(K[attend], (h,), (ATTEND_THREADS,), (self.y, cos, sin, c.pos_dev, c.k[i], c.v[i], self.att, i32(h),
-                                                     i32(kv), i32(hd), i32(half), neox, f32(cfg.scale)),
-               shared_mem=self.smem)
+            go(K[attend], (h, self.chunks), (ATTEND_THREADS,),
+               (self.y, cos, sin, c.pos_dev, c.k[i], c.v[i], self.att, self.part, self.count, i32(h), i32(kv), i32(hd),
+                i32(half), neox, f32(cfg.scale)), shared_mem=self.smem)
             go(K["gemv_res_f16"], ((d + 3) // 4,), (128,), (wo, self.att, self.x, i32(d), i32(h * hd)))
             go(K["norm_glu_f16"], ((f + 3) // 4,), (128,), (gu, self.x, fn, self.hid, i32(f), i32(d), eps))
             go(K["gemv_res_f16"], ((d + 3) // 4,), (128,), (wd, self.hid, self.x, i32(d), i32(f)))

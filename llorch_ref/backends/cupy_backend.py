@@ -443,7 +443,8 @@ class GraphDecoder:
     pool with every buffer a step needs, so that capturing allocates nothing new); the second captures one
     whole decode step as a CUDA graph (with the argmax of its logits, which backend.argmax then reads instead of
     launching its own: plain greedy sampling costs no launch); later steps only write the token into mapped host
-    memory, replay the graph and bump the device position. Nothing else allocates device memory between replays."""
+    memory and replay the graph, whose last kernel advances the device position. Nothing else allocates device
+    memory between replays."""
 
     def __init__(self, engine, cache):
         self.engine, self.cache = engine, cache
@@ -463,15 +464,21 @@ class GraphDecoder:
         engine.backend.info["fused_decode"] = self.fused is not None
 
     def _step(self):
-        if self.fused is not None:
-            return self.fused(self.tok)
+        """One step at the device-side position, which its last kernel advances (inside a captured graph too); the
+        host position advances here (the replay path advances it itself: capture only records)."""
         c, ops = self.cache, self.engine.ops
         c.static = ops.static_decode = True
         try:
-            return forward_mod.forward(self.xp, self.engine.config, self.engine.weights, self.tok, c, rows=None,
-                                       ops=ops)
+            if self.fused is not None:
+                out = self.fused(self.tok)
+                c.advance(1)                                # as forward's own advance for the op-by-op step
+            else:
+                out = forward_mod.forward(self.xp, self.engine.config, self.engine.weights, self.tok, c, rows=None,
+                                          ops=ops)
         finally:
             c.static = ops.static_decode = False
+        _kernels(self.xp)["bump_pos"]((1,), (1,), (c.pos_dev,))
+        return out
 
     def __call__(self, token):
         xp, c = self.xp, self.cache
@@ -513,7 +520,6 @@ class GraphDecoder:
                 out = self.out
                 if self._next is not None:
                     self.engine.backend.step_argmax[out.data.ptr] = (out, self._next)
-            c.pos_dev += 1
         self.stream.synchronize()
         return out
 
@@ -756,6 +762,9 @@ extern "C" __global__ void glu_f16(const float* g, const float* u, long long ld,
     }
 }
 
+// The device-side position a decode step read, advanced by the step's last kernel (inside its CUDA graph).
+extern "C" __global__ void bump_pos(long long* pos) { pos[0] += 1; }
+
 // A pair's rotation, each product and difference rounded as NumPy rounds them (no contraction into an FMA):
 // y0 = x0 c - x1 s, y1 = x0 s + x1 c.
 __device__ __forceinline__ float rot0(float x0, float x1, float c, float s) { return __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)); }
@@ -910,7 +919,7 @@ def _kernels(cp):
         for name in ("gemv_f32", "gemv_f16", "gemv_f32_row", "gemv_f16_v8", "gemv_f16_x4", "rms_norm_rows",
                      "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows", "argmax_row",
                      "rope_store_f32", "rope_store_f16", "softmax_rows_f16", "rms_norm_rows_f16",
-                     "add_rms_norm_f32", "add_rms_norm_f16", "glu_f16"):
+                     "add_rms_norm_f32", "add_rms_norm_f16", "glu_f16", "bump_pos"):
             _KERNELS[name] = mod.get_function(name)
         _KERNELS["silu_mul"] = cp.ElementwiseKernel("float32 g, float32 u", "float32 h",
                                                     "h = (g / (1.0f + expf(-g))) * u", "llorch_silu_mul")
