@@ -47,6 +47,55 @@ def test_numba_lazy_uncached_prefill_runs_the_kernels_and_meets_the_bands(tiny):
     assert eng.weights_info()["hits"] == 0                             # nothing was dequantized and kept
 
 
+def test_cpu_split_products_and_attention_equal_the_unsplit_ones_to_the_bit():
+    """cpu_split: a product cut into row panels of the weight, one single-threaded BLAS call a thread, and attention on
+    groups of KV heads (6 query heads on 3 KV heads, a cached prefix, a causal mask) give the unsplit results to the
+    bit at 1, 2 and 3 threads; a split whose groups put their query heads in the wrong places (planted) does not."""
+    from threadpoolctl import threadpool_limits
+
+    from llorch_ref.backends.cpu_split import CpuSplit
+    from llorch_ref.model import layers as L
+    from llorch_ref.model.cache import visible_mask
+
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((37, 256)).astype(np.float32), rng.standard_normal((1000, 256)).astype(np.float32)
+    t, s, h, kv, hd = 21, 29, 6, 3, 32
+    q = rng.standard_normal((t, h, hd)).astype(np.float32)
+    k, v = rng.standard_normal((s, kv, hd)).astype(np.float32), rng.standard_normal((s, kv, hd)).astype(np.float32)
+    mask = visible_mask(np, np.arange(s - t, s)[:, None], np.arange(s)[None, :]).astype(np.float32)
+    kv_head = L.kv_head_of(np, h, kv)
+    with threadpool_limits(1, "blas"):
+        want_y = x @ w.T
+        want_att = L.attention(np, q, k, v, mask, 0.125, kv_head)[0]
+        for threads in (1, 2, 3):
+            split = CpuSplit(threads)
+            assert np.array_equal(split.product(x, w), want_y)
+            assert np.array_equal(split.attention_out(L.attention, np, q, k, v, mask, 0.125, kv_head), want_att)
+            bad = split.attention_out(lambda xp, q, k, v, m, sc, kh: L.attention(xp, q[:, ::-1], k, v, m, sc, kh),
+                                      np, q, k, v, mask, 0.125, kv_head)
+            assert not np.array_equal(bad, want_att)                   # planted: each group's query heads reversed
+            split.configure(1)
+
+
+def test_numba_prefill_at_any_thread_count_equals_to_the_bit(tiny):
+    """The numba backend's several-token products and attention split over its threads: the prompt's logits and K/V
+    cache at 1, 2 and 3 threads equal to the bit; and with nobody watching (generation's attention_out) equal to
+    the recorded path's."""
+    need_backend("numba")
+    path = tiny(vocab="bpe", weight_type="Q4_1", n_heads=4, n_kv_heads=2, d_model=128)
+    ids = [(5 * i + 2) % 200 + 1 for i in range(40)]
+    got = []
+    for threads in (1, 2, 3):
+        eng = llorch_ref.load(path, backend="numba", threads=threads)
+        for record in ((lambda name, layer, arr: None), None):
+            cache = eng.new_cache()
+            logits = eng.forward(ids, cache, record=record)
+            got.append((logits, cache.k[:, :cache.pos].copy(), cache.v[:, :cache.pos].copy()))
+    for other in got[1:]:
+        for a, b in zip(got[0], other):
+            assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("kernel,first", [("rope_one", ("1B", "q@step1")), ("attend_one", ("4", "kq@step1")),
                                           ("rms_norm_rows", ("1", "attn_norm@step1"))])
 def test_a_planted_bug_in_a_one_token_kernel_is_caught_at_its_checkpoint(tiny, monkeypatch, kernel, first):

@@ -1,7 +1,7 @@
 """The Numba backend: NumPy arrays, with matrix products computed from the quantized GGUF blocks by Numba
 kernels for one-token steps (and for several tokens when the float32 weights are not at hand: lazy weights
-the cache does not keep; otherwise those go to BLAS), and Numba RMSNorm, RoPE, SwiGLU and attention for
-one-token steps."""
+the cache does not keep; otherwise those go to BLAS, split over the backend's threads by cpu_split with BLAS
+itself on one thread), and Numba RMSNorm, RoPE, SwiGLU and attention for one-token steps."""
 from __future__ import annotations
 
 import re
@@ -17,6 +17,7 @@ from . import Backend, cpu_threads, limit_blas
 from . import numba_ggml as G
 from . import numba_kernels as K
 from . import numba_simd as S
+from .cpu_split import SPLIT
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 PATHS: Counter = Counter()        # (weight type, path, rows) -> products: what `bench` reports
@@ -85,7 +86,7 @@ class KernelMatrix:
             PATHS[(self.blocks.qtype, f"numba kernel ({self.blocks.kind})", rows)] += 1
             return self.blocks.matmul(x)[:, self.lo:self.hi]
         PATHS[(self.blocks.qtype, "BLAS on the float32 weight", rows)] += 1
-        return x @ self._dense().T
+        return SPLIT.product(x, self._dense())
 
 
 class NumbaLayers:
@@ -345,9 +346,10 @@ class NumbaBackend(Backend):
 
         threads = cpu_threads(threads)
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        SPLIT.configure(threads)          # several-token BLAS work split over our threads, BLAS on one each
         super().__init__(name="numba", xp=np, asarray=lambda a: a, to_numpy=lambda a: a, device="cpu",
                          info={"numba": numba.__version__, "threads": numba.get_num_threads(), "fastmath": False,
-                               "blas": limit_blas(threads)})
+                               "blas": limit_blas(1), "blas_split_threads": threads})
         self.n_matrices, self.all_kernels = 0, False
         t0 = time.perf_counter()
         self._warm_up()
@@ -432,6 +434,8 @@ class NumbaBackend(Backend):
                 return w.matmul(x)
             PATHS[(str(getattr(w, "dtype", "?")), "NumPy/BLAS (no kernel for this type)",
                    "1 row" if x.shape[0] == 1 else "several rows")] += 1
+            if x.shape[0] != 1 and isinstance(w, np.ndarray):
+                return SPLIT.product(x, w if w.dtype == np.float32 else w.astype(np.float32))
             return base_ops.linear(xp, x, w)
 
         def stacked(x, *ws):
@@ -456,11 +460,9 @@ class NumbaBackend(Backend):
             return out.reshape(x.shape)
 
         def swiglu(xp, x, w_gate, w_up, w_down):
-            if x.shape[0] != 1:
-                gu = stacked(x, w_gate, w_up)
-                if gu is None:
-                    return base_ops.swiglu(xp, x, w_gate, w_up, w_down)
-                h = base_ops.silu(xp, gu[0]) * gu[1]                          # the reference's arithmetic
+            if x.shape[0] != 1:                                               # the reference's arithmetic
+                g, u = stacked(x, w_gate, w_up) or (linear(xp, x, w_gate), linear(xp, x, w_up))
+                h = base_ops.silu(xp, g) * u
                 return linear(xp, h, w_down), h
             g, u = stacked(x, w_gate, w_up) or (linear(xp, x, w_gate), linear(xp, x, w_up))
             h = np.empty_like(g)
@@ -490,7 +492,20 @@ class NumbaBackend(Backend):
             attend(np.ascontiguousarray(q[0]), k, v, mask[0], scale, kv_head, out, kq[:, 0], probs[:, 0])
             return out.reshape(1, h * hd), kq, probs
 
-        for name, fn in (("linear", linear), ("rms_norm", rms_norm), ("swiglu", swiglu), ("qkv", qkv),
-                         ("attention", attention), ("rope", rope)):
+        def geglu(xp, x, w_gate, w_up, w_down):
+            if x.shape[0] == 1:
+                return base_ops.geglu(xp, x, w_gate, w_up, w_down)
+            h = base_ops.gelu_tanh(xp, linear(xp, x, w_gate)) * linear(xp, x, w_up)      # the reference's arithmetic
+            return linear(xp, h, w_down), h
+
+        def attention_out(xp, q, k, v, mask, scale, kv_head):
+            """The output alone, where nobody watches: one token by the kernel, several by the reference's attention
+            on groups of KV heads over the threads (cpu_split)."""
+            if q.shape[0] == 1:
+                return attention(xp, q, k, v, mask, scale, kv_head)[0]
+            return SPLIT.attention_out(base_ops.attention, xp, q, k, v, mask, scale, kv_head)
+
+        for name, fn in (("linear", linear), ("rms_norm", rms_norm), ("swiglu", swiglu), ("geglu", geglu), ("qkv", qkv),
+                         ("attention", attention), ("attention_out", attention_out), ("rope", rope)):
             setattr(ops, name, fn)
         return ops
