@@ -68,7 +68,7 @@ def test_cpu_split_products_and_attention_equal_the_unsplit_ones_to_the_bit():
         want_y = x @ w.T
         want_att = L.attention(np, q, k, v, mask, 0.125, kv_head)[0]
         for threads in (1, 2, 3):
-            split = CpuSplit(threads)
+            split = CpuSplit(threads, mode="split")
             assert np.array_equal(split.product(x, w), want_y)
             assert np.array_equal(split.attention_out(L.attention, np, q, k, v, mask, 0.125, kv_head), want_att)
             bad = split.attention_out(lambda xp, q, k, v, m, sc, kh: L.attention(xp, q[:, ::-1], k, v, m, sc, kh),
@@ -77,16 +77,21 @@ def test_cpu_split_products_and_attention_equal_the_unsplit_ones_to_the_bit():
             split.configure(1)
 
 
-def test_numba_prefill_at_any_thread_count_equals_to_the_bit(tiny):
-    """The numba backend's several-token products and attention split over its threads: the prompt's logits and K/V
-    cache at 1, 2 and 3 threads equal to the bit; and with nobody watching (generation's attention_out) equal to
-    the recorded path's."""
+def test_numba_prefill_split_or_not_at_any_thread_count_equals_to_the_bit(tiny, monkeypatch):
+    """The numba backend's several-token products and attention, split over its threads (as on a busy machine) or
+    left to BLAS's threads: the prompt's logits and K/V cache at 1, 2 and 3 threads, split or not, equal to the bit;
+    with nobody watching (generation's attention_out) equal to the recorded path's. A mode that is not one is an
+    error."""
     need_backend("numba")
+    from llorch_ref.backends.cpu_split import SPLIT
+
     path = tiny(vocab="bpe", weight_type="Q4_1", n_heads=4, n_kv_heads=2, d_model=128)
     ids = [(5 * i + 2) % 200 + 1 for i in range(40)]
     got = []
-    for threads in (1, 2, 3):
+    for threads, mode in ((1, "blas"), (2, "split"), (2, "blas"), (3, "split")):
+        monkeypatch.setenv("LLORCH_BLAS_SPLIT", mode)
         eng = llorch_ref.load(path, backend="numba", threads=threads)
+        assert SPLIT.split is (mode == "split" and threads > 1)
         for record in ((lambda name, layer, arr: None), None):
             cache = eng.new_cache()
             logits = eng.forward(ids, cache, record=record)
@@ -94,6 +99,11 @@ def test_numba_prefill_at_any_thread_count_equals_to_the_bit(tiny):
     for other in got[1:]:
         for a, b in zip(got[0], other):
             assert np.array_equal(a, b)
+    monkeypatch.setenv("LLORCH_BLAS_SPLIT", "sometimes")
+    with pytest.raises(ParameterError, match="LLORCH_BLAS_SPLIT"):
+        llorch_ref.load(path, backend="numba")
+    monkeypatch.delenv("LLORCH_BLAS_SPLIT")
+    llorch_ref.load(path, backend="numba")
 
 
 @pytest.mark.parametrize("kernel,first", [("rope_one", ("1B", "q@step1")), ("attend_one", ("4", "kq@step1")),

@@ -1,35 +1,88 @@
-"""Several-token products and attention on the CPU, split over llorch-ref's own threads, each part one
-single-threaded BLAS call.
+"""Several-token products and attention on the CPU when other processes hold cores: split over llorch-ref's own
+threads, each part one single-threaded BLAS call.
 
-OpenBLAS's own threads divide a product statically and wait for each other spinning; on a machine where other
-processes hold the cores, a thread the scheduler parks holds the whole product back while its partner spins (the
-default model's prefill at 2 threads with both cores busy: 74 tok/s, runs from 26 to 148, against 185, runs from
-172 to 319, split this way; results/cpu/busy-cores.md). Here BLAS runs on one thread; a product is cut into row
-panels of the weight and attention into groups of KV heads, one part per thread (the calling thread takes the
-first, the others a small pool's workers, which sleep between parts). Each output element is computed by the
-same BLAS call shape as before (a product's panel rows, a head's matrices), so the results equal the unsplit
-ones to the bit (tests/test_backends.py).
+OpenBLAS's own threads divide a product statically and spin while they wait for each other; on a machine where
+other processes hold the cores, a thread the scheduler parks holds the whole product back (the default model's
+prefill at 2 threads with both cores busy: 74 tok/s, runs from 26 to 148). Split here, the waits sleep and a
+parked thread delays only its own part: 157-185 tok/s, runs from 140 to 319 (results/cpu/busy-cores.md). On
+free cores OpenBLAS's spinning threads are faster (each hand-off to a sleeping thread costs a wake-up, about 20%
+of the default model's prefill), so the split is taken only while the machine is busy: every 0.2 s at most the
+cores other processes used since the last look are read from /proc/stat (the machine's busy time less this
+process's own), and at 0.5 cores or more the split is on and BLAS runs on one thread, else BLAS gets the threads.
+A product is cut into row panels of the weight and attention into groups of KV heads, one part a thread (the
+calling thread takes the first). Every output element is computed by the same BLAS call shape either way, so the
+results are equal to the bit whichever way a forward ran (tests/test_backends.py): the choice changes speed only.
 """
 from __future__ import annotations
 
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ..errors import ParameterError
+
+BUSY_CORES = 0.5        # other processes' use of the cores at which the split goes on
+LOOK_EVERY_S = 0.2
+
+
+def machine_busy_s():
+    """-> the seconds of CPU time the whole machine has spent busy since boot (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(a) for a in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")      # less idle and iowait; guest time is in user
+
 
 class CpuSplit:
-    """run(fn, parts), product(x, w), attention_out(attention, ...) over `threads` threads (1: in the caller)."""
+    """run(fn, parts), product(x, w), attention_out(attention, ...) over `threads` threads (1: in the caller);
+    `split` says whether the last look found the cores busy (then products and attention are split and BLAS runs on
+    one thread), `mode` forces it ("split", "blas"; default "auto")."""
 
-    def __init__(self, threads: int = 1):
-        self.threads, self.pool = 1, None
-        self.configure(threads)
+    def __init__(self, threads: int = 1, mode: str = "auto"):
+        self.threads, self.pool, self.mode, self.split = 1, None, mode, False
+        self.blas, self._last = None, None
+        self.configure(threads, mode=mode)
 
-    def configure(self, threads: int):
+    def configure(self, threads: int, blas=None, mode=None):
+        """threads: this process's threads; blas: threadpoolctl's controller of the BLAS libraries (its thread
+        count set to `threads`, or 1 while split), None: leave BLAS alone; mode: "auto", "split" or "blas"
+        (default: $LLORCH_BLAS_SPLIT, else auto)."""
+        mode = mode or os.environ.get("LLORCH_BLAS_SPLIT", "auto")
+        if mode not in ("auto", "split", "blas"):
+            raise ParameterError(f"LLORCH_BLAS_SPLIT={mode!r} must be auto, split or blas")
+        self.mode = mode
         if threads != self.threads:
             if self.pool is not None:
                 self.pool.shutdown(wait=True)
             self.threads = threads
             self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="llorch-split") if threads > 1 else None
+        self.blas, self._last, self.split = blas, None, False
+        self._set(self.mode == "split")
+
+    def _set(self, split: bool):
+        split = split and self.threads > 1
+        if self.blas is not None and (split != self.split or self._last is None):
+            self.blas.limit(limits=1 if split else self.threads)
+        self.split = split
+
+    def look(self):
+        """Decide split or not from the machine's busy time since the last look (at most every LOOK_EVERY_S)."""
+        if self.mode != "auto" or self.threads == 1:
+            return
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < LOOK_EVERY_S:
+            return
+        busy, own = machine_busy_s(), sum(os.times()[:2])
+        if busy is None:
+            return
+        if self._last is not None:
+            others = (busy - self._last[1] - (own - self._last[2])) / (now - self._last[0])
+            self._set(others >= BUSY_CORES)
+        self._last = (now, busy, own)
 
     def run(self, fn, parts: int):
         """fn(0), ..., fn(parts - 1): part 0 in the calling thread, the others on the pool; returns when all are done
@@ -46,9 +99,10 @@ class CpuSplit:
                 f.result()
 
     def product(self, x, w):
-        """x: [T, K] f32, w: [N, K] f32 -> x @ w.T [T, N] f32, one row panel of w a thread."""
+        """x: [T, K] f32, w: [N, K] f32 -> x @ w.T [T, N] f32: split, one row panel of w a thread."""
+        self.look()
         n = w.shape[0]
-        parts = max(1, min(self.threads, n // 64))
+        parts = max(1, min(self.threads, n // 64)) if self.split else 1
         if parts == 1:
             return x @ w.T
         out = np.empty((x.shape[0], n), dtype=np.result_type(x, w))
@@ -65,7 +119,7 @@ class CpuSplit:
         whole KV heads, one a thread -> out only (the scores and probabilities of each group are dropped)."""
         t, h, hd = q.shape
         kv = k.shape[1]
-        parts = min(self.threads, kv)
+        parts = min(self.threads, kv) if self.split else 1
         if parts == 1:
             return attention(xp, q, k, v, mask, scale, kv_head)[0]
         g = h // kv

@@ -332,6 +332,12 @@ def vector_registers(names=None) -> dict:
     return res
 
 
+def _blas_controller():
+    """threadpoolctl's controller of the BLAS libraries in this process (cpu_split sets their thread count)."""
+    from threadpoolctl import ThreadpoolController
+    return ThreadpoolController().select(user_api="blas")
+
+
 class NumbaBackend(Backend):
     def __init__(self, threads=None):
         import os
@@ -346,10 +352,11 @@ class NumbaBackend(Backend):
 
         threads = cpu_threads(threads)
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        SPLIT.configure(threads)          # several-token BLAS work split over our threads, BLAS on one each
+        blas = limit_blas(threads)
+        SPLIT.configure(threads, _blas_controller())   # several-token BLAS work split over our threads when busy
         super().__init__(name="numba", xp=np, asarray=lambda a: a, to_numpy=lambda a: a, device="cpu",
                          info={"numba": numba.__version__, "threads": numba.get_num_threads(), "fastmath": False,
-                               "blas": limit_blas(1), "blas_split_threads": threads})
+                               "blas": blas, "blas_split": SPLIT.mode})
         self.n_matrices, self.all_kernels = 0, False
         t0 = time.perf_counter()
         self._warm_up()
