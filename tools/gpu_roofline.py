@@ -157,8 +157,19 @@ def decode_step_ms(eng, prompt=8, steps=64):
         dec(5)
     if dec.graph is None:
         return None
+    return gpu_time(replay_at(dec, cache, cache.pos), n=20, stream=dec.stream)
+
+
+def replay_at(dec, cache, pos):
+    """-> a function replaying the decoder's captured step at position `pos` each time (the step advances the
+    device position itself: it is set back on the step's stream after each replay, a one-thread fill counted in)."""
     s = dec.stream
-    return gpu_time(lambda: dec.graph.launch(s), n=20, stream=s)
+
+    def replay():
+        dec.graph.launch(s)
+        with s:
+            cache.pos_dev[...] = pos
+    return replay
 
 
 def profile(out):
@@ -597,7 +608,7 @@ def steps(out):
     s = dec.stream
     for p in (8, 64, 128, 512, 1000):
         cache.pos_dev[...] = p
-        res["positions"].append({"position": p, "graph_step_ms": gpu_time(lambda: dec.graph.launch(s), n=20, stream=s)})
+        res["positions"].append({"position": p, "graph_step_ms": gpu_time(replay_at(dec, cache, p), n=20, stream=s)})
     res["matrix_bytes"] = matrix_bytes(eng)
     print(json.dumps(res), flush=True)
     (Path(out) / "steps.json").write_text(json.dumps(res, indent=1))
