@@ -75,7 +75,7 @@ class Engine:
         kv_dtype = dtype_name(kv_dtype, KV_DTYPES, "kv_dtype")
         self.numerics, self.kv_dtype = numerics, kv_dtype
         if numerics == "ggml":
-            self.ops = make_ops(kv_dtype)
+            self.ops = self.backend.make_ggml_ops(make_ops(kv_dtype))
         else:
             self.ops = self.backend.make_ops(layers)
         self._spare, self._spare_lock = [], threading.Lock()     # (cache, decoder) a finished request left

@@ -221,6 +221,35 @@ def test_numba_one_token_attention_equals_the_emulation(n_pos, kv_dtype):
     assert not np.array_equal(bad, want[0])
 
 
+@pytest.mark.parametrize("t,s,hd", [(5, 5, 64), (9, 37, 40), (33, 70, 128)])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_numba_several_token_attention_equals_the_emulation(t, s, hd, kv_dtype):
+    """numba_ggml.attend_rows (a prefill's attention, tinyBLAS's lanes) against ggml_cpu's emulation, its output, kq
+    and probabilities bit for bit: T new tokens after S - T cached ones, causal mask, 6 query heads on 2 KV heads,
+    Hd with and without a remainder past 32 lanes, S not a multiple of 8. Planted: P not rounded to float16 on a
+    float16 cache (the output differs), the KV heads swapped (all differ)."""
+    g = _g()
+    rng = np.random.default_rng(t * s)
+    h, kv = 6, 2
+    q = rng.standard_normal((t, h, hd)).astype(np.float32)
+    k = (rng.standard_normal((s, kv, hd)) * 3).astype(kv_dtype)
+    v = rng.standard_normal((s, kv, hd)).astype(kv_dtype)
+    kv_head = np.arange(h) // (h // kv)
+    pos = np.arange(s - t, s)[:, None]
+    mask = np.where(np.arange(s)[None, :] <= pos, 0.0, -np.inf).astype(np.float32)
+    want = ggml_cpu.make_attention(kv_dtype)(np, q, k.astype(np.float32), v.astype(np.float32), mask, 0.125, kv_head)
+    bits = (lambda a: a.view(np.uint16)) if kv_dtype == "float16" else (lambda a: a)
+    got = g.attend_rows(q, bits(k), bits(v), mask, np.float32(0.125), kv_head)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and np.array_equal(a, b)
+    bad = g.attend_rows(q, bits(k[:, ::-1].copy()), bits(v), mask, np.float32(0.125), kv_head)
+    assert not any(np.array_equal(a, b) for a, b in zip(bad, want))
+    if kv_dtype == "float16":
+        loose = ggml_cpu.make_attention("float32")(np, q, k.astype(np.float32), v.astype(np.float32), mask, 0.125,
+                                                    kv_head)
+        assert not np.array_equal(loose[0], got[0])                  # the float16 roundings are seen
+
+
 @pytest.mark.parametrize("wt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("kv", ["float32", "float16"])
 def test_fused_numba_ggml_decode_bit_identical_to_llamacpp(tiny, llamacpp, wt, kv):

@@ -59,6 +59,11 @@ class Backend:
         """-> the layer-function namespace for this backend (base_ops with hot kernels overridden)."""
         return base_ops
 
+    def make_ggml_ops(self, ggml_ops):
+        """-> numerics "ggml"'s namespace for this backend (ggml_cpu.make_ops's, with kernels that compute the same
+        bits faster where the backend has them)."""
+        return ggml_ops
+
     def prepare_weights(self, weights, qtensors=None, numerics="exact"):
         """-> the weights as this backend computes with them. qtensors: the GGUF loader's quantized matrices
         ((layer, field) or "output" -> QTensor), for kernels that multiply by the blocks (numba); numerics: "exact" or "ggml" (matrix objects that stay as they are)."""

@@ -433,6 +433,24 @@ class NumbaBackend(Backend):
             return super().make_decoder(engine, cache)
         return fused(engine, cache, plans)
 
+    def make_ggml_ops(self, ggml_ops):
+        """numerics "ggml": several new tokens' attention by numba_ggml.attend_rows (ggml_cpu's attention bit for
+        bit, tests/test_ggml_numerics.py); one token's, and everything else, as ggml_cpu computes it."""
+        ops = types.SimpleNamespace(**vars(ggml_ops))
+        emulated, half = ggml_ops.attention, ggml_ops.kv_dtype == "float16"
+
+        def attention(xp, q, k, v, mask, scale, kv_head):
+            if q.shape[0] == 1 or q.shape[2] % 8:
+                return emulated(xp, q, k, v, mask, scale, kv_head)
+            # a float16 cache reaches attention as float32 copies of its values: handed over as float16 bits
+            kk, vv = ((a.astype(np.float16).view(np.uint16) if half else a.astype(np.float32, copy=False))
+                      for a in (k, v))
+            return G.attend_rows(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(kk),
+                                 np.ascontiguousarray(vv), np.ascontiguousarray(mask, dtype=np.float32),
+                                 np.float32(scale), np.ascontiguousarray(kv_head, dtype=np.int64))
+        ops.attention = attention
+        return ops
+
     def make_ops(self, base_ops):
         ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})
 

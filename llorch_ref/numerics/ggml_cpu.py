@@ -424,7 +424,7 @@ def make_ops(kv_dtype: str = "float32"):
     ops = types.SimpleNamespace(**{n: getattr(layers, n) for n in dir(layers) if not n.startswith("_")})
     ops.rope_angles, ops.rope, ops.softmax, ops.silu, ops.rms_norm = rope_angles, rope, softmax, silu, rms_norm
     ops.attention, ops.swiglu, ops.geglu = make_attention(kv_dtype), swiglu, geglu
-    ops.name = f"ggml (kv {kv_dtype})"
+    ops.name, ops.kv_dtype = f"ggml (kv {kv_dtype})", kv_dtype
     return ops
 
 
