@@ -33,7 +33,6 @@ def _without_cyclic_gc(fn):
 
 
 @_without_cyclic_gc
-
 def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="float32", dtype="float32", threads=None,
          weights="auto", weight_cache_mb=None, weight_dtype="float32"):
     """Load a GGUF file or a Hugging Face model folder (default: SmolLM2-135M-Instruct Q4_1, fetched and cached;

@@ -238,11 +238,11 @@ def test_numba_several_token_attention_equals_the_emulation(t, s, hd, kv_dtype):
     pos = np.arange(s - t, s)[:, None]
     mask = np.where(np.arange(s)[None, :] <= pos, 0.0, -np.inf).astype(np.float32)
     want = ggml_cpu.make_attention(kv_dtype)(np, q, k.astype(np.float32), v.astype(np.float32), mask, 0.125, kv_head)
-    bits = (lambda a: a.view(np.uint16)) if kv_dtype == "float16" else (lambda a: a)
-    got = g.attend_rows(q, bits(k), bits(v), mask, np.float32(0.125), kv_head)
+    half, k32, v32 = kv_dtype == "float16", k.astype(np.float32), v.astype(np.float32)
+    got = g.attend_rows(q, k32, v32, mask, np.float32(0.125), kv_head, half)
     for a, b in zip(got, want):
         assert a.shape == b.shape and np.array_equal(a, b)
-    bad = g.attend_rows(q, bits(k[:, ::-1].copy()), bits(v), mask, np.float32(0.125), kv_head)
+    bad = g.attend_rows(q, k32[:, ::-1].copy(), v32, mask, np.float32(0.125), kv_head, half)
     assert not any(np.array_equal(a, b) for a, b in zip(bad, want))
     if kv_dtype == "float16":
         loose = ggml_cpu.make_attention("float32")(np, q, k.astype(np.float32), v.astype(np.float32), mask, 0.125,

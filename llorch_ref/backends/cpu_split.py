@@ -60,12 +60,12 @@ class CpuSplit:
                 self.pool.shutdown(wait=True)
             self.threads = threads
             self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="llorch-split") if threads > 1 else None
-        self.blas, self._last, self.split = blas, None, False
+        self.blas, self._last, self.split = blas, None, None         # None: BLAS's thread count not set yet
         self._set(self.mode == "split")
 
     def _set(self, split: bool):
         split = split and self.threads > 1
-        if self.blas is not None and (split != self.split or self._last is None):
+        if self.blas is not None and split != self.split:
             self.blas.limit(limits=1 if split else self.threads)
         self.split = split
 

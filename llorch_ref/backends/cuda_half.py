@@ -20,14 +20,11 @@ import numpy as np
 
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)        # host scalars cuBLAS reads (pointer mode host)
 _ALPHA = {}                                                             # more of them, one array per value
-_LIB = []
 
 
 def _cublas(cp):
-    if not _LIB:
-        from cupy_backends.cuda.libs import cublas
-        _LIB.append(cublas)
-    cublas = _LIB[0]
+    from cupy_backends.cuda.libs import cublas
+
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     return cublas, handle

@@ -201,16 +201,18 @@ class CupyBackend(Backend):
             return q.reshape(t, h, hd), k.reshape(t, kv, hd), v.reshape(t, kv, hd)
 
         def glu(x, w_gate, w_up, w_down, gelu):
-            """The gated FFN; on float16 input (add_norm's, where nobody watches) the hidden rows come in float16 too,
-            for the down product that would round them so."""
+            """The gated FFN, act(g) * u in one kernel read from the gate/up rows where they are; on float16 input
+            (add_norm's, where nobody watches) the hidden rows come in float16 too, for the down product that
+            would round them so."""
             g, u = parts(x, (w_gate, w_up))
-            if x.dtype == cp.float16 and g.strides == u.strides and g.strides[1] == 4 and g.dtype == u.dtype == f32:
-                t, nf = g.shape
-                h = cp.empty((t, nf), dtype=cp.float16)
-                K["glu_f16"](((t * nf + 255) // 256,), (256,), (g, u, cp.int64(g.strides[0] // 4), h, i32(nf),
-                                                                 cp.int64(t * nf), i32(gelu)))
-            else:
-                h = K["gelu_mul" if gelu else "silu_mul"](g, u)
+            if not (g.dtype == u.dtype == f32 and g.strides == u.strides and g.strides[1] == 4):
+                g, u = dense(g), dense(u)
+            t, nf = g.shape
+            half = x.dtype == cp.float16
+            h = cp.empty((t, nf), dtype=cp.float16 if half else f32)
+            K["glu_f16" if half else "glu_f32"](((t * nf + 255) // 256,), (256,),
+                                                (g, u, cp.int64(g.strides[0] // 4), h, i32(nf), cp.int64(t * nf),
+                                                 i32(gelu)))
             return linear(cp, h, w_down), h
 
         def swiglu(xp, x, w_gate, w_up, w_down):
@@ -748,18 +750,26 @@ extern "C" __global__ void add_rms_norm_f16(const float* x, const float* a, floa
     norm_row(x, a, s, w, y, n, eps);
 }
 
-// The gated activations with a float16 output (the down product's input): g and u [T, F] rows ld floats apart
-// (the two halves of the stacked gate/up product, or two arrays), h [T, F] = act(g) * u, the float32 expressions of
-// the silu_mul / gelu_mul elementwise kernels, then rounded. One thread per element, grid-stride.
-extern "C" __global__ void glu_f16(const float* g, const float* u, long long ld, __half* h, int F, long long n,
-                                   int gelu) {
+// The gated activations: g and u [T, F] rows ld floats apart (the two halves of the stacked gate/up product, or two
+// arrays), h [T, F] = act(g) * u in float32 (silu, or gelu's tanh form), stored as float32 (glu_f32) or rounded to
+// float16 for the down product that would round it so (glu_f16). One thread per element, grid-stride.
+template <typename O>
+__device__ void glu(const float* g, const float* u, long long ld, O* h, int F, long long n, int gelu) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         long long at = (i / F) * ld + i % F;
         float gv = g[at], uv = u[at];
         float a = gelu ? (0.5f * gv * (1.0f + tanhf(0.7978845608028654f * (gv + 0.044715f * gv * gv * gv))))
                        : (gv / (1.0f + expf(-gv)));
-        h[i] = __float2half_rn(a * uv);
+        put(h + i, a * uv);
     }
+}
+extern "C" __global__ void glu_f32(const float* g, const float* u, long long ld, float* h, int F, long long n,
+                                   int gelu) {
+    glu(g, u, ld, h, F, n, gelu);
+}
+extern "C" __global__ void glu_f16(const float* g, const float* u, long long ld, __half* h, int F, long long n,
+                                   int gelu) {
+    glu(g, u, ld, h, F, n, gelu);
 }
 
 // The device-side position a decode step read, advanced by the step's last kernel (inside its CUDA graph).
@@ -919,12 +929,6 @@ def _kernels(cp):
         for name in ("gemv_f32", "gemv_f16", "gemv_f32_row", "gemv_f16_v8", "gemv_f16_x4", "rms_norm_rows",
                      "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows", "argmax_row",
                      "rope_store_f32", "rope_store_f16", "softmax_rows_f16", "rms_norm_rows_f16",
-                     "add_rms_norm_f32", "add_rms_norm_f16", "glu_f16", "bump_pos"):
+                     "add_rms_norm_f32", "add_rms_norm_f16", "glu_f32", "glu_f16", "bump_pos"):
             _KERNELS[name] = mod.get_function(name)
-        _KERNELS["silu_mul"] = cp.ElementwiseKernel("float32 g, float32 u", "float32 h",
-                                                    "h = (g / (1.0f + expf(-g))) * u", "llorch_silu_mul")
-        _KERNELS["gelu_mul"] = cp.ElementwiseKernel(
-            "float32 g, float32 u", "float32 h",
-            "h = (0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))) * u",
-            "llorch_gelu_mul")
     return _KERNELS

@@ -442,12 +442,9 @@ class NumbaBackend(Backend):
         def attention(xp, q, k, v, mask, scale, kv_head):
             if q.shape[0] == 1 or q.shape[2] % 8:
                 return emulated(xp, q, k, v, mask, scale, kv_head)
-            # a float16 cache reaches attention as float32 copies of its values: handed over as float16 bits
-            kk, vv = ((a.astype(np.float16).view(np.uint16) if half else a.astype(np.float32, copy=False))
-                      for a in (k, v))
-            return G.attend_rows(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(kk),
-                                 np.ascontiguousarray(vv), np.ascontiguousarray(mask, dtype=np.float32),
-                                 np.float32(scale), np.ascontiguousarray(kv_head, dtype=np.int64))
+            f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)      # noqa: E731 (the cache's values)
+            return G.attend_rows(f32(q), f32(k), f32(v), f32(mask), np.float32(scale),
+                                 np.ascontiguousarray(kv_head, dtype=np.int64), half)
         ops.attention = attention
         return ops
 

@@ -163,27 +163,33 @@ def _fold8(e, at):
 
 
 @nb.njit(inline="always")
-def _scores(q, k, n, g, scale, z):
-    """z[s] = vec_dot(q, k[s, g]) * scale for s < n (ggml_vec_dot_f32, or _f16 on a float16 cache with q rounded to
-    float16: 32 lanes over Hd, folded; leftovers in order, in float64 for float16 as ggml_cpu's emulation has it)."""
+def _vec_dot(q, k, s, g, acc, f64_leftovers):
+    """ggml_vec_dot_f32 (or _f16) of q and k[s, g]: 32 lanes over Hd (acc: [32] scratch), folded; the leftovers in
+    order, in float64 for float16 as ggml_cpu's emulation has it."""
     hd = q.shape[0]
     body = hd - hd % 32
+    acc[:] = 0
+    for i in range(0, body, 32):
+        for lane in range(32):
+            acc[lane] = _fma(q[i + lane], kv_get(k, s, g, i + lane), acc[lane])
+    r = _fold32(acc)
+    if f64_leftovers:
+        r64 = np.float64(r)
+        for i in range(body, hd):
+            r64 = r64 + np.float64(q[i] * kv_get(k, s, g, i))
+        return np.float32(r64)
+    for i in range(body, hd):
+        r = r + q[i] * kv_get(k, s, g, i)
+    return r
+
+
+@nb.njit(inline="always")
+def _scores(q, k, n, g, scale, z):
+    """z[s] = vec_dot(q, k[s, g]) * scale for s < n (ggml_vec_dot_f32, or _f16 on a float16 cache with q rounded to
+    float16)."""
     acc = np.empty(32, F32)
     for s in range(n):
-        acc[:] = 0
-        for i in range(0, body, 32):
-            for lane in range(32):
-                acc[lane] = _fma(q[i + lane], kv_get(k, s, g, i + lane), acc[lane])
-        r = _fold32(acc)
-        if kv_half(k):
-            r64 = np.float64(r)
-            for i in range(body, hd):
-                r64 = r64 + np.float64(q[i] * kv_get(k, s, g, i))
-            r = np.float32(r64)
-        else:
-            for i in range(body, hd):
-                r = r + q[i] * kv_get(k, s, g, i)
-        z[s] = r * scale + F32(0)                   # + the mask's 0, as the emulation adds it
+        z[s] = _vec_dot(q, k, s, g, acc, kv_half(k)) * scale + F32(0)     # + the mask's 0, as the emulation adds it
 
 
 @nb.njit(inline="always")
@@ -283,55 +289,47 @@ def decode_step(x, attn_norms, ffn_norms, eps, codes, n_blocks, rows, nq, nk, nf
 
 
 @nb.njit(parallel=True, cache=True)
-def attend_rows(q, k, v, mask, scale, kv_head):
+def attend_rows(q, k, v, mask, scale, kv_head, half):
     """Several new tokens (ggml_cpu.make_attention(kv_dtype) for T > 1, llama.cpp's tinyBLAS products): q: [T, H, Hd]
-    f32 (Hd % 8 == 0), k, v: [S, KV, Hd] float32 or float16 bits (uint16), mask: [T, S] f32 -> (out [T, H*Hd], kq,
-    probs [H, T, S]). Q.K by ggml_vec_dot_f32 on a float32 cache, by 8 FMA lanes with Q rounded to float16 on a
-    float16 one; the softmax of kq * scale + mask; P.V by 8 FMA lanes over the positions padded to 8 (P rounded to
-    float16 on a float16 cache). One (head, token) pair a thread."""
+    f32 (Hd % 8 == 0), k, v: [S, KV, Hd] f32 (the cache's values), mask: [T, S] f32, half: a float16 cache -> (out
+    [T, H*Hd], kq, probs [H, T, S]). Q.K by ggml_vec_dot_f32 on a float32 cache, by 8 FMA lanes with Q rounded to
+    float16 on a float16 one; the softmax of kq * scale + mask; P.V by 8 FMA lanes over the positions padded to 8 (P
+    rounded to float16 on a float16 cache). One (head, token) pair a thread."""
     t_n, nh, hd = q.shape
     s_n = k.shape[0]
     s8 = -(-s_n // 8) * 8
     kq = np.empty((nh, t_n, s_n), F32)
     probs = np.empty((nh, t_n, s_n), F32)
     out = np.empty((t_n, nh, hd), F32)
-    body = hd - hd % 32
     for ht in nb.prange(nh * t_n):
         h, t = ht // t_n, ht % t_n
         g = kv_head[h]
         qh = np.empty(hd, F32)
         for d in range(hd):
-            qh[d] = kv_round(k, q[t, h, d])
+            qh[d] = _f16(q[t, h, d]) if half else q[t, h, d]
         acc = np.empty(32, F32)
         for s in range(s_n):
-            acc[:] = 0
-            if kv_half(k):                                   # tinyBLAS f16: 8 lanes over Hd, hsum8
+            if half:                                         # tinyBLAS f16: 8 lanes over Hd, hsum8
+                acc[:8] = 0
                 for c in range(0, hd, 8):
                     for lane in range(8):
-                        acc[lane] = _fma(qh[c + lane], kv_get(k, s, g, c + lane), acc[lane])
+                        acc[lane] = _fma(qh[c + lane], k[s, g, c + lane], acc[lane])
                 kq[h, t, s] = _fold8(acc, 0)
-            else:                                            # ggml_vec_dot_f32, leftovers in float32
-                for i in range(0, body, 32):
-                    for lane in range(32):
-                        acc[lane] = _fma(qh[i + lane], kv_get(k, s, g, i + lane), acc[lane])
-                r = _fold32(acc)
-                for i in range(body, hd):
-                    r = r + qh[i] * kv_get(k, s, g, i)
-                kq[h, t, s] = r
+            else:
+                kq[h, t, s] = _vec_dot(qh, k, s, g, acc, False)
         z = np.empty(s_n, F32)
         for s in range(s_n):
             z[s] = kq[h, t, s] * scale + mask[t, s]
         _softmax(z, s8)
         for s in range(s_n):
             probs[h, t, s] = z[s]
+            if half:
+                z[s] = _f16(z[s])
         for d in range(hd):
             acc[:8] = 0
             for c in range(0, s8, 8):
                 for lane in range(8):
                     s = c + lane
-                    if s < s_n:
-                        acc[lane] = _fma(kv_round(v, z[s]), kv_get(v, s, g, d), acc[lane])
-                    else:
-                        acc[lane] = _fma(F32(0), F32(0), acc[lane])
+                    acc[lane] = _fma(z[s], v[s, g, d], acc[lane]) if s < s_n else _fma(F32(0), F32(0), acc[lane])
             out[t, h, d] = _fold8(acc, 0)
     return out.reshape(t_n, nh * hd), kq, probs
