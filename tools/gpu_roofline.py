@@ -176,6 +176,7 @@ def profile(out):
     """Bandwidth; the float16 GEMV and the blocks GEMVs on 7B shapes (GB/s); one 7B decode step by op."""
     import cupy as cp
 
+    from llorch_ref.backends import cuda_blocks, cuda_fused
     from llorch_ref.backends.cupy_backend import _kernels
 
     res = {"card": card(), "bandwidth": bandwidth(), "gemv": []}
@@ -197,6 +198,7 @@ def profile(out):
         res["gemv"].append(row("gemv_f16_v8", (n, k), w.nbytes, lambda a=args, g=((n + 7) // 8,): K["gemv_f16_v8"](g, (256,), a)))
         res["gemv"].append(row("gemv_f16_x4", (n, k), w.nbytes, lambda a=args, g=((n + 3) // 4,): K["gemv_f16_x4"](g, (128,), a)))
         del w, args
+        gn = cp.ones(k, dtype=cp.float32)
         for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
             g = random_blocks(qtype, n, k, cp)
             a = (g.blocks, x, y, cp.int32(n), cp.int32(g.units), cp.int64(g.blocks.shape[1]))
@@ -204,8 +206,18 @@ def profile(out):
                 f = g.gemv_kernel(staged)
                 res["gemv"].append(row(f"blocks {qtype} {'staged' if staged else 'direct'}", (n, k), g.nbytes,
                                        lambda a=a, f=f, b=((n + 7) // 8,): f(b, (256,), a)))
+            q, rb = qtype.lower(), cp.int64(g.blocks.shape[1])
+            kb, kf = cuda_blocks.kernels(cp), cuda_fused.kernels(cp)
+            a = (g.blocks, x, y, cp.int32(n), cp.int32(k), rb)
+            res["gemv"].append(row(f"blocks {qtype} gemv (2 rows a warp)", (n, k), g.nbytes,
+                                   lambda a=a, f=kb[f"gemv_{q}"], b=((n + 7) // 8,): f(b, (128,), a)))
+            res["gemv"].append(row(f"blocks {qtype} gemv_res (1 row a warp)", (n, k), g.nbytes,
+                                   lambda a=a, f=kf[f"gemv_res_{q}"], b=((n + 3) // 4,): f(b, (128,), a)))
+            a = (g.blocks, x, gn, y, cp.int32(n), cp.int32(k), rb, cp.float32(1e-5))
+            res["gemv"].append(row(f"blocks {qtype} norm_gemv4 (4 rows a warp)", (n, k), g.nbytes,
+                                   lambda a=a, f=kf[f"norm_gemv4_{q}"], b=((n + 15) // 16,): f(b, (128,), a)))
             del g, a
-        print(json.dumps(res["gemv"][-12:]), flush=True)
+        print(json.dumps(res["gemv"][-25:]), flush=True)
     cfg = llama2_7b()
     res["decode_step"] = []
     for dtype, qtype in (("float16", None), ("blocks", "Q4_K")):
@@ -324,13 +336,14 @@ def free_gpu():
 # speed's rows of ours: (dtype, blocks type, environment); "f16-op": the op-by-op step; "f16-noprefill": the
 # several-token products and prefill attention as before session 11 (float16 outputs cast, attention recorded);
 # "f16-pdl0": plain launches instead of programmatic dependent launch; "f16-nonorm": no residual add fused with
-# the next norm and no float16 activations into the products (as before session 12)
+# the next norm and no float16 activations into the products (as before session 12); "q4k-op": the op-by-op
+# step on Q4_K blocks (the fused step for blocks came in session 13)
 OURS = {"f16": ("float16", None, {}), "f16-op": ("float16", None, {"LLORCH_CUDA_FUSED": "0"}),
         "f16-nonorm": ("float16", None, {"LLORCH_CUDA_FUSED_NORM": "0"}),
         "f16-noprefill": ("float16", None, {"LLORCH_CUDA_HALF_PREFILL": "0"}),
         "f16-pdl0": ("float16", None, {"LLORCH_CUDA_PDL": "0"}),
-        "q4k": ("blocks", "Q4_K", {}),
-        "q40": ("blocks", "Q4_0", {})}
+        "q4k": ("blocks", "Q4_K", {}), "q4k-op": ("blocks", "Q4_K", {"LLORCH_CUDA_FUSED": "0"}),
+        "q40": ("blocks", "Q4_0", {}), "q6k": ("blocks", "Q6_K", {}), "q80": ("blocks", "Q8_0", {})}
 
 
 def speed(out, rows=("f16", "f16-op", "q4k", "q40")):

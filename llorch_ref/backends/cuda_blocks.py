@@ -21,24 +21,245 @@ from __future__ import annotations
 TYPES = {"Q4_0": (0, 18, 32), "Q4_1": (1, 20, 32), "Q8_0": (2, 34, 32), "Q4_K": (3, 144, 256),
          "Q6_K": (4, 210, 256)}                # type -> (kernel code, bytes per block, weights per block)
 
-SRC = r"""
+ROWS = r"""
 #include <cuda_fp16.h>
 typedef unsigned char u8;
 
+__device__ __forceinline__ float warp_sum(float a) {
+    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+    return a;
+}
+// Programmatic dependent launch (sm_90+; no-ops when a kernel is launched without it): a kernel may start while
+// the one before it finishes; it touches no memory until griddep_wait() returns (every earlier kernel complete,
+// its writes visible), and lets the next kernel launch once all its blocks are running.
+__device__ __forceinline__ void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
 __device__ __forceinline__ float f16at(const u8* p) {
     return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
 }
-// small integer q (0 <= q < 2^22) -> (float)q - off, exactly, without the slow int-to-float conversion:
+// small integer q (0 <= q < 2^23) -> (float)q - off, exactly, without the slow int-to-float conversion:
 // the bits 0x4B000000 | q are the float 2^23 + q
 __device__ __forceinline__ float fq(unsigned q, float off) {
     return __fsub_rn(__int_as_float(0x4B000000u | q), 8388608.0f + off);
 }
-
 __device__ __forceinline__ unsigned rd4(const u8* p) {                 // 4 bytes at a 2-byte-aligned address
     const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
     return (unsigned)h[0] | ((unsigned)h[1] << 16);
 }
+__device__ __forceinline__ unsigned ld4(const u8* p) {                 // the same, streamed past the caches
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+    return (unsigned)__ldcs(h) | ((unsigned)__ldcs(h + 1) << 16);
+}
+__device__ __forceinline__ float dot8(uint4 raw, float4 u, float4 v) {
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+    float2 f0 = __half22float2(h[0]), f1 = __half22float2(h[1]), f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+    return f0.x * u.x + f0.y * u.y + f1.x * u.z + f1.y * u.w + f2.x * v.x + f2.y * v.y + f3.x * v.z + f3.y * v.w;
+}
+// sum_j (q_j - off) x_j over 8 codes, one per byte of a (weights 0-3) and b (4-7), BITS wide at each byte's bit 0.
+// A code at bits 8-15 is taken in place as 256 q (one mask, no shift: 2^23 + 256 q is still exact), its product
+// scaled back by 2^-8 once for the four of them: a sum of the same products, in another order.
+template <int BITS> __device__ __forceinline__ float qdot8(unsigned a, unsigned b, float off, float4 u, float4 v) {
+    constexpr unsigned M = (1u << BITS) - 1, M8 = M << 8;
+    const float o8 = 256.f * off;
+    unsigned a2 = a >> 16, b2 = b >> 16;
+    float lo = fq(a & M, off) * u.x + fq(a2 & M, off) * u.z + fq(b & M, off) * v.x + fq(b2 & M, off) * v.z;
+    float hi = fq(a & M8, o8) * u.y + fq(a2 & M8, o8) * u.w + fq(b & M8, o8) * v.y + fq(b2 & M8, o8) * v.w;
+    return __fmaf_rn(hi, 0.00390625f, lo);
+}
 
+// Weight formats: a row of a matrix as the card holds it, read 8 weights (an oct) at a time. f.load(row, c)
+// fetches what oct c (weights 8c..8c+7) needs, issued for several octs before any is used; f.dot(c, u, v, sx) =
+// sum_j w_j x_j over the oct, x = (u, v), sx = sum_j x_j (for the types with an offset, OFFSET). Quantized types
+// apply their scales once per oct, d * sum(q x) (+ m * sum(x)): the dequantized weights' products summed in another
+// order of float32 roundings (and Q4_K's d sc q - dmin m not rounded to float32 first).
+struct F16 {
+    static constexpr bool OFFSET = false;
+    uint4 w;
+    __device__ __forceinline__ void load(const u8* row, int c) { w = __ldcs(reinterpret_cast<const uint4*>(row) + c); }
+    __device__ __forceinline__ float dot(int, float4 u, float4 v, float) const { return dot8(w, u, v); }
+};
+struct F32 {
+    static constexpr bool OFFSET = false;
+    float4 a, b;
+    __device__ __forceinline__ void load(const u8* row, int c) {
+        const float4* r = reinterpret_cast<const float4*>(row) + 2 * c;
+        a = __ldcs(r); b = __ldcs(r + 1);
+    }
+    __device__ __forceinline__ float dot(int, float4 u, float4 v, float) const {
+        return a.x * u.x + a.y * u.y + a.z * u.z + a.w * u.w + b.x * v.x + b.y * v.y + b.z * v.z + b.w * v.w;
+    }
+};
+struct Q4_0 {                    // 18-byte blocks of 32: d, 16 bytes (weight j low nibble, j + 16 high); d (q - 8)
+    static constexpr bool OFFSET = false;
+    unsigned short d; unsigned a, b;
+    __device__ __forceinline__ void load(const u8* row, int c) {
+        const u8* blk = row + (size_t)(c >> 2) * 18;
+        d = __ldcs(reinterpret_cast<const unsigned short*>(blk));
+        a = ld4(blk + 2 + 8 * (c & 1)); b = ld4(blk + 6 + 8 * (c & 1));
+    }
+    __device__ __forceinline__ float dot(int c, float4 u, float4 v, float) const {
+        int sh = 2 * (c & 2);
+        return __half2float(__ushort_as_half(d)) * qdot8<4>(a >> sh, b >> sh, 8.f, u, v);
+    }
+};
+struct Q4_1 {                    // 20-byte blocks: d, m, 16 bytes of nibbles as Q4_0; d q + m
+    static constexpr bool OFFSET = true;
+    unsigned dm, a, b;
+    __device__ __forceinline__ void load(const u8* row, int c) {
+        const unsigned* blk = reinterpret_cast<const unsigned*>(row + (size_t)(c >> 2) * 20);
+        dm = __ldcs(blk); a = __ldcs(blk + 1 + 2 * (c & 1)); b = __ldcs(blk + 2 + 2 * (c & 1));
+    }
+    __device__ __forceinline__ float dot(int c, float4 u, float4 v, float sx) const {
+        int sh = 2 * (c & 2);
+        float d = __half2float(__ushort_as_half((unsigned short)dm)), m = __half2float(__ushort_as_half((unsigned short)(dm >> 16)));
+        return __fmaf_rn(d, qdot8<4>(a >> sh, b >> sh, 0.f, u, v), m * sx);
+    }
+};
+struct Q8_0 {                    // 34-byte blocks: d, 32 signed bytes; q d
+    static constexpr bool OFFSET = false;
+    unsigned short d; unsigned a, b;
+    __device__ __forceinline__ void load(const u8* row, int c) {
+        const u8* blk = row + (size_t)(c >> 2) * 34;
+        d = __ldcs(reinterpret_cast<const unsigned short*>(blk));
+        a = ld4(blk + 2 + 8 * (c & 3)); b = ld4(blk + 6 + 8 * (c & 3));
+    }
+    __device__ __forceinline__ float dot(int, float4 u, float4 v, float) const {
+        return __half2float(__ushort_as_half(d)) * qdot8<8>(a ^ 0x80808080u, b ^ 0x80808080u, 128.f, u, v);
+    }
+};
+struct Q4_K {                    // 144-byte super-blocks of 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 of
+    static constexpr bool OFFSET = true;                // nibbles (groups 2i low, 2i + 1 high); (d sc) q - dmin m
+    uint4 h; uint2 q;
+    __device__ __forceinline__ void load(const u8* row, int c) {
+        const u8* blk = row + (size_t)(c >> 5) * 144;
+        h = __ldcs(reinterpret_cast<const uint4*>(blk));
+        q = __ldcs(reinterpret_cast<const uint2*>(blk + 16 + 32 * ((c >> 3) & 3) + 8 * (c & 3)));
+    }
+    __device__ __forceinline__ float dot(int c, float4 u, float4 v, float sx) const {
+        int g = (c >> 2) & 7, s8 = 8 * (g & 3), sh = 4 * (g & 1);
+        unsigned A = (h.y >> s8) & 255, B = (h.z >> s8) & 255, C = (h.w >> s8) & 255, sc, mn;
+        if (g < 4) { sc = A & 63; mn = B & 63; }
+        else { sc = (C & 15) | ((A >> 6) << 4); mn = (C >> 4) | ((B >> 6) << 4); }
+        float d = __fmul_rn(__half2float(__ushort_as_half((unsigned short)h.x)), fq(sc, 0.f));
+        float dm = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(h.x >> 16))), fq(mn, 0.f));
+        return __fmaf_rn(d, qdot8<4>(q.x >> sh, q.y >> sh, 0.f, u, v), -dm * sx);
+    }
+};
+struct Q6_K {                    // 210-byte super-blocks: 128 bytes of low nibbles, 64 of high pairs, 16 int8
+    static constexpr bool OFFSET = false;               // scales, d; (d sc) (q - 32)
+    unsigned l0, l1, h0, h1; unsigned short d; signed char sc;
+    __device__ __forceinline__ void load(const u8* row, int c) {
+        int u = c >> 2, hf = (u >> 2) & 1, s = u & 3, p = c & 3;
+        const u8* blk = row + (size_t)(u >> 3) * 210;
+        const u8* ql = blk + 64 * hf + 32 * (s & 1) + 8 * p;
+        const u8* qh = blk + 128 + 32 * hf + 8 * p;
+        l0 = ld4(ql); l1 = ld4(ql + 4); h0 = ld4(qh); h1 = ld4(qh + 4);
+        d = __ldcs(reinterpret_cast<const unsigned short*>(blk + 208));
+        sc = __ldcs(reinterpret_cast<const signed char*>(blk + 192 + 8 * hf + 2 * s + (p >> 1)));
+    }
+    __device__ __forceinline__ float dot(int c, float4 u, float4 v, float) const {
+        int s = (c >> 2) & 3, lsh = (s >= 2) ? 4 : 0, hsh = 2 * s;
+        unsigned a = ((l0 >> lsh) & 0x0F0F0F0Fu) | (((h0 >> hsh) & 0x03030303u) << 4);
+        unsigned b = ((l1 >> lsh) & 0x0F0F0F0Fu) | (((h1 >> hsh) & 0x03030303u) << 4);
+        float dd = __fmul_rn(__half2float(__ushort_as_half(d)), fq((unsigned)(unsigned char)sc ^ 128u, 128.f));
+        return dd * qdot8<8>(a, b, 32.f, u, v);
+    }
+};
+
+__device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
+__device__ __forceinline__ float sq4(float4 a) { return a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w; }
+__device__ __forceinline__ float sum8(float4 a, float4 b) { return ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w)); }
+
+// R rows' dot products with x (times g when NORM) by one warp, U octs a lane in flight per row (lane l takes octs
+// l, l + 32, ...: the warp reads x in contiguous 1 KB pieces); with NORM, ss = the warp's sum of x^2 over the whole
+// row. More rows a warp share x's (and g's) loads and the sums of x the offset types need.
+template <typename F, int U, int R, bool NORM>
+__device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, const float4* gv, int k8, int lane,
+                                         float* dot, float& ss) {
+    griddep_wait();
+    float a[R][U], s[U];
+#pragma unroll
+    for (int r = 0; r < U; ++r) {
+        s[r] = 0.f;
+#pragma unroll
+        for (int q = 0; q < R; ++q) a[q][r] = 0.f;
+    }
+    int i = lane;
+    for (; i + 32 * (U - 1) < k8; i += 32 * U) {
+        F raw[R][U];
+#pragma unroll
+        for (int q = 0; q < R; ++q)
+#pragma unroll
+            for (int r = 0; r < U; ++r) raw[q][r].load(w[q], i + 32 * r);
+#pragma unroll
+        for (int r = 0; r < U; ++r) {
+            int c = i + 32 * r;
+            float4 u = __ldg(xv + 2 * c), v = __ldg(xv + 2 * c + 1);
+            if (NORM) { s[r] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + 2 * c)); v = mul4(v, __ldg(gv + 2 * c + 1)); }
+            float sx = F::OFFSET ? sum8(u, v) : 0.f;
+#pragma unroll
+            for (int q = 0; q < R; ++q) a[q][r] += raw[q][r].dot(c, u, v, sx);
+        }
+    }
+    for (; i < k8; i += 32) {
+        float4 u = __ldg(xv + 2 * i), v = __ldg(xv + 2 * i + 1);
+        if (NORM) { s[0] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + 2 * i)); v = mul4(v, __ldg(gv + 2 * i + 1)); }
+        float sx = F::OFFSET ? sum8(u, v) : 0.f;
+#pragma unroll
+        for (int q = 0; q < R; ++q) { F f; f.load(w[q], i); a[q][0] += f.dot(i, u, v, sx); }
+    }
+    float t = 0.f;
+#pragma unroll
+    for (int r = 0; r < U; ++r) t += s[r];
+    ss = NORM ? warp_sum(t) : 0.f;
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+        float d = 0.f;
+#pragma unroll
+        for (int r = 0; r < U; ++r) d += a[q][r];
+        dot[q] = warp_sum(d);
+    }
+}
+
+// R rows a warp, 4 warps a block of 128 threads: row pointers (rows past n read the last row, not written)
+template <int R> __device__ __forceinline__ int warp_rows(const u8* W, int n, long rb, const u8** w) {
+    int row0 = (blockIdx.x * 4 + threadIdx.x / 32) * R;
+#pragma unroll
+    for (int q = 0; q < R; ++q) w[q] = W + (size_t)min(row0 + q, n - 1) * rb;
+    return row0;
+}
+// y[row] (+)= sum_k W[row, k] x[k]: R rows a warp; ADD: added to y in place (the residual stream)
+template <typename F, int U, int R, bool ADD>
+__device__ void gemv_rows(const u8* W, const float* x, float* y, int n, int k, long rb) {
+    const u8* w[R];
+    int row0 = warp_rows<R>(W, n, rb, w), lane = threadIdx.x % 32;
+    if (row0 >= n) return;
+    float dot[R], ss;
+    rows_dot<F, U, R, false>(w, reinterpret_cast<const float4*>(x), nullptr, k / 8, lane, dot, ss);
+    if (lane == 0)
+#pragma unroll
+        for (int q = 0; q < R; ++q) if (row0 + q < n) y[row0 + q] = ADD ? y[row0 + q] + dot[q] : dot[q];
+}
+"""
+
+# the one-token product kernel of each format, as GpuBlocks.matmul launches it: gemv_<format>(W, x, y, n, k, rb)
+# with 2 rows a warp, (n + 7) // 8 blocks of 128 threads
+GEMV = r"""
+#define GEMV(F, NAME) \
+extern "C" __global__ void gemv_##NAME(const u8* W, const float* x, float* y, int n, int k, long rb) \
+    { gemv_rows<F, 2, 2, false>(W, x, y, n, k, rb); }
+GEMV(Q4_0, q4_0)
+GEMV(Q4_1, q4_1)
+GEMV(Q8_0, q8_0)
+GEMV(Q4_K, q4_k)
+GEMV(Q6_K, q6_k)
+"""
+
+SRC = ROWS + GEMV + r"""
 // weights 8p..8p+7 of unit u (32 weights) of a row of blocks -> w[0..7], as gguf-py dequantizes them
 // (the unit's scales decoded once for the eight)
 template <int T> __device__ __forceinline__ void oct(const u8* row, int u, int p, float* w) {
@@ -195,7 +416,7 @@ def kernels(cp):
     if not _MODULE:
         mod = cp.RawModule(code=SRC, options=("-std=c++17",))
         for qtype in TYPES:
-            for kind in ("gemv16", "gemv4", "gemv2", "gemvd", "dequant"):
+            for kind in ("gemv", "gemv16", "gemv4", "gemv2", "gemvd", "dequant"):
                 name = f"{kind}_{qtype.lower()}"
                 _MODULE[name] = mod.get_function(name)
     return _MODULE
@@ -253,7 +474,7 @@ class GpuBlocks:
         if x.shape[0] != 1:
             return x @ self.dequantize().T
         y = cp.empty((1, n), dtype=cp.float32)
-        self.gemv_kernel()(((n + 7) // 8,), (256,),
-                                              (self.blocks, x, y, cp.int32(n), cp.int32(self.units),
-                                               cp.int64(self.blocks.shape[1])))
+        self._k[f"gemv_{self.qtype.lower()}"](((n + 7) // 8,), (128,), (self.blocks, x, y, cp.int32(n),
+                                                                        cp.int32(self.shape[1]),
+                                                                        cp.int64(self.blocks.shape[1])))
         return y

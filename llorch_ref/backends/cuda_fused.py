@@ -29,126 +29,56 @@ import os
 
 import numpy as np
 
-SRC = r"""
-#include <cuda_fp16.h>
-__device__ __forceinline__ float warp_sum(float a) {
-    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-    return a;
-}
-__device__ __forceinline__ float dot8(uint4 raw, float4 u, float4 v) {
-    const __half2* h = reinterpret_cast<const __half2*>(&raw);
-    float2 f0 = __half22float2(h[0]), f1 = __half22float2(h[1]), f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
-    return f0.x * u.x + f0.y * u.y + f1.x * u.z + f1.y * u.w + f2.x * v.x + f2.y * v.y + f3.x * v.z + f3.y * v.w;
-}
-// Programmatic dependent launch (sm_90+; no-ops when a kernel is launched without it): a kernel may start while
-// the one before it finishes; it touches no memory until griddep_wait() returns (every earlier kernel complete,
-// its writes visible), and lets the next kernel launch once all its blocks are running.
-__device__ __forceinline__ void griddep_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-__device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
-__device__ __forceinline__ float sq4(float4 a) { return a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w; }
+from .cuda_blocks import ROWS, GpuBlocks
 
-// R rows' dot products with x (times g when NORM) by one warp, U 16-byte weight loads in flight per row; with
-// NORM, ss = the warp's sum of x^2 over the whole row. More rows a warp share x's (and g's) loads.
-template <int U, int R, bool NORM>
-__device__ __forceinline__ void rows_dot(const uint4* const* w, const float4* xv, const float4* gv, int k8, int lane,
-                                         float* dot, float& ss) {
-    griddep_wait();
-    float a[R][U], s[U];
-#pragma unroll
-    for (int r = 0; r < U; ++r) {
-        s[r] = 0.f;
-#pragma unroll
-        for (int q = 0; q < R; ++q) a[q][r] = 0.f;
-    }
-    int i = lane;
-    for (; i + 32 * (U - 1) < k8; i += 32 * U) {
-        uint4 raw[R][U];
-#pragma unroll
-        for (int q = 0; q < R; ++q)
-#pragma unroll
-            for (int r = 0; r < U; ++r) raw[q][r] = __ldcs(w[q] + i + 32 * r);
-#pragma unroll
-        for (int r = 0; r < U; ++r) {
-            int c = i + 32 * r;
-            float4 u = __ldg(xv + 2 * c), v = __ldg(xv + 2 * c + 1);
-            if (NORM) { s[r] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + 2 * c)); v = mul4(v, __ldg(gv + 2 * c + 1)); }
-#pragma unroll
-            for (int q = 0; q < R; ++q) a[q][r] += dot8(raw[q][r], u, v);
-        }
-    }
-    for (; i < k8; i += 32) {
-        float4 u = __ldg(xv + 2 * i), v = __ldg(xv + 2 * i + 1);
-        if (NORM) { s[0] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + 2 * i)); v = mul4(v, __ldg(gv + 2 * i + 1)); }
-#pragma unroll
-        for (int q = 0; q < R; ++q) a[q][0] += dot8(__ldcs(w[q] + i), u, v);
-    }
-    float t = 0.f;
-#pragma unroll
-    for (int r = 0; r < U; ++r) t += s[r];
-    ss = NORM ? warp_sum(t) : 0.f;
-#pragma unroll
-    for (int q = 0; q < R; ++q) {
-        float d = 0.f;
-#pragma unroll
-        for (int r = 0; r < U; ++r) d += a[q][r];
-        dot[q] = warp_sum(d);
-    }
-}
-
+SRC = ROWS + r"""
 // y[row] = r * sum_k W[row, k] x[k] g[k]; R rows a warp, 4 warps a block of 128 threads; k % 8 == 0.
-template <int U, int R>
-__device__ void norm_gemv(const __half* W, const float* x, const float* g, float* y, int n, int k, float eps) {
-    int row0 = (blockIdx.x * 4 + threadIdx.x / 32) * R, lane = threadIdx.x % 32;
+template <typename F, int U, int R>
+__device__ void norm_gemv(const u8* W, const float* x, const float* g, float* y, int n, int k, long rb, float eps) {
+    const u8* w[R];
+    int row0 = warp_rows<R>(W, n, rb, w), lane = threadIdx.x % 32;
     if (row0 >= n) return;
-    const uint4* w[R];
-#pragma unroll
-    for (int q = 0; q < R; ++q) w[q] = reinterpret_cast<const uint4*>(W + (size_t)min(row0 + q, n - 1) * k);
     float dot[R], ss;
-    rows_dot<U, R, true>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, lane, dot, ss);
+    rows_dot<F, U, R, true>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, lane, dot, ss);
     float r = 1.0f / sqrtf(ss / k + eps);
     if (lane == 0)
 #pragma unroll
         for (int q = 0; q < R; ++q) if (row0 + q < n) y[row0 + q] = dot[q] * r;
 }
-extern "C" __global__ void norm_gemv4_f16(const __half* __restrict__ W, const float* __restrict__ x,
-                                          const float* __restrict__ g, float* __restrict__ y, int n, int k, float eps) {
-    norm_gemv<2, 4>(W, x, g, y, n, k, eps);
-}
-extern "C" __global__ void norm_gemv2_f16(const __half* __restrict__ W, const float* __restrict__ x,
-                                          const float* __restrict__ g, float* __restrict__ y, int n, int k, float eps) {
-    norm_gemv<4, 2>(W, x, g, y, n, k, eps);
-}
 
 // hid[i] = silu(r * gate_i . (x g)) * (r * up_i . (x g)), gate row i and up row f + i of W [2f, k] by one warp.
-extern "C" __global__ void norm_glu_f16(const __half* __restrict__ W, const float* __restrict__ x,
-                                        const float* __restrict__ g, float* __restrict__ hid, int f, int k, float eps) {
+template <typename F>
+__device__ void norm_glu(const u8* W, const float* x, const float* g, float* hid, int f, int k, long rb, float eps) {
     int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= f) return;
-    const uint4* w[2] = {reinterpret_cast<const uint4*>(W + (size_t)row * k),
-                         reinterpret_cast<const uint4*>(W + (size_t)(f + row) * k)};
+    const u8* w[2] = {W + (size_t)row * rb, W + (size_t)(f + row) * rb};
     float dot[2], ss;
-    rows_dot<4, 2, true>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, lane, dot, ss);
+    rows_dot<F, 4, 2, true>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, lane, dot, ss);
     if (lane == 0) {
         float r = 1.0f / sqrtf(ss / k + eps), gate = dot[0] * r, up = dot[1] * r;
         hid[row] = (gate / (1.0f + expf(-gate))) * up;
     }
 }
 
-// y[row] += sum_k W[row, k] a[k]: a product added to the residual stream in place (each row one warp's).
-extern "C" __global__ void gemv_res_f16(const __half* __restrict__ W, const float* __restrict__ a, float* y, int n,
-                                        int k) {
-    int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= n) return;
-    const uint4* w[1] = {reinterpret_cast<const uint4*>(W + (size_t)row * k)};
-    float dot[1], ss;
-    rows_dot<4, 1, false>(w, reinterpret_cast<const float4*>(a), nullptr, k / 8, lane, dot, ss);
-    if (lane == 0) y[row] += dot[0];
-}
+// per weight format NAME: the Q/K/V product with the norm folded in (4 rows a warp), the output matrix with the
+// final norm (2 rows a warp), gate and up with the norm, a product added to the residual stream in place (x += W a:
+// the output and down projections, a row a warp); W as bytes, rb bytes a row
+#define FUSED(F, NAME) \
+extern "C" __global__ void norm_gemv4_##NAME(const u8* W, const float* x, const float* g, float* y, int n, int k, \
+                                             long rb, float eps) { norm_gemv<F, 2, 4>(W, x, g, y, n, k, rb, eps); } \
+extern "C" __global__ void norm_gemv2_##NAME(const u8* W, const float* x, const float* g, float* y, int n, int k, \
+                                             long rb, float eps) { norm_gemv<F, 4, 2>(W, x, g, y, n, k, rb, eps); } \
+extern "C" __global__ void norm_glu_##NAME(const u8* W, const float* x, const float* g, float* hid, int f, int k, \
+                                           long rb, float eps) { norm_glu<F>(W, x, g, hid, f, k, rb, eps); } \
+extern "C" __global__ void gemv_res_##NAME(const u8* W, const float* a, float* y, int n, int k, long rb) \
+    { gemv_rows<F, 4, 1, true>(W, a, y, n, k, rb); }
+FUSED(F16, f16)
+FUSED(F32, f32)
+FUSED(Q4_0, q4_0)
+FUSED(Q4_1, q4_1)
+FUSED(Q8_0, q8_0)
+FUSED(Q4_K, q4_k)
+FUSED(Q6_K, q6_k)
 
 __device__ __forceinline__ void put(float* c, float v) { *c = v; }
 __device__ __forceinline__ void put(__half* c, float v) { *c = __float2half_rn(v); }
@@ -310,13 +240,27 @@ ATTEND_THREADS = 1024
 ATTEND_ONE, ATTEND_CHUNK = 256, 128  # rope_attend: one block a head up to 256 positions, else chunks of 128 (SRC)
 
 
+FORMATS = ("f16", "f32", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")       # the FUSED instantiations in SRC
+
+
 def kernels(cp):
     if not _MOD:
         mod = cp.RawModule(code=SRC, options=("-std=c++17",))
-        for name in ("norm_gemv4_f16", "norm_gemv2_f16", "norm_glu_f16", "gemv_res_f16", "rope_attend_f32", "rope_attend_f16",
-                     "embed_f32", "embed_f16"):
+        names = [f"{k}_{f}" for f in FORMATS for k in ("norm_gemv4", "norm_gemv2", "norm_glu", "gemv_res")]
+        for name in names + ["rope_attend_f32", "rope_attend_f16", "embed_f32", "embed_f16"]:
             _MOD[name] = mod.get_function(name)
     return _MOD
+
+
+def weight_format(m, cp):
+    """A matrix on the card -> (its format's kernel suffix, the array the kernel reads, bytes a row), or None."""
+    if isinstance(m, GpuBlocks):
+        fmt = m.qtype.lower()
+        return (fmt, m.blocks, int(m.blocks.shape[1])) if fmt in FORMATS else None
+    if not isinstance(m, cp.ndarray) or m.ndim != 2 or not m.flags.c_contiguous:
+        return None
+    fmt = {cp.dtype(cp.float16): "f16", cp.dtype(cp.float32): "f32"}.get(m.dtype)
+    return None if fmt is None else (fmt, m, int(m.shape[1] * m.itemsize))
 
 
 class _Attr(ctypes.Structure):               # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -351,8 +295,8 @@ class Launcher:
         if self.fn is None:
             return kernel(grid, block, args, shared_mem=shared_mem)
         cp = self.cp
-        vals = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cp.ndarray) else
-                ctypes.c_int(int(a)) if a.dtype == np.int32 else ctypes.c_float(float(a)) for a in args]
+        vals = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cp.ndarray) else ctypes.c_int(int(a)) if a.dtype == np.int32
+                else ctypes.c_longlong(int(a)) if a.dtype == np.int64 else ctypes.c_float(float(a)) for a in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         g, b = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
         cfg = _Config((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
@@ -367,9 +311,9 @@ class FusedStep:
     advances it), from preallocated buffers (capturable as a CUDA graph). plan() gives None where the model or
     its weights need anything this step does not do; the op-by-op step then serves."""
 
-    def __init__(self, engine, cache, groups):
+    def __init__(self, engine, cache, groups, out):
         cp, cfg = engine.xp, engine.config
-        self.cp, self.cfg, self.cache, self.w, self.groups = cp, cfg, cache, engine.weights, groups
+        self.cp, self.cfg, self.cache, self.w, self.groups, self.out = cp, cfg, cache, engine.weights, groups, out
         pdl = os.environ.get("LLORCH_CUDA_PDL", "1") != "0" and int(cp.cuda.Device().compute_capability) >= 90
         self.K, self.launch = kernels(cp), Launcher(cp, enabled=pdl)        # the attribute needs sm_90 (Hopper)
         engine.backend.info["cuda_pdl"] = self.launch.fn is not None
@@ -387,26 +331,33 @@ class FusedStep:
 
     @staticmethod
     def plan(engine, cache, layers):
-        """layers: per layer (Q/K/V stacked in one allocation or None, wo, gate/up stacked or None, w_down,
-        attn_norm, ffn_norm) -> a FusedStep, or None."""
+        """layers: per layer (Q/K/V stacked in one allocation, or the three where they are not, wo, gate/up stacked or
+        None, w_down, attn_norm, ffn_norm) -> a FusedStep, or None. Float16 weights, or --dtype blocks (each matrix its GGUF
+        blocks of a type the kernels read, or float32 where the GPU keeps one)."""
         cfg, w, cp = engine.config, engine.weights, engine.xp
-        if os.environ.get("LLORCH_CUDA_FUSED", "1") == "0" or getattr(engine.backend, "dtype", "") != "float16" \
+        if os.environ.get("LLORCH_CUDA_FUSED", "1") == "0" or getattr(engine.backend, "dtype", "") not in (
+                "float16", "blocks") \
                 or cfg.qkv_bias or cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.sliding_window \
                 or cfg.rope_base_local is not None or cfg.rope_style not in ("adjacent", "neox") \
                 or cfg.head_dim > ATTEND_THREADS or cfg.d_model % 8 or cfg.d_ff % 8 or cfg.n_heads * cfg.head_dim % 8 \
                 or cache.k.dtype not in (cp.float32, cp.float16) or cfg.head_dim % 4 \
                 or 4 * (3 * cfg.head_dim + ATTEND_ONE + ATTEND_THREADS // 32 * cfg.head_dim) > 48 * 1024:
             return None
-        for mats in layers:
-            if any(m is None or getattr(m, "dtype", None) != cp.float16 or m.ndim != 2 for m in mats[:4]):
+        groups = []
+        for qkv, *mats in layers:
+            parts = [weight_format(m, cp) for m in (qkv if isinstance(qkv, (list, tuple)) else [qkv])]
+            fmts = [None if m is None else weight_format(m, cp) for m in mats[:3]]
+            if None in fmts or None in parts:
                 return None
-        if getattr(w.output, "dtype", None) != cp.float16 or w.tok_embd.dtype not in (cp.float32, cp.float16):
+            groups.append((parts, *fmts, *mats[3:]))
+        out = weight_format(w.output, cp)
+        if out is None or w.tok_embd.dtype not in (cp.float32, cp.float16):
             return None
-        return FusedStep(engine, cache, layers)
+        return FusedStep(engine, cache, groups, out)
 
     def __call__(self, tok):
         cp, cfg, c, K, go = self.cp, self.cfg, self.cache, self.K, self.launch
-        i32, f32 = cp.int32, cp.float32
+        i32, i64, f32 = cp.int32, cp.int64, cp.float32
         d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
         eps, half = f32(cfg.rms_eps), cfg.rope_dim // 2
         emb = self.w.tok_embd
@@ -414,16 +365,21 @@ class FusedStep:
            ((d + 255) // 256,), (256,), (emb, tok, self.x, i32(d), f32(cfg.embed_scale or 1.0)))
         cos, sin = c.tables()
         attend = "rope_attend_f16" if self.kv16 else "rope_attend_f32"
-        n_qkv, neox = (h + 2 * kv) * hd, i32(cfg.rope_style == "neox")
-        for i, (qkv, wo, gu, wd, an, fn) in enumerate(self.groups):
-            go(K["norm_gemv4_f16"], ((n_qkv + 15) // 16,), (128,), (qkv, self.x, an, self.y, i32(n_qkv), i32(d), eps))
+        neox = i32(cfg.rope_style == "neox")
+        for i, (qkv, (fo, wo, ro), (fg, gu, rg), (fd, wd, rd), an, fn) in enumerate(self.groups):
+            at = 0
+            for fq, wq, rq in qkv:       # Q/K/V in one matrix, or three where their types differ
+                n = wq.shape[0]
+                go(K[f"norm_gemv4_{fq}"], ((n + 15) // 16,), (128,), (wq, self.x, an, self.y[at:], i32(n), i32(d),
+                                                                      i64(rq), eps))
+                at += n
             go(K[attend], (h, self.chunks), (ATTEND_THREADS,),
                (self.y, cos, sin, c.pos_dev, c.k[i], c.v[i], self.att, self.part, self.count, i32(h), i32(kv), i32(hd),
                 i32(half), neox, f32(cfg.scale)), shared_mem=self.smem)
-            go(K["gemv_res_f16"], ((d + 3) // 4,), (128,), (wo, self.att, self.x, i32(d), i32(h * hd)))
-            go(K["norm_glu_f16"], ((f + 3) // 4,), (128,), (gu, self.x, fn, self.hid, i32(f), i32(d), eps))
-            go(K["gemv_res_f16"], ((d + 3) // 4,), (128,), (wd, self.hid, self.x, i32(d), i32(f)))
-        v = cfg.n_vocab
-        go(K["norm_gemv2_f16"], ((v + 7) // 8,), (128,), (self.w.output, self.x, self.w.out_norm, self.logits, i32(v),
-                                                          i32(d), eps))
+            go(K[f"gemv_res_{fo}"], ((d + 3) // 4,), (128,), (wo, self.att, self.x, i32(d), i32(h * hd), i64(ro)))
+            go(K[f"norm_glu_{fg}"], ((f + 3) // 4,), (128,), (gu, self.x, fn, self.hid, i32(f), i32(d), i64(rg), eps))
+            go(K[f"gemv_res_{fd}"], ((d + 3) // 4,), (128,), (wd, self.hid, self.x, i32(d), i32(f), i64(rd)))
+        v, (fo, wout, ro) = cfg.n_vocab, self.out
+        go(K[f"norm_gemv2_{fo}"], ((v + 7) // 8,), (128,), (wout, self.x, self.w.out_norm, self.logits, i32(v),
+                                                            i32(d), i64(ro), eps))
         return self.logits

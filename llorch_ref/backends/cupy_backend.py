@@ -366,6 +366,10 @@ def joined(ws, cp):
     return GpuBlocks(w0.qtype, (rows, w0.shape[1]), whole, cp) if isinstance(w0, GpuBlocks) else whole
 
 
+def _or(a, b):
+    return b if a is None else a
+
+
 class DeviceCache:
     """A Cache whose decode steps read the position from device memory, so one decode step has static
     shapes (attention over all n_ctx slots, later ones masked) and can be captured as a CUDA graph.
@@ -460,9 +464,9 @@ class GraphDecoder:
         self.graph, self.out, self.steps = None, None, 0
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = engine.backend.info.get("cuda_graphs", False)
-        layers = [(joined((lw.wq, lw.wk, lw.wv), xp), lw.wo, joined((lw.w_gate, lw.w_up), xp), lw.w_down,
-                   lw.attn_norm, lw.ffn_norm) for lw in engine.weights.layers]
-        self.fused = FusedStep.plan(engine, cache, layers)     # float16 llama weights: five kernels a layer
+        layers = [(_or(joined((lw.wq, lw.wk, lw.wv), xp), [lw.wq, lw.wk, lw.wv]), lw.wo,
+                   joined((lw.w_gate, lw.w_up), xp), lw.w_down, lw.attn_norm, lw.ffn_norm) for lw in engine.weights.layers]
+        self.fused = FusedStep.plan(engine, cache, layers)     # float16 or blocks llama weights: five kernels a layer
         engine.backend.info["fused_decode"] = self.fused is not None
 
     def _step(self):
