@@ -172,15 +172,25 @@ def replay_at(dec, cache, pos):
     return replay
 
 
+# the one-token blocks product's layouts profile times: (U octs a lane in flight, R rows, W warps a row)
+PROBE_LAYOUTS = [(4, 1, 4), (8, 1, 4), (2, 1, 4), (4, 2, 4), (2, 2, 4), (4, 1, 2), (8, 1, 2), (4, 2, 2), (4, 1, 1),
+                 (8, 1, 1), (2, 2, 1)]
+
+
 def profile(out):
     """Bandwidth; the float16 GEMV and the blocks GEMVs on 7B shapes (GB/s); one 7B decode step by op."""
     import cupy as cp
 
-    from llorch_ref.backends import cuda_blocks, cuda_fused
+    from llorch_ref.backends import cuda_blocks
     from llorch_ref.backends.cupy_backend import _kernels
 
     res = {"card": card(), "bandwidth": bandwidth(), "gemv": []}
     bw = res["bandwidth"]["read_tb_s"]
+    src = cuda_blocks.ROWS + "".join(cuda_blocks.gemv_source({q: lay}, "probe_{f}_{u}_{r}_{w}")
+                                     for q in cuda_blocks.GEMV_LAYOUT for lay in PROBE_LAYOUTS)
+    mod = cp.RawModule(code=src, options=("-std=c++17",))
+    probe = {f"probe_{q}_{'_'.join(map(str, lay))}": mod.get_function(f"probe_{q}_{'_'.join(map(str, lay))}")
+             for q in cuda_blocks.GEMV_LAYOUT for lay in PROBE_LAYOUTS}
     print(json.dumps(res), flush=True)
     K = _kernels(cp)
     shapes = [(4096, 4096), (12288, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]
@@ -198,7 +208,6 @@ def profile(out):
         res["gemv"].append(row("gemv_f16_v8", (n, k), w.nbytes, lambda a=args, g=((n + 7) // 8,): K["gemv_f16_v8"](g, (256,), a)))
         res["gemv"].append(row("gemv_f16_x4", (n, k), w.nbytes, lambda a=args, g=((n + 3) // 4,): K["gemv_f16_x4"](g, (128,), a)))
         del w, args
-        gn = cp.ones(k, dtype=cp.float32)
         for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
             g = random_blocks(qtype, n, k, cp)
             a = (g.blocks, x, y, cp.int32(n), cp.int32(g.units), cp.int64(g.blocks.shape[1]))
@@ -206,18 +215,14 @@ def profile(out):
                 f = g.gemv_kernel(staged)
                 res["gemv"].append(row(f"blocks {qtype} {'staged' if staged else 'direct'}", (n, k), g.nbytes,
                                        lambda a=a, f=f, b=((n + 7) // 8,): f(b, (256,), a)))
-            q, rb = qtype.lower(), cp.int64(g.blocks.shape[1])
-            kb, kf = cuda_blocks.kernels(cp), cuda_fused.kernels(cp)
-            a = (g.blocks, x, y, cp.int32(n), cp.int32(k), rb)
-            res["gemv"].append(row(f"blocks {qtype} gemv (2 rows a warp)", (n, k), g.nbytes,
-                                   lambda a=a, f=kb[f"gemv_{q}"], b=((n + 7) // 8,): f(b, (128,), a)))
-            res["gemv"].append(row(f"blocks {qtype} gemv_res (1 row a warp)", (n, k), g.nbytes,
-                                   lambda a=a, f=kf[f"gemv_res_{q}"], b=((n + 3) // 4,): f(b, (128,), a)))
-            a = (g.blocks, x, gn, y, cp.int32(n), cp.int32(k), rb, cp.float32(1e-5))
-            res["gemv"].append(row(f"blocks {qtype} norm_gemv4 (4 rows a warp)", (n, k), g.nbytes,
-                                   lambda a=a, f=kf[f"norm_gemv4_{q}"], b=((n + 15) // 16,): f(b, (128,), a)))
+            q = qtype.lower()
+            a = (g.blocks, x, y, cp.int32(n), cp.int32(k), cp.int64(g.blocks.shape[1]))
+            for lay in PROBE_LAYOUTS:
+                per, fn = cuda_blocks.rows_per_block(lay), probe[f"probe_{q}_{'_'.join(map(str, lay))}"]
+                res["gemv"].append(row(f"blocks {qtype} gemv U{lay[0]} R{lay[1]} W{lay[2]}", (n, k), g.nbytes,
+                                       lambda a=a, f=fn, b=((n + per - 1) // per,): f(b, (128,), a)))
             del g, a
-        print(json.dumps(res["gemv"][-25:]), flush=True)
+        print(json.dumps(res["gemv"][-5 * (2 + len(PROBE_LAYOUTS)):]), flush=True)
     cfg = llama2_7b()
     res["decode_step"] = []
     for dtype, qtype in (("float16", None), ("blocks", "Q4_K")):

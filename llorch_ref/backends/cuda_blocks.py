@@ -174,13 +174,17 @@ __device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(
 __device__ __forceinline__ float sq4(float4 a) { return a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w; }
 __device__ __forceinline__ float sum8(float4 a, float4 b) { return ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w)); }
 
-// R rows' dot products with x (times g when NORM) by one warp, U octs a lane in flight per row (lane l takes octs
-// l, l + 32, ...: the warp reads x in contiguous 1 KB pieces); with NORM, ss = the warp's sum of x^2 over the whole
-// row. More rows a warp share x's (and g's) loads and the sums of x the offset types need.
-template <typename F, int U, int R, bool NORM>
-__device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, const float4* gv, int k8, int lane,
-                                         float* dot, float& ss) {
+// R rows' dot products with x (times g when NORM), by W warps of a block of 128 threads together: each lane holds
+// U octs a row in flight (lane l of warp part p takes octs l + 32 (U p + j), then every 32 U W further on: the warp
+// reads x in contiguous 1 KB pieces), the W warps' sums added in a fixed order through shared memory. With NORM,
+// ss = the sum of x^2 over the whole row. More rows share x's (and g's) loads and the sums of x the offset types
+// need; more warps a row put more bytes in flight where the matrix has few rows or few bytes a weight. Every
+// thread of the block must call it (W > 1 synchronizes the block); the results are in every lane of the W warps.
+template <typename F, int U, int R, bool NORM, int W>
+__device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, const float4* gv, int k8, float* dot,
+                                         float& ss) {
     griddep_wait();
+    int lane = threadIdx.x % 32, part = (threadIdx.x / 32) % W;
     float a[R][U], s[U];
 #pragma unroll
     for (int r = 0; r < U; ++r) {
@@ -188,8 +192,8 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, c
 #pragma unroll
         for (int q = 0; q < R; ++q) a[q][r] = 0.f;
     }
-    int i = lane;
-    for (; i + 32 * (U - 1) < k8; i += 32 * U) {
+    int i = lane + 32 * U * part;
+    for (; i + 32 * (U - 1) < k8; i += 32 * U * W) {
         F raw[R][U];
 #pragma unroll
         for (int q = 0; q < R; ++q)
@@ -205,7 +209,7 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, c
             for (int q = 0; q < R; ++q) a[q][r] += raw[q][r].dot(c, u, v, sx);
         }
     }
-    for (; i < k8; i += 32) {
+    for (; i < k8; i += 32) {                   // the row's last piece, shorter than 32 U octs (one warp's)
         float4 u = __ldg(xv + 2 * i), v = __ldg(xv + 2 * i + 1);
         if (NORM) { s[0] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + 2 * i)); v = mul4(v, __ldg(gv + 2 * i + 1)); }
         float sx = F::OFFSET ? sum8(u, v) : 0.f;
@@ -223,43 +227,73 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, c
         for (int r = 0; r < U; ++r) d += a[q][r];
         dot[q] = warp_sum(d);
     }
+    if constexpr (W > 1) {
+        __shared__ float red[4][R + 1];
+        int wi = threadIdx.x / 32, g0 = wi - part;
+        if (lane == 0) {
+#pragma unroll
+            for (int q = 0; q < R; ++q) red[wi][q] = dot[q];
+            red[wi][R] = ss;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < R; ++q) {
+            float d = 0.f;
+#pragma unroll
+            for (int p = 0; p < W; ++p) d += red[g0 + p][q];
+            dot[q] = d;
+        }
+        float z = 0.f;
+#pragma unroll
+        for (int p = 0; p < W; ++p) z += red[g0 + p][R];
+        ss = z;
+    }
 }
 
-// R rows a warp, 4 warps a block of 128 threads: row pointers (rows past n read the last row, not written)
-template <int R> __device__ __forceinline__ int warp_rows(const u8* W, int n, long rb, const u8** w) {
-    int row0 = (blockIdx.x * 4 + threadIdx.x / 32) * R;
+// the rows of this thread's warp group (W warps, R rows; 4 / W groups a block of 128 threads): row pointers, rows
+// past n reading the last row (computed, not written: every warp of the block takes part in rows_dot)
+template <int R, int W> __device__ __forceinline__ int warp_rows(const u8* W_, int n, long rb, const u8** w) {
+    int row0 = (blockIdx.x * (4 / W) + threadIdx.x / 32 / W) * R;
 #pragma unroll
-    for (int q = 0; q < R; ++q) w[q] = W + (size_t)min(row0 + q, n - 1) * rb;
+    for (int q = 0; q < R; ++q) w[q] = W_ + (size_t)min(row0 + q, n - 1) * rb;
     return row0;
 }
-// y[row] (+)= sum_k W[row, k] x[k]: R rows a warp; ADD: added to y in place (the residual stream)
-template <typename F, int U, int R, bool ADD>
-__device__ void gemv_rows(const u8* W, const float* x, float* y, int n, int k, long rb) {
+// y[row] (+)= sum_k W[row, k] x[k]: R rows a group of W warps; ADD: added to y in place (the residual stream)
+template <typename F, int U, int R, int W, bool ADD>
+__device__ void gemv_rows(const u8* Wm, const float* x, float* y, int n, int k, long rb) {
     const u8* w[R];
-    int row0 = warp_rows<R>(W, n, rb, w), lane = threadIdx.x % 32;
-    if (row0 >= n) return;
+    int row0 = warp_rows<R, W>(Wm, n, rb, w);
     float dot[R], ss;
-    rows_dot<F, U, R, false>(w, reinterpret_cast<const float4*>(x), nullptr, k / 8, lane, dot, ss);
-    if (lane == 0)
+    rows_dot<F, U, R, false, W>(w, reinterpret_cast<const float4*>(x), nullptr, k / 8, dot, ss);
+    if (threadIdx.x % (32 * W) == 0)
 #pragma unroll
         for (int q = 0; q < R; ++q) if (row0 + q < n) y[row0 + q] = ADD ? y[row0 + q] + dot[q] : dot[q];
 }
 """
 
-# the one-token product kernel of each format, as GpuBlocks.matmul launches it: gemv_<format>(W, x, y, n, k, rb)
-# with 2 rows a warp, (n + 7) // 8 blocks of 128 threads
-GEMV = r"""
-#define GEMV(F, NAME) \
-extern "C" __global__ void gemv_##NAME(const u8* W, const float* x, float* y, int n, int k, long rb) \
-    { gemv_rows<F, 2, 2, false>(W, x, y, n, k, rb); }
-GEMV(Q4_0, q4_0)
-GEMV(Q4_1, q4_1)
-GEMV(Q8_0, q8_0)
-GEMV(Q4_K, q4_k)
-GEMV(Q6_K, q6_k)
-"""
+# How each block type's one-token product (GpuBlocks.matmul) is laid out: octs a lane in flight a row (U), rows a
+# warp group (R), warps a row (W). Blocks carry 4-9 bytes an oct against float16's 16: each row is split over the
+# four warps of a block to put enough bytes in flight (tools/gpu_roofline.py profile measures the choices).
+GEMV_LAYOUT = {"q4_0": (4, 1, 4), "q4_1": (4, 1, 4), "q8_0": (4, 1, 4), "q4_k": (4, 1, 4), "q6_k": (4, 1, 4)}
+STRUCTS = {"f16": "F16", "f32": "F32", "q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
 
-SRC = ROWS + GEMV + r"""
+
+def rows_per_block(layout):
+    """Rows a block of 128 threads covers with layout (U, R, W)."""
+    u, r, w = layout
+    return r * (4 // w)
+
+
+def gemv_source(layout=None, name="gemv_{f}"):
+    """A one-token product kernel for each format of layout ({format: (U, R, W)}, GEMV_LAYOUT by default), named
+    name.format(f=format, u=U, r=R, w=W), with the arguments (W, x, y, n, k, rb); launched as
+    ceil(n / rows_per_block(layout)) blocks of 128 threads."""
+    return "".join(f'extern "C" __global__ void {name.format(f=f, u=u, r=r, w=w)}(const u8* W, const float* x, '
+                   f'float* y, int n, int k, long rb) {{ gemv_rows<{STRUCTS[f]}, {u}, {r}, {w}, false>(W, x, y, n, k, rb); }}\n'
+                   for f, (u, r, w) in (layout or GEMV_LAYOUT).items())
+
+
+SRC = ROWS + gemv_source() + r"""
 // weights 8p..8p+7 of unit u (32 weights) of a row of blocks -> w[0..7], as gguf-py dequantizes them
 // (the unit's scales decoded once for the eight)
 template <int T> __device__ __forceinline__ void oct(const u8* row, int u, int p, float* w) {
@@ -474,7 +508,8 @@ class GpuBlocks:
         if x.shape[0] != 1:
             return x @ self.dequantize().T
         y = cp.empty((1, n), dtype=cp.float32)
-        self._k[f"gemv_{self.qtype.lower()}"](((n + 7) // 8,), (128,), (self.blocks, x, y, cp.int32(n),
-                                                                        cp.int32(self.shape[1]),
-                                                                        cp.int64(self.blocks.shape[1])))
+        fmt = self.qtype.lower()
+        per = rows_per_block(GEMV_LAYOUT[fmt])
+        self._k[f"gemv_{fmt}"](((n + per - 1) // per,), (128,), (self.blocks, x, y, cp.int32(n), cp.int32(self.shape[1]),
+                                                              cp.int64(self.blocks.shape[1])))
         return y

@@ -31,55 +31,74 @@ import numpy as np
 
 from .cuda_blocks import ROWS, GpuBlocks
 
-SRC = ROWS + r"""
-// y[row] = r * sum_k W[row, k] x[k] g[k]; R rows a warp, 4 warps a block of 128 threads; k % 8 == 0.
-template <typename F, int U, int R>
-__device__ void norm_gemv(const u8* W, const float* x, const float* g, float* y, int n, int k, long rb, float eps) {
+FUSED = r"""
+// y[row] = r * sum_k W[row, k] x[k] g[k], r = 1 / sqrt(mean(x^2) + eps); R rows a group of W warps; k % 8 == 0.
+template <typename F, int U, int R, int W>
+__device__ void norm_gemv(const u8* Wm, const float* x, const float* g, float* y, int n, int k, long rb, float eps) {
     const u8* w[R];
-    int row0 = warp_rows<R>(W, n, rb, w), lane = threadIdx.x % 32;
-    if (row0 >= n) return;
+    int row0 = warp_rows<R, W>(Wm, n, rb, w);
     float dot[R], ss;
-    rows_dot<F, U, R, true>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, lane, dot, ss);
+    rows_dot<F, U, R, true, W>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, dot, ss);
     float r = 1.0f / sqrtf(ss / k + eps);
-    if (lane == 0)
+    if (threadIdx.x % (32 * W) == 0)
 #pragma unroll
         for (int q = 0; q < R; ++q) if (row0 + q < n) y[row0 + q] = dot[q] * r;
 }
 
-// hid[i] = silu(r * gate_i . (x g)) * (r * up_i . (x g)), gate row i and up row f + i of W [2f, k] by one warp.
-template <typename F>
-__device__ void norm_glu(const u8* W, const float* x, const float* g, float* hid, int f, int k, long rb, float eps) {
-    int row = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= f) return;
-    const u8* w[2] = {W + (size_t)row * rb, W + (size_t)(f + row) * rb};
+// hid[i] = silu(r * gate_i . (x g)) * (r * up_i . (x g)), gate row i and up row f + i of W [2f, k] by W warps.
+template <typename F, int U, int W>
+__device__ void norm_glu(const u8* Wm, const float* x, const float* g, float* hid, int f, int k, long rb, float eps) {
+    int row = blockIdx.x * (4 / W) + threadIdx.x / 32 / W, at = min(row, f - 1);
+    const u8* w[2] = {Wm + (size_t)at * rb, Wm + (size_t)(f + at) * rb};
     float dot[2], ss;
-    rows_dot<F, 4, 2, true>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, lane, dot, ss);
-    if (lane == 0) {
+    rows_dot<F, U, 2, true, W>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, dot, ss);
+    if (threadIdx.x % (32 * W) == 0 && row < f) {
         float r = 1.0f / sqrtf(ss / k + eps), gate = dot[0] * r, up = dot[1] * r;
         hid[row] = (gate / (1.0f + expf(-gate))) * up;
     }
 }
+"""
 
-// per weight format NAME: the Q/K/V product with the norm folded in (4 rows a warp), the output matrix with the
-// final norm (2 rows a warp), gate and up with the norm, a product added to the residual stream in place (x += W a:
-// the output and down projections, a row a warp); W as bytes, rb bytes a row
-#define FUSED(F, NAME) \
-extern "C" __global__ void norm_gemv4_##NAME(const u8* W, const float* x, const float* g, float* y, int n, int k, \
-                                             long rb, float eps) { norm_gemv<F, 2, 4>(W, x, g, y, n, k, rb, eps); } \
-extern "C" __global__ void norm_gemv2_##NAME(const u8* W, const float* x, const float* g, float* y, int n, int k, \
-                                             long rb, float eps) { norm_gemv<F, 4, 2>(W, x, g, y, n, k, rb, eps); } \
-extern "C" __global__ void norm_glu_##NAME(const u8* W, const float* x, const float* g, float* hid, int f, int k, \
-                                           long rb, float eps) { norm_glu<F>(W, x, g, hid, f, k, rb, eps); } \
-extern "C" __global__ void gemv_res_##NAME(const u8* W, const float* a, float* y, int n, int k, long rb) \
-    { gemv_rows<F, 4, 1, true>(W, a, y, n, k, rb); }
-FUSED(F16, f16)
-FUSED(F32, f32)
-FUSED(Q4_0, q4_0)
-FUSED(Q4_1, q4_1)
-FUSED(Q8_0, q8_0)
-FUSED(Q4_K, q4_k)
-FUSED(Q6_K, q6_k)
 
+def fused_source():
+    """The step's four products for each weight format, as LAYOUT says (U octs a lane, R rows, W warps a row):
+    norm_qkv_<fmt> (Q/K/V with the layer's first norm folded in), norm_logits_<fmt> (the output matrix with the
+    final norm), norm_glu_<fmt> (gate and up with the second norm), gemv_res_<fmt> (the output and down projections
+    added to the residual stream in place, x += W a); W as bytes, rb bytes a row."""
+    out = []
+    for f, (struct, roles) in LAYOUT.items():
+        (u, r, w), (u2, r2, w2), (u3, w3), (u4, r4, w4) = (roles[k] for k in ROLES)
+        out.append(
+            f'extern "C" __global__ void norm_qkv_{f}(const u8* W, const float* x, const float* g, float* y, int n, '
+            f'int k, long rb, float eps) {{ norm_gemv<{struct}, {u}, {r}, {w}>(W, x, g, y, n, k, rb, eps); }}\n'
+            f'extern "C" __global__ void norm_logits_{f}(const u8* W, const float* x, const float* g, float* y, int n, '
+            f'int k, long rb, float eps) {{ norm_gemv<{struct}, {u2}, {r2}, {w2}>(W, x, g, y, n, k, rb, eps); }}\n'
+            f'extern "C" __global__ void norm_glu_{f}(const u8* W, const float* x, const float* g, float* hid, int f, '
+            f'int k, long rb, float eps) {{ norm_glu<{struct}, {u3}, {w3}>(W, x, g, hid, f, k, rb, eps); }}\n'
+            f'extern "C" __global__ void gemv_res_{f}(const u8* W, const float* a, float* y, int n, int k, long rb) '
+            f'{{ gemv_rows<{struct}, {u4}, {r4}, {w4}, true>(W, a, y, n, k, rb); }}\n')
+    return "".join(out)
+
+
+# per weight format: its reader (cuda_blocks.ROWS) and each product's layout, (U octs a lane in flight a row, R rows,
+# W warps a row; norm_glu: U, W for its two rows). Float16 carries 16 bytes an oct: a warp a row is enough. Blocks
+# carry 4-9: each row is split over the block's four warps (tools/gpu_roofline.py profile measures the choices).
+ROLES = ("norm_qkv", "norm_logits", "norm_glu", "gemv_res")
+_BLOCKS = {"norm_qkv": (4, 1, 4), "norm_logits": (4, 1, 4), "norm_glu": (4, 4), "gemv_res": (4, 1, 4)}
+LAYOUT = {"f16": ("F16", {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)}),
+          "f32": ("F32", {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)}),
+          "q4_0": ("Q4_0", _BLOCKS), "q4_1": ("Q4_1", _BLOCKS), "q8_0": ("Q8_0", _BLOCKS), "q4_k": ("Q4_K", _BLOCKS),
+          "q6_k": ("Q6_K", _BLOCKS)}
+
+
+def blocks_of(fmt, role, n):
+    """Blocks of 128 threads a product of LAYOUT[fmt][role] over n rows (norm_glu: n gate/up pairs) launches."""
+    lay = LAYOUT[fmt][1][role]
+    per = 4 // lay[-1] * (1 if role == "norm_glu" else lay[1])
+    return ((n + per - 1) // per,)
+
+
+SRC = ROWS + FUSED + fused_source() + r"""
 __device__ __forceinline__ void put(float* c, float v) { *c = v; }
 __device__ __forceinline__ void put(__half* c, float v) { *c = __float2half_rn(v); }
 __device__ __forceinline__ float get(const float* c) { return *c; }
@@ -240,13 +259,10 @@ ATTEND_THREADS = 1024
 ATTEND_ONE, ATTEND_CHUNK = 256, 128  # rope_attend: one block a head up to 256 positions, else chunks of 128 (SRC)
 
 
-FORMATS = ("f16", "f32", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k")       # the FUSED instantiations in SRC
-
-
 def kernels(cp):
     if not _MOD:
         mod = cp.RawModule(code=SRC, options=("-std=c++17",))
-        names = [f"{k}_{f}" for f in FORMATS for k in ("norm_gemv4", "norm_gemv2", "norm_glu", "gemv_res")]
+        names = [f"{k}_{f}" for f in LAYOUT for k in ROLES]
         for name in names + ["rope_attend_f32", "rope_attend_f16", "embed_f32", "embed_f16"]:
             _MOD[name] = mod.get_function(name)
     return _MOD
@@ -256,7 +272,7 @@ def weight_format(m, cp):
     """A matrix on the card -> (its format's kernel suffix, the array the kernel reads, bytes a row), or None."""
     if isinstance(m, GpuBlocks):
         fmt = m.qtype.lower()
-        return (fmt, m.blocks, int(m.blocks.shape[1])) if fmt in FORMATS else None
+        return (fmt, m.blocks, int(m.blocks.shape[1])) if fmt in LAYOUT else None
     if not isinstance(m, cp.ndarray) or m.ndim != 2 or not m.flags.c_contiguous:
         return None
     fmt = {cp.dtype(cp.float16): "f16", cp.dtype(cp.float32): "f32"}.get(m.dtype)
@@ -370,16 +386,18 @@ class FusedStep:
             at = 0
             for fq, wq, rq in qkv:       # Q/K/V in one matrix, or three where their types differ
                 n = wq.shape[0]
-                go(K[f"norm_gemv4_{fq}"], ((n + 15) // 16,), (128,), (wq, self.x, an, self.y[at:], i32(n), i32(d),
-                                                                      i64(rq), eps))
+                go(K[f"norm_qkv_{fq}"], blocks_of(fq, "norm_qkv", n), (128,), (wq, self.x, an, self.y[at:], i32(n),
+                                                                                i32(d), i64(rq), eps))
                 at += n
             go(K[attend], (h, self.chunks), (ATTEND_THREADS,),
                (self.y, cos, sin, c.pos_dev, c.k[i], c.v[i], self.att, self.part, self.count, i32(h), i32(kv), i32(hd),
                 i32(half), neox, f32(cfg.scale)), shared_mem=self.smem)
-            go(K[f"gemv_res_{fo}"], ((d + 3) // 4,), (128,), (wo, self.att, self.x, i32(d), i32(h * hd), i64(ro)))
-            go(K[f"norm_glu_{fg}"], ((f + 3) // 4,), (128,), (gu, self.x, fn, self.hid, i32(f), i32(d), i64(rg), eps))
-            go(K[f"gemv_res_{fd}"], ((d + 3) // 4,), (128,), (wd, self.hid, self.x, i32(d), i32(f), i64(rd)))
+            go(K[f"gemv_res_{fo}"], blocks_of(fo, "gemv_res", d), (128,), (wo, self.att, self.x, i32(d), i32(h * hd),
+                                                                            i64(ro)))
+            go(K[f"norm_glu_{fg}"], blocks_of(fg, "norm_glu", f), (128,), (gu, self.x, fn, self.hid, i32(f), i32(d),
+                                                                            i64(rg), eps))
+            go(K[f"gemv_res_{fd}"], blocks_of(fd, "gemv_res", d), (128,), (wd, self.hid, self.x, i32(d), i32(f), i64(rd)))
         v, (fo, wout, ro) = cfg.n_vocab, self.out
-        go(K[f"norm_gemv2_{fo}"], ((v + 7) // 8,), (128,), (wout, self.x, self.w.out_norm, self.logits, i32(v),
-                                                            i32(d), i64(ro), eps))
+        go(K[f"norm_logits_{fo}"], blocks_of(fo, "norm_logits", v), (128,), (wout, self.x, self.w.out_norm, self.logits,
+                                                                               i32(v), i32(d), i64(ro), eps))
         return self.logits
