@@ -351,7 +351,7 @@ OURS = {"f16": ("float16", None, {}), "f16-op": ("float16", None, {"LLORCH_CUDA_
         "q40": ("blocks", "Q4_0", {}), "q6k": ("blocks", "Q6_K", {}), "q80": ("blocks", "Q8_0", {})}
 
 
-def speed(out, rows=("f16", "f16-op", "q4k", "q40")):
+def speed(out, rows=("f16", "f16-op", "q4k", "q40"), theirs_too=True):
     """Llama-2-7B shape, same card, same call: llorch-ref float16 and Q4_K next to transformers."""
     import transformers
 
@@ -369,7 +369,7 @@ def speed(out, rows=("f16", "f16-op", "q4k", "q40")):
         r["of_roofline"] = round(r["decode_tok_s"] / r["roofline_tok_s"], 3)
         res["rows"].append(r)
         print(json.dumps(r), flush=True)
-    for static in (False, True):
+    for static in (False, True) if theirs_too else ():
         try:
             r = theirs(cfg, static=static)
         except Exception as e:                          # noqa: BLE001 (the error is the result)
@@ -638,11 +638,12 @@ def main():
                                      "steps"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="f16,f16-op,q4k,q40", help=f"speed: our rows, of {', '.join(OURS)}")
+    ap.add_argument("--no-theirs", action="store_true", help="speed: leave transformers' rows out")
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     if a.part == "speed":
-        speed(a.out, tuple(a.rows.split(",")))
+        speed(a.out, tuple(a.rows.split(",")), theirs_too=not a.no_theirs)
     else:
         {"profile": profile, "big": big, "tables": tables, "prefill": prefill_ops, "prefill_host": prefill_host,
          "report": report, "steps": steps}[a.part](a.out)
