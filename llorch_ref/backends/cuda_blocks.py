@@ -46,6 +46,13 @@ __device__ __forceinline__ float f16at(const u8* p) {
 __device__ __forceinline__ float fq(unsigned q, float off) {
     return __fsub_rn(__int_as_float(0x4B000000u | q), 8388608.0f + off);
 }
+// the same for the code (v & mask): the mask and the OR in one LOP3 (the compiler emits an AND and an OR when both
+// constants are immediates; here the magic number lives in a register)
+template <unsigned MASK> __device__ __forceinline__ float fqm(unsigned v, float off) {
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(v), "n"(MASK), "r"(0x4B000000u));
+    return __fsub_rn(__int_as_float(r), 8388608.0f + off);
+}
 __device__ __forceinline__ unsigned rd4(const u8* p) {                 // 4 bytes at a 2-byte-aligned address
     const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
     return (unsigned)h[0] | ((unsigned)h[1] << 16);
@@ -66,8 +73,8 @@ template <int BITS> __device__ __forceinline__ float qdot8(unsigned a, unsigned 
     constexpr unsigned M = (1u << BITS) - 1, M8 = M << 8;
     const float o8 = 256.f * off;
     unsigned a2 = a >> 16, b2 = b >> 16;
-    float lo = fq(a & M, off) * u.x + fq(a2 & M, off) * u.z + fq(b & M, off) * v.x + fq(b2 & M, off) * v.z;
-    float hi = fq(a & M8, o8) * u.y + fq(a2 & M8, o8) * u.w + fq(b & M8, o8) * v.y + fq(b2 & M8, o8) * v.w;
+    float lo = fqm<M>(a, off) * u.x + fqm<M>(a2, off) * u.z + fqm<M>(b, off) * v.x + fqm<M>(b2, off) * v.z;
+    float hi = fqm<M8>(a, o8) * u.y + fqm<M8>(a2, o8) * u.w + fqm<M8>(b, o8) * v.y + fqm<M8>(b2, o8) * v.w;
     return __fmaf_rn(hi, 0.00390625f, lo);
 }
 
@@ -272,9 +279,10 @@ __device__ void gemv_rows(const u8* Wm, const float* x, float* y, int n, int k, 
 """
 
 # How each block type's one-token product (GpuBlocks.matmul) is laid out: octs a lane in flight a row (U), rows a
-# warp group (R), warps a row (W). Blocks carry 4-9 bytes an oct against float16's 16: each row is split over the
-# four warps of a block to put enough bytes in flight (tools/gpu_roofline.py profile measures the choices).
-GEMV_LAYOUT = {"q4_0": (4, 1, 4), "q4_1": (4, 1, 4), "q8_0": (4, 1, 4), "q4_k": (4, 1, 4), "q6_k": (4, 1, 4)}
+# warp group (R), warps a row (W): the fastest of tools/gpu_roofline.py profile's layouts on 7B-shaped matrices
+# (results/gpu/2026-11-27-s13/). Splitting a row over several warps (more bytes in flight) gained nothing: the
+# products are bound by their instructions (decoding and converting the codes), not by the loads in flight.
+GEMV_LAYOUT = {"q4_0": (2, 2, 1), "q4_1": (4, 1, 1), "q8_0": (2, 2, 1), "q4_k": (4, 1, 1), "q6_k": (4, 1, 1)}
 STRUCTS = {"f16": "F16", "f32": "F32", "q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
 
 

@@ -81,10 +81,9 @@ def fused_source():
 
 
 # per weight format: its reader (cuda_blocks.ROWS) and each product's layout, (U octs a lane in flight a row, R rows,
-# W warps a row; norm_glu: U, W for its two rows). Float16 carries 16 bytes an oct: a warp a row is enough. Blocks
-# carry 4-9: each row is split over the block's four warps (tools/gpu_roofline.py profile measures the choices).
+# W warps a row; norm_glu: U, W for its two rows), as tools/gpu_roofline.py profile found fastest
 ROLES = ("norm_qkv", "norm_logits", "norm_glu", "gemv_res")
-_BLOCKS = {"norm_qkv": (4, 1, 4), "norm_logits": (4, 1, 4), "norm_glu": (4, 4), "gemv_res": (4, 1, 4)}
+_BLOCKS = {"norm_qkv": (4, 1, 1), "norm_logits": (4, 1, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)}
 LAYOUT = {"f16": ("F16", {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)}),
           "f32": ("F32", {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)}),
           "q4_0": ("Q4_0", _BLOCKS), "q4_1": ("Q4_1", _BLOCKS), "q8_0": ("Q8_0", _BLOCKS), "q4_k": ("Q4_K", _BLOCKS),
