@@ -211,11 +211,6 @@ def profile(out):
         del w, args
         for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
             g = random_blocks(qtype, n, k, cp)
-            a = (g.blocks, x, y, cp.int32(n), cp.int32(g.units), cp.int64(g.blocks.shape[1]))
-            for staged in (True, False):
-                f = g.gemv_kernel(staged)
-                res["gemv"].append(row(f"blocks {qtype} {'staged' if staged else 'direct'}", (n, k), g.nbytes,
-                                       lambda a=a, f=f, b=((n + 7) // 8,): f(b, (256,), a)))
             q = qtype.lower()
             a = (g.blocks, x, y, cp.int32(n), cp.int32(k), cp.int64(g.blocks.shape[1]))
             for lay in PROBE_LAYOUTS:
@@ -223,7 +218,7 @@ def profile(out):
                 res["gemv"].append(row(f"blocks {qtype} gemv U{lay[0]} R{lay[1]} W{lay[2]}", (n, k), g.nbytes,
                                        lambda a=a, f=fn, b=((n + per - 1) // per,): f(b, (128,), a)))
             del g, a
-        print(json.dumps(res["gemv"][-5 * (2 + len(PROBE_LAYOUTS)):]), flush=True)
+        print(json.dumps(res["gemv"][-5 * len(PROBE_LAYOUTS):]), flush=True)
     cfg = llama2_7b()
     res["decode_step"] = []
     for dtype, qtype in (("float16", None), ("blocks", "Q4_K")):

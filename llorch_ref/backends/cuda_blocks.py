@@ -1,20 +1,20 @@
 """GGUF blocks on the GPU: a QTensor uploaded as the file holds it, multiplied by CUDA kernels.
 
-Every kernel works on units of 32 weights (a Q4_0/Q4_1/Q8_0 block; an eighth of a Q4_K or Q6_K super-block),
-eight weights at a time (oct), dequantized into the float32 values gguf-py's dequantization gives, operation
-for operation
-(the products and sums are rounded explicitly, __fmul_rn / __fadd_rn, so that the compiler fuses nothing
-into an FMA there). Then:
+ROWS (shared with cuda_fused's decode step) reads a row of a matrix in any format the card holds (float16,
+float32, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) eight weights (an oct) at a time, and rows_dot takes the dot products of
+a few rows with x by a warp (or several). Integer codes become floats by the exact 2^23 trick (the code's mask and
+the magic number in one LOP3, then one subtraction), not the slower int-to-float conversion. Then:
 
-  gemv          one token (decode): a warp per row; the warp stages 128 units of its row in shared memory
-                with coalesced loads, 4 lanes share a unit (8 weights each) so that x is read in contiguous
-                1 KB pieces; float32 accumulation, warp shuffle sum; integer codes become floats by the
-                exact 2^23 trick (fq), not the slower int-to-float conversion
-  dequant       several tokens (prefill): the matrix dequantized into a float32 scratch, then cuBLAS
-                (TF32 off), the same product the float32 path computes
+  gemv          one token (decode): each format's layout (GEMV_LAYOUT: octs a lane in flight, rows a warp);
+                the scales applied once per oct, d * sum(q x) (+ m * sum(x)): the dequantized weights'
+                products summed in another order of float32 roundings
+  dequant       several tokens (prefill): the matrix dequantized into a float32 scratch bit for bit as gguf-py
+                does (oct: products and sums rounded explicitly, __fmul_rn / __fadd_rn, so that the compiler
+                fuses nothing into an FMA), then cuBLAS (TF32 off), the same product the float32 path computes
 
-So a blocks product differs from the numpy oracle's (float32 weights from gguf-py, BLAS) by summation order
-only. Types: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K.
+So a blocks product differs from the numpy oracle's (float32 weights from gguf-py, BLAS) by rounding order only.
+The one-token products are bound by their instructions (about 6-8 a weight: mask, convert, multiply-add, the
+scales), not by memory: results/gpu/2026-11-27-s13/.
 """
 from __future__ import annotations
 
@@ -352,69 +352,6 @@ template <int T> __device__ __forceinline__ void oct(const u8* row, int u, int p
     }
 }
 
-// bytes of 32 units (a chunk): 32 blocks of 32 weights, or 4 super-blocks
-template <int T> constexpr int chunk_bytes() { return T == 0 ? 576 : T == 1 ? 640 : T == 2 ? 1088 : T == 3 ? 576 : 840; }
-
-// y[row] = sum_k W[row, k] x[k]: a warp per row, 8 rows a block of 256 threads. The warp copies STEP
-// chunks of its row (32 units each) into shared memory with coalesced loads of `vec` bytes (16, 4 or 2: what
-// the row and chunk sizes allow), all in flight together; then 4 lanes share a unit, lane j taking weights
-// 8(j%4)..8(j%4)+7 of unit j/4 (+8 per pass), so that the warp reads x in 1 KB contiguous pieces.
-constexpr int STEP = 4;
-template <int T, typename V> __device__ void gemv(const u8* __restrict__ W, const float* __restrict__ x,
-                                                  float* __restrict__ y, int n, int units, long row_bytes) {
-    constexpr int CB = chunk_bytes<T>();
-    __shared__ __align__(16) u8 stage[8][STEP * CB];
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row = blockIdx.x * 8 + warp;
-    if (row >= n) return;
-    const u8* r = W + (size_t)row * row_bytes;
-    u8* sm = stage[warp];
-    int part = lane & 3, sub = lane >> 2;
-    float acc = 0.f;
-    for (int u0 = 0; u0 < units; u0 += 32 * STEP) {
-        long off = (long)u0 * CB / 32;
-        int bytes = (int)min((long)(STEP * CB), row_bytes - off);
-        const V* src = reinterpret_cast<const V*>(r + off);
-        V* dst = reinterpret_cast<V*>(sm);
-        for (int i = lane; i < bytes / (int)sizeof(V); i += 32) dst[i] = __ldcs(src + i);
-        __syncwarp();
-        int nu = min(32 * STEP, units - u0);
-#pragma unroll 4
-        for (int k = sub; k < nu; k += 8) {
-            float w[8];
-            oct<T>(sm + (k >> 5) * CB, k & 31, part, w);
-            const float4* xv = reinterpret_cast<const float4*>(x + 32 * (u0 + k) + 8 * part);
-            float4 v0 = __ldg(xv), v1 = __ldg(xv + 1);
-            acc += w[0] * v0.x + w[1] * v0.y + w[2] * v0.z + w[3] * v0.w
-                 + w[4] * v1.x + w[5] * v1.y + w[6] * v1.z + w[7] * v1.w;
-        }
-        __syncwarp();
-    }
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
-    if (lane == 0) y[row] = acc;
-}
-
-// The same product reading the blocks straight from global memory (no staging): 4 lanes share a unit, each
-// pass of the warp covers 8 consecutive units; 4 passes unrolled keep their loads in flight together.
-template <int T> __device__ void gemv_direct(const u8* __restrict__ W, const float* __restrict__ x,
-                                             float* __restrict__ y, int n, int units, long row_bytes) {
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row = blockIdx.x * 8 + warp;
-    if (row >= n) return;
-    const u8* r = W + (size_t)row * row_bytes;
-    int part = lane & 3, sub = lane >> 2;
-    float acc = 0.f;
-#pragma unroll 4
-    for (int u = sub; u < units; u += 8) {
-        float w[8];
-        oct<T>(r, u, part, w);
-        const float4* xv = reinterpret_cast<const float4*>(x + 32 * u + 8 * part);
-        float4 v0 = __ldg(xv), v1 = __ldg(xv + 1);
-        acc += w[0] * v0.x + w[1] * v0.y + w[2] * v0.z + w[3] * v0.w
-             + w[4] * v1.x + w[5] * v1.y + w[6] * v1.z + w[7] * v1.w;
-    }
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
-    if (lane == 0) y[row] = acc;
-}
-
 // the whole matrix as float32 [n, 32 * units]: a thread per 8 weights
 template <int T> __device__ void dequant(const u8* __restrict__ W, float* __restrict__ out, int n, int units,
                                          long row_bytes) {
@@ -430,14 +367,6 @@ template <int T> __device__ void dequant(const u8* __restrict__ W, float* __rest
 }
 
 #define KERNELS(T, NAME) \
-extern "C" __global__ void gemv16_##NAME(const u8* W, const float* x, float* y, int n, int units, long rb) \
-    { gemv<T, uint4>(W, x, y, n, units, rb); } \
-extern "C" __global__ void gemv4_##NAME(const u8* W, const float* x, float* y, int n, int units, long rb) \
-    { gemv<T, unsigned>(W, x, y, n, units, rb); } \
-extern "C" __global__ void gemv2_##NAME(const u8* W, const float* x, float* y, int n, int units, long rb) \
-    { gemv<T, unsigned short>(W, x, y, n, units, rb); } \
-extern "C" __global__ void gemvd_##NAME(const u8* W, const float* x, float* y, int n, int units, long rb) \
-    { gemv_direct<T>(W, x, y, n, units, rb); } \
 extern "C" __global__ void dequant_##NAME(const u8* W, float* out, int n, int units, long rb) \
     { dequant<T>(W, out, n, units, rb); }
 KERNELS(0, q4_0)
@@ -448,9 +377,6 @@ KERNELS(4, q6_k)
 """
 
 _MODULE = {}
-# one-token products: the staged kernel (gemv) for the K-quants, gemv_direct for the others (the faster of the
-# two for each type on 7B-shaped matrices: results/gpu/2026-11-27-h200-roofline-profile.md)
-STAGED = {"Q4_0": False, "Q4_1": False, "Q8_0": False, "Q4_K": True, "Q6_K": True}
 
 
 def kernels(cp):
@@ -458,7 +384,7 @@ def kernels(cp):
     if not _MODULE:
         mod = cp.RawModule(code=SRC, options=("-std=c++17",))
         for qtype in TYPES:
-            for kind in ("gemv", "gemv16", "gemv4", "gemv2", "gemvd", "dequant"):
+            for kind in ("gemv", "dequant"):
                 name = f"{kind}_{qtype.lower()}"
                 _MODULE[name] = mod.get_function(name)
     return _MODULE
@@ -475,9 +401,6 @@ class GpuBlocks:
             raise ValueError(f"no GPU kernel for {qtype} (have {', '.join(TYPES)})")
         self.qtype, self.shape, self.blocks, self.cp = qtype, tuple(shape), blocks, cp
         self.units = self.shape[1] // 32
-        chunk = {"Q4_0": 576, "Q4_1": 640, "Q8_0": 1088, "Q4_K": 576, "Q6_K": 840}[qtype]
-        row_bytes = int(blocks.shape[1])
-        self.vec = next(v for v in (16, 4, 2) if row_bytes % v == 0 and chunk % v == 0)
         self.dtype = cp.dtype(cp.float32)              # what a product returns
         self._k = kernels(cp)
 
@@ -503,10 +426,6 @@ class GpuBlocks:
                                                  (self.blocks, out, cp.int32(n), cp.int32(self.units),
                                                   cp.int64(self.blocks.shape[1])))
         return out
-
-    def gemv_kernel(self, staged=None):
-        staged = STAGED[self.qtype] if staged is None else staged
-        return self._k[f"gemv{self.vec}_{self.qtype.lower()}" if staged else f"gemvd_{self.qtype.lower()}"]
 
     def matmul(self, x):
         """x: [T, K] float32 -> [T, N] float32: the GEMV kernel for one token, dequantize + cuBLAS for more."""

@@ -1,26 +1,30 @@
-"""A decode step for float16 llama weights in five kernels a layer (the cupy backend's generation path).
+"""A decode step for llama weights in five kernels a layer (the cupy backend's generation path): float16 weights,
+or --dtype blocks (GGUF blocks, float32 where the card keeps a matrix unquantized).
 
 The op-by-op step runs the model's operations one by one, each a checkpoint the harness can record: about
 fifteen kernels a layer, most of them tiny. Generation records nothing, so here the operations are fused at
 their boundaries, the way numba's FusedDecoder does on the CPU:
 
-  norm_gemv4_f16  RMSNorm folded into the Q/K/V product: y = r * W (x * g), r = 1 / sqrt(mean(x^2) + eps),
-                  the sum of squares computed by every warp from the x it reads anyway (4 rows a warp)
+  norm_qkv_<fmt>  RMSNorm folded into the Q/K/V product: y = r * W (x * g), r = 1 / sqrt(mean(x^2) + eps),
+                  the sum of squares computed by every warp from the x it reads anyway (one launch for Q/K/V in
+                  one allocation, three where their types differ)
   rope_attend     RoPE on Q and K, K and V written into the cache at the device-side position, attention
                   over the positions written so far (nothing past them read): a block per head, past 256
                   positions a block per head and chunk of 128, the chunks' partial softmax sums combined by each
                   head's last block
-  gemv_res_f16    the output projection added to the residual stream in place (x += W a)
-  norm_glu_f16    RMSNorm, gate and up rows i and F+i by one warp, silu(g) * u written
-  gemv_res_f16    the down projection added to the residual stream
+  gemv_res_<fmt>  the output projection added to the residual stream in place (x += W a)
+  norm_glu_<fmt>  RMSNorm, gate and up rows i and F+i together, silu(g) * u written
+  gemv_res_<fmt>  the down projection added to the residual stream
 
-and the final norm with the output matrix (norm_gemv2_f16, 2 rows a warp). Each kernel is launched with programmatic
-dependent launch (Launcher; LLORCH_CUDA_PDL=0 turns it off): it starts while the previous one drains and waits for
-the previous kernel's results before reading anything (a 3.82 -> 3.74 ms step on the H200; prefetching the first
-weight lines before the wait made it slower: results/gpu/2026-11-27-s11/). The arithmetic differs from the op-by-op step's by
-order and rounding only (r applied after the dot product, sums of squares in float32):
-tests/test_backends.py checks the logits against the op-by-op step's within the float16 band and the greedy
-tokens equal. LLORCH_CUDA_FUSED=0 turns it off.
+and the final norm with the output matrix (norm_logits_<fmt>). <fmt> is each matrix's format (cuda_blocks.ROWS
+reads them all; LAYOUT below sets each product's rows a warp and loads in flight). Each kernel is launched with
+programmatic dependent launch (Launcher; LLORCH_CUDA_PDL=0 turns it off): it starts while the previous one drains
+and waits for the previous kernel's results before reading anything (a 3.82 -> 3.74 ms step on the H200;
+prefetching the first weight lines before the wait made it slower: results/gpu/2026-11-27-s11/). The arithmetic
+differs from the op-by-op step's by order and rounding only (r applied after the dot product, sums of squares in
+float32): tests/test_backends.py checks the logits against the op-by-op step's (float16 and blocks) and the greedy
+tokens equal. LLORCH_CUDA_FUSED=0 turns it off. On blocks the step is no faster than the captured op-by-op one
+(the products are instruction-bound and the folded norm adds work to each row): results/gpu/2026-11-27-s13/.
 """
 from __future__ import annotations
 
