@@ -148,9 +148,9 @@ struct Q4_K {                    // 144-byte super-blocks of 256: d, dmin, 12 by
     }
     __device__ __forceinline__ float dot(int c, float4 u, float4 v, float sx) const {
         int g = (c >> 2) & 7, s8 = 8 * (g & 3), sh = 4 * (g & 1);
-        unsigned A = (h.y >> s8) & 255, B = (h.z >> s8) & 255, C = (h.w >> s8) & 255, sc, mn;
-        if (g < 4) { sc = A & 63; mn = B & 63; }
-        else { sc = (C & 15) | ((A >> 6) << 4); mn = (C >> 4) | ((B >> 6) << 4); }
+        unsigned A = (h.y >> s8) & 255, B = (h.z >> s8) & 255, C = (h.w >> s8) & 255;   // selects, not branches:
+        unsigned sc = g < 4 ? A & 63 : (C & 15) | ((A >> 6) << 4);                      // the lanes of a warp
+        unsigned mn = g < 4 ? B & 63 : (C >> 4) | ((B >> 6) << 4);                      // take both sides
         float d = __fmul_rn(__half2float(__ushort_as_half((unsigned short)h.x)), fq(sc, 0.f));
         float dm = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(h.x >> 16))), fq(mn, 0.f));
         return __fmaf_rn(d, qdot8<4>(q.x >> sh, q.y >> sh, 0.f, u, v), -dm * sx);
@@ -282,7 +282,7 @@ __device__ void gemv_rows(const u8* Wm, const float* x, float* y, int n, int k, 
 # warp group (R), warps a row (W): the fastest of tools/gpu_roofline.py profile's layouts on 7B-shaped matrices
 # (results/gpu/2026-11-27-s13/). Splitting a row over several warps (more bytes in flight) gained nothing: the
 # products are bound by their instructions (decoding and converting the codes), not by the loads in flight.
-GEMV_LAYOUT = {"q4_0": (2, 2, 1), "q4_1": (4, 1, 1), "q8_0": (2, 2, 1), "q4_k": (4, 1, 1), "q6_k": (4, 1, 1)}
+GEMV_LAYOUT = {"q4_0": (2, 2, 1), "q4_1": (4, 1, 1), "q8_0": (2, 2, 1), "q4_k": (4, 2, 1), "q6_k": (4, 2, 1)}
 STRUCTS = {"f16": "F16", "f32": "F32", "q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
 
 

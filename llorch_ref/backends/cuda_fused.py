@@ -33,7 +33,7 @@ import os
 
 import numpy as np
 
-from .cuda_blocks import ROWS, GpuBlocks
+from .cuda_blocks import GEMV_LAYOUT, ROWS, STRUCTS, GpuBlocks
 
 FUSED = r"""
 // y[row] = r * sum_k W[row, k] x[k] g[k], r = 1 / sqrt(mean(x^2) + eps); R rows a group of W warps; k % 8 == 0.
@@ -85,13 +85,13 @@ def fused_source():
 
 
 # per weight format: its reader (cuda_blocks.ROWS) and each product's layout, (U octs a lane in flight a row, R rows,
-# W warps a row; norm_glu: U, W for its two rows), as tools/gpu_roofline.py profile found fastest
+# W warps a row; norm_glu: U, W for its two rows): float16 as measured in sessions 10-12, blocks as their one-token
+# product (cuda_blocks.GEMV_LAYOUT, the fastest of tools/gpu_roofline.py profile's layouts)
 ROLES = ("norm_qkv", "norm_logits", "norm_glu", "gemv_res")
-_BLOCKS = {"norm_qkv": (4, 1, 1), "norm_logits": (4, 1, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)}
 LAYOUT = {"f16": ("F16", {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)}),
-          "f32": ("F32", {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)}),
-          "q4_0": ("Q4_0", _BLOCKS), "q4_1": ("Q4_1", _BLOCKS), "q8_0": ("Q8_0", _BLOCKS), "q4_k": ("Q4_K", _BLOCKS),
-          "q6_k": ("Q6_K", _BLOCKS)}
+          "f32": ("F32", {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)})}
+LAYOUT.update({f: (STRUCTS[f], {"norm_qkv": lay, "norm_logits": lay, "norm_glu": (lay[0], lay[2]), "gemv_res": lay})
+               for f, lay in GEMV_LAYOUT.items()})
 
 
 def blocks_of(fmt, role, n):
