@@ -100,14 +100,15 @@ struct F32 {
         return a.x * u.x + a.y * u.y + a.z * u.z + a.w * u.w + b.x * v.x + b.y * v.y + b.z * v.z + b.w * v.w;
     }
 };
+// a 2-byte-aligned block's float16 scale at its start and the 8 bytes at `at`
+__device__ __forceinline__ void ld_scale_and_8(const u8* blk, int at, unsigned short& d, unsigned& a, unsigned& b) {
+    d = __ldcs(reinterpret_cast<const unsigned short*>(blk));
+    a = ld4(blk + at); b = ld4(blk + at + 4);
+}
 struct Q4_0 {                    // 18-byte blocks of 32: d, 16 bytes (weight j low nibble, j + 16 high); d (q - 8)
     static constexpr bool OFFSET = false;
     unsigned short d; unsigned a, b;
-    __device__ __forceinline__ void load(const u8* row, int c) {
-        const u8* blk = row + (size_t)(c >> 2) * 18;
-        d = __ldcs(reinterpret_cast<const unsigned short*>(blk));
-        a = ld4(blk + 2 + 8 * (c & 1)); b = ld4(blk + 6 + 8 * (c & 1));
-    }
+    __device__ __forceinline__ void load(const u8* row, int c) { ld_scale_and_8(row + (size_t)(c >> 2) * 18, 2 + 8 * (c & 1), d, a, b); }
     __device__ __forceinline__ float dot(int c, float4 u, float4 v, float) const {
         int sh = 2 * (c & 2);
         return __half2float(__ushort_as_half(d)) * qdot8<4>(a >> sh, b >> sh, 8.f, u, v);
@@ -129,11 +130,7 @@ struct Q4_1 {                    // 20-byte blocks: d, m, 16 bytes of nibbles as
 struct Q8_0 {                    // 34-byte blocks: d, 32 signed bytes; q d
     static constexpr bool OFFSET = false;
     unsigned short d; unsigned a, b;
-    __device__ __forceinline__ void load(const u8* row, int c) {
-        const u8* blk = row + (size_t)(c >> 2) * 34;
-        d = __ldcs(reinterpret_cast<const unsigned short*>(blk));
-        a = ld4(blk + 2 + 8 * (c & 3)); b = ld4(blk + 6 + 8 * (c & 3));
-    }
+    __device__ __forceinline__ void load(const u8* row, int c) { ld_scale_and_8(row + (size_t)(c >> 2) * 34, 2 + 8 * (c & 3), d, a, b); }
     __device__ __forceinline__ float dot(int, float4 u, float4 v, float) const {
         return __half2float(__ushort_as_half(d)) * qdot8<8>(a ^ 0x80808080u, b ^ 0x80808080u, 128.f, u, v);
     }
