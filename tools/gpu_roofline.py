@@ -6,6 +6,7 @@
     python tools/gpu_roofline.py tables --out DIR       # checkpoints of --dtype blocks against numpy
     python tools/gpu_roofline.py prefill --out DIR      # one 7B layer of a 512-token prefill, by operation
     python tools/gpu_roofline.py steps --out DIR        # the fused 7B decode step by position, a loop's parts
+    python tools/gpu_roofline.py layouts --out DIR      # the fused step with its products laid out otherwise
     python tools/gpu_roofline.py report --out DIR       # README.md from the JSON files in DIR
 
 Timing: CUDA events around N back-to-back launches (the GPU's time per launch, not the host's), medians of
@@ -591,6 +592,38 @@ def report(out):
     (d / "README.md").write_text("\n".join(L) + "\n")
 
 
+# layouts' variants of the fused step's products: (format, {role: layout}) over cuda_fused.LAYOUT's
+STEP_VARIANTS = [("f16", {}), ("f16", {"gemv_res": (4, 1, 2)}), ("f16", {"gemv_res": (2, 1, 4)}),
+                 ("f16", {"norm_qkv": (4, 2, 1)}), ("f16", {"norm_qkv": (2, 2, 2)}), ("f16", {"norm_glu": (4, 2)}),
+                 ("f16", {"norm_glu": (2, 2)}), ("f16", {"norm_logits": (4, 1, 2)}), ("f16", {"gemv_res": (8, 1, 1)}),
+                 ("q4_k", {}), ("q4_k", {"norm_qkv": (4, 2, 1)}), ("q4_k", {"gemv_res": (4, 1, 2)}),
+                 ("q4_k", {"norm_glu": (2, 1)}), ("q4_k", {"gemv_res": (2, 2, 1)})]
+
+
+def layouts(out):
+    """The fused decode step's captured GPU time (7B shape, position 8) with each product's layout swapped as
+    STEP_VARIANTS says: the kernels compiled again for each, the same engine and weights."""
+    from llorch_ref.backends import cuda_fused
+
+    res = {"card": card(), "bandwidth": bandwidth(), "variants": []}
+    base = {f: (st, dict(roles)) for f, (st, roles) in cuda_fused.LAYOUT.items()}
+    engines = {}
+    for fmt, change in STEP_VARIANTS:
+        if fmt not in engines:
+            engines.clear()
+            free_gpu()
+            engines[fmt] = random_engine(llama2_7b(), "float16" if fmt == "f16" else "blocks",
+                                         None if fmt == "f16" else fmt.upper())
+        cuda_fused.LAYOUT[fmt] = (base[fmt][0], {**base[fmt][1], **change})
+        cuda_fused._MOD.clear()
+        ms = decode_step_ms(engines[fmt])
+        res["variants"].append({"format": fmt, "change": {k: list(v) for k, v in change.items()}, "graph_step_ms": ms})
+        print(json.dumps(res["variants"][-1]), flush=True)
+        cuda_fused.LAYOUT[fmt] = base[fmt]
+        cuda_fused._MOD.clear()
+    (Path(out) / "layouts.json").write_text(json.dumps(res, indent=1))
+
+
 def steps(out):
     """The fused float16 decode step on the 7B shape: its captured GPU time at several positions, and a
     generation loop's parts per token (the decode call, logits to the host, argmax), medians of 64 tokens."""
@@ -631,7 +664,7 @@ def steps(out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("part", choices=["profile", "speed", "big", "tables", "prefill", "prefill_host", "report",
-                                     "steps"])
+                                     "steps", "layouts"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="f16,f16-op,q4k,q40", help=f"speed: our rows, of {', '.join(OURS)}")
     ap.add_argument("--no-theirs", action="store_true", help="speed: leave transformers' rows out")
@@ -642,7 +675,7 @@ def main():
         speed(a.out, tuple(a.rows.split(",")), theirs_too=not a.no_theirs)
     else:
         {"profile": profile, "big": big, "tables": tables, "prefill": prefill_ops, "prefill_host": prefill_host,
-         "report": report, "steps": steps}[a.part](a.out)
+         "report": report, "steps": steps, "layouts": layouts}[a.part](a.out)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -101,7 +101,7 @@ def blocks_of(fmt, role, n):
     return ((n + per - 1) // per,)
 
 
-SRC = ROWS + FUSED + fused_source() + r"""
+ATTEND = r"""
 __device__ __forceinline__ void put(float* c, float v) { *c = v; }
 __device__ __forceinline__ void put(__half* c, float v) { *c = __float2half_rn(v); }
 __device__ __forceinline__ float get(const float* c) { return *c; }
@@ -259,12 +259,18 @@ extern "C" __global__ void embed_f16(const __half* e, const long long* t, float*
 """
 _MOD = {}
 ATTEND_THREADS = 1024
-ATTEND_ONE, ATTEND_CHUNK = 256, 128  # rope_attend: one block a head up to 256 positions, else chunks of 128 (SRC)
+ATTEND_ONE, ATTEND_CHUNK = 256, 128  # rope_attend: one block a head up to 256 positions, else chunks of 128 (ATTEND)
+
+
+def source():
+    """The step's CUDA source, its products laid out as LAYOUT says now (tools/gpu_roofline.py layouts swaps them)."""
+    return ROWS + FUSED + fused_source() + ATTEND
 
 
 def kernels(cp):
+    """The step's kernels, compiled once per process (a cleared _MOD compiles them again from source())."""
     if not _MOD:
-        mod = cp.RawModule(code=SRC, options=("-std=c++17",))
+        mod = cp.RawModule(code=source(), options=("-std=c++17",))
         names = [f"{k}_{f}" for f in LAYOUT for k in ROLES]
         for name in names + ["rope_attend_f32", "rope_attend_f16", "embed_f32", "embed_f16"]:
             _MOD[name] = mod.get_function(name)
