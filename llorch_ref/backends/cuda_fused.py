@@ -85,13 +85,16 @@ def fused_source():
 
 
 # per weight format: its reader (cuda_blocks.ROWS) and each product's layout, (U octs a lane in flight a row, R rows,
-# W warps a row; norm_glu: U, W for its two rows): float16 as measured in sessions 10-12, blocks as their one-token
-# product (cuda_blocks.GEMV_LAYOUT, the fastest of tools/gpu_roofline.py profile's layouts)
+# W warps a row; norm_glu: U, W for its two rows). Blocks take their one-token product's (cuda_blocks.GEMV_LAYOUT),
+# with twice its rows a warp where the norm is folded in (the norm's x g and sum of squares shared by more rows):
+# the fastest whole steps of tools/gpu_roofline.py layouts (results/gpu/2026-11-27-s13/call9-, call10-layouts.json:
+# Q4_K 4.27 -> 3.97 ms, Q6_K 4.84 -> 4.55, Q4_0 3.93 -> 3.78, Q8_0 4.41 -> 4.21, float16 3.80 -> 3.76).
 ROLES = ("norm_qkv", "norm_logits", "norm_glu", "gemv_res")
-LAYOUT = {"f16": ("F16", {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)}),
+LAYOUT = {"f16": ("F16", {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (2, 2), "gemv_res": (4, 1, 1)}),
           "f32": ("F32", {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)})}
-LAYOUT.update({f: (STRUCTS[f], {"norm_qkv": lay, "norm_logits": lay, "norm_glu": (lay[0], lay[2]), "gemv_res": lay})
-               for f, lay in GEMV_LAYOUT.items()})
+LAYOUT.update({f: (STRUCTS[f], {"norm_qkv": (u, 2 * r, w), "norm_logits": (u, 2 * r, w), "norm_glu": (u, w),
+                                "gemv_res": (u, r, w)})
+               for f, (u, r, w) in GEMV_LAYOUT.items()})
 
 
 def blocks_of(fmt, role, n):
