@@ -249,11 +249,12 @@ def test_cupy_checkpoints_against_numpy(tiny):
 @pytest.mark.parametrize("dtype,weights,prompt", [("float16", "F32", 5), ("float16", "F32", 252),
                                                    ("float16", "F32", 300), ("blocks", "Q4_0", 5),
                                                    ("blocks", "Q4_1", 300), ("blocks", "Q8_0", 5),
-                                                   ("blocks", "mixed", 5)])
+                                                   ("blocks", "mixed", 5), ("blocks", "mixed_qkv", 5)])
 def test_cupy_fused_decode_step_matches_the_op_by_op_step(tiny, monkeypatch, dtype, weights, prompt):
     """The decode step in five kernels a layer (cuda_fused.FusedStep) against the op-by-op step, eight greedy
     steps after a prompt (graph replays included): the same tokens, logits equal up to summation order. float16
-    weights; GGUF blocks (--dtype blocks; mixed: float32 attention matrices beside Q8_0 blocks). Prompts of 5, 252
+    weights; GGUF blocks (--dtype blocks; mixed: float32 attention matrices beside Q8_0 blocks; mixed_qkv: Q/K in
+    Q8_0 and V in Q4_0, three Q/K/V launches). Prompts of 5, 252
     and 300 tokens: attention in one block a head, crossing into chunks of 128 positions (three) between two
     replays of the graph, and over three chunks combined."""
     need_backend("cupy")

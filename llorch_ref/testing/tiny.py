@@ -99,13 +99,16 @@ def _tiny_vocab(w, vocab, pre, add_bos, tokens, types, merges, scores):
 
 def _tiny_weights(w, weight_type, seed, n_vocab, d_model, d_ff, n_layers, n_heads, n_kv_heads, tied, rope_scaling):
     """Deterministic random weights of a tiny model, quantized to weight_type (mixed: Q8_0 embeddings and FFN,
-    F16 attention)."""
+    F16 attention; mixed_qkv: Q8_0 embeddings and Q/K/O, Q4_0 V, Q4_1 FFN, so that Q, K and V are of two types, as
+    in llama.cpp's Q4_K_M files)."""
     head_dim = d_model // n_heads
 
     def put(name, arr, kind):
         t = weight_type
         if weight_type == "mixed":
-            t = {"embd": "Q8_0", "attn": "F16", "ffn": "Q8_0", "out": "F32"}[kind]
+            t = {"embd": "Q8_0", "attn": "F16", "v": "F16", "ffn": "Q8_0", "out": "F32"}[kind]
+        elif weight_type == "mixed_qkv":
+            t = {"embd": "Q8_0", "attn": "Q8_0", "v": "Q4_0", "ffn": "Q4_1", "out": "F32"}[kind]
         if arr.ndim == 1 or t == "F32":
             w.add_tensor(name, arr)
         elif t == "F16":
@@ -120,7 +123,7 @@ def _tiny_weights(w, weight_type, seed, n_vocab, d_model, d_ff, n_layers, n_head
         put(p + "attn_norm.weight", 1.0 + _rand(p + "attn_norm", (d_model,), seed, 0.1), "attn")
         put(p + "attn_q.weight", _rand(p + "q", (n_heads * head_dim, d_model), seed, 0.2), "attn")
         put(p + "attn_k.weight", _rand(p + "k", (n_kv_heads * head_dim, d_model), seed, 0.2), "attn")
-        put(p + "attn_v.weight", _rand(p + "v", (n_kv_heads * head_dim, d_model), seed, 0.2), "attn")
+        put(p + "attn_v.weight", _rand(p + "v", (n_kv_heads * head_dim, d_model), seed, 0.2), "v")
         put(p + "attn_output.weight", _rand(p + "o", (d_model, n_heads * head_dim), seed, 0.1), "attn")
         put(p + "ffn_norm.weight", 1.0 + _rand(p + "ffn_norm", (d_model,), seed, 0.1), "ffn")
         put(p + "ffn_gate.weight", _rand(p + "gate", (d_ff, d_model), seed, 0.2), "ffn")
@@ -139,7 +142,8 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
                      rope_base=10000.0, n_vocab_none=128, add_bos=None, rope_scaling=None,
                      extra_specials=()) -> Path:
     """Write a tiny random llama GGUF. vocab: 'bpe' | 'spm' | 'none';
-    weight_type: F32 | F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | mixed (Q8_0 embeddings and FFN, F16 attention).
+    weight_type: F32 | F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | mixed (Q8_0 embeddings and FFN, F16 attention) |
+    mixed_qkv (Q8_0 embeddings and Q/K/O, Q4_0 V, Q4_1 FFN).
     rope_scaling: None, ("linear", factor) or ("freqs", seed): a rope_freqs.weight tensor of per-pair factors
     in [1, 8] (llama3-style scaling as llama.cpp stores it)."""
     path = Path(path)
@@ -169,7 +173,7 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
         w.add_rope_scaling_factor(float(rope_scaling[1]))
     w.add_vocab_size(n_vocab)
     w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32,
-                     "mixed": 7}[weight_type])
+                     "mixed": 7, "mixed_qkv": 7}[weight_type])
     _tiny_vocab(w, vocab, pre, add_bos, tokens, types, merges, scores)
 
     _tiny_weights(w, weight_type, seed, n_vocab, d_model, d_ff, n_layers, n_heads, n_kv_heads, tied, rope_scaling)
