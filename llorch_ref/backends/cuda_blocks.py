@@ -78,22 +78,26 @@ template <int BITS> __device__ __forceinline__ float qdot8(unsigned a, unsigned 
     return __fmaf_rn(hi, 0.00390625f, lo);
 }
 
-// Weight formats: a row of a matrix as the card holds it, read 8 weights (an oct) at a time. f.load(row, c)
-// fetches what oct c (weights 8c..8c+7) needs, issued for several octs before any is used; f.dot(c, u, v, sx) =
+// Weight formats: a row of a matrix as the card holds it, read 8 weights (an oct) at a time, in blocks of BYTES
+// bytes holding OCTS octs. f.load(blk, c) fetches what oct c (weights 8c..8c+7) needs from the start of its block,
+// issued for several octs before any is used; f.dot(c, u, v, sx) =
 // sum_j w_j x_j over the oct, x = (u, v), sx = sum_j x_j (for the types with an offset, OFFSET). Quantized types
 // apply their scales once per oct, d * sum(q x) (+ m * sum(x)): the dequantized weights' products summed in another
-// order of float32 roundings (and Q4_K's d sc q - dmin m not rounded to float32 first).
+// order of float32 roundings (and Q4_K's d sc q - dmin m not rounded to float32 first). load and dot read only the
+// bits of c below 32 (where in its block an oct is), so callers pass the lane: constant through a row.
 struct F16 {
     static constexpr bool OFFSET = false;
+    static constexpr int OCTS = 1, BYTES = 16;
     uint4 w;
-    __device__ __forceinline__ void load(const u8* row, int c) { w = __ldcs(reinterpret_cast<const uint4*>(row) + c); }
+    __device__ __forceinline__ void load(const u8* blk, int) { w = __ldcs(reinterpret_cast<const uint4*>(blk)); }
     __device__ __forceinline__ float dot(int, float4 u, float4 v, float) const { return dot8(w, u, v); }
 };
 struct F32 {
     static constexpr bool OFFSET = false;
+    static constexpr int OCTS = 1, BYTES = 32;
     float4 a, b;
-    __device__ __forceinline__ void load(const u8* row, int c) {
-        const float4* r = reinterpret_cast<const float4*>(row) + 2 * c;
+    __device__ __forceinline__ void load(const u8* blk, int) {
+        const float4* r = reinterpret_cast<const float4*>(blk);
         a = __ldcs(r); b = __ldcs(r + 1);
     }
     __device__ __forceinline__ float dot(int, float4 u, float4 v, float) const {
@@ -107,8 +111,9 @@ __device__ __forceinline__ void ld_scale_and_8(const u8* blk, int at, unsigned s
 }
 struct Q4_0 {                    // 18-byte blocks of 32: d, 16 bytes (weight j low nibble, j + 16 high); d (q - 8)
     static constexpr bool OFFSET = false;
+    static constexpr int OCTS = 4, BYTES = 18;
     unsigned short d; unsigned a, b;
-    __device__ __forceinline__ void load(const u8* row, int c) { ld_scale_and_8(row + (size_t)(c >> 2) * 18, 2 + 8 * (c & 1), d, a, b); }
+    __device__ __forceinline__ void load(const u8* blk, int c) { ld_scale_and_8(blk, 2 + 8 * (c & 1), d, a, b); }
     __device__ __forceinline__ float dot(int c, float4 u, float4 v, float) const {
         int sh = 2 * (c & 2);
         return __half2float(__ushort_as_half(d)) * qdot8<4>(a >> sh, b >> sh, 8.f, u, v);
@@ -116,10 +121,11 @@ struct Q4_0 {                    // 18-byte blocks of 32: d, 16 bytes (weight j 
 };
 struct Q4_1 {                    // 20-byte blocks: d, m, 16 bytes of nibbles as Q4_0; d q + m
     static constexpr bool OFFSET = true;
+    static constexpr int OCTS = 4, BYTES = 20;
     unsigned dm, a, b;
-    __device__ __forceinline__ void load(const u8* row, int c) {
-        const unsigned* blk = reinterpret_cast<const unsigned*>(row + (size_t)(c >> 2) * 20);
-        dm = __ldcs(blk); a = __ldcs(blk + 1 + 2 * (c & 1)); b = __ldcs(blk + 2 + 2 * (c & 1));
+    __device__ __forceinline__ void load(const u8* blk, int c) {
+        const unsigned* b4 = reinterpret_cast<const unsigned*>(blk);
+        dm = __ldcs(b4); a = __ldcs(b4 + 1 + 2 * (c & 1)); b = __ldcs(b4 + 2 + 2 * (c & 1));
     }
     __device__ __forceinline__ float dot(int c, float4 u, float4 v, float sx) const {
         int sh = 2 * (c & 2);
@@ -129,17 +135,18 @@ struct Q4_1 {                    // 20-byte blocks: d, m, 16 bytes of nibbles as
 };
 struct Q8_0 {                    // 34-byte blocks: d, 32 signed bytes; q d
     static constexpr bool OFFSET = false;
+    static constexpr int OCTS = 4, BYTES = 34;
     unsigned short d; unsigned a, b;
-    __device__ __forceinline__ void load(const u8* row, int c) { ld_scale_and_8(row + (size_t)(c >> 2) * 34, 2 + 8 * (c & 3), d, a, b); }
+    __device__ __forceinline__ void load(const u8* blk, int c) { ld_scale_and_8(blk, 2 + 8 * (c & 3), d, a, b); }
     __device__ __forceinline__ float dot(int, float4 u, float4 v, float) const {
         return __half2float(__ushort_as_half(d)) * qdot8<8>(a ^ 0x80808080u, b ^ 0x80808080u, 128.f, u, v);
     }
 };
 struct Q4_K {                    // 144-byte super-blocks of 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 of
     static constexpr bool OFFSET = true;                // nibbles (groups 2i low, 2i + 1 high); (d sc) q - dmin m
+    static constexpr int OCTS = 32, BYTES = 144;
     uint4 h; uint2 q;
-    __device__ __forceinline__ void load(const u8* row, int c) {
-        const u8* blk = row + (size_t)(c >> 5) * 144;
+    __device__ __forceinline__ void load(const u8* blk, int c) {
         h = __ldcs(reinterpret_cast<const uint4*>(blk));
         q = __ldcs(reinterpret_cast<const uint2*>(blk + 16 + 32 * ((c >> 3) & 3) + 8 * (c & 3)));
     }
@@ -155,10 +162,10 @@ struct Q4_K {                    // 144-byte super-blocks of 256: d, dmin, 12 by
 };
 struct Q6_K {                    // 210-byte super-blocks: 128 bytes of low nibbles, 64 of high pairs, 16 int8
     static constexpr bool OFFSET = false;               // scales, d; (d sc) (q - 32)
+    static constexpr int OCTS = 32, BYTES = 210;
     unsigned l0, l1, h0, h1; unsigned short d; signed char sc;
-    __device__ __forceinline__ void load(const u8* row, int c) {
+    __device__ __forceinline__ void load(const u8* blk, int c) {
         int u = c >> 2, hf = (u >> 2) & 1, s = u & 3, p = c & 3;
-        const u8* blk = row + (size_t)(u >> 3) * 210;
         const u8* ql = blk + 64 * hf + 32 * (s & 1) + 8 * p;
         const u8* qh = blk + 128 + 32 * hf + 8 * p;
         l0 = ld4(ql); l1 = ld4(ql + 4); h0 = ld4(qh); h1 = ld4(qh + 4);
@@ -196,13 +203,19 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, c
 #pragma unroll
         for (int q = 0; q < R; ++q) a[q][r] = 0.f;
     }
+    constexpr int PASS = 32 / F::OCTS * F::BYTES;            // bytes of a row one pass of the warp (32 octs) covers
+    const u8* p[R];                                           // the block of this lane's next oct, each row
+#pragma unroll
+    for (int q = 0; q < R; ++q) p[q] = w[q] + (size_t)(lane / F::OCTS) * F::BYTES + (size_t)(U * part) * PASS;
     int i = lane + 32 * U * part;
     for (; i + 32 * (U - 1) < k8; i += 32 * U * W) {
         F raw[R][U];
 #pragma unroll
-        for (int q = 0; q < R; ++q)
+        for (int q = 0; q < R; ++q) {
 #pragma unroll
-            for (int r = 0; r < U; ++r) raw[q][r].load(w[q], i + 32 * r);
+            for (int r = 0; r < U; ++r) raw[q][r].load(p[q] + r * PASS, lane);
+            p[q] += U * W * PASS;
+        }
 #pragma unroll
         for (int r = 0; r < U; ++r) {
             int c = i + 32 * r;
@@ -210,7 +223,7 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, c
             if (NORM) { s[r] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + 2 * c)); v = mul4(v, __ldg(gv + 2 * c + 1)); }
             float sx = F::OFFSET ? sum8(u, v) : 0.f;
 #pragma unroll
-            for (int q = 0; q < R; ++q) a[q][r] += raw[q][r].dot(c, u, v, sx);
+            for (int q = 0; q < R; ++q) a[q][r] += raw[q][r].dot(lane, u, v, sx);
         }
     }
     for (; i < k8; i += 32) {                   // the row's last piece, shorter than 32 U octs (one warp's)
@@ -218,7 +231,7 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, c
         if (NORM) { s[0] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + 2 * i)); v = mul4(v, __ldg(gv + 2 * i + 1)); }
         float sx = F::OFFSET ? sum8(u, v) : 0.f;
 #pragma unroll
-        for (int q = 0; q < R; ++q) { F f; f.load(w[q], i); a[q][0] += f.dot(i, u, v, sx); }
+        for (int q = 0; q < R; ++q) { F f; f.load(p[q], lane); a[q][0] += f.dot(lane, u, v, sx); p[q] += PASS; }
     }
     float t = 0.f;
 #pragma unroll
