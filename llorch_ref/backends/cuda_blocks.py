@@ -292,7 +292,7 @@ __device__ void gemv_rows(const u8* Wm, const float* x, float* y, int n, int k, 
 # warp group (R), warps a row (W): the fastest in a whole 7B decode step (results/gpu/2026-11-27-s13/; two rows a
 # warp for Q4_K, the fastest in tools/gpu_roofline.py profile's matrices alone, made the step slower, 3.94 -> 4.71 ms). Splitting a row over several warps (more bytes in flight) gained nothing: the
 # products are bound by their instructions (decoding and converting the codes), not by the loads in flight.
-GEMV_LAYOUT = {"q4_0": (2, 2, 1), "q4_1": (4, 1, 1), "q8_0": (2, 2, 1), "q4_k": (4, 1, 1), "q6_k": (4, 1, 1)}
+GEMV_LAYOUT = {"q4_0": (2, 2, 1), "q4_1": (4, 2, 1), "q8_0": (2, 2, 1), "q4_k": (4, 1, 1), "q6_k": (4, 1, 1)}
 STRUCTS = {"f16": "F16", "f32": "F32", "q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
 
 

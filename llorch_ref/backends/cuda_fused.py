@@ -34,7 +34,7 @@ import os
 
 import numpy as np
 
-from .cuda_blocks import GEMV_LAYOUT, ROWS, STRUCTS, GpuBlocks
+from .cuda_blocks import GEMV_LAYOUT, ROWS, GpuBlocks
 
 FUSED = r"""
 // y[row] = r * sum_k W[row, k] x[k] g[k], r = 1 / sqrt(mean(x^2) + eps); R rows a group of W warps; k % 8 == 0.
@@ -86,16 +86,18 @@ def fused_source():
 
 
 # per weight format: its reader (cuda_blocks.ROWS) and each product's layout, (U octs a lane in flight a row, R rows,
-# W warps a row; norm_glu: U, W for its two rows). Blocks take their one-token product's (cuda_blocks.GEMV_LAYOUT),
-# with twice its rows a warp where the norm is folded in (the norm's x g and sum of squares shared by more rows):
-# the fastest whole steps of tools/gpu_roofline.py layouts (results/gpu/2026-11-27-s13/call9-, call10-layouts.json:
-# Q4_K 4.27 -> 3.97 ms, Q6_K 4.84 -> 4.55, Q4_0 3.93 -> 3.78, Q8_0 4.41 -> 4.21, float16 3.80 -> 3.76).
+# W warps a row; norm_glu: U, W for its two rows): the fastest whole steps of tools/gpu_roofline.py layouts
+# (results/gpu/2026-11-27-s13/call9-, call10-, call20-layouts.json). On blocks the products with the norm folded in
+# take more rows a warp than the plain ones (the norm's x g and sum of squares shared by more rows).
 ROLES = ("norm_qkv", "norm_logits", "norm_glu", "gemv_res")
 LAYOUT = {"f16": ("F16", {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (2, 2), "gemv_res": (4, 1, 1)}),
-          "f32": ("F32", {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)})}
-LAYOUT.update({f: (STRUCTS[f], {"norm_qkv": (u, 2 * r, w), "norm_logits": (u, 2 * r, w), "norm_glu": (u, w),
-                                "gemv_res": (u, r, w)})
-               for f, (u, r, w) in GEMV_LAYOUT.items()})
+          "f32": ("F32", {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)}),
+          "q4_0": ("Q4_0", {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (4, 1), "gemv_res": (2, 2, 1)}),
+          "q4_1": ("Q4_1", {"norm_qkv": (4, 2, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)}),
+          "q8_0": ("Q8_0", {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (2, 1), "gemv_res": (2, 2, 1)}),
+          "q4_k": ("Q4_K", {"norm_qkv": (4, 2, 1), "norm_logits": (4, 2, 1), "norm_glu": (2, 1), "gemv_res": (4, 1, 1)}),
+          "q6_k": ("Q6_K", {"norm_qkv": (4, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)})}
+assert set(LAYOUT) >= set(GEMV_LAYOUT)
 
 
 def blocks_of(fmt, role, n):
