@@ -748,12 +748,10 @@ def report(out):
 # session 13 timed these against the then layouts: float16 gemv_res (4, 1, 2), (2, 1, 4), (8, 1, 1), norm_qkv
 # (4, 2, 1), (2, 2, 2), norm_glu (4, 2), (2, 2), norm_logits (4, 1, 2); Q4_K norm_qkv (4, 2, 1), gemv_res (4, 1, 2),
 # (2, 2, 1), norm_glu (2, 1) (results/gpu/2026-11-27-s13/call9-layouts.json); call 10 more (call10-layouts.json);
-# call 20 these, after the rows were read through per-lane block pointers
-STEP_VARIANTS = [("q4_k", {}), ("q4_k", {"gemv_res": (2, 2, 1)}), ("q4_k", {"gemv_res": (2, 2, 1), "norm_qkv": (2, 4, 1)}),
-                 ("q4_k", {"norm_glu": (2, 1)}), ("q4_k", {"norm_qkv": (2, 4, 1)}),
-                 ("q4_1", {}), ("q4_1", {"gemv_res": (4, 2, 1)}), ("q4_1", {"gemv_res": (4, 2, 1), "norm_qkv": (4, 4, 1)}),
-                 ("q6_k", {}), ("q6_k", {"gemv_res": (4, 2, 1)}), ("q6_k", {"gemv_res": (4, 2, 1), "norm_qkv": (4, 4, 1)}),
-                 ("q4_0", {}), ("q4_0", {"norm_glu": (4, 1)}), ("q8_0", {}), ("q8_0", {"norm_glu": (4, 1)})]
+# call 20 Q4_K, Q4_1, Q6_K, Q4_0, Q8_0 variants after the rows were read through per-lane block pointers; call 23
+# float16's layouts before call 11 against the final ones, twice
+STEP_VARIANTS = [("f16", {}), ("f16", {"norm_glu": (4, 1), "norm_logits": (4, 2, 1)}), ("f16", {"norm_glu": (4, 1)}),
+                 ("f16", {}), ("f16", {"norm_glu": (4, 1), "norm_logits": (4, 2, 1)}), ("f16", {"norm_glu": (2, 2)})]
 
 
 def layouts(out):
