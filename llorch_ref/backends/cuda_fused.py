@@ -87,10 +87,11 @@ def fused_source():
 
 # per weight format: its reader (cuda_blocks.ROWS) and each product's layout, (U octs a lane in flight a row, R rows,
 # W warps a row; norm_glu: U, W for its two rows): the fastest whole steps of tools/gpu_roofline.py layouts
-# (results/gpu/2026-11-27-s13/call9-, call10-, call20-layouts.json). On blocks the products with the norm folded in
-# take more rows a warp than the plain ones (the norm's x g and sum of squares shared by more rows).
+# (results/gpu/2026-11-27-s13/call9-, call10-, call20-, call23-layouts.json). On blocks the products with the norm
+# folded in take more rows a warp than the plain ones (the norm's x g and sum of squares shared by more rows).
+# Float16 keeps session 12's: gate/up over two warps was 0.8% faster on one machine and 1% slower on another.
 ROLES = ("norm_qkv", "norm_logits", "norm_glu", "gemv_res")
-LAYOUT = {"f16": ("F16", {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (2, 2), "gemv_res": (4, 1, 1)}),
+LAYOUT = {"f16": ("F16", {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)}),
           "f32": ("F32", {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)}),
           "q4_0": ("Q4_0", {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (4, 1), "gemv_res": (2, 2, 1)}),
           "q4_1": ("Q4_1", {"norm_qkv": (4, 2, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)}),
