@@ -173,143 +173,6 @@ def replay_at(dec, cache, pos):
     return replay
 
 
-# Integer products (an experiment profile times beside the float kernels; not in the library): x (times g) taken per unit of 32 to 31-bit fixed
-# point with the unit's exponent, X_j = rint(x_j 2^(30 - e)) (|x_j| < 2^e), as four signed-byte planes
-# (X = P0 + 2^8 P1 + 2^16 P2 + 2^24 P3); a lane's oct of codes against them by dp4a, exact in integers, the float
-# result rounded once: sum q x to within 2^-31 of the unit's largest |x| a code, far below float32's own rounding.
-PLANES = r"""
-// planes [k / 8 octs][8 words: P0 w0, P0 w1, P1 w0, P1 w1, P2 w0, P2 w1, P3 w0, P3 w1] (word w: elements 4w..4w+3 of
-// the oct, a byte each), su [k / 32] = 2^(e - 30), sx [k / 8] = the oct's sum of x, ssq [k / 32] = the unit's sum of
-// x^2 (x before g). A warp a unit, 8 units a block of 256 threads.
-extern "C" __global__ void xplanes(const float* __restrict__ x, const float* __restrict__ g, int* __restrict__ planes,
-                                   float* __restrict__ su, float* __restrict__ sx, float* __restrict__ ssq, int k) {
-    griddep_wait();
-    int unit = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (unit * 32 >= k) return;
-    float x0 = x[unit * 32 + lane], v = g ? x0 * g[unit * 32 + lane] : x0;
-    float m = fabsf(v), q2 = x0 * x0;
-    for (int o = 16; o > 0; o >>= 1) { m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o)); q2 += __shfl_xor_sync(0xffffffffu, q2, o); }
-    int e = 0;
-    if (m > 0.f) frexpf(m, &e);                              // m = f 2^e, 0.5 <= f < 1: |v| < 2^e
-    int X = __float2int_rn(ldexpf(v, 30 - e));             // |X| <= 2^30
-    int d0 = (int)(signed char)(X & 255), r = (X - d0) >> 8;
-    int d1 = (int)(signed char)(r & 255); r = (r - d1) >> 8;
-    int d2 = (int)(signed char)(r & 255); r = (r - d2) >> 8;
-    int dd[4] = {d0, d1, d2, r};                              // r: the top digit, |r| <= 65
-    int sh = 8 * (lane & 3), oct = unit * 4 + lane / 8, half = (lane / 4) & 1;
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-        unsigned wd = ((unsigned)dd[b] & 255u) << sh;
-        wd |= __shfl_xor_sync(0xffffffffu, wd, 1);
-        wd |= __shfl_xor_sync(0xffffffffu, wd, 2);
-        if ((lane & 3) == 0) planes[oct * 8 + 2 * b + half] = (int)wd;
-    }
-    float s8 = v;
-    for (int o = 1; o < 8; o <<= 1) s8 += __shfl_xor_sync(0xffffffffu, s8, o);
-    if ((lane & 7) == 0) sx[oct] = s8;
-    if (lane == 0) { su[unit] = ldexpf(1.f, e - 30); ssq[unit] = q2; }
-}
-
-// sum_j q_j X_j over an oct: codes as bytes (ca: elements 0-3, cb: 4-7), x's planes; as a float rounded once
-__device__ __forceinline__ float iplanes(unsigned ca, unsigned cb, uint4 p01, uint4 p23) {
-    int a0 = __dp4a((int)ca, (int)p01.x, __dp4a((int)cb, (int)p01.y, 0));
-    int a1 = __dp4a((int)ca, (int)p01.z, __dp4a((int)cb, (int)p01.w, 0));
-    int a2 = __dp4a((int)ca, (int)p23.x, __dp4a((int)cb, (int)p23.y, 0));
-    int a3 = __dp4a((int)ca, (int)p23.z, __dp4a((int)cb, (int)p23.w, 0));
-    return __fmaf_rn((float)(a3 * 256 + a2), 65536.f, (float)(a1 * 256 + a0));
-}
-// each format's oct against the planes: T the integer sum, su the unit's 2^(e - 30), sx the oct's sum of x
-__device__ __forceinline__ float idot(const Q4_0& f, int c, uint4 p01, uint4 p23, float s, float sx) {
-    int sh = 2 * (c & 2);
-    float d = __half2float(__ushort_as_half(f.d));
-    return d * __fmaf_rn(s, iplanes((f.a >> sh) & 0x0F0F0F0Fu, (f.b >> sh) & 0x0F0F0F0Fu, p01, p23), -8.f * sx);
-}
-__device__ __forceinline__ float idot(const Q4_1& f, int c, uint4 p01, uint4 p23, float s, float sx) {
-    int sh = 2 * (c & 2);
-    float d = __half2float(__ushort_as_half((unsigned short)f.dm)), m = __half2float(__ushort_as_half((unsigned short)(f.dm >> 16)));
-    return __fmaf_rn(d * s, iplanes((f.a >> sh) & 0x0F0F0F0Fu, (f.b >> sh) & 0x0F0F0F0Fu, p01, p23), m * sx);
-}
-__device__ __forceinline__ float idot(const Q8_0& f, int, uint4 p01, uint4 p23, float s, float) {
-    return __half2float(__ushort_as_half(f.d)) * s * iplanes(f.a, f.b, p01, p23);
-}
-__device__ __forceinline__ float idot(const Q4_K& f, int c, uint4 p01, uint4 p23, float s, float sx) {
-    int g = (c >> 2) & 7, s8 = 8 * (g & 3), sh = 4 * (g & 1);
-    unsigned A = (f.h.y >> s8) & 255, B = (f.h.z >> s8) & 255, C = (f.h.w >> s8) & 255;
-    unsigned sc = g < 4 ? A & 63 : (C & 15) | ((A >> 6) << 4);
-    unsigned mn = g < 4 ? B & 63 : (C >> 4) | ((B >> 6) << 4);
-    float d = __fmul_rn(__half2float(__ushort_as_half((unsigned short)f.h.x)), fq(sc, 0.f));
-    float dm = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(f.h.x >> 16))), fq(mn, 0.f));
-    return __fmaf_rn(d * s, iplanes((f.q.x >> sh) & 0x0F0F0F0Fu, (f.q.y >> sh) & 0x0F0F0F0Fu, p01, p23), -dm * sx);
-}
-__device__ __forceinline__ float idot(const Q6_K& f, int c, uint4 p01, uint4 p23, float s, float sx) {
-    int sb = (c >> 2) & 3, lsh = (sb >= 2) ? 4 : 0, hsh = 2 * sb;
-    unsigned a = ((f.l0 >> lsh) & 0x0F0F0F0Fu) | (((f.h0 >> hsh) & 0x03030303u) << 4);
-    unsigned b = ((f.l1 >> lsh) & 0x0F0F0F0Fu) | (((f.h1 >> hsh) & 0x03030303u) << 4);
-    float dd = __fmul_rn(__half2float(__ushort_as_half(f.d)), fq((unsigned)(unsigned char)f.sc ^ 128u, 128.f));
-    return dd * __fmaf_rn(s, iplanes(a, b, p01, p23), -32.f * sx);
-}
-
-// rows_dot's integer twin: R rows by one warp against x's planes (U octs a lane in flight a row)
-template <typename F, int U, int R>
-__device__ __forceinline__ void rows_idot(const u8* const* w, const uint4* P, const float* su, const float* sxo, int k8,
-                                          float* dot) {
-    griddep_wait();
-    int lane = threadIdx.x % 32;
-    float a[R];
-#pragma unroll
-    for (int q = 0; q < R; ++q) a[q] = 0.f;
-    constexpr int PASS = 32 / F::OCTS * F::BYTES;
-    const u8* p[R];
-#pragma unroll
-    for (int q = 0; q < R; ++q) p[q] = w[q] + (size_t)(lane / F::OCTS) * F::BYTES;
-    int i = lane;
-    for (; i + 32 * (U - 1) < k8; i += 32 * U) {
-        F raw[R][U];
-#pragma unroll
-        for (int q = 0; q < R; ++q) {
-#pragma unroll
-            for (int r = 0; r < U; ++r) raw[q][r].load(p[q] + r * PASS, lane);
-            p[q] += U * PASS;
-        }
-#pragma unroll
-        for (int r = 0; r < U; ++r) {
-            int c = i + 32 * r;
-            uint4 p01 = __ldg(P + 2 * c), p23 = __ldg(P + 2 * c + 1);
-            float s = __ldg(su + (c >> 2)), sx = __ldg(sxo + c);
-#pragma unroll
-            for (int q = 0; q < R; ++q) a[q] += idot(raw[q][r], lane, p01, p23, s, sx);
-        }
-    }
-    for (; i < k8; i += 32) {
-        uint4 p01 = __ldg(P + 2 * i), p23 = __ldg(P + 2 * i + 1);
-        float s = __ldg(su + (i >> 2)), sx = __ldg(sxo + i);
-#pragma unroll
-        for (int q = 0; q < R; ++q) { F f; f.load(p[q], lane); a[q] += idot(f, lane, p01, p23, s, sx); p[q] += PASS; }
-    }
-#pragma unroll
-    for (int q = 0; q < R; ++q) dot[q] = warp_sum(a[q]);
-}
-template <typename F, int U, int R>
-__device__ void igemv_rows(const u8* Wm, const int* P, const float* su, const float* sx, float* y, int n, int k, long rb) {
-    const u8* w[R];
-    int row0 = warp_rows<R, 1>(Wm, n, rb, w);
-    float dot[R];
-    rows_idot<F, U, R>(w, reinterpret_cast<const uint4*>(P), su, sx, k / 8, dot);
-    if (threadIdx.x % 32 == 0)
-#pragma unroll
-        for (int q = 0; q < R; ++q) if (row0 + q < n) y[row0 + q] = dot[q];
-}
-"""
-
-
-def igemv_source(cuda_blocks, layout, name="igemv_{f}"):
-    """Integer-plane one-token products (W = 1 layouts), arguments (W, planes, su, sx, y, n, k, rb)."""
-    return "".join(f'extern "C" __global__ void {name.format(f=f, u=u, r=r, w=w)}(const u8* W, const int* P, '
-                   f'const float* su, const float* sx, float* y, int n, int k, long rb) '
-                   f'{{ igemv_rows<{cuda_blocks.STRUCTS[f]}, {u}, {r}>(W, P, su, sx, y, n, k, rb); }}\n'
-                   for f, (u, r, w) in layout.items())
-
-
 # the one-token blocks product's layouts profile times: (U octs a lane in flight, R rows, W warps a row)
 # (session 13's first call also timed (8, 1, 4), (2, 1, 4), (4, 2, 4), (2, 2, 4), (4, 1, 2), (8, 1, 2), (4, 2, 2): none
 # faster)
@@ -327,7 +190,6 @@ def profile(out):
     bw = res["bandwidth"]["read_tb_s"]
     src = cuda_blocks.ROWS + "".join(cuda_blocks.gemv_source({q: lay}, "probe_{f}_{u}_{r}_{w}")
                                      for q in cuda_blocks.GEMV_LAYOUT for lay in PROBE_LAYOUTS)
-    src += PLANES + igemv_source(cuda_blocks, cuda_blocks.GEMV_LAYOUT)
     mod = cp.RawModule(code=src, options=("-std=c++17",))
     probe = {f"probe_{q}_{'_'.join(map(str, lay))}": mod.get_function(f"probe_{q}_{'_'.join(map(str, lay))}")
              for q in cuda_blocks.GEMV_LAYOUT for lay in PROBE_LAYOUTS}
@@ -348,30 +210,16 @@ def profile(out):
         res["gemv"].append(row("gemv_f16_v8", (n, k), w.nbytes, lambda a=args, g=((n + 7) // 8,): K["gemv_f16_v8"](g, (256,), a)))
         res["gemv"].append(row("gemv_f16_x4", (n, k), w.nbytes, lambda a=args, g=((n + 3) // 4,): K["gemv_f16_x4"](g, (128,), a)))
         del w, args
-        planes, su = cp.empty(k, cp.int32), cp.empty(k // 32, cp.float32)
-        sx, ssq = cp.empty(k // 8, cp.float32), cp.empty(k // 32, cp.float32)
-        prep, fp = (x, cp.ones(k, cp.float32), planes, su, sx, ssq, cp.int32(k)), mod.get_function("xplanes")
-        res["gemv"].append(row("xplanes (the integer products' x preparation)", (1, k), x.nbytes,
-                               lambda a=prep, f=fp, b=((k + 255) // 256,): f(b, (256,), a)))
         for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
             g = random_blocks(qtype, n, k, cp)
             q = qtype.lower()
-            lay = cuda_blocks.GEMV_LAYOUT[q]
-            per, yi = cuda_blocks.rows_per_block(lay), cp.empty((1, n), dtype=cp.float32)
-            ia = (g.blocks, planes, su, sx, yi, cp.int32(n), cp.int32(k), cp.int64(g.blocks.shape[1]))
-            fi = mod.get_function(f"igemv_{q}")
-            r = row(f"blocks {qtype} integer planes U{lay[0]} R{lay[1]} W1", (n, k), g.nbytes,
-                    lambda a=ia, f=fi, b=((n + per - 1) // per,): f(b, (128,), a))
-            yf = g.matmul(x[None])
-            r["max_rel_to_float"] = float(cp.abs(yi - yf).max() / cp.abs(yf).max())
-            res["gemv"].append(r)
             a = (g.blocks, x, y, cp.int32(n), cp.int32(k), cp.int64(g.blocks.shape[1]))
             for lay in PROBE_LAYOUTS:
                 per, fn = cuda_blocks.rows_per_block(lay), probe[f"probe_{q}_{'_'.join(map(str, lay))}"]
                 res["gemv"].append(row(f"blocks {qtype} gemv U{lay[0]} R{lay[1]} W{lay[2]}", (n, k), g.nbytes,
                                        lambda a=a, f=fn, b=((n + per - 1) // per,): f(b, (128,), a)))
             del g, a
-        print(json.dumps(res["gemv"][-5 * (1 + len(PROBE_LAYOUTS)) - 1:]), flush=True)
+        print(json.dumps(res["gemv"][-5 * len(PROBE_LAYOUTS):]), flush=True)
     cfg = llama2_7b()
     res["decode_step"] = []
     for dtype, qtype in (("float16", None), ("blocks", "Q4_K")):
