@@ -13,8 +13,8 @@ the magic number in one LOP3, then one subtraction), not the slower int-to-float
                 fuses nothing into an FMA), then cuBLAS (TF32 off), the same product the float32 path computes
 
 So a blocks product differs from the numpy oracle's (float32 weights from gguf-py, BLAS) by rounding order only.
-The one-token products are bound by their instructions (about 6-8 a weight: mask, convert, multiply-add, the
-scales), not by memory: results/gpu/2026-11-27-s13/.
+The one-token products are bound by their instructions (about 5-9 a weight: mask, convert, multiply-add, the
+scales, loads), not by memory: results/gpu/2026-11-27-s13/.
 """
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ prefetching the first weight lines before the wait made it slower: results/gpu/2
 differs from the op-by-op step's by order and rounding only (r applied after the dot product, sums of squares in
 float32): tests/test_backends.py checks the logits against the op-by-op step's (float16 and blocks) and the greedy
 tokens equal. LLORCH_CUDA_FUSED=0 turns it off. On blocks, whose products are bound by their instructions, the
-norm folded into a product serves two rows a warp (LAYOUT): 1.15x the captured op-by-op step on Q4_K
-(results/gpu/2026-11-27-s13/).
+norm folded into a product serves two or four rows a warp (LAYOUT): 1.26x the captured op-by-op step on Q4_K
+(260.9 against 207.0 tok/s, results/gpu/2026-11-27-s13/).
 """
 from __future__ import annotations
 
