@@ -288,10 +288,11 @@ __device__ void gemv_rows(const u8* Wm, const float* x, float* y, int n, int k, 
 }
 """
 
-# How each block type's one-token product (GpuBlocks.matmul) is laid out: octs a lane in flight a row (U), rows a
-# warp group (R), warps a row (W): the fastest in a whole 7B decode step (results/gpu/2026-11-27-s13/; two rows a
-# warp for Q4_K, the fastest in tools/gpu_roofline.py profile's matrices alone, made the step slower, 3.94 -> 4.71 ms). Splitting a row over several warps (more bytes in flight) gained nothing: the
-# products are bound by their instructions (decoding and converting the codes), not by the loads in flight.
+# How each block type's one-token product (GpuBlocks.matmul, the op-by-op step) is laid out: octs a lane in flight a
+# row (U), rows a warp group (R), warps a row (W), from tools/gpu_roofline.py profile's matrices and whole op-by-op
+# steps (results/gpu/2026-11-27-s13/): two rows a warp for Q4_K, faster on the matrices alone, made the step slower
+# (3.94 -> 4.71 ms); Q4_1's two rows a warp are the matrices' choice only. Splitting a row over several warps (more
+# bytes in flight) gained nothing: the products are bound by their instructions, not by the loads in flight.
 GEMV_LAYOUT = {"q4_0": (2, 2, 1), "q4_1": (4, 2, 1), "q8_0": (2, 2, 1), "q4_k": (4, 1, 1), "q6_k": (4, 1, 1)}
 STRUCTS = {"f16": "F16", "f32": "F32", "q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
 
