@@ -219,6 +219,30 @@ def test_cuda_blocks_kernels_match_the_dequantized_product(qt):
     assert got.shape == (1, 70) and (np.abs(got - want[:1, :70]) <= 1e-6 * scale[:1, :70]).all()
 
 
+@pytest.mark.parametrize("layout", [(4, 1, 4), (2, 2, 2), (8, 1, 1)])
+def test_cuda_rows_split_over_warps_match_the_dequantized_product(layout):
+    """rows_dot with a row over several warps (their sums added through shared memory) or eight octs a lane, the
+    layouts tools/gpu_roofline.py times: Q4_K and Q4_1 at 768 columns, 70 rows (a group past the end), against the
+    float64 product."""
+    need_backend("cupy")
+    import cupy as cp
+
+    from llorch_ref.backends import cuda_blocks
+
+    mod = cp.RawModule(code=cuda_blocks.ROWS + cuda_blocks.gemv_source({"q4_k": layout, "q4_1": layout}, "t_{f}"),
+                       options=("-std=c++17",))
+    x = np.random.default_rng(6).standard_normal((1, 768)).astype(np.float32)
+    for qt in ("Q4_K", "Q4_1"):
+        q = random_qtensor(qt, 70, 768, 7)
+        deq = q.dequantize().astype(np.float64)
+        want, scale = x @ deq.T, np.abs(x) @ np.abs(deq).T
+        y, per = cp.zeros((1, 70), dtype=cp.float32), cuda_blocks.rows_per_block(layout)
+        blocks = cp.asarray(q.blocks)
+        mod.get_function(f"t_{qt.lower()}")(((70 + per - 1) // per,), (128,), (blocks, cp.asarray(x), y, cp.int32(70),
+                                                                               cp.int32(768), cp.int64(blocks.shape[1])))
+        assert (np.abs(cp.asnumpy(y) - want) <= 1e-6 * scale).all(), (qt, layout)
+
+
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q8_0"])
 def test_cupy_blocks_checkpoints_against_numpy(tiny, weight_type):
     need_backend("cupy")
