@@ -608,7 +608,7 @@ def layouts(out):
     from llorch_ref.backends import cuda_fused
 
     res = {"card": card(), "bandwidth": bandwidth(), "variants": []}
-    base = {f: (st, dict(roles)) for f, (st, roles) in cuda_fused.LAYOUT.items()}
+    base = {f: dict(roles) for f, roles in cuda_fused.LAYOUT.items()}
     engines = {}
     for fmt, change in STEP_VARIANTS:
         if fmt not in engines:
@@ -616,7 +616,7 @@ def layouts(out):
             free_gpu()
             engines[fmt] = random_engine(llama2_7b(), "float16" if fmt == "f16" else "blocks",
                                          None if fmt == "f16" else fmt.upper())
-        cuda_fused.LAYOUT[fmt] = (base[fmt][0], {**base[fmt][1], **change})
+        cuda_fused.LAYOUT[fmt] = {**base[fmt], **change}
         cuda_fused._MOD.clear()
         ms = decode_step_ms(engines[fmt])
         res["variants"].append({"format": fmt, "change": {k: list(v) for k, v in change.items()}, "graph_step_ms": ms})

@@ -275,16 +275,19 @@ template <int R, int W> __device__ __forceinline__ int warp_rows(const u8* W_, i
     for (int q = 0; q < R; ++q) w[q] = W_ + (size_t)min(row0 + q, n - 1) * rb;
     return row0;
 }
-// y[row] (+)= sum_k W[row, k] x[k]: R rows a group of W warps; ADD: added to y in place (the residual stream)
-template <typename F, int U, int R, int W, bool ADD>
-__device__ void gemv_rows(const u8* Wm, const float* x, float* y, int n, int k, long rb) {
+// y[row] (+)= r sum_k W[row, k] x[k] (g[k]): R rows a group of W warps; NORM: the RMSNorm folded in (x times g, r =
+// 1 / sqrt(mean(x^2) + eps) applied after the sum), else r = 1; ADD: added to y in place (the residual stream)
+template <typename F, int U, int R, int W, bool NORM, bool ADD>
+__device__ void gemv_rows(const u8* Wm, const float* x, const float* g, float* y, int n, int k, long rb, float eps) {
     const u8* w[R];
     int row0 = warp_rows<R, W>(Wm, n, rb, w);
     float dot[R], ss;
-    rows_dot<F, U, R, false, W>(w, reinterpret_cast<const float4*>(x), nullptr, k / 8, dot, ss);
+    rows_dot<F, U, R, NORM, W>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, dot,
+                               ss);
+    float r = NORM ? 1.0f / sqrtf(ss / k + eps) : 1.0f;
     if (threadIdx.x % (32 * W) == 0)
 #pragma unroll
-        for (int q = 0; q < R; ++q) if (row0 + q < n) y[row0 + q] = ADD ? y[row0 + q] + dot[q] : dot[q];
+        for (int q = 0; q < R; ++q) if (row0 + q < n) y[row0 + q] = ADD ? y[row0 + q] + dot[q] : NORM ? dot[q] * r : dot[q];
 }
 """
 
@@ -308,7 +311,8 @@ def gemv_source(layout=None, name="gemv_{f}"):
     name.format(f=format, u=U, r=R, w=W), with the arguments (W, x, y, n, k, rb); launched as
     ceil(n / rows_per_block(layout)) blocks of 128 threads."""
     return "".join(f'extern "C" __global__ void {name.format(f=f, u=u, r=r, w=w)}(const u8* W, const float* x, '
-                   f'float* y, int n, int k, long rb) {{ gemv_rows<{STRUCTS[f]}, {u}, {r}, {w}, false>(W, x, y, n, k, rb); }}\n'
+                   f'float* y, int n, int k, long rb) {{ gemv_rows<{STRUCTS[f]}, {u}, {r}, {w}, false, false>(W, x, '
+                   f'nullptr, y, n, k, rb, 0.f); }}\n'
                    for f, (u, r, w) in (layout or GEMV_LAYOUT).items())
 
 

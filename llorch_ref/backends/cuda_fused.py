@@ -34,22 +34,9 @@ import os
 
 import numpy as np
 
-from .cuda_blocks import GEMV_LAYOUT, ROWS, GpuBlocks
+from .cuda_blocks import GEMV_LAYOUT, ROWS, STRUCTS, GpuBlocks, rows_per_block
 
 FUSED = r"""
-// y[row] = r * sum_k W[row, k] x[k] g[k], r = 1 / sqrt(mean(x^2) + eps); R rows a group of W warps; k % 8 == 0.
-template <typename F, int U, int R, int W>
-__device__ void norm_gemv(const u8* Wm, const float* x, const float* g, float* y, int n, int k, long rb, float eps) {
-    const u8* w[R];
-    int row0 = warp_rows<R, W>(Wm, n, rb, w);
-    float dot[R], ss;
-    rows_dot<F, U, R, true, W>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, dot, ss);
-    float r = 1.0f / sqrtf(ss / k + eps);
-    if (threadIdx.x % (32 * W) == 0)
-#pragma unroll
-        for (int q = 0; q < R; ++q) if (row0 + q < n) y[row0 + q] = dot[q] * r;
-}
-
 // hid[i] = silu(r * gate_i . (x g)) * (r * up_i . (x g)), gate row i and up row f + i of W [2f, k] by W warps.
 template <typename F, int U, int W>
 __device__ void norm_glu(const u8* Wm, const float* x, const float* g, float* hid, int f, int k, long rb, float eps) {
@@ -71,17 +58,18 @@ def fused_source():
     final norm), norm_glu_<fmt> (gate and up with the second norm), gemv_res_<fmt> (the output and down projections
     added to the residual stream in place, x += W a); W as bytes, rb bytes a row."""
     out = []
-    for f, (struct, roles) in LAYOUT.items():
+    for f, roles in LAYOUT.items():
         (u, r, w), (u2, r2, w2), (u3, w3), (u4, r4, w4) = (roles[k] for k in ROLES)
+        F = STRUCTS[f]
         out.append(
             f'extern "C" __global__ void norm_qkv_{f}(const u8* W, const float* x, const float* g, float* y, int n, '
-            f'int k, long rb, float eps) {{ norm_gemv<{struct}, {u}, {r}, {w}>(W, x, g, y, n, k, rb, eps); }}\n'
+            f'int k, long rb, float eps) {{ gemv_rows<{F}, {u}, {r}, {w}, true, false>(W, x, g, y, n, k, rb, eps); }}\n'
             f'extern "C" __global__ void norm_logits_{f}(const u8* W, const float* x, const float* g, float* y, int n, '
-            f'int k, long rb, float eps) {{ norm_gemv<{struct}, {u2}, {r2}, {w2}>(W, x, g, y, n, k, rb, eps); }}\n'
+            f'int k, long rb, float eps) {{ gemv_rows<{F}, {u2}, {r2}, {w2}, true, false>(W, x, g, y, n, k, rb, eps); }}\n'
             f'extern "C" __global__ void norm_glu_{f}(const u8* W, const float* x, const float* g, float* hid, int f, '
-            f'int k, long rb, float eps) {{ norm_glu<{struct}, {u3}, {w3}>(W, x, g, hid, f, k, rb, eps); }}\n'
+            f'int k, long rb, float eps) {{ norm_glu<{F}, {u3}, {w3}>(W, x, g, hid, f, k, rb, eps); }}\n'
             f'extern "C" __global__ void gemv_res_{f}(const u8* W, const float* a, float* y, int n, int k, long rb) '
-            f'{{ gemv_rows<{struct}, {u4}, {r4}, {w4}, true>(W, a, y, n, k, rb); }}\n')
+            f'{{ gemv_rows<{F}, {u4}, {r4}, {w4}, false, true>(W, a, nullptr, y, n, k, rb, 0.f); }}\n')
     return "".join(out)
 
 
@@ -91,20 +79,20 @@ def fused_source():
 # folded in take more rows a warp than the plain ones (the norm's x g and sum of squares shared by more rows).
 # Float16 keeps session 12's: gate/up over two warps was 0.8% faster on one machine and 1% slower on another.
 ROLES = ("norm_qkv", "norm_logits", "norm_glu", "gemv_res")
-LAYOUT = {"f16": ("F16", {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)}),
-          "f32": ("F32", {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)}),
-          "q4_0": ("Q4_0", {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (4, 1), "gemv_res": (2, 2, 1)}),
-          "q4_1": ("Q4_1", {"norm_qkv": (4, 2, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)}),
-          "q8_0": ("Q8_0", {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (2, 1), "gemv_res": (2, 2, 1)}),
-          "q4_k": ("Q4_K", {"norm_qkv": (4, 2, 1), "norm_logits": (4, 2, 1), "norm_glu": (2, 1), "gemv_res": (4, 1, 1)}),
-          "q6_k": ("Q6_K", {"norm_qkv": (4, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)})}
+LAYOUT = {"f16": {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)},
+          "f32": {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)},
+          "q4_0": {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (4, 1), "gemv_res": (2, 2, 1)},
+          "q4_1": {"norm_qkv": (4, 2, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)},
+          "q8_0": {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (2, 1), "gemv_res": (2, 2, 1)},
+          "q4_k": {"norm_qkv": (4, 2, 1), "norm_logits": (4, 2, 1), "norm_glu": (2, 1), "gemv_res": (4, 1, 1)},
+          "q6_k": {"norm_qkv": (4, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)}}
 assert set(LAYOUT) >= set(GEMV_LAYOUT)
 
 
 def blocks_of(fmt, role, n):
     """Blocks of 128 threads a product of LAYOUT[fmt][role] over n rows (norm_glu: n gate/up pairs) launches."""
-    lay = LAYOUT[fmt][1][role]
-    per = 4 // lay[-1] * (1 if role == "norm_glu" else lay[1])
+    lay = LAYOUT[fmt][role]
+    per = rows_per_block((lay[0], 1, lay[1]) if role == "norm_glu" else lay)
     return ((n + per - 1) // per,)
 
 
