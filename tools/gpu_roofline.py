@@ -7,6 +7,7 @@
     python tools/gpu_roofline.py prefill --out DIR      # one 7B layer of a 512-token prefill, by operation
     python tools/gpu_roofline.py steps --out DIR        # the fused 7B decode step by position, a loop's parts
     python tools/gpu_roofline.py layouts --out DIR      # the fused step with its products laid out otherwise
+    python tools/gpu_roofline.py attend --out DIR       # the step by position, attention shapes and L2 hints
     python tools/gpu_roofline.py report --out DIR       # README.md from the JSON files in DIR
 
 Timing: CUDA events around N back-to-back launches (the GPU's time per launch, not the host's), medians of
@@ -598,8 +599,10 @@ def report(out):
 # (2, 2, 1), norm_glu (2, 1) (results/gpu/2026-11-27-s13/call9-layouts.json); call 10 more (call10-layouts.json);
 # call 20 Q4_K, Q4_1, Q6_K, Q4_0, Q8_0 variants after the rows were read through per-lane block pointers; call 23
 # float16's layouts before call 11 against the final ones, twice
-STEP_VARIANTS = [("f16", {}), ("f16", {"norm_glu": (4, 1), "norm_logits": (4, 2, 1)}), ("f16", {"norm_glu": (4, 1)}),
-                 ("f16", {}), ("f16", {"norm_glu": (4, 1), "norm_logits": (4, 2, 1)}), ("f16", {"norm_glu": (2, 2)})]
+STEP_VARIANTS = [("f16", {}), ("f16", {"gemv_res": (4, 1, 2)}), ("f16", {"gemv_res": (4, 1, 4)}),
+                 ("f16", {"gemv_res": (2, 1, 2)}), ("f16", {"gemv_res": (8, 1, 1)}), ("f16", {"gemv_res": (2, 2, 1)}),
+                 ("f16", {"gemv_res": (2, 1, 1)}), ("f16", {}), ("f16", {"norm_qkv": (4, 2, 1)}),
+                 ("f16", {"norm_qkv": (2, 2, 2)}), ("f16", {"norm_qkv": (4, 1, 2)}), ("f16", {})]
 
 
 def layouts(out):
@@ -624,6 +627,46 @@ def layouts(out):
         cuda_fused.LAYOUT[fmt] = base[fmt]
         cuda_fused._MOD.clear()
     (Path(out) / "layouts.json").write_text(json.dumps(res, indent=1))
+
+# the attend part's variants: (format, rope_attend's positions one block a head serves, chunk past that, threads a
+# block). Session 14 (results/gpu/2026-11-27-s14/): eight float16 shapes within about 1% of each other up to 256
+# positions (the first one is the kernel's); blocks hinting the output projection into L2 during the attention
+# (cp.async.bulk.prefetch.L2, 8-32 extra blocks) gained up to 1.5% at 64-128 positions, lost 0.5-4% at 8 and
+# past 512 on float16, and were dropped.
+ATTEND_VARIANTS = [("f16", 256, 128, 1024), ("f16", 128, 64, 1024), ("f16", 64, 64, 1024), ("f16", 64, 32, 512),
+                   ("f16", 32, 32, 512), ("f16", 32, 32, 256), ("f16", 128, 128, 512), ("f16", 64, 64, 256)]
+ATTEND_POSITIONS = (8, 32, 64, 128, 256, 512, 1000)
+
+
+def attend(out):
+    """The whole captured decode step (7B) at several positions for each of ATTEND_VARIANTS: the kernels compiled
+    again for each, the same engine and weights per format."""
+    from llorch_ref.backends import cuda_fused as F
+
+    res = {"card": card(), "bandwidth": bandwidth(), "variants": []}
+    base = (F.ATTEND_ONE, F.ATTEND_CHUNK, F.ATTEND_THREADS)
+    engines = {}
+    for fmt, one, chunk, threads in ATTEND_VARIANTS:
+        if fmt not in engines:
+            engines.clear()
+            free_gpu()
+            engines[fmt] = random_engine(llama2_7b(), "float16" if fmt == "f16" else "blocks",
+                                         None if fmt == "f16" else fmt.upper(), n_ctx=1024)
+        eng = engines[fmt]
+        F.ATTEND_ONE, F.ATTEND_CHUNK, F.ATTEND_THREADS = one, chunk, threads
+        F._MOD.clear()
+        cache = eng.new_cache()
+        eng.forward(list(range(1, 9)), cache, rows=[7])
+        dec = eng.backend.make_decoder(eng, cache)
+        for _ in range(3):
+            dec(5)
+        row = {"format": fmt, "one": one, "chunk": chunk, "threads": threads,
+               "step_ms": {p: gpu_time(replay_at(dec, cache, p), n=20, stream=dec.stream) for p in ATTEND_POSITIONS}}
+        res["variants"].append(row)
+        print(json.dumps(row), flush=True)
+    F.ATTEND_ONE, F.ATTEND_CHUNK, F.ATTEND_THREADS = base
+    F._MOD.clear()
+    (Path(out) / "attend.json").write_text(json.dumps(res, indent=1))
 
 
 def steps(out):
@@ -666,7 +709,7 @@ def steps(out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("part", choices=["profile", "speed", "big", "tables", "prefill", "prefill_host", "report",
-                                     "steps", "layouts"])
+                                     "steps", "layouts", "attend"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="f16,f16-op,q4k,q40", help=f"speed: our rows, of {', '.join(OURS)}")
     ap.add_argument("--no-theirs", action="store_true", help="speed: leave transformers' rows out")
@@ -677,7 +720,7 @@ def main():
         speed(a.out, tuple(a.rows.split(",")), theirs_too=not a.no_theirs)
     else:
         {"profile": profile, "big": big, "tables": tables, "prefill": prefill_ops, "prefill_host": prefill_host,
-         "report": report, "steps": steps, "layouts": layouts}[a.part](a.out)
+         "report": report, "steps": steps, "layouts": layouts, "attend": attend}[a.part](a.out)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -121,8 +121,6 @@ __device__ __forceinline__ float rnd(const __half*, float v) { return __half2flo
 // cache stores them) at pos. Scores (a warp per position), softmax (max, exp, sum), P.V (a warp per position, four
 // dims a lane), the warps' sums added in a fixed order; out [H * hd]; hd % 4 == 0. One chunk: out = acc / sum. Several: each block leaves (max, sum, acc) in part, and the head's last
 // block to finish (a counter per head, reset by it) rescales them to the largest max and writes out.
-#define ATTEND_ONE 256
-#define ATTEND_CHUNK 128
 template <typename C>
 __device__ void rope_attend(const float* y, const float* cs, const float* sn, const long long* pos, C* kc, C* vc,
                             float* out, float* part, int* count, int H, int KV, int hd, int half, int neox,
@@ -176,8 +174,9 @@ __device__ void rope_attend(const float* y, const float* cs, const float* sn, co
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0) red[warp] = m;
     __syncthreads();
+    int used = min(nw, j1 - j0);                 // warps that had a position (the others' sums are zeros)
     m = red[0];
-    for (int w = 1; w < nw; ++w) m = fmaxf(m, red[w]);
+    for (int w = 1; w < used; ++w) m = fmaxf(m, red[w]);
     __syncthreads();
     float z = 0.f;
     for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) { float e = expf(p[j] - m); p[j] = e; z += e; }
@@ -185,7 +184,7 @@ __device__ void rope_attend(const float* y, const float* cs, const float* sn, co
     if (lane == 0) red[warp] = z;
     __syncthreads();
     z = 0.f;
-    for (int w = 0; w < nw; ++w) z += red[w];
+    for (int w = 0; w < used; ++w) z += red[w];
     float* pw = p + ATTEND_ONE;                  // P.V: warp w sums positions w, w + nw, ...; lane l dims 4l + 128r
     for (int d0 = 4 * lane; d0 < hd; d0 += 128) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -201,7 +200,7 @@ __device__ void rope_attend(const float* y, const float* cs, const float* sn, co
         float inv = 1.0f / z;
         for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
             float acc = 0.f;
-            for (int w = 0; w < nw; ++w) acc += pw[w * hd + dd];
+            for (int w = 0; w < used; ++w) acc += pw[w * hd + dd];
             out[(size_t)h * hd + dd] = acc * inv;
         }
         return;
@@ -209,7 +208,7 @@ __device__ void rope_attend(const float* y, const float* cs, const float* sn, co
     float* mine = part + ((size_t)h * gridDim.y + ch) * (hd + 2);      // [max, sum, acc (hd)]
     for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
         float acc = 0.f;
-        for (int w = 0; w < nw; ++w) acc += pw[w * hd + dd];
+        for (int w = 0; w < used; ++w) acc += pw[w * hd + dd];
         mine[2 + dd] = acc;
     }
     if (threadIdx.x == 0) { mine[0] = m; mine[1] = z; }
@@ -259,7 +258,8 @@ ATTEND_ONE, ATTEND_CHUNK = 256, 128  # rope_attend: one block a head up to 256 p
 
 def source():
     """The step's CUDA source, its products laid out as LAYOUT says now (tools/gpu_roofline.py layouts swaps them)."""
-    return ROWS + FUSED + fused_source() + ATTEND
+    return (ROWS + FUSED + fused_source() + f"#define ATTEND_ONE {ATTEND_ONE}\n#define ATTEND_CHUNK {ATTEND_CHUNK}\n"
+            + ATTEND)
 
 
 def kernels(cp):
