@@ -311,6 +311,42 @@ def test_cupy_fused_decode_step_matches_the_op_by_op_step(tiny, monkeypatch, dty
     assert nmse < (1e-8 if dtype == "float16" else 1e-10)
 
 
+@pytest.mark.parametrize("dtype,weights,prompt", [("float16", "F32", 300), ("blocks", "mixed_qkv", 5),
+                                                   ("blocks", "Q4_1", 5)])
+def test_cupy_fused_step_in_the_planar_layout_gives_the_same_logits_to_the_bit(tiny, monkeypatch, dtype, weights,
+                                                                                prompt):
+    """A fused step of formats in cuda_fused.LAYOUT_PLANAR keeps the vectors its products read in the planar layout
+    (rows_dot's PLANAR: each oct's first four floats in one plane, the last four in another): the same floats in
+    the same operations as the natural layout, so eight greedy steps give the same logits to the bit. Every format
+    made planar here (float16 over three chunks of attention; Q/K/V in two block types as three launches; Q4_1,
+    whose offset sums read x too), against PLANAR = False."""
+    need_backend("cupy")
+    import cupy as cp
+
+    from llorch_ref.backends import cuda_fused
+
+    path = tiny(vocab="bpe", n_layers=3, context_length=512, weight_type=weights)
+    got = {}
+    try:
+        monkeypatch.setattr(cuda_fused, "LAYOUT_PLANAR", {f: dict(r) for f, r in cuda_fused.LAYOUT.items()})
+        for planar in (True, False):
+            monkeypatch.setattr(cuda_fused, "PLANAR", planar)
+            cuda_fused._MOD.clear()
+            eng = llorch_ref.load(path, backend="cupy", dtype=dtype)
+            cache, ids = eng.new_cache(), [(5 * i + 2) % 200 + 1 for i in range(prompt)]
+            tok = int(cp.asnumpy(eng.forward(ids, cache, rows=[len(ids) - 1])).argmax())
+            dec = eng.backend.make_decoder(eng, cache)
+            assert eng.backend.info["fused_decode"] and eng.backend.info["fused_planar"] is planar
+            rows = []
+            for _ in range(8):
+                rows.append(cp.asnumpy(dec(tok)).copy())
+                tok = int(rows[-1].argmax())
+            got[planar] = np.concatenate(rows)
+    finally:
+        cuda_fused._MOD.clear()                 # the next test compiles the default layout again
+    np.testing.assert_array_equal(got[True], got[False])
+
+
 @pytest.mark.parametrize("fused", ["1", "0"])
 def test_cupy_generation_stops_at_a_full_context_with_its_positions_agreeing(tiny, monkeypatch, fused):
     """Greedy generation on the card until the context is full (40 positions, a 5-token prompt): 36 tokens, stop

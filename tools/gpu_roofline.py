@@ -8,6 +8,7 @@
     python tools/gpu_roofline.py steps --out DIR        # the fused 7B decode step by position, a loop's parts
     python tools/gpu_roofline.py layouts --out DIR      # the fused step with its products laid out otherwise
     python tools/gpu_roofline.py attend --out DIR       # the step by position, attention shapes and L2 hints
+    python tools/gpu_roofline.py gemv --rows Q4_K --out DIR  # three one-token products, for a profiler (ncu)
     python tools/gpu_roofline.py report --out DIR       # README.md from the JSON files in DIR
 
 Timing: CUDA events around N back-to-back launches (the GPU's time per launch, not the host's), medians of
@@ -189,11 +190,13 @@ def profile(out):
 
     res = {"card": card(), "bandwidth": bandwidth(), "gemv": []}
     bw = res["bandwidth"]["read_tb_s"]
-    src = cuda_blocks.ROWS + "".join(cuda_blocks.gemv_source({q: lay}, "probe_{f}_{u}_{r}_{w}")
-                                     for q in cuda_blocks.GEMV_LAYOUT for lay in PROBE_LAYOUTS)
+    fmts = ["f16", *cuda_blocks.GEMV_LAYOUT]
+    src = cuda_blocks.ROWS + "".join(cuda_blocks.gemv_source({q: lay}, f"{how}_{{f}}_{{u}}_{{r}}_{{w}}", how == "planar")
+                                     for q in fmts for lay in PROBE_LAYOUTS for how in ("probe", "planar"))
     mod = cp.RawModule(code=src, options=("-std=c++17",))
-    probe = {f"probe_{q}_{'_'.join(map(str, lay))}": mod.get_function(f"probe_{q}_{'_'.join(map(str, lay))}")
-             for q in cuda_blocks.GEMV_LAYOUT for lay in PROBE_LAYOUTS}
+    name = lambda how, q, lay: f"{how}_{q}_{'_'.join(map(str, lay))}"                     # noqa: E731
+    probe = {name(how, q, lay): mod.get_function(name(how, q, lay))
+             for q in fmts for lay in PROBE_LAYOUTS for how in ("probe", "planar")}
     print(json.dumps(res), flush=True)
     K = _kernels(cp)
     shapes = [(4096, 4096), (12288, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]
@@ -210,17 +213,22 @@ def profile(out):
         args = (w, x, y, cp.int32(n), cp.int32(k))
         res["gemv"].append(row("gemv_f16_v8", (n, k), w.nbytes, lambda a=args, g=((n + 7) // 8,): K["gemv_f16_v8"](g, (256,), a)))
         res["gemv"].append(row("gemv_f16_x4", (n, k), w.nbytes, lambda a=args, g=((n + 3) // 4,): K["gemv_f16_x4"](g, (128,), a)))
-        del w, args
-        for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
-            g = random_blocks(qtype, n, k, cp)
-            q = qtype.lower()
-            a = (g.blocks, x, y, cp.int32(n), cp.int32(k), cp.int64(g.blocks.shape[1]))
+        for qtype in ("F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+            g = random_blocks(qtype, n, k, cp) if qtype != "F16" else None
+            q, blocks, nbytes = qtype.lower(), (w if g is None else g.blocks), (w.nbytes if g is None else g.nbytes)
+            a = (blocks, x, y, cp.int32(n), cp.int32(k), cp.int64(blocks.nbytes // n))
             for lay in PROBE_LAYOUTS:
-                per, fn = cuda_blocks.rows_per_block(lay), probe[f"probe_{q}_{'_'.join(map(str, lay))}"]
-                res["gemv"].append(row(f"blocks {qtype} gemv U{lay[0]} R{lay[1]} W{lay[2]}", (n, k), g.nbytes,
-                                       lambda a=a, f=fn, b=((n + per - 1) // per,): f(b, (128,), a)))
+                for how in ("probe", "planar"):     # x read as natural float4 pairs, or from two planes
+                    per, fn = cuda_blocks.rows_per_block(lay), probe[name(how, q, lay)]
+                    res["gemv"].append(row(f"blocks {qtype} gemv U{lay[0]} R{lay[1]} W{lay[2]}"
+                                           + (" planar" if how == "planar" else ""), (n, k), nbytes,
+                                           lambda a=a, f=fn, b=((n + per - 1) // per,): f(b, (128,), a)))
             del g, a
-        print(json.dumps(res["gemv"][-5 * len(PROBE_LAYOUTS):]), flush=True)
+        del w, args
+        print(json.dumps(res["gemv"][-12 * len(PROBE_LAYOUTS):]), flush=True)
+    if os.environ.get("PROFILE_MATRICES_ONLY"):            # the products alone, no decode steps
+        (Path(out) / "profile.json").write_text(json.dumps(res, indent=1))
+        return
     cfg = llama2_7b()
     res["decode_step"] = []
     for dtype, qtype in (("float16", None), ("blocks", "Q4_K")):
@@ -265,7 +273,7 @@ def ours(cfg, dtype, qtype=None, prefill=512, decode=128, graphs=True):
            "prefill_tok_s": median_of(pf), "decode_tok_s": median_of(dc), "graph_step_ms": decode_step_ms(eng),
            "matrix_bytes": matrix_bytes(eng), "cuda_graphs": eng.backend.info.get("cuda_graphs"),
            "graph_error": eng.backend.info.get("cuda_graphs_error"),
-           "fused_decode": eng.backend.info.get("fused_decode"),
+           "fused_decode": eng.backend.info.get("fused_decode"), "fused_planar": eng.backend.info.get("fused_planar"),
            "memory_used_gib": round((cp.cuda.runtime.memGetInfo()[1] - cp.cuda.runtime.memGetInfo()[0]) / 2**30, 2)}
     eng = None                                         # noqa: F841 (frees the weights before the next engine)
     free_gpu()
@@ -341,12 +349,14 @@ def free_gpu():
 # "f16-pdl0": plain launches instead of programmatic dependent launch; "f16-nonorm": no residual add fused with
 # the next norm and no float16 activations into the products (as before session 12); "q4k-op": the op-by-op
 # step on Q4_K blocks (the fused step for blocks came in session 13)
+OURS_Q = {"q40": ("blocks", "Q4_0"), "q41": ("blocks", "Q4_1"), "q80": ("blocks", "Q8_0")}     # planar steps
 OURS = {"f16": ("float16", None, {}), "f16-op": ("float16", None, {"LLORCH_CUDA_FUSED": "0"}),
         "f16-nonorm": ("float16", None, {"LLORCH_CUDA_FUSED_NORM": "0"}),
         "f16-noprefill": ("float16", None, {"LLORCH_CUDA_HALF_PREFILL": "0"}),
         "f16-pdl0": ("float16", None, {"LLORCH_CUDA_PDL": "0"}),
         "q4k": ("blocks", "Q4_K", {}), "q4k-op": ("blocks", "Q4_K", {"LLORCH_CUDA_FUSED": "0"}),
-        "q40": ("blocks", "Q4_0", {}), "q6k": ("blocks", "Q6_K", {}), "q80": ("blocks", "Q8_0", {})}
+        "q40": ("blocks", "Q4_0", {}), "q6k": ("blocks", "Q6_K", {}), "q80": ("blocks", "Q8_0", {}),
+        "q41": ("blocks", "Q4_1", {}), **{f"{r}-natural": (*OURS_Q[r], {"LLORCH_CUDA_PLANAR": "0"}) for r in OURS_Q}}
 
 
 def speed(out, rows=("f16", "f16-op", "q4k", "q40"), theirs_too=True):
@@ -599,19 +609,29 @@ def report(out):
 # (2, 2, 1), norm_glu (2, 1) (results/gpu/2026-11-27-s13/call9-layouts.json); call 10 more (call10-layouts.json);
 # call 20 Q4_K, Q4_1, Q6_K, Q4_0, Q8_0 variants after the rows were read through per-lane block pointers; call 23
 # float16's layouts before call 11 against the final ones, twice
-STEP_VARIANTS = [("f16", {}), ("f16", {"gemv_res": (4, 1, 2)}), ("f16", {"gemv_res": (4, 1, 4)}),
-                 ("f16", {"gemv_res": (2, 1, 2)}), ("f16", {"gemv_res": (8, 1, 1)}), ("f16", {"gemv_res": (2, 2, 1)}),
-                 ("f16", {"gemv_res": (2, 1, 1)}), ("f16", {}), ("f16", {"norm_qkv": (4, 2, 1)}),
-                 ("f16", {"norm_qkv": (2, 2, 2)}), ("f16", {"norm_qkv": (4, 1, 2)}), ("f16", {})]
+STEP_VARIANTS = [
+    ("q8_0", {"planar": False}), ("q8_0", {}), ("q8_0", {"planar": False, "gemv_res": (8, 1, 1)}),
+    ("q8_0", {"norm_qkv": (4, 2, 1)}), ("q8_0", {"norm_qkv": (8, 1, 1)}), ("q8_0", {"norm_glu": (4, 1)}),
+    ("q8_0", {"norm_logits": (8, 1, 1)}), ("q8_0", {"planar": False}), ("q8_0", {}),
+    ("q4_0", {"planar": False}), ("q4_0", {}), ("q4_0", {"planar": False, "gemv_res": (8, 1, 1)}),
+    ("q4_0", {"norm_logits": (8, 1, 1)}), ("q4_0", {"norm_glu": (8, 1)}), ("q4_0", {"planar": False}), ("q4_0", {}),
+    ("q6_k", {"planar": False}), ("q6_k", {"planar": True, "gemv_res": (8, 1, 1)}),
+    ("q6_k", {"planar": True, "gemv_res": (8, 1, 1), "norm_qkv": (8, 1, 1), "norm_logits": (8, 1, 1)}),
+    ("q4_1", {"planar": False}), ("q4_1", {"planar": True, "gemv_res": (8, 1, 1)}),
+    ("q4_1", {"planar": True, "gemv_res": (8, 1, 1), "norm_qkv": (8, 1, 1), "norm_logits": (8, 1, 1)}),
+    ("q4_k", {"planar": False}), ("q4_k", {"planar": True, "gemv_res": (8, 1, 1), "norm_glu": (4, 1)}),
+    ("f16", {"planar": False}), ("f16", {"planar": True, "norm_qkv": (4, 2, 1), "gemv_res": (8, 1, 1)})]
 
 
 def layouts(out):
     """The fused decode step's captured GPU time (7B shape, position 8) with each product's layout swapped as
-    STEP_VARIANTS says: the kernels compiled again for each, the same engine and weights."""
+    STEP_VARIANTS says ("planar": the step's vectors in the planar layout or not, its default as
+    cuda_fused.LAYOUT_PLANAR has the format): the kernels compiled again for each, the same engine and weights."""
     from llorch_ref.backends import cuda_fused
 
     res = {"card": card(), "bandwidth": bandwidth(), "variants": []}
     base = {f: dict(roles) for f, roles in cuda_fused.LAYOUT.items()}
+    base_p = {f: dict(roles) for f, roles in cuda_fused.LAYOUT_PLANAR.items()}
     engines = {}
     for fmt, change in STEP_VARIANTS:
         if fmt not in engines:
@@ -619,12 +639,21 @@ def layouts(out):
             free_gpu()
             engines[fmt] = random_engine(llama2_7b(), "float16" if fmt == "f16" else "blocks",
                                          None if fmt == "f16" else fmt.upper())
-        cuda_fused.LAYOUT[fmt] = {**base[fmt], **change}
+        roles = {k: v for k, v in change.items() if k != "planar"}
+        on = change.get("planar", fmt in base_p)          # the variant's step planar, its roles changed there
+        if on:
+            cuda_fused.LAYOUT_PLANAR[fmt] = {**base_p.get(fmt, base[fmt]), **roles}
+        else:
+            cuda_fused.LAYOUT[fmt] = {**base[fmt], **roles}
+            cuda_fused.LAYOUT_PLANAR.pop(fmt, None)
         cuda_fused._MOD.clear()
         ms = decode_step_ms(engines[fmt])
-        res["variants"].append({"format": fmt, "change": {k: list(v) for k, v in change.items()}, "graph_step_ms": ms})
+        res["variants"].append({"format": fmt, "planar": on, "change": {k: list(v) for k, v in roles.items()},
+                                "graph_step_ms": ms})
         print(json.dumps(res["variants"][-1]), flush=True)
         cuda_fused.LAYOUT[fmt] = base[fmt]
+        cuda_fused.LAYOUT_PLANAR.clear()
+        cuda_fused.LAYOUT_PLANAR.update(base_p)
         cuda_fused._MOD.clear()
     (Path(out) / "layouts.json").write_text(json.dumps(res, indent=1))
 
@@ -706,10 +735,24 @@ def steps(out):
     (Path(out) / "steps.json").write_text(json.dumps(res, indent=1))
 
 
+def gemv(out, formats):
+    """Three one-token blocks products of each format on a 12288 x 4096 matrix (the 7B Q/K/V shape), nothing else:
+    a process for a profiler, e.g. `ncu -k regex:gemv -c 4 --section SpeedOfLight --section WarpStateStats
+    python tools/gpu_roofline.py gemv --rows Q4_K,Q4_0 --out DIR` (results/gpu/2026-11-27-s14/call6-ncu-*)."""
+    import cupy as cp
+
+    x = cp.random.standard_normal((1, 4096), dtype=cp.float32)
+    for qtype in formats:
+        g = random_blocks(qtype, 12288, 4096, cp)
+        for _ in range(3):
+            g.matmul(x)
+    cp.cuda.Device().synchronize()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("part", choices=["profile", "speed", "big", "tables", "prefill", "prefill_host", "report",
-                                     "steps", "layouts", "attend"])
+                                     "steps", "layouts", "attend", "gemv"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="f16,f16-op,q4k,q40", help=f"speed: our rows, of {', '.join(OURS)}")
     ap.add_argument("--no-theirs", action="store_true", help="speed: leave transformers' rows out")
@@ -720,7 +763,8 @@ def main():
         speed(a.out, tuple(a.rows.split(",")), theirs_too=not a.no_theirs)
     else:
         {"profile": profile, "big": big, "tables": tables, "prefill": prefill_ops, "prefill_host": prefill_host,
-         "report": report, "steps": steps, "layouts": layouts, "attend": attend}[a.part](a.out)
+         "report": report, "steps": steps, "layouts": layouts, "attend": attend,
+         "gemv": lambda o: gemv(o, a.rows.split(","))}[a.part](a.out)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -38,6 +38,8 @@ __device__ __forceinline__ void griddep_wait() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
+// natural index e of a vector of k floats (k % 8 == 0) -> its place in the planar layout (rows_dot's PLANAR)
+__device__ __forceinline__ int planar(int e, int k) { return ((e & 4) ? (k >> 1) : 0) + ((e >> 3) << 2) + (e & 3); }
 __device__ __forceinline__ float f16at(const u8* p) {
     return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
 }
@@ -191,7 +193,10 @@ __device__ __forceinline__ float sum8(float4 a, float4 b) { return ((a.x + a.y) 
 // ss = the sum of x^2 over the whole row. More rows share x's (and g's) loads and the sums of x the offset types
 // need; more warps a row put more bytes in flight where the matrix has few rows or few bytes a weight. Every
 // thread of the block must call it (W > 1 synchronizes the block); the results are in every lane of the W warps.
-template <typename F, int U, int R, bool NORM, int W>
+// PLANAR: x and g stored as two planes of k / 8 float4s, the first four floats of every oct, then the last four
+// (planar() maps a natural index to its place): a warp's x loads read 512 contiguous bytes each instead of 1 KB
+// with gaps, half the L1 wavefronts; the same floats in the same operations, so the same sums to the bit.
+template <typename F, int U, int R, bool NORM, int W, bool PLANAR = false>
 __device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, const float4* gv, int k8, float* dot,
                                          float& ss) {
     griddep_wait();
@@ -218,17 +223,18 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, c
         }
 #pragma unroll
         for (int r = 0; r < U; ++r) {
-            int c = i + 32 * r;
-            float4 u = __ldg(xv + 2 * c), v = __ldg(xv + 2 * c + 1);
-            if (NORM) { s[r] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + 2 * c)); v = mul4(v, __ldg(gv + 2 * c + 1)); }
+            int c = i + 32 * r, cu = PLANAR ? c : 2 * c, cv = PLANAR ? k8 + c : 2 * c + 1;
+            float4 u = __ldg(xv + cu), v = __ldg(xv + cv);
+            if (NORM) { s[r] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + cu)); v = mul4(v, __ldg(gv + cv)); }
             float sx = F::OFFSET ? sum8(u, v) : 0.f;
 #pragma unroll
             for (int q = 0; q < R; ++q) a[q][r] += raw[q][r].dot(lane, u, v, sx);
         }
     }
     for (; i < k8; i += 32) {                   // the row's last piece, shorter than 32 U octs (one warp's)
-        float4 u = __ldg(xv + 2 * i), v = __ldg(xv + 2 * i + 1);
-        if (NORM) { s[0] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + 2 * i)); v = mul4(v, __ldg(gv + 2 * i + 1)); }
+        int cu = PLANAR ? i : 2 * i, cv = PLANAR ? k8 + i : 2 * i + 1;
+        float4 u = __ldg(xv + cu), v = __ldg(xv + cv);
+        if (NORM) { s[0] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + cu)); v = mul4(v, __ldg(gv + cv)); }
         float sx = F::OFFSET ? sum8(u, v) : 0.f;
 #pragma unroll
         for (int q = 0; q < R; ++q) { F f; f.load(p[q], lane); a[q][0] += f.dot(lane, u, v, sx); p[q] += PASS; }
@@ -277,17 +283,21 @@ template <int R, int W> __device__ __forceinline__ int warp_rows(const u8* W_, i
 }
 // y[row] (+)= r sum_k W[row, k] x[k] (g[k]): R rows a group of W warps; NORM: the RMSNorm folded in (x times g, r =
 // 1 / sqrt(mean(x^2) + eps) applied after the sum), else r = 1; ADD: added to y in place (the residual stream)
-template <typename F, int U, int R, int W, bool NORM, bool ADD>
+// PIN: x and g planar (rows_dot); POUT: y planar too (n its length)
+template <typename F, int U, int R, int W, bool NORM, bool ADD, bool PIN = false, bool POUT = false>
 __device__ void gemv_rows(const u8* Wm, const float* x, const float* g, float* y, int n, int k, long rb, float eps) {
     const u8* w[R];
     int row0 = warp_rows<R, W>(Wm, n, rb, w);
     float dot[R], ss;
-    rows_dot<F, U, R, NORM, W>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, dot,
-                               ss);
+    rows_dot<F, U, R, NORM, W, PIN>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8,
+                                    dot, ss);
     float r = NORM ? 1.0f / sqrtf(ss / k + eps) : 1.0f;
     if (threadIdx.x % (32 * W) == 0)
 #pragma unroll
-        for (int q = 0; q < R; ++q) if (row0 + q < n) y[row0 + q] = ADD ? y[row0 + q] + dot[q] : NORM ? dot[q] * r : dot[q];
+        for (int q = 0; q < R; ++q) {
+            int at = POUT ? planar(row0 + q, n) : row0 + q;
+            if (row0 + q < n) y[at] = ADD ? y[at] + dot[q] : NORM ? dot[q] * r : dot[q];
+        }
 }
 """
 
@@ -306,13 +316,14 @@ def rows_per_block(layout):
     return r * (4 // w)
 
 
-def gemv_source(layout=None, name="gemv_{f}"):
+def gemv_source(layout=None, name="gemv_{f}", planar=False):
     """A one-token product kernel for each format of layout ({format: (U, R, W)}, GEMV_LAYOUT by default), named
     name.format(f=format, u=U, r=R, w=W), with the arguments (W, x, y, n, k, rb); launched as
-    ceil(n / rows_per_block(layout)) blocks of 128 threads."""
+    ceil(n / rows_per_block(layout)) blocks of 128 threads. planar: x in rows_dot's planar layout."""
+    p = "true" if planar else "false"
     return "".join(f'extern "C" __global__ void {name.format(f=f, u=u, r=r, w=w)}(const u8* W, const float* x, '
-                   f'float* y, int n, int k, long rb) {{ gemv_rows<{STRUCTS[f]}, {u}, {r}, {w}, false, false>(W, x, '
-                   f'nullptr, y, n, k, rb, 0.f); }}\n'
+                   f'float* y, int n, int k, long rb) {{ gemv_rows<{STRUCTS[f]}, {u}, {r}, {w}, false, false, {p}>(W, '
+                   f'x, nullptr, y, n, k, rb, 0.f); }}\n'
                    for f, (u, r, w) in (layout or GEMV_LAYOUT).items())
 
 

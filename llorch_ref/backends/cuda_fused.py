@@ -37,16 +37,20 @@ import numpy as np
 from .cuda_blocks import GEMV_LAYOUT, ROWS, STRUCTS, GpuBlocks, rows_per_block
 
 FUSED = r"""
+// P (the products) or pl (rope_attend, embed): the vectors the products read (the residual stream x, the attention
+// output, the gated activation, the norms' weights) are kept in rows_dot's planar layout: every kernel that writes
+// one writes its planar places.
 // hid[i] = silu(r * gate_i . (x g)) * (r * up_i . (x g)), gate row i and up row f + i of W [2f, k] by W warps.
-template <typename F, int U, int W>
+template <typename F, int U, int W, bool P>
 __device__ void norm_glu(const u8* Wm, const float* x, const float* g, float* hid, int f, int k, long rb, float eps) {
     int row = blockIdx.x * (4 / W) + threadIdx.x / 32 / W, at = min(row, f - 1);
     const u8* w[2] = {Wm + (size_t)at * rb, Wm + (size_t)(f + at) * rb};
     float dot[2], ss;
-    rows_dot<F, U, 2, true, W>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8, dot, ss);
+    rows_dot<F, U, 2, true, W, P>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8,
+                                       dot, ss);
     if (threadIdx.x % (32 * W) == 0 && row < f) {
         float r = 1.0f / sqrtf(ss / k + eps), gate = dot[0] * r, up = dot[1] * r;
-        hid[row] = (gate / (1.0f + expf(-gate))) * up;
+        hid[P ? planar(row, f) : row] = (gate / (1.0f + expf(-gate))) * up;
     }
 }
 """
@@ -56,20 +60,25 @@ def fused_source():
     """The step's four products for each weight format, as LAYOUT says (U octs a lane, R rows, W warps a row):
     norm_qkv_<fmt> (Q/K/V with the layer's first norm folded in), norm_logits_<fmt> (the output matrix with the
     final norm), norm_glu_<fmt> (gate and up with the second norm), gemv_res_<fmt> (the output and down projections
-    added to the residual stream in place, x += W a); W as bytes, rb bytes a row."""
+    added to the residual stream in place, x += W a); W as bytes, rb bytes a row. The formats of LAYOUT_PLANAR
+    again as <role>_<fmt>_p, reading and writing the step's vectors in the planar layout."""
     out = []
-    for f, roles in LAYOUT.items():
-        (u, r, w), (u2, r2, w2), (u3, w3), (u4, r4, w4) = (roles[k] for k in ROLES)
-        F = STRUCTS[f]
-        out.append(
-            f'extern "C" __global__ void norm_qkv_{f}(const u8* W, const float* x, const float* g, float* y, int n, '
-            f'int k, long rb, float eps) {{ gemv_rows<{F}, {u}, {r}, {w}, true, false>(W, x, g, y, n, k, rb, eps); }}\n'
-            f'extern "C" __global__ void norm_logits_{f}(const u8* W, const float* x, const float* g, float* y, int n, '
-            f'int k, long rb, float eps) {{ gemv_rows<{F}, {u2}, {r2}, {w2}, true, false>(W, x, g, y, n, k, rb, eps); }}\n'
-            f'extern "C" __global__ void norm_glu_{f}(const u8* W, const float* x, const float* g, float* hid, int f, '
-            f'int k, long rb, float eps) {{ norm_glu<{F}, {u3}, {w3}>(W, x, g, hid, f, k, rb, eps); }}\n'
-            f'extern "C" __global__ void gemv_res_{f}(const u8* W, const float* a, float* y, int n, int k, long rb) '
-            f'{{ gemv_rows<{F}, {u4}, {r4}, {w4}, false, true>(W, a, nullptr, y, n, k, rb, 0.f); }}\n')
+    for planar, table in ((False, LAYOUT), (True, LAYOUT_PLANAR)):
+        P, sfx = ("true", "_p") if planar else ("false", "")
+        for f, roles in table.items():
+            (u, r, w), (u2, r2, w2), (u3, w3), (u4, r4, w4) = (roles[k] for k in ROLES)
+            F = STRUCTS[f]
+            out.append(
+                f'extern "C" __global__ void norm_qkv_{f}{sfx}(const u8* W, const float* x, const float* g, float* y, '
+                f'int n, int k, long rb, float eps) {{ gemv_rows<{F}, {u}, {r}, {w}, true, false, {P}>(W, x, g, y, n, k, '
+                f'rb, eps); }}\n'
+                f'extern "C" __global__ void norm_logits_{f}{sfx}(const u8* W, const float* x, const float* g, float* y, '
+                f'int n, int k, long rb, float eps) {{ gemv_rows<{F}, {u2}, {r2}, {w2}, true, false, {P}>(W, x, g, y, n, '
+                f'k, rb, eps); }}\n'
+                f'extern "C" __global__ void norm_glu_{f}{sfx}(const u8* W, const float* x, const float* g, float* hid, '
+                f'int f, int k, long rb, float eps) {{ norm_glu<{F}, {u3}, {w3}, {P}>(W, x, g, hid, f, k, rb, eps); }}\n'
+                f'extern "C" __global__ void gemv_res_{f}{sfx}(const u8* W, const float* a, float* y, int n, int k, '
+                f'long rb) {{ gemv_rows<{F}, {u4}, {r4}, {w4}, false, true, {P}, {P}>(W, a, nullptr, y, n, k, rb, 0.f); }}\n')
     return "".join(out)
 
 
@@ -86,12 +95,23 @@ LAYOUT = {"f16": {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (
           "q8_0": {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (2, 1), "gemv_res": (2, 2, 1)},
           "q4_k": {"norm_qkv": (4, 2, 1), "norm_logits": (4, 2, 1), "norm_glu": (2, 1), "gemv_res": (4, 1, 1)},
           "q6_k": {"norm_qkv": (4, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)}}
+# The formats whose steps run faster with the step's vectors in the planar layout (rows_dot's PLANAR: a warp's x
+# loads take half the L1 wavefronts; the same sums to the bit), with their layouts so: a step is planar where every
+# matrix it reads is of one of these formats (the default model's Q4_1 and Q8_0 included). Whole 7B steps at
+# position 8, natural -> planar (`tools/gpu_roofline.py layouts`, results/gpu/2026-11-27-s14/call9-layouts-planar.json):
+# Q8_0 3.74 -> 3.21 ms, Q4_1 3.46 -> 3.07, Q4_0 3.09 -> 3.03; Q6_K 4.73 -> 4.69 (left natural), Q4_K 3.64 -> 4.70
+# and float16 3.78 -> 3.89 at their best planar layouts tried (natural). PLANAR = False or LLORCH_CUDA_PLANAR=0:
+# every step natural.
+LAYOUT_PLANAR = {"q4_0": {**LAYOUT["q4_0"], "gemv_res": (8, 1, 1)},
+                 "q4_1": {**LAYOUT["q4_1"], "gemv_res": (8, 1, 1)},
+                 "q8_0": {**LAYOUT["q8_0"], "norm_qkv": (4, 2, 1), "gemv_res": (8, 1, 1)}}
 assert set(LAYOUT) >= set(GEMV_LAYOUT)
 
 
-def blocks_of(fmt, role, n):
-    """Blocks of 128 threads a product of LAYOUT[fmt][role] over n rows (norm_glu: n gate/up pairs) launches."""
-    lay = LAYOUT[fmt][role]
+def blocks_of(fmt, role, n, planar=False):
+    """Blocks of 128 threads a product of (LAYOUT_PLANAR if planar else LAYOUT)[fmt][role] over n rows (norm_glu: n
+    gate/up pairs) launches."""
+    lay = (LAYOUT_PLANAR if planar else LAYOUT)[fmt][role]
     per = rows_per_block((lay[0], 1, lay[1]) if role == "norm_glu" else lay)
     return ((n + per - 1) // per,)
 
@@ -124,7 +144,7 @@ __device__ __forceinline__ float rnd(const __half*, float v) { return __half2flo
 template <typename C>
 __device__ void rope_attend(const float* y, const float* cs, const float* sn, const long long* pos, C* kc, C* vc,
                             float* out, float* part, int* count, int H, int KV, int hd, int half, int neox,
-                            float scale) {
+                            float scale, int pl) {
     extern __shared__ float sm[];                // q [hd], k [hd], v [hd], p [ATTEND_ONE], partials [warps * hd]
     __shared__ float red[32];
     __shared__ int last;
@@ -201,7 +221,7 @@ __device__ void rope_attend(const float* y, const float* cs, const float* sn, co
         for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
             float acc = 0.f;
             for (int w = 0; w < used; ++w) acc += pw[w * hd + dd];
-            out[(size_t)h * hd + dd] = acc * inv;
+            out[pl ? planar(h * hd + dd, H * hd) : h * hd + dd] = acc * inv;
         }
         return;
     }
@@ -227,33 +247,38 @@ __device__ void rope_attend(const float* y, const float* cs, const float* sn, co
         float acc = 0.f;
         for (int t = 0; t < ns; ++t)
             acc += __ldcg(all + (size_t)t * (hd + 2) + 2 + dd) * expf(__ldcg(all + (size_t)t * (hd + 2)) - M);
-        out[(size_t)h * hd + dd] = acc * inv;
+        out[pl ? planar(h * hd + dd, H * hd) : h * hd + dd] = acc * inv;
     }
     if (threadIdx.x == 0) count[h] = 0;
 }
 extern "C" __global__ void rope_attend_f32(const float* y, const float* cs, const float* sn, const long long* pos,
                                            float* kc, float* vc, float* out, float* part, int* count, int H, int KV,
-                                           int hd, int half, int neox, float scale) {
-    rope_attend(y, cs, sn, pos, kc, vc, out, part, count, H, KV, hd, half, neox, scale);
+                                           int hd, int half, int neox, float scale, int pl) {
+    rope_attend(y, cs, sn, pos, kc, vc, out, part, count, H, KV, hd, half, neox, scale, pl);
 }
 extern "C" __global__ void rope_attend_f16(const float* y, const float* cs, const float* sn, const long long* pos,
                                            __half* kc, __half* vc, float* out, float* part, int* count, int H, int KV,
-                                           int hd, int half, int neox, float scale) {
-    rope_attend(y, cs, sn, pos, kc, vc, out, part, count, H, KV, hd, half, neox, scale);
+                                           int hd, int half, int neox, float scale, int pl) {
+    rope_attend(y, cs, sn, pos, kc, vc, out, part, count, H, KV, hd, half, neox, scale, pl);
 }
 
-// x = emb[tok] * scale (float32 or float16 rows)
-template <typename T> __device__ void embed(const T* emb, const long long* tok, float* x, int d, float scale) {
+// x = emb[tok] * scale (float32 or float16 rows; pl: x planar)
+template <typename T> __device__ void embed(const T* emb, const long long* tok, float* x, int d, float scale, int pl) {
     griddep_wait();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < d) x[i] = get(emb + (size_t)tok[0] * d + i) * scale;
+    if (i < d) x[pl ? planar(i, d) : i] = get(emb + (size_t)tok[0] * d + i) * scale;
 }
-extern "C" __global__ void embed_f32(const float* e, const long long* t, float* x, int d, float s) { embed(e, t, x, d, s); }
-extern "C" __global__ void embed_f16(const __half* e, const long long* t, float* x, int d, float s) { embed(e, t, x, d, s); }
+extern "C" __global__ void embed_f32(const float* e, const long long* t, float* x, int d, float s, int pl) {
+    embed(e, t, x, d, s, pl);
+}
+extern "C" __global__ void embed_f16(const __half* e, const long long* t, float* x, int d, float s, int pl) {
+    embed(e, t, x, d, s, pl);
+}
 """
 _MOD = {}
 ATTEND_THREADS = 1024
 ATTEND_ONE, ATTEND_CHUNK = 256, 128  # rope_attend: one block a head up to 256 positions, else chunks of 128 (ATTEND)
+PLANAR = True                        # steps of LAYOUT_PLANAR's formats in the planar layout (False: none)
 
 
 def source():
@@ -266,7 +291,7 @@ def kernels(cp):
     """The step's kernels, compiled once per process (a cleared _MOD compiles them again from source())."""
     if not _MOD:
         mod = cp.RawModule(code=source(), options=("-std=c++17",))
-        names = [f"{k}_{f}" for f in LAYOUT for k in ROLES]
+        names = [f"{k}_{f}" for f in LAYOUT for k in ROLES] + [f"{k}_{f}_p" for f in LAYOUT_PLANAR for k in ROLES]
         for name in names + ["rope_attend_f32", "rope_attend_f16", "embed_f32", "embed_f16"]:
             _MOD[name] = mod.get_function(name)
     return _MOD
@@ -331,12 +356,16 @@ class FusedStep:
     advances it), from preallocated buffers (capturable as a CUDA graph). plan() gives None where the model or
     its weights need anything this step does not do; the op-by-op step then serves."""
 
-    def __init__(self, engine, cache, groups, out):
+    def __init__(self, engine, cache, groups, out, planar=False):
         cp, cfg = engine.xp, engine.config
-        self.cp, self.cfg, self.cache, self.w, self.groups, self.out = cp, cfg, cache, engine.weights, groups, out
+        self.cp, self.cfg, self.cache, self.w, self.out = cp, cfg, cache, engine.weights, out
         pdl = os.environ.get("LLORCH_CUDA_PDL", "1") != "0" and int(cp.cuda.Device().compute_capability) >= 90
         self.K, self.launch = kernels(cp), Launcher(cp, enabled=pdl)        # the attribute needs sm_90 (Hopper)
+        self.planar, self.sfx = planar, "_p" if planar else ""       # the step's vectors in the planar layout
+        self.groups = [(*g[:4], self.laid(g[4]), self.laid(g[5])) for g in groups]     # the norms' weights laid out
+        self.out_norm = self.laid(engine.weights.out_norm)                              # as the step's vectors
         engine.backend.info["cuda_pdl"] = self.launch.fn is not None
+        engine.backend.info["fused_planar"] = planar
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.x = cp.empty(d, cp.float32)
         self.y = cp.empty((h + 2 * kv) * hd, cp.float32)
@@ -348,6 +377,15 @@ class FusedStep:
         self.chunks = -(-cache.n_ctx // ATTEND_CHUNK)       # rope_attend's grid (h, chunks): those past pos exit
         self.part = cp.empty((h, self.chunks, hd + 2), cp.float32)      # each chunk's max, sum and P.V
         self.count = cp.zeros(h, cp.int32)                              # chunks done, per head (reset by the last)
+
+    def laid(self, v):
+        """A vector of floats as the step keeps its vectors: in the planar layout (cuda_blocks.planar's places)."""
+        if not self.planar:
+            return v
+        cp, e = self.cp, self.cp.arange(v.size)
+        out = cp.empty_like(v)
+        out[cp.where(e & 4, v.size // 2, 0) + (e >> 3) * 4 + (e & 3)] = v
+        return out
 
     @staticmethod
     def plan(engine, cache, layers):
@@ -373,7 +411,9 @@ class FusedStep:
         out = weight_format(w.output, cp)
         if out is None or w.tok_embd.dtype not in (cp.float32, cp.float16):
             return None
-        return FusedStep(engine, cache, groups, out)
+        fmts = {out[0]} | {p[0] for g in groups for p in g[0]} | {m[0] for g in groups for m in g[1:4]}
+        planar = PLANAR and os.environ.get("LLORCH_CUDA_PLANAR", "1") != "0" and fmts <= set(LAYOUT_PLANAR)
+        return FusedStep(engine, cache, groups, out, planar=planar)
 
     def __call__(self, tok):
         cp, cfg, c, K, go = self.cp, self.cfg, self.cache, self.K, self.launch
@@ -381,8 +421,9 @@ class FusedStep:
         d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
         eps, half = f32(cfg.rms_eps), cfg.rope_dim // 2
         emb = self.w.tok_embd
+        pl, sfx = self.planar, self.sfx
         go(K["embed_f16" if emb.dtype == cp.float16 else "embed_f32"],
-           ((d + 255) // 256,), (256,), (emb, tok, self.x, i32(d), f32(cfg.embed_scale or 1.0)))
+           ((d + 255) // 256,), (256,), (emb, tok, self.x, i32(d), f32(cfg.embed_scale or 1.0), i32(pl)))
         cos, sin = c.tables()
         attend = "rope_attend_f16" if self.kv16 else "rope_attend_f32"
         neox = i32(cfg.rope_style == "neox")
@@ -390,18 +431,19 @@ class FusedStep:
             at = 0
             for fq, wq, rq in qkv:       # Q/K/V in one matrix, or three where their types differ
                 n = wq.shape[0]
-                go(K[f"norm_qkv_{fq}"], blocks_of(fq, "norm_qkv", n), (128,), (wq, self.x, an, self.y[at:], i32(n),
-                                                                                i32(d), i64(rq), eps))
+                go(K[f"norm_qkv_{fq}{sfx}"], blocks_of(fq, "norm_qkv", n, pl), (128,),
+                   (wq, self.x, an, self.y[at:], i32(n), i32(d), i64(rq), eps))
                 at += n
             go(K[attend], (h, self.chunks), (ATTEND_THREADS,),
                (self.y, cos, sin, c.pos_dev, c.k[i], c.v[i], self.att, self.part, self.count, i32(h), i32(kv), i32(hd),
-                i32(half), neox, f32(cfg.scale)), shared_mem=self.smem)
-            go(K[f"gemv_res_{fo}"], blocks_of(fo, "gemv_res", d), (128,), (wo, self.att, self.x, i32(d), i32(h * hd),
-                                                                            i64(ro)))
-            go(K[f"norm_glu_{fg}"], blocks_of(fg, "norm_glu", f), (128,), (gu, self.x, fn, self.hid, i32(f), i32(d),
-                                                                            i64(rg), eps))
-            go(K[f"gemv_res_{fd}"], blocks_of(fd, "gemv_res", d), (128,), (wd, self.hid, self.x, i32(d), i32(f), i64(rd)))
+                i32(half), neox, f32(cfg.scale), i32(pl)), shared_mem=self.smem)
+            go(K[f"gemv_res_{fo}{sfx}"], blocks_of(fo, "gemv_res", d, pl), (128,),
+               (wo, self.att, self.x, i32(d), i32(h * hd), i64(ro)))
+            go(K[f"norm_glu_{fg}{sfx}"], blocks_of(fg, "norm_glu", f, pl), (128,),
+               (gu, self.x, fn, self.hid, i32(f), i32(d), i64(rg), eps))
+            go(K[f"gemv_res_{fd}{sfx}"], blocks_of(fd, "gemv_res", d, pl), (128,),
+               (wd, self.hid, self.x, i32(d), i32(f), i64(rd)))
         v, (fo, wout, ro) = cfg.n_vocab, self.out
-        go(K[f"norm_logits_{fo}"], blocks_of(fo, "norm_logits", v), (128,), (wout, self.x, self.w.out_norm, self.logits,
-                                                                               i32(v), i32(d), i64(ro), eps))
+        go(K[f"norm_logits_{fo}{sfx}"], blocks_of(fo, "norm_logits", v, pl), (128,),
+           (wout, self.x, self.out_norm, self.logits, i32(v), i32(d), i64(ro), eps))
         return self.logits
