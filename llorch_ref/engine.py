@@ -172,24 +172,39 @@ class Engine:
         decode = decode or self.backend.make_decoder(self, cache)
         res.prefill_s = time.perf_counter() - t0
         eog = self.tokenizer.eog_ids if self.tokenizer is not None else frozenset()
+        # plain greedy on a decoder that chains its steps on the device (cupy): the next tokens from it, one step
+        # launched ahead of the one the host reads; the same tokens as one step at a time
+        chained = getattr(decode, "chained", None) if params.greedy and not params.penalized else None
+        chain = None
         t0 = time.perf_counter()
         res.stop_reason = "max_tokens"
-        for _ in range(max_tokens):
-            if cancel is not None and cancel.is_set():
-                res.stop_reason = "cancelled"
-                break
-            nxt = sampler.next(logits[-1], self.backend)
-            if nxt in eog and not ignore_eos:
-                res.stop_reason = "eos"
-                break
-            res.token_ids.append(nxt)
-            yield nxt
-            if res.stop_reason != "max_tokens":        # set by the consumer (a stop string matched)
-                break
-            if cache.pos >= self.n_ctx:
-                res.stop_reason = "context_full"
-                break
-            logits = decode(nxt)
+        try:
+            for _ in range(max_tokens):
+                if cancel is not None and cancel.is_set():
+                    res.stop_reason = "cancelled"
+                    break
+                if chain is None:
+                    nxt = sampler.next(logits[-1], self.backend)
+                else:
+                    nxt = next(chain)
+                    sampler.history.append(nxt)
+                if nxt in eog and not ignore_eos:
+                    res.stop_reason = "eos"
+                    break
+                res.token_ids.append(nxt)
+                yield nxt
+                if res.stop_reason != "max_tokens":        # set by the consumer (a stop string matched)
+                    break
+                if cache.pos >= self.n_ctx:
+                    res.stop_reason = "context_full"
+                    break
+                if chained is not None:
+                    chain = chain or chained(nxt)
+                else:
+                    logits = decode(nxt)
+        finally:
+            if chain is not None:
+                chain.close()                               # the step launched ahead undone
         res.decode_s = time.perf_counter() - t0
         self._release_state(cache, decode)              # only after a whole request (not on an error or a close)
 

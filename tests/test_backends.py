@@ -374,6 +374,39 @@ def test_cupy_generation_stops_at_a_full_context_with_its_positions_agreeing(tin
             assert toks == ref
 
 
+@pytest.mark.parametrize("dtype,weights", [("float16", "F32"), ("blocks", "Q8_0"), ("float32", "F32")])
+def test_cupy_chained_greedy_steps_give_the_tokens_of_one_step_at_a_time(tiny, monkeypatch, dtype, weights):
+    """Plain greedy generation chains the captured steps on the card (GraphDecoder.chained: each step's argmax is
+    the next one's input, one step launched ahead of the token the host reads): the same tokens as one step at a
+    time (LLORCH_CUDA_CHAIN=0), for a long request and a short one; after each, the host's and the device's
+    positions agree on the steps read (the step launched ahead undone), and the next request on the reused cache
+    and decoder gives the same tokens again. float16 and float32 (the fused and the op-by-op steps),
+    Q8_0 blocks (a planar step)."""
+    need_backend("cupy")
+    import cupy as cp
+
+    from llorch_ref.engine import GenerationResult
+
+    path = tiny(vocab="bpe", n_layers=2, context_length=256, weight_type=weights)
+    prompt = [3, 17, 4, 90, 12, 6]
+    got = {}
+    for chain in ("1", "0"):
+        monkeypatch.setenv("LLORCH_CUDA_CHAIN", chain)
+        eng = llorch_ref.load(path, backend="cupy", dtype=dtype, n_ctx=256)
+        runs = []
+        for n in (40, 7, 40):
+            res = GenerationResult()
+            runs.append(list(eng.generate_ids(prompt, max_tokens=n, ignore_eos=True, result=res)))
+            cache, dec = eng._spare[0]
+            # one step at a time ends with the last token's step run (its logits unused); chained, with the steps
+            # whose token was read (the last token's step was the one ahead, undone)
+            assert cache.pos == int(cp.asnumpy(cache.pos_dev)[0]) == len(prompt) + n - (chain == "1")
+        assert runs[2] == runs[0] and runs[1] == runs[0][:7]
+        got[chain] = runs[0]
+        assert dec.graph is not None
+    assert got["1"] == got["0"]
+
+
 def test_unavailable_or_unknown_backend_is_a_clear_error(tiny, monkeypatch):
     with pytest.raises(ParameterError, match="not one of"):
         llorch_ref.load(tiny(), backend="tpu")

@@ -91,6 +91,13 @@ def llama2_7b():
                   rope_style="neox", tied_output=False)
 
 
+def smollm2_135m():
+    from llorch_ref.config import Config
+    return Config(arch="llama", n_vocab=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                  d_ff=1536, context_length=2048, rms_eps=1e-5, rope_base=100000.0, rope_dim=64, rope_style="adjacent",
+                  tied_output=False)
+
+
 def llama2_70b():
     from llorch_ref.config import Config
     return Config(arch="llama", n_vocab=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
@@ -356,20 +363,22 @@ OURS = {"f16": ("float16", None, {}), "f16-op": ("float16", None, {"LLORCH_CUDA_
         "f16-pdl0": ("float16", None, {"LLORCH_CUDA_PDL": "0"}),
         "q4k": ("blocks", "Q4_K", {}), "q4k-op": ("blocks", "Q4_K", {"LLORCH_CUDA_FUSED": "0"}),
         "q40": ("blocks", "Q4_0", {}), "q6k": ("blocks", "Q6_K", {}), "q80": ("blocks", "Q8_0", {}),
-        "q41": ("blocks", "Q4_1", {}), **{f"{r}-natural": (*OURS_Q[r], {"LLORCH_CUDA_PLANAR": "0"}) for r in OURS_Q}}
+        "q41": ("blocks", "Q4_1", {}), **{f"{r}-natural": (*OURS_Q[r], {"LLORCH_CUDA_PLANAR": "0"}) for r in OURS_Q},
+        **{f"{r}-nochain": (*OURS_Q.get(r, ("float16", None)), {"LLORCH_CUDA_CHAIN": "0"}) for r in ("f16", "q41", "q80")}}
 
 
 def speed(out, rows=("f16", "f16-op", "q4k", "q40"), theirs_too=True):
-    """Llama-2-7B shape, same card, same call: llorch-ref float16 and Q4_K next to transformers."""
+    """Llama-2-7B shape (rows "smollm:<row>": SmolLM2-135M's), same card, same call: llorch-ref float16 and blocks
+    next to transformers (on the 7B shape)."""
     import transformers
 
     res = {"card": card(), "bandwidth": bandwidth(), "transformers": transformers.__version__, "rows": []}
     bw = res["bandwidth"]["read_tb_s"]
-    cfg = llama2_7b()
     for row in rows:
-        dtype, qtype, env = OURS[row]
+        shape, _, name = row.rpartition(":")              # "smollm:f16": the row on SmolLM2-135M's shape
+        dtype, qtype, env = OURS[name]
         os.environ.update(env)
-        r = ours(cfg, dtype, qtype)
+        r = ours(smollm2_135m() if shape == "smollm" else llama2_7b(), dtype, qtype)
         for k in env:
             os.environ.pop(k)
         r["row"] = row
@@ -379,7 +388,7 @@ def speed(out, rows=("f16", "f16-op", "q4k", "q40"), theirs_too=True):
         print(json.dumps(r), flush=True)
     for static in (False, True) if theirs_too else ():
         try:
-            r = theirs(cfg, static=static)
+            r = theirs(llama2_7b(), static=static)
         except Exception as e:                          # noqa: BLE001 (the error is the result)
             r = {"engine": f"transformers static={static}", "error": f"{type(e).__name__}: {e}"[:300]}
         res["rows"].append(r)

@@ -37,7 +37,7 @@ class CupyBackend(Backend):
                          device=f"cuda:{dev.id} {props['name'].decode()}", dtype=dtype,
                          info={"tf32": os.environ.get("CUPY_TF32"), "cupy": cupy.__version__,
                                "cuda_graphs": graphs})
-        self.step_argmax = {}     # a replayed graph's logits (data address) -> (logits, the argmax it took)
+        self.step_argmax = {}     # a replayed graph's logits (data address) -> (logits, ring, slot of its argmax)
 
     def cache_class(self, base_cls):
         return DeviceCache.make(base_cls)
@@ -321,7 +321,7 @@ class CupyBackend(Backend):
         # address is theirs; nothing writes into a step's logits); the first argmax after the replay consumes it
         done = self.step_argmax.pop(logits.data.ptr, None)
         if done is not None and logits.size == done[0].size and logits.dtype == done[0].dtype:
-            return int(done[1].host[0])
+            return int(done[1].host[done[2]])
         if getattr(self, "_argmax_host", None) is None:
             self._argmax_host = MappedHost(cp, 1, np.int64)
         x = cp.ascontiguousarray(logits, dtype=cp.float32).reshape(-1)
@@ -456,11 +456,11 @@ class GraphDecoder:
         self.engine, self.cache = engine, cache
         xp = engine.xp
         self.xp = xp
-        try:          # the token the host writes and the step reads, and the step's argmax, without copy calls
-            self._tok, self._next = MappedHost(xp, 1, np.int64), MappedHost(xp, 1, np.int64)
+        try:          # the token the host writes and the step reads, and the steps' argmaxes, without copy calls
+            self._tok, self._ring = MappedHost(xp, 1, np.int64), MappedHost(xp, RING, np.int64)
             self.tok = self._tok.device
         except Exception:                     # no mapped host memory here: a device array, filled each step
-            self._tok, self._next, self.tok = None, None, xp.zeros(1, dtype=xp.int64)
+            self._tok, self._ring, self.tok = None, None, xp.zeros(1, dtype=xp.int64)
         self.graph, self.out, self.steps = None, None, 0
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = engine.backend.info.get("cuda_graphs", False)
@@ -505,9 +505,10 @@ class GraphDecoder:
                         mode = getattr(rt, "streamCaptureModeRelaxed", None)
                         self.stream.begin_capture(*(() if mode is None else (mode,)))
                         self.out = self._step()
-                        if self._next is not None:  # the argmax greedy sampling asks for, in the same graph
-                            _kernels(xp)["argmax_row"]((1,), (1024,), (self.out, np.int32(self.out.size),
-                                                                        self._next.device))
+                        if self._ring is not None:  # the argmax greedy sampling asks for, in the same graph:
+                            _kernels(xp)["argmax_feed"]((1,), (1024,), (self.out, np.int32(self.out.size),  # the
+                                                        self.tok, self._ring.device, np.int32(RING), c.pos_dev))  # next
+                            # step's input (chained reads it) and ring slot pos % RING
                         self.graph = self.stream.end_capture()
                     except Exception as e:   # capture unsupported here: run eagerly from now on
                         try:
@@ -524,10 +525,48 @@ class GraphDecoder:
                 self.graph.launch(self.stream)
                 c.pos += 1
                 out = self.out
-                if self._next is not None:
-                    self.engine.backend.step_argmax[out.data.ptr] = (out, self._next)
+                if self._ring is not None:
+                    self.engine.backend.step_argmax[out.data.ptr] = (out, self._ring, c.pos % RING)
         self.stream.synchronize()
         return out
+
+    def chained(self, first):
+        """Plain greedy decoding from token `first` -> yields each next token, the steps chained on the device: a
+        replayed step's argmax is the next step's input (argmax_feed), so one step is launched ahead of the token
+        the host reads (the card never waits for the host between steps). The tokens are the unchained steps' (the
+        same graph). cache.pos counts the steps whose token was read; closing the generator waits for the step
+        ahead and sets the device position back to it (its K/V row past the sequence is never read).
+        LLORCH_CUDA_CHAIN=0, no graph or no mapped memory: the steps one at a time through __call__."""
+        tok, c, s = int(first), self.cache, self.stream
+        while self.graph is None or not self.use_graph or self._ring is None \
+                or os.environ.get("LLORCH_CUDA_CHAIN", "1") == "0":
+            tok = self.engine.backend.argmax(self(tok)[-1])         # the first eager step, the capture
+            yield tok
+        ahead = []                                                  # (event, ring slot) of steps launched, unread
+        self._tok.host[0] = tok
+        try:
+            while True:
+                while len(ahead) < 2 and c.pos + len(ahead) < c.n_ctx:
+                    with s:
+                        self.graph.launch(s)
+                        done = self.xp.cuda.Event(disable_timing=True)
+                        done.record(s)
+                    ahead.append((done, (c.pos + len(ahead) + 1) % RING))
+                if not ahead:
+                    c.check_room(1)                                 # the context is full: its one-line error
+                done, slot = ahead.pop(0)
+                done.synchronize()
+                c.pos += 1
+                self.steps += 1
+                yield int(self._ring.host[slot])
+        finally:
+            s.synchronize()
+            with s:
+                c.pos_dev[...] = c.pos                              # the step launched ahead, undone
+            s.synchronize()
+
+
+RING = 4            # ring slots of the steps' argmaxes (chained keeps at most two steps unread)
 
 
 _KERNELS_SRC = r"""
@@ -656,7 +695,7 @@ __device__ __forceinline__ bool ahead(float a, int ia, float b, int ib) {
     if (!an && a != b) return a > b;
     return ia < ib;
 }
-extern "C" __global__ void argmax_row(const float* x, int n, long long* out) {
+__device__ __forceinline__ int argmax_block(const float* x, int n) {
     __shared__ float bv[1024];
     __shared__ int bi[1024];
     float v = __int_as_float(0xff800000);
@@ -671,7 +710,18 @@ extern "C" __global__ void argmax_row(const float* x, int n, long long* out) {
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) out[0] = bi[0];
+    return bi[0];
+}
+extern "C" __global__ void argmax_row(const float* x, int n, long long* out) {
+    int best = argmax_block(x, n);
+    if (threadIdx.x == 0) out[0] = best;
+}
+// a decode step's argmax (after its position was advanced to pos): the next step's input token, and ring slot
+// pos % ring for the host to read while a later step runs
+extern "C" __global__ void argmax_feed(const float* x, int n, long long* tok, long long* ring, int ring_n,
+                                       const long long* pos) {
+    int best = argmax_block(x, n);
+    if (threadIdx.x == 0) { tok[0] = best; ring[pos[0] % ring_n] = best; }
 }
 
 // softmax(kq * scale + mask) of each row of S scores (one block of 256 threads per row; row r of head r / T,
@@ -931,7 +981,7 @@ def _kernels(cp):
     if not _KERNELS:
         mod = cp.RawModule(code=_KERNELS_SRC, options=("-std=c++17",))
         for name in ("gemv_f32", "gemv_f16", "gemv_f32_row", "gemv_f16_v8", "gemv_f16_x4", "rms_norm_rows",
-                     "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows", "argmax_row",
+                     "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows", "argmax_row", "argmax_feed",
                      "rope_store_f32", "rope_store_f16", "softmax_rows_f16", "rms_norm_rows_f16",
                      "add_rms_norm_f32", "add_rms_norm_f16", "glu_f32", "glu_f16", "bump_pos"):
             _KERNELS[name] = mod.get_function(name)
