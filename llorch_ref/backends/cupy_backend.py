@@ -467,6 +467,7 @@ class GraphDecoder:
         layers = [(_or(joined((lw.wq, lw.wk, lw.wv), xp), [lw.wq, lw.wk, lw.wv]), lw.wo,
                    joined((lw.w_gate, lw.w_up), xp), lw.w_down, lw.attn_norm, lw.ffn_norm) for lw in engine.weights.layers]
         self.fused = FusedStep.plan(engine, cache, layers)     # float16 or blocks llama weights: five kernels a layer
+        self.chained = self._chained if os.environ.get("LLORCH_CUDA_CHAIN", "1") != "0" else None
         engine.backend.info["fused_decode"] = self.fused is not None
 
     def _step(self):
@@ -530,16 +531,16 @@ class GraphDecoder:
         self.stream.synchronize()
         return out
 
-    def chained(self, first):
+    def _chained(self, first):
         """Plain greedy decoding from token `first` -> yields each next token, the steps chained on the device: a
         replayed step's argmax is the next step's input (argmax_feed), so one step is launched ahead of the token
         the host reads (the card never waits for the host between steps). The tokens are the unchained steps' (the
         same graph). cache.pos counts the steps whose token was read; closing the generator waits for the step
         ahead and sets the device position back to it (its K/V row past the sequence is never read).
-        LLORCH_CUDA_CHAIN=0, no graph or no mapped memory: the steps one at a time through __call__."""
+        Before the graph is captured, or without a graph or mapped memory: the steps one at a time through
+        __call__. Generation takes it as `chained` (None with LLORCH_CUDA_CHAIN=0: one step at a time)."""
         tok, c, s = int(first), self.cache, self.stream
-        while self.graph is None or not self.use_graph or self._ring is None \
-                or os.environ.get("LLORCH_CUDA_CHAIN", "1") == "0":
+        while self.graph is None or not self.use_graph or self._ring is None:
             tok = self.engine.backend.argmax(self(tok)[-1])         # the first eager step, the capture
             yield tok
         ahead = []                                                  # (event, ring slot) of steps launched, unread
