@@ -617,19 +617,14 @@ def report(out):
 # (4, 2, 1), (2, 2, 2), norm_glu (4, 2), (2, 2), norm_logits (4, 1, 2); Q4_K norm_qkv (4, 2, 1), gemv_res (4, 1, 2),
 # (2, 2, 1), norm_glu (2, 1) (results/gpu/2026-11-27-s13/call9-layouts.json); call 10 more (call10-layouts.json);
 # call 20 Q4_K, Q4_1, Q6_K, Q4_0, Q8_0 variants after the rows were read through per-lane block pointers; call 23
-# float16's layouts before call 11 against the final ones, twice
+# float16's layouts before call 11 against the final ones, twice. Session 14 (results/gpu/2026-11-27-s14/): calls 8-9
+# natural against planar for every format (kept planar: Q4_0, Q4_1, Q8_0), call 17 Q4_K planar (below; all slower)
 STEP_VARIANTS = [
-    ("q8_0", {"planar": False}), ("q8_0", {}), ("q8_0", {"planar": False, "gemv_res": (8, 1, 1)}),
-    ("q8_0", {"norm_qkv": (4, 2, 1)}), ("q8_0", {"norm_qkv": (8, 1, 1)}), ("q8_0", {"norm_glu": (4, 1)}),
-    ("q8_0", {"norm_logits": (8, 1, 1)}), ("q8_0", {"planar": False}), ("q8_0", {}),
-    ("q4_0", {"planar": False}), ("q4_0", {}), ("q4_0", {"planar": False, "gemv_res": (8, 1, 1)}),
-    ("q4_0", {"norm_logits": (8, 1, 1)}), ("q4_0", {"norm_glu": (8, 1)}), ("q4_0", {"planar": False}), ("q4_0", {}),
-    ("q6_k", {"planar": False}), ("q6_k", {"planar": True, "gemv_res": (8, 1, 1)}),
-    ("q6_k", {"planar": True, "gemv_res": (8, 1, 1), "norm_qkv": (8, 1, 1), "norm_logits": (8, 1, 1)}),
-    ("q4_1", {"planar": False}), ("q4_1", {"planar": True, "gemv_res": (8, 1, 1)}),
-    ("q4_1", {"planar": True, "gemv_res": (8, 1, 1), "norm_qkv": (8, 1, 1), "norm_logits": (8, 1, 1)}),
-    ("q4_k", {"planar": False}), ("q4_k", {"planar": True, "gemv_res": (8, 1, 1), "norm_glu": (4, 1)}),
-    ("f16", {"planar": False}), ("f16", {"planar": True, "norm_qkv": (4, 2, 1), "gemv_res": (8, 1, 1)})]
+    ("q4_k", {"planar": False}), ("q4_k", {"planar": True}),
+    ("q4_k", {"planar": True, "norm_qkv": (4, 1, 1), "norm_logits": (4, 1, 1)}),
+    ("q4_k", {"planar": True, "norm_glu": (2, 2)}), ("q4_k", {"planar": True, "norm_glu": (4, 2)}),
+    ("q4_k", {"planar": True, "norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "gemv_res": (2, 2, 1)}),
+    ("q4_k", {"planar": True, "gemv_res": (4, 1, 2)}), ("q4_k", {"planar": False})]
 
 
 def layouts(out):
