@@ -171,33 +171,35 @@ class Engine:
             return
         decode = decode or self.backend.make_decoder(self, cache)
         res.prefill_s = time.perf_counter() - t0
-        eog = self.tokenizer.eog_ids if self.tokenizer is not None else frozenset()
-        # plain greedy on a decoder that chains its steps on the device (cupy): the next tokens from it, one step
-        # launched ahead of the one the host reads; the same tokens as one step at a time
-        chained = getattr(decode, "chained", None) if params.greedy and not params.penalized else None
-        chain = None
         t0 = time.perf_counter()
+        yield from self._decode_tokens(res, logits, cache, decode, sampler, max_tokens, ignore_eos, cancel)
+        res.decode_s = time.perf_counter() - t0
+        self._release_state(cache, decode)              # only after a whole request (not on an error or a close)
+
+    def _decode_tokens(self, res, logits, cache, decode, sampler, max_tokens, ignore_eos, cancel):
+        """generate_ids' loop: yields up to max_tokens tokens after the prompt's logits, setting res.stop_reason.
+        Plain greedy on a decoder that chains its steps on the device (cupy's `chained`): the tokens from it, one
+        step launched ahead of the one the host reads (the same tokens as one step at a time)."""
+        eog = self.tokenizer.eog_ids if self.tokenizer is not None else frozenset()
+        greedy = sampler.params.greedy and not sampler.params.penalized
+        chained, chain = getattr(decode, "chained", None) if greedy else None, None
         res.stop_reason = "max_tokens"
         try:
             for _ in range(max_tokens):
                 if cancel is not None and cancel.is_set():
                     res.stop_reason = "cancelled"
-                    break
-                if chain is None:
-                    nxt = sampler.next(logits[-1], self.backend)
-                else:
-                    nxt = next(chain)
-                    sampler.history.append(nxt)
+                    return
+                nxt = sampler.next(logits[-1], self.backend) if chain is None else sampler.took(next(chain))
                 if nxt in eog and not ignore_eos:
                     res.stop_reason = "eos"
-                    break
+                    return
                 res.token_ids.append(nxt)
                 yield nxt
                 if res.stop_reason != "max_tokens":        # set by the consumer (a stop string matched)
-                    break
+                    return
                 if cache.pos >= self.n_ctx:
                     res.stop_reason = "context_full"
-                    break
+                    return
                 if chained is not None:
                     chain = chain or chained(nxt)
                 else:
@@ -205,8 +207,6 @@ class Engine:
         finally:
             if chain is not None:
                 chain.close()                               # the step launched ahead undone
-        res.decode_s = time.perf_counter() - t0
-        self._release_state(cache, decode)              # only after a whole request (not on an error or a close)
 
     def generate(self, prompt=None, max_tokens=128, chat=False, ignore_eos=False, result=None, stop=None,
                  messages=None, system=None, cancel=None, **sampling):

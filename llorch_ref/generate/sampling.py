@@ -193,6 +193,11 @@ class Sampler:
         self.history.append(tok)
         return tok
 
+    def took(self, tok: int) -> int:
+        """A token chosen elsewhere (a GPU's chained greedy steps) -> the same token, added to the history."""
+        self.history.append(tok)
+        return tok
+
     def next(self, logits, backend) -> int:
         """logits: [V] on `backend` -> the next token. Plain greedy (no penalty) is the argmax of the raw logits,
         taken where they are (a GPU sends back one index, not the row); anything else samples on the host."""
