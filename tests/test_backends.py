@@ -177,10 +177,13 @@ def test_numba_kernels_match_the_dequantized_product(qt):
 
 
 @pytest.mark.parametrize("model", ["tiny-Q4_0", "tiny-Q4_1", "default"])
-def test_numba_fused_decode_step_equals_the_op_by_op_step(tiny, default_model, model):
+def test_numba_fused_decode_step_equals_the_op_by_op_step(tiny, default_model, model, monkeypatch):
     """The fused one-token step (each layer in one numba call) against the op-by-op forward the checkpoints
-    record: the same logits and the same K/V cache, to the bit, over several steps."""
+    record: the same logits and the same K/V cache, to the bit, over several steps. The prompts' several-token
+    products pinned to BLAS's threads: on a busy machine cpu_split would cut them into row panels, which some
+    OpenBLAS builds multiply with other kernels (cpu_split's docstring), and the two prefills could differ."""
     need_backend("numba")
+    monkeypatch.setenv("LLORCH_BLAS_SPLIT", "blas")
     path = default_model if model == "default" else tiny(vocab="bpe", weight_type=model.split("-")[1])
     eng = llorch_ref.load(path, backend="numba")
     ids = eng.tokenizer.encode("Hello world, the")

@@ -10,8 +10,12 @@ of the default model's prefill), so the split is taken only while the machine is
 cores other processes used since the last look are read from /proc/stat (the machine's busy time less this
 process's own), and at 0.5 cores or more the split is on and BLAS runs on one thread, else BLAS gets the threads.
 A product is cut into row panels of the weight and attention into groups of KV heads, one part a thread (the
-calling thread takes the first). Every output element is computed by the same BLAS call shape either way, so the
-results are equal to the bit whichever way a forward ran (tests/test_backends.py): the choice changes speed only.
+calling thread takes the first). Each output element comes from a BLAS call of the same operands either way, but
+not always from the same kernel: OpenBLAS picks its kernel by the call's shape, and a panel can fall under its
+small-matrix kernels where the whole product does not. On the tests' shapes the results are equal to the bit
+(tests/test_backends.py); on session 14's machine (OpenBLAS 0.3.31, SkylakeX kernels) the default model's
+prompt of 4 tokens gave Q/K/V products differing by up to 1.7e-6 and logits by up to 2.7e-5 between the two ways
+(results/cpu/2026-11-27-s14.md): on a machine whose load changes, the prompt's logits can move by as much.
 """
 from __future__ import annotations
 
