@@ -181,8 +181,7 @@ class Engine:
         Plain greedy on a decoder that chains its steps on the device (cupy's `chained`): the tokens from it, one
         step launched ahead of the one the host reads (the same tokens as one step at a time)."""
         eog = self.tokenizer.eog_ids if self.tokenizer is not None else frozenset()
-        greedy = sampler.params.greedy and not sampler.params.penalized
-        chained, chain = getattr(decode, "chained", None) if greedy else None, None
+        chained, chain = getattr(decode, "chained", None) if sampler.plain_greedy else None, None
         res.stop_reason = "max_tokens"
         try:
             for _ in range(max_tokens):

@@ -322,7 +322,7 @@ def test_cupy_fused_step_in_the_planar_layout_gives_the_same_logits_to_the_bit(t
     (rows_dot's PLANAR: each oct's first four floats in one plane, the last four in another): the same floats in
     the same operations as the natural layout, so eight greedy steps give the same logits to the bit. Every format
     made planar here (float16 over three chunks of attention; Q/K/V in two block types as three launches; Q4_1,
-    whose offset sums read x too), against PLANAR = False."""
+    whose offset sums read x too), against LLORCH_CUDA_PLANAR=0."""
     need_backend("cupy")
     import cupy as cp
 
@@ -333,7 +333,7 @@ def test_cupy_fused_step_in_the_planar_layout_gives_the_same_logits_to_the_bit(t
     try:
         monkeypatch.setattr(cuda_fused, "LAYOUT_PLANAR", {f: dict(r) for f, r in cuda_fused.LAYOUT.items()})
         for planar in (True, False):
-            monkeypatch.setattr(cuda_fused, "PLANAR", planar)
+            monkeypatch.setenv("LLORCH_CUDA_PLANAR", "1" if planar else "0")
             cuda_fused._MOD.clear()
             eng = llorch_ref.load(path, backend="cupy", dtype=dtype)
             cache, ids = eng.new_cache(), [(5 * i + 2) % 200 + 1 for i in range(prompt)]

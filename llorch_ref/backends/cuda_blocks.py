@@ -13,8 +13,9 @@ the magic number in one LOP3, then one subtraction), not the slower int-to-float
                 fuses nothing into an FMA), then cuBLAS (TF32 off), the same product the float32 path computes
 
 So a blocks product differs from the numpy oracle's (float32 weights from gguf-py, BLAS) by rounding order only.
-The one-token products are bound by their instructions (about 5-9 a weight: mask, convert, multiply-add, the
-scales, loads), not by memory: results/gpu/2026-11-27-s13/.
+The one-token products are bound by the L1 pipe and their instruction issue together (about 5-9 instructions a
+weight: mask, convert, multiply-add, the scales, loads), not by DRAM: results/gpu/2026-11-27-s13/, ncu in
+results/gpu/2026-11-27-s14/.
 """
 from __future__ import annotations
 
@@ -308,6 +309,13 @@ __device__ void gemv_rows(const u8* Wm, const float* x, const float* g, float* y
 # bytes in flight) gained nothing: the products are bound by their instructions, not by the loads in flight.
 GEMV_LAYOUT = {"q4_0": (2, 2, 1), "q4_1": (4, 2, 1), "q8_0": (2, 2, 1), "q4_k": (4, 1, 1), "q6_k": (4, 1, 1)}
 STRUCTS = {"f16": "F16", "f32": "F32", "q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
+
+
+def planar_places(n, xp):
+    """-> [n] the place of each index of a vector of n floats (n % 8 == 0) in rows_dot's planar layout: the host's
+    twin of the device function planar() in ROWS (laid[planar_places(n)] = natural lays a vector out)."""
+    e = xp.arange(n)
+    return xp.where(e & 4, n // 2, 0) + (e >> 3) * 4 + (e & 3)
 
 
 def rows_per_block(layout):

@@ -34,7 +34,7 @@ import os
 
 import numpy as np
 
-from .cuda_blocks import GEMV_LAYOUT, ROWS, STRUCTS, GpuBlocks, rows_per_block
+from .cuda_blocks import GEMV_LAYOUT, ROWS, STRUCTS, GpuBlocks, planar_places, rows_per_block
 
 FUSED = r"""
 // P (the products) or pl (rope_attend, embed): the vectors the products read (the residual stream x, the attention
@@ -100,8 +100,7 @@ LAYOUT = {"f16": {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (
 # matrix it reads is of one of these formats (the default model's Q4_1 and Q8_0 included). Whole 7B steps at
 # position 8, natural -> planar (`tools/gpu_roofline.py layouts`, results/gpu/2026-11-27-s14/call9-layouts-planar.json):
 # Q8_0 3.74 -> 3.21 ms, Q4_1 3.46 -> 3.07, Q4_0 3.09 -> 3.03; Q6_K 4.73 -> 4.69 (left natural), Q4_K 3.64 -> 4.70
-# and float16 3.78 -> 3.89 at their best planar layouts tried (natural). PLANAR = False or LLORCH_CUDA_PLANAR=0:
-# every step natural.
+# and float16 3.78 -> 3.89 at their best planar layouts tried (natural). LLORCH_CUDA_PLANAR=0: every step natural.
 LAYOUT_PLANAR = {"q4_0": {**LAYOUT["q4_0"], "gemv_res": (8, 1, 1)},
                  "q4_1": {**LAYOUT["q4_1"], "gemv_res": (8, 1, 1)},
                  "q8_0": {**LAYOUT["q8_0"], "norm_qkv": (4, 2, 1), "gemv_res": (8, 1, 1)}}
@@ -278,7 +277,6 @@ extern "C" __global__ void embed_f16(const __half* e, const long long* t, float*
 _MOD = {}
 ATTEND_THREADS = 1024
 ATTEND_ONE, ATTEND_CHUNK = 256, 128  # rope_attend: one block a head up to 256 positions, else chunks of 128 (ATTEND)
-PLANAR = True                        # steps of LAYOUT_PLANAR's formats in the planar layout (False: none)
 
 
 def source():
@@ -361,7 +359,7 @@ class FusedStep:
         self.cp, self.cfg, self.cache, self.w, self.out = cp, cfg, cache, engine.weights, out
         pdl = os.environ.get("LLORCH_CUDA_PDL", "1") != "0" and int(cp.cuda.Device().compute_capability) >= 90
         self.K, self.launch = kernels(cp), Launcher(cp, enabled=pdl)        # the attribute needs sm_90 (Hopper)
-        self.planar, self.sfx = planar, "_p" if planar else ""       # the step's vectors in the planar layout
+        self.planar = planar                                           # the step's vectors in the planar layout
         self.groups = [(*g[:4], self.laid(g[4]), self.laid(g[5])) for g in groups]     # the norms' weights laid out
         self.out_norm = self.laid(engine.weights.out_norm)                              # as the step's vectors
         engine.backend.info["cuda_pdl"] = self.launch.fn is not None
@@ -379,13 +377,16 @@ class FusedStep:
         self.count = cp.zeros(h, cp.int32)                              # chunks done, per head (reset by the last)
 
     def laid(self, v):
-        """A vector of floats as the step keeps its vectors: in the planar layout (cuda_blocks.planar's places)."""
+        """A vector of floats as the step keeps its vectors: in the planar layout where the step is planar."""
         if not self.planar:
             return v
-        cp, e = self.cp, self.cp.arange(v.size)
-        out = cp.empty_like(v)
-        out[cp.where(e & 4, v.size // 2, 0) + (e >> 3) * 4 + (e & 3)] = v
+        out = self.cp.empty_like(v)
+        out[planar_places(v.size, self.cp)] = v
         return out
+
+    def product(self, role, fmt, n):
+        """-> (the kernel of `role` for a matrix of format fmt, its grid over n rows), in the step's layout."""
+        return self.K[f"{role}_{fmt}{'_p' if self.planar else ''}"], blocks_of(fmt, role, n, self.planar)
 
     @staticmethod
     def plan(engine, cache, layers):
@@ -412,7 +413,7 @@ class FusedStep:
         if out is None or w.tok_embd.dtype not in (cp.float32, cp.float16):
             return None
         fmts = {out[0]} | {p[0] for g in groups for p in g[0]} | {m[0] for g in groups for m in g[1:4]}
-        planar = PLANAR and os.environ.get("LLORCH_CUDA_PLANAR", "1") != "0" and fmts <= set(LAYOUT_PLANAR)
+        planar = os.environ.get("LLORCH_CUDA_PLANAR", "1") != "0" and fmts <= set(LAYOUT_PLANAR)
         return FusedStep(engine, cache, groups, out, planar=planar)
 
     def __call__(self, tok):
@@ -421,9 +422,9 @@ class FusedStep:
         d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
         eps, half = f32(cfg.rms_eps), cfg.rope_dim // 2
         emb = self.w.tok_embd
-        pl, sfx = self.planar, self.sfx
+        pl = i32(self.planar)
         go(K["embed_f16" if emb.dtype == cp.float16 else "embed_f32"],
-           ((d + 255) // 256,), (256,), (emb, tok, self.x, i32(d), f32(cfg.embed_scale or 1.0), i32(pl)))
+           ((d + 255) // 256,), (256,), (emb, tok, self.x, i32(d), f32(cfg.embed_scale or 1.0), pl))
         cos, sin = c.tables()
         attend = "rope_attend_f16" if self.kv16 else "rope_attend_f32"
         neox = i32(cfg.rope_style == "neox")
@@ -431,19 +432,15 @@ class FusedStep:
             at = 0
             for fq, wq, rq in qkv:       # Q/K/V in one matrix, or three where their types differ
                 n = wq.shape[0]
-                go(K[f"norm_qkv_{fq}{sfx}"], blocks_of(fq, "norm_qkv", n, pl), (128,),
-                   (wq, self.x, an, self.y[at:], i32(n), i32(d), i64(rq), eps))
+                go(*self.product("norm_qkv", fq, n), (128,), (wq, self.x, an, self.y[at:], i32(n), i32(d), i64(rq), eps))
                 at += n
             go(K[attend], (h, self.chunks), (ATTEND_THREADS,),
                (self.y, cos, sin, c.pos_dev, c.k[i], c.v[i], self.att, self.part, self.count, i32(h), i32(kv), i32(hd),
-                i32(half), neox, f32(cfg.scale), i32(pl)), shared_mem=self.smem)
-            go(K[f"gemv_res_{fo}{sfx}"], blocks_of(fo, "gemv_res", d, pl), (128,),
-               (wo, self.att, self.x, i32(d), i32(h * hd), i64(ro)))
-            go(K[f"norm_glu_{fg}{sfx}"], blocks_of(fg, "norm_glu", f, pl), (128,),
-               (gu, self.x, fn, self.hid, i32(f), i32(d), i64(rg), eps))
-            go(K[f"gemv_res_{fd}{sfx}"], blocks_of(fd, "gemv_res", d, pl), (128,),
-               (wd, self.hid, self.x, i32(d), i32(f), i64(rd)))
+                i32(half), neox, f32(cfg.scale), pl), shared_mem=self.smem)
+            go(*self.product("gemv_res", fo, d), (128,), (wo, self.att, self.x, i32(d), i32(h * hd), i64(ro)))
+            go(*self.product("norm_glu", fg, f), (128,), (gu, self.x, fn, self.hid, i32(f), i32(d), i64(rg), eps))
+            go(*self.product("gemv_res", fd, d), (128,), (wd, self.hid, self.x, i32(d), i32(f), i64(rd)))
         v, (fo, wout, ro) = cfg.n_vocab, self.out
-        go(K[f"norm_logits_{fo}{sfx}"], blocks_of(fo, "norm_logits", v, pl), (128,),
-           (wout, self.x, self.out_norm, self.logits, i32(v), i32(d), i64(ro), eps))
+        go(*self.product("norm_logits", fo, v), (128,), (wout, self.x, self.out_norm, self.logits, i32(v), i32(d),
+                                                          i64(ro), eps))
         return self.logits

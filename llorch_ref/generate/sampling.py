@@ -193,6 +193,11 @@ class Sampler:
         self.history.append(tok)
         return tok
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy without penalties: the argmax of the raw logits, taken wherever they are."""
+        return self.params.greedy and not self.params.penalized
+
     def took(self, tok: int) -> int:
         """A token chosen elsewhere (a GPU's chained greedy steps) -> the same token, added to the history."""
         self.history.append(tok)
@@ -201,7 +206,7 @@ class Sampler:
     def next(self, logits, backend) -> int:
         """logits: [V] on `backend` -> the next token. Plain greedy (no penalty) is the argmax of the raw logits,
         taken where they are (a GPU sends back one index, not the row); anything else samples on the host."""
-        if self.params.greedy and not self.params.penalized:
+        if self.plain_greedy:
             tok = backend.argmax(logits)
             self.history.append(tok)
             return tok
