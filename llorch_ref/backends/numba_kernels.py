@@ -3,9 +3,10 @@ attention kernels.
 
 matmul_rows serves every quantized type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): rows are given by
 the addresses of their blocks in the mapped file, and each row's dot products run numba_simd's vector loop
-(16 lanes, the block's codes widened and multiplied by x in float32, a fixed-order tree sum at the row's
-end). Each row is computed by one thread, in one order, so results do not depend on the thread count or on
-how many tokens a call carries; fastmath is off; every kernel is compiled once and cached on disk.
+(16 lanes, each block's weights made in float32 exactly as the oracle dequantizes them and multiplied into
+lane accumulators with fused multiply-adds, a fixed-order tree sum at the row's end). Each row is computed
+by one thread, in one order, so results do not depend on the thread count or on how many tokens a call
+carries; fastmath is off; every kernel is compiled once and cached on disk.
 """
 from __future__ import annotations
 
@@ -19,20 +20,6 @@ import numpy as np  # noqa: E402
 from . import numba_simd as S  # noqa: E402
 
 
-@nb.njit(cache=True)
-def _block_sums(x, gs):
-    """x: [T, G*gs] f32 -> [T, G] f32 sums of each group, in order (float32, as the kernels' m * sum(x) terms)."""
-    n = x.shape[1] // gs
-    out = np.empty((x.shape[0], n), dtype=np.float32)
-    for t in range(x.shape[0]):
-        for g in range(n):
-            v = np.float32(0.0)
-            for j in range(gs):
-                v += x[t, g * gs + j]
-            out[t, g] = v
-    return out
-
-
 # -- products straight from the file's blocks (numba_simd's vector loops), rows anywhere in memory ------------
 @nb.njit(parallel=True, cache=True, fastmath=False)
 def matmul_rows(code, rows, n_blocks, x, out):
@@ -42,24 +29,22 @@ def matmul_rows(code, rows, n_blocks, x, out):
     so whatever T or the thread count)."""
     t_n, k = x.shape
     n = rows.shape[0]
-    xs = _block_sums(x, S.GROUP)
-    g = xs.shape[1]
-    ra, xa, xsa, oa = rows.ctypes.data, x.ctypes.data, xs.ctypes.data, out.ctypes.data
+    ra, xa, oa = rows.ctypes.data, x.ctypes.data, out.ctypes.data
     full, quads = t_n - t_n % 4, n // 4
     for q in nb.prange(quads):
         r = 4 * q
         ahead = ra + 8 * (r + 8 if q + 2 < quads else r)       # the rows two tiles on, this thread's next but one
         for t in range(0, full, 4):
-            S.dot_tile(code, 2, 4, ra + 8 * r, ahead, xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r), n,
+            S.dot_tile(code, 2, 4, ra + 8 * r, ahead, xa + 4 * t * k, k, oa + 4 * (t * n + r), n,
                        n_blocks)
-            S.dot_tile(code, 2, 4, ra + 8 * (r + 2), ahead + 16, xa + 4 * t * k, k, xsa + 4 * t * g, g,
+            S.dot_tile(code, 2, 4, ra + 8 * (r + 2), ahead + 16, xa + 4 * t * k, k,
                        oa + 4 * (t * n + r + 2), n, n_blocks)
         for t in range(full, t_n):
-            S.dot_tile(code, 4, 1, ra + 8 * r, ahead, xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r), n,
+            S.dot_tile(code, 4, 1, ra + 8 * r, ahead, xa + 4 * t * k, k, oa + 4 * (t * n + r), n,
                        n_blocks)
     for r in range(n - n % 4, n):
         for t in range(t_n):
-            S.dot_tile(code, 1, 1, ra + 8 * r, ra + 8 * r, xa + 4 * t * k, k, xsa + 4 * t * g, g, oa + 4 * (t * n + r),
+            S.dot_tile(code, 1, 1, ra + 8 * r, ra + 8 * r, xa + 4 * t * k, k, oa + 4 * (t * n + r),
                        n, n_blocks)
 
 

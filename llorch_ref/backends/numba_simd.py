@@ -3,21 +3,27 @@
 numba vectorizes a loop over one block's 16 or 32 weights only with a horizontal sum per block or with
 runtime alias checks (results/cpu/2026-11-27-cpu-speed.md), so the row-major file order needed a layout
 pass before. These intrinsics build the loop over a row's blocks in LLVM IR with vector types: each block's
-codes are loaded as <16 x i8>, widened, turned into floats and multiplied by x's 16 matching floats, and
-16 lane accumulators run along the row; one fixed-order tree sum at the row's end. No fast-math: LLVM
-keeps every multiply and add as written (no reassociation, no fused multiply-add), so a row's result is
-the same whatever the thread count, and differs from the NumPy oracle by summation order only.
+weights are made as 16-lane float vectors (`_weights`), each weight the float32 value the NumPy oracle's
+dequantization gives it, bit for bit (a float16 scale times an integer sub-scale and a code, all exact in
+float32, plus or minus a min term with one rounding: one fused multiply-add); each is multiplied by x's 16
+matching floats and added to a lane accumulator with a fused multiply-add (llvm.fma, no fast-math otherwise:
+nothing reassociated); one fixed-order tree sum at the row's end. A row's result is therefore the same
+whatever the thread count or tile, and differs from the oracle's (dequantized weights times x in BLAS) by
+the order of the sums only.
 
-Per type, `_segments` turns one block (or super-block) into segments: a float32 scale, an optional min
-term, and 16-lane code vectors with the x offsets they multiply. w = scale * code (+ min per group of 32,
-applied as min * sum(x_group), the sums computed once per product). Every scale and scale*sub-scale is
-exact in float32 (a float16 times an integer of at most 8 bits), as gguf-py's dequantization has it.
+4-bit codes (Q4_0, Q4_1, Q4_K) on AVX-512: the sixteen weights a block's scale and min allow are computed
+once (one fused multiply-add of the codes 0..15) and looked up per code with one vpermps, instead of a
+mask, a conversion and a multiply-add per 16 codes; elsewhere the codes are converted. The two give the same
+floats (`TABLES` picks one when the kernels are compiled, for the CPU numba compiles for).
 
 `dot_tile` is the intrinsic numba code calls: R rows by T tokens at once (R, T and the type constants), each
 row's blocks decoded once for its T tokens and x's floats loaded once for the R rows.
 """
 from __future__ import annotations
 
+import os
+
+import llvmlite.binding as ll
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -27,10 +33,23 @@ F32, F16 = ir.FloatType(), ir.HalfType()
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 VF, VI32, VI8 = ir.VectorType(F32, L), ir.VectorType(I32, L), ir.VectorType(I8, L)
 
-# ggml type -> (weights per block, bytes per block); each a type _segments decodes
+# ggml type -> (weights per block, bytes per block); each a type _weights decodes
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
-GROUP = 32                                    # the min terms' x groups (Q4_1, Q5_1, Q4_K, Q5_K): sums of 32
+ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token) has, by block length
+
+
+def _compiles_for(feature: str) -> bool:
+    """Whether numba's code is built for a CPU with `feature` (an LLVM feature name): its NUMBA_CPU_FEATURES
+    when set (numba_wide_vectors sets it on AVX-512 hosts), else the host's own."""
+    given = os.environ.get("NUMBA_CPU_FEATURES")
+    if given:
+        return f"+{feature}" in given.split(",")
+    ll.initialize_native_target()
+    return bool(ll.get_host_cpu_features().get(feature))
+
+
+TABLES = _compiles_for("avx512f")     # 4-bit codes' weights by a 16-entry lookup (one vpermps) or by conversion
 
 
 def _vi(v):
@@ -48,6 +67,17 @@ class _Block:
 
     def f16(self, off):
         return self.b.fpext(self.b.load(self.at(off, F16), align=1), F32)
+
+    def f16_splats(self, off, n):
+        """The n (1 or 2) float16s at off, each as a float32 in every lane: n <16 x float> (one broadcast read,
+        one conversion, and for two an in-lane shuffle each)."""
+        b, it = self.b, ir.IntType(16 * n)
+        v = b.insert_element(ir.Constant(ir.VectorType(it, 16 // n), ir.Undefined), b.load(self.at(off, it), align=1),
+                             ir.Constant(I32, 0))
+        v = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 16 // n), [0] * (16 // n)))
+        h = b.fpext(b.bitcast(v, ir.VectorType(F16, L)), VF)
+        return [b.shuffle_vector(h, h, ir.Constant(VI32, [2 * (j // 2) + i for j in range(L)])) if n == 2 else h
+                for i in range(n)]
 
     def u8(self, off):
         return self.b.zext(self.b.load(self.at(off, I8), align=1), I32)
@@ -102,51 +132,83 @@ def _scaled(b, d, ints):
     return b.fmul(_splat(b, d, n), b.sitofp(ints, ir.VectorType(F32, n)))
 
 
-def _segments(qtype, k):
-    """One block at k -> (segments, mins): segments [(scale <16 x float>, [(codes <16 x float>, x offset)])],
-    w = scale * code; mins None or (m, G): w += m per group of 32, m a float (G = 1) or <G x float>."""
+CODES16 = ir.Constant(VF, [float(j) for j in range(L)])         # the 16 values a 4-bit code takes
+
+
+def _lookup(b, table, idx):
+    """table[idx[l] & 15] in lane l: AVX-512's vpermps (a variable permute that reads the index's low four bits)."""
+    name = "llvm.x86.avx512.permvar.sf.512"
+    fn = b.module.globals.get(name) or ir.Function(b.module, ir.FunctionType(VF, [VF, VI32]), name=name)
+    return b.call(fn, [table, idx])
+
+
+def _codes_times(k, codes, scale, offset=None):
+    """Weights scale * code + offset (scale, offset: <16 x float> splats, offset absent for 0) for 4-bit codes
+    (<16 x i32> whose low four bits are the code), each rounded once: fma(code, scale, offset), exact where the
+    oracle's product is (scale * code fits float32) and equal to its (scale * code) + offset otherwise. Where
+    AVX-512's permute is at hand (TABLES) the sixteen values are computed once per scale and looked up."""
+    b = k.b
+    offset = offset if offset is not None else ir.Constant(VF, [0.0] * L)
+    if TABLES:
+        return _lookup(b, _fma(b, CODES16, scale, offset), codes)
+    return _fma(b, k.fl(b.and_(codes, _vi(15))), scale, offset)
+
+
+def _weights(qtype, k):
+    """One block at k -> [(w <16 x float>, x offset)]: its weights in float32, each the value gguf-py's
+    dequantization (the NumPy oracle's) gives it, bit for bit: a float16 scale (times an integer sub-scale:
+    exact) times a code (exact in float32 for every type), minus or plus a min term with one rounding."""
     b = k.b
     if qtype in ("Q4_0", "Q4_1"):
         q = k.bytes16(2 if qtype == "Q4_0" else 4)
-        lo, hi = _nibbles(k, q, 0), _nibbles(k, q, 4)
-        if qtype == "Q4_0":
-            lo, hi = b.sub(lo, _vi(8)), b.sub(hi, _vi(8))
-        parts = [(k.fl(lo), 0), (k.fl(hi), 16)]
-        return [(_splat(b, k.f16(0)), parts)], None if qtype == "Q4_0" else (k.f16(2), 1)
+        lo, hi = q, b.lshr(q, _vi(4))                   # the low four bits of each: the codes
+        if qtype == "Q4_0":                              # d * (code - 8) = d * code - 8d, exact either way
+            d = k.f16_splats(0, 1)[0]
+            off = b.fmul(d, ir.Constant(VF, [-8.0] * L))
+            return [(_codes_times(k, lo, d, off), 0), (_codes_times(k, hi, d, off), 16)]
+        d, m = k.f16_splats(0, 2)
+        return [(_codes_times(k, lo, d, m), 0), (_codes_times(k, hi, d, m), 16)]
     if qtype in ("Q5_0", "Q5_1"):
         h_at, q_at = (2, 6) if qtype == "Q5_0" else (4, 8)
         qh, q = k.u32(h_at), k.bytes16(q_at)
         lo = b.or_(_nibbles(k, q, 0), k.bits16(qh, 0))
         hi = b.or_(_nibbles(k, q, 4), k.bits16(qh, 16))
         if qtype == "Q5_0":
-            lo, hi = b.sub(lo, _vi(16)), b.sub(hi, _vi(16))
-        parts = [(k.fl(lo), 0), (k.fl(hi), 16)]
-        return [(_splat(b, k.f16(0)), parts)], None if qtype == "Q5_0" else (k.f16(2), 1)
+            d = k.f16_splats(0, 1)[0]
+            return [(b.fmul(d, k.fl(b.sub(c, _vi(16)))), o) for c, o in ((lo, 0), (hi, 16))]
+        d, m = k.f16_splats(0, 2)
+        return [(_fma(b, k.fl(c), d, m), o) for c, o in ((lo, 0), (hi, 16))]
     if qtype == "Q8_0":
-        return [(_splat(b, k.f16(0)), [(k.fl(k.bytes16(2, True)), 0), (k.fl(k.bytes16(18, True)), 16)])], None
+        d = k.f16_splats(0, 1)[0]
+        return [(b.fmul(d, k.fl(k.bytes16(2, True))), 0), (b.fmul(d, k.fl(k.bytes16(18, True))), 16)]
     if qtype in ("Q4_K", "Q5_K"):
         sc, mn = _k4_scales_mins(k)
-        scales = _scaled(b, k.f16(0), sc)
-        mins = b.fsub(ir.Constant(ir.VectorType(F32, 8), [0.0] * 8), _scaled(b, k.f16(2), mn))
+        scales = _scaled(b, k.f16(0), sc)                # d * sc, exact
+        mins = b.fneg(_scaled(b, k.f16(2), mn))          # -(dmin * m), exact
         q_at, out = (16 if qtype == "Q4_K" else 48), []
         for j in range(8):
             base, shift = q_at + 32 * (j // 2), 4 * (j % 2)
+            s, m = b.extract_element(scales, ir.Constant(I32, j)), b.extract_element(mins, ir.Constant(I32, j))
             lo, hi = _nibbles(k, k.bytes16(base), shift), _nibbles(k, k.bytes16(base + 16), shift)
-            if qtype == "Q5_K":                          # qh[l] bit j: the fifth bit of element l of group j
-                lo = b.or_(lo, b.shl(b.and_(b.lshr(k.bytes16(16), _vi(j)), _vi(1)), _vi(4)))
-                hi = b.or_(hi, b.shl(b.and_(b.lshr(k.bytes16(32), _vi(j)), _vi(1)), _vi(4)))
-            out.append((_lanes(b, scales, [j] * L), [(k.fl(lo), 32 * j), (k.fl(hi), 32 * j + 16)]))
-        return out, (mins, 8)
+            if qtype == "Q4_K":
+                sv, mv = _splat(b, s), _splat(b, m)
+                out += [(_codes_times(k, lo, sv, mv), 32 * j), (_codes_times(k, hi, sv, mv), 32 * j + 16)]
+                continue
+            lo = b.or_(lo, b.shl(b.and_(b.lshr(k.bytes16(16), _vi(j)), _vi(1)), _vi(4)))   # qh[l] bit j: the
+            hi = b.or_(hi, b.shl(b.and_(b.lshr(k.bytes16(32), _vi(j)), _vi(1)), _vi(4)))   # fifth bit
+            out += [(_fma(b, k.fl(c), _splat(b, s), _splat(b, m)), 32 * j + o) for c, o in ((lo, 0), (hi, 16))]
+        return out
     if qtype == "Q6_K":
-        scales, out = _scaled(b, k.f16(208), k.bytes16(192, True)), []
+        scales, out = _scaled(b, k.f16(208), k.bytes16(192, True)), []   # d * sc, exact
         for n in range(2):
             for which in range(4):
                 for h in range(2):
                     ql = _nibbles(k, k.bytes16(64 * n + 32 * (which % 2) + 16 * h), 4 * (which // 2))
                     qh = b.shl(b.and_(b.lshr(k.bytes16(128 + 32 * n + 16 * h), _vi(2 * which)), _vi(3)), _vi(4))
                     code = b.sub(b.or_(ql, qh), _vi(32))
-                    out.append((_lanes(b, scales, [8 * n + h + 2 * which] * L), [(k.fl(code), 128 * n + 32 * which + 16 * h)]))
-        return out, None
+                    s = _lanes(b, scales, [8 * n + h + 2 * which] * L)
+                    out.append((b.fmul(s, k.fl(code)), 128 * n + 32 * which + 16 * h))
+        return out
     raise ValueError(f"no in-place kernel for {qtype}")
 
 
@@ -167,6 +229,14 @@ def _hsum(b, v):
         v = b.fadd(lo, hi)
         assert v.type == t
     return b.extract_element(v, ir.Constant(I32, 0))
+
+
+def _fma(b, a, x, c):
+    """a * x + c rounded once (llvm.fma: a fused multiply-add where the CPU has one), for float vectors."""
+    n = a.type.count
+    name = f"llvm.fma.v{n}f32"
+    fn = b.module.globals.get(name) or ir.Function(b.module, ir.FunctionType(a.type, [a.type] * 3), name=name)
+    return b.call(fn, [a, x, c])
 
 
 def _prefetch(b, ptr):
@@ -222,60 +292,44 @@ def _block_at(b, row, ahead, i, block_bytes):
     return _Block(b, b.gep(row, [at]))
 
 
-def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, xsa, xs_stride, outa, out_stride, n_blocks):
+def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_stride, n_blocks):
     """The loop over the blocks of n_rows rows (their addresses: int64s at rowsa) for `tokens` tokens at once;
     stores out[t * out_stride + r]. As it goes, it prefetches the same blocks of the n_rows rows at aheada (the
     rows a thread takes next: DRAM's latency hidden where the hardware's prefetchers stop at page ends). Each
-    (row, token) has its own accumulators (two for the super-block types, groups alternating, so that the adds
-    of one block do not wait on each other), every one updated by the same operations in the same order
-    whatever the tile: a product's value does not depend on its tile."""
+    block's weights are made once (_weights) for the tile's tokens; each (row, token) has its own accumulators,
+    ACCUMULATORS of them taking a block's 16-weight segments in turn (so that one block's fused multiply-adds do
+    not wait on each other), every one updated by the same operations in the same order whatever the tile: a
+    product's value does not depend on its tile."""
     block_len, block_bytes = BLOCKS[qtype]
-    n_acc, n_mins = (2 if block_len == 256 else 1), {"Q4_K": 8, "Q5_K": 8}.get(qtype, 1)    # min terms' width
-    CT = F32 if n_mins == 1 else ir.VectorType(F32, n_mins)
+    n_acc = ACCUMULATORS[block_len]
     rows, ahead = _pointers(b, rowsa, n_rows), _pointers(b, aheada, n_rows)
-    xp, xsp = _strided(b, xa, x_stride, tokens, F32), _strided(b, xsa, xs_stride, tokens, F32)
+    xp = _strided(b, xa, x_stride, tokens, F32)
     keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
     init = {("acc", r, t, a): ir.Constant(VF, [0.0] * L) for r, t in keys for a in range(n_acc)}
-    init.update({("corr", r, t): ir.Constant(CT, 0.0 if n_mins == 1 else [0.0] * n_mins) for r, t in keys})
 
     def body(i, st):
-        x0, g0 = b.mul(i, ir.Constant(I64, block_len)), b.mul(i, ir.Constant(I64, block_len // GROUP))
-        xv, xs = {}, {}                                 # x's 16 floats at an offset, group sums: loaded once
+        x0, xv = b.mul(i, ir.Constant(I64, block_len)), {}     # x's 16 floats at an offset: loaded once
 
         def x_at(t, off):
             if (t, off) not in xv:
                 ptr = b.gep(xp[t], [b.add(x0, ir.Constant(I64, off))])
                 xv[t, off] = b.load(b.bitcast(ptr, VF.as_pointer()), align=4)
             return xv[t, off]
-
-        def xs_at(t):
-            if t not in xs:
-                ptr = b.gep(xsp[t], [g0])
-                xs[t] = b.load(ptr) if n_mins == 1 else b.load(b.bitcast(ptr, CT.as_pointer()), align=4)
-            return xs[t]
         for r in range(n_rows):
-            segments, mins = _segments(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes))
-            for n, (sv, parts) in enumerate(segments):
+            for w, off in _weights(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes)):
                 for t in range(tokens):
-                    s = None
-                    for codes, off in parts:
-                        p = b.fmul(codes, x_at(t, off))
-                        s = p if s is None else b.fadd(s, p)
-                    key = ("acc", r, t, n % n_acc)
-                    st[key] = b.fadd(st[key], b.fmul(sv, s))
-            for t in range(tokens) if mins is not None else ():
-                st["corr", r, t] = b.fadd(st["corr", r, t], b.fmul(mins[0], xs_at(t)))
+                    key = ("acc", r, t, off // L % n_acc)
+                    st[key] = _fma(b, w, x_at(t, off), st[key])
         return st
 
     end = _block_loop(b, n_blocks, init, body)
     outp = b.inttoptr(outa, F32.as_pointer())
     for r, t in keys:
-        v = end["acc", r, t, 0]
-        for a in range(1, n_acc):
-            v = b.fadd(v, end["acc", r, t, a])
-        c = end["corr", r, t] if n_mins == 1 else _hsum(b, end["corr", r, t])
+        acc = [end["acc", r, t, a] for a in range(n_acc)]
+        while len(acc) > 1:                                     # (a0 + a1) + (a2 + a3): a fixed tree
+            acc = [b.fadd(acc[j], acc[j + 1]) for j in range(0, len(acc), 2)]
         at = b.add(b.mul(out_stride, ir.Constant(I64, t)), ir.Constant(I64, r))
-        b.store(b.fadd(_hsum(b, v), c), b.gep(outp, [at]))
+        b.store(_hsum(b, acc[0]), b.gep(outp, [at]))
 
 
 NAMES = tuple(BLOCKS)
@@ -310,14 +364,12 @@ def _tile(code, n_rows, n_tokens, n_addr, names, emit):
 
 
 @intrinsic
-def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, xa, x_stride, xsa, xs_stride, outa, out_stride,
-             n_blocks):
-    """dot_tile(code, R, T, rows, ahead, x, x_stride, xs, xs_stride, out, out_stride, n_blocks), code = TYPE_CODE[qtype]
-    (a switch over every type's loop), R and T constants: out[t * out_stride + r] = row
-    r's dot product with x[t * x_stride:] for r < R, t < T (addresses as integers, strides in elements; rows:
-    the address of R int64 row addresses; ahead: R more, the rows to prefetch; xs: the sums of x's groups of 32,
-    read for the types with a min)."""
-    return _tile(code, n_rows, n_tokens, 9, NAMES, _emit_tile)
+def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, xa, x_stride, outa, out_stride, n_blocks):
+    """dot_tile(code, R, T, rows, ahead, x, x_stride, out, out_stride, n_blocks), code = TYPE_CODE[qtype] (a switch
+    over every type's loop), R and T constants: out[t * out_stride + r] = row r's dot product with
+    x[t * x_stride:] for r < R, t < T (addresses as integers, strides in elements; rows: the address of R int64
+    row addresses; ahead: R more, the rows to prefetch)."""
+    return _tile(code, n_rows, n_tokens, 7, NAMES, _emit_tile)
 
 
 # -- ggml's integer products, bit for bit (numerics "ggml"): the legacy types' codes times Q8 activations -----
