@@ -406,10 +406,11 @@ def _lane_sums(b, p_lo, p_hi):
 def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa, d_stride, outa, out_stride,
                n_blocks):
     """ggml's vec_dot of n_rows legacy-quant rows with `tokens` Q8 activation rows (qa int8 [T, B*32], da, sa f32
-    [T, B]): per block, lane l = sum of elements 4l..4l+3 (integers), acc_l = fma(d * da, lane, acc_l) with the
-    fused multiply-add computed in float64 and rounded once to float32 (as numerics.ggml_cpu emulates it);
-    summs += m * sa in float32; out = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) (+ summs)."""
-    V8, D8, VI8_16 = ir.VectorType(F32, 8), ir.VectorType(ir.DoubleType(), 8), ir.VectorType(I8, L)
+    [T, B]): per block, lane l = sum of elements 4l..4l+3 (integers), acc_l = fma(d * da, lane, acc_l), the
+    float32 fused multiply-add of ggml's x86 code (numerics.ggml_cpu emulates it in float64, where the product
+    is exact and the sum rounds once to float64 before float32: the same float unless that lands on a float32
+    tie, some 2^-29 of sums); summs += m * sa in float32; out = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) (+ summs)."""
+    V8, VI8_16 = ir.VectorType(F32, 8), ir.VectorType(I8, L)
     block_bytes = BLOCKS[qtype][1]
     rows, ahead = _pointers(b, rowsa, n_rows), _pointers(b, aheada, n_rows)
     qap = _strided(b, qaa, qa_stride, tokens, I8)
@@ -428,9 +429,8 @@ def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa
         for r in range(n_rows):
             lo, hi, d, m = _legacy_codes(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes))
             for t, (alo, ahi, da, sa) in enumerate(acts):
-                lanes = b.sitofp(_lane_sums(b, b.mul(lo, alo), b.mul(hi, ahi)), D8)
-                dd = b.fpext(_splat(b, b.fmul(d, da), 8), D8)
-                st["acc", r, t] = b.fptrunc(b.fadd(b.fmul(dd, lanes), b.fpext(st["acc", r, t], D8)), V8)
+                lanes = b.sitofp(_lane_sums(b, b.mul(lo, alo), b.mul(hi, ahi)), V8)      # exact (< 2^16)
+                st["acc", r, t] = _fma(b, _splat(b, b.fmul(d, da), 8), lanes, st["acc", r, t])
                 if m is not None:
                     st["summs", r, t] = b.fadd(st["summs", r, t], b.fmul(m, sa))
         return st
