@@ -176,6 +176,48 @@ def test_numba_kernels_match_the_dequantized_product(qt):
     np.testing.assert_array_equal(blocks.matvec(x[1]), got[1])            # each row exactly as alone
 
 
+TABLE_PROBE = """
+import sys, numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_backends import random_qtensor
+from llorch_ref.backends import numba_simd
+from llorch_ref.backends.numba_backend import KernelBlocks
+x = np.random.default_rng(3).standard_normal((5, 512)).astype(np.float32)
+out = {qt: KernelBlocks([random_qtensor(qt, 24, 512, 7)]).matmul(x) for qt in sys.argv[3:]}
+np.savez(sys.argv[2], tables=numba_simd.TABLES, **out)
+"""
+
+
+def test_numba_4bit_lookup_and_conversion_builds_give_the_same_products_to_the_bit(tmp_path):
+    """The AVX-512 build looks 4-bit codes' weights up (one vpermps), any other converts them: both make each
+    weight the oracle's float, so a product is the same to the bit whichever CPU built the kernel (one token
+    and five, Q4_0, Q4_1, Q4_K; the other build compiled in a child process with AVX-512 turned off)."""
+    need_backend("numba")
+    import os
+    import subprocess
+    import sys
+
+    import llvmlite.binding as ll
+
+    ll.initialize_native_target()
+    if not ll.get_host_cpu_features().get("avx512f"):
+        pytest.skip("this CPU has no AVX-512: only the conversion build runs here")
+    feats = ll.get_host_cpu_features()
+    off = ",".join(f"{'-' if k.startswith('avx512') or k.startswith('amx') else ('+' if v else '-')}{k}"
+                   for k, v in feats.items())
+    kinds = ["Q4_0", "Q4_1", "Q4_K"]
+    runs = {}
+    base = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_FEATURES"}
+    for name, extra in (("lookup", {}), ("conversion", {"NUMBA_CPU_FEATURES": off})):
+        env = {**base, "NUMBA_CACHE_DIR": str(tmp_path / f"cache-{name}"), **extra}
+        subprocess.run([sys.executable, "-c", TABLE_PROBE, os.path.dirname(__file__), str(tmp_path / name), *kinds],
+                       env=env, check=True, timeout=600)
+        runs[name] = np.load(tmp_path / f"{name}.npz")
+    assert bool(runs["lookup"]["tables"]) and not bool(runs["conversion"]["tables"])
+    for qt in kinds:
+        np.testing.assert_array_equal(runs["lookup"][qt], runs["conversion"][qt], err_msg=qt)
+
+
 @pytest.mark.parametrize("model", ["tiny-Q4_0", "tiny-Q4_1", "default"])
 def test_numba_fused_decode_step_equals_the_op_by_op_step(tiny, default_model, model, monkeypatch):
     """The fused one-token step (each layer in one numba call) against the op-by-op forward the checkpoints
