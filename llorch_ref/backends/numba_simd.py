@@ -301,6 +301,12 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
     not wait on each other), every one updated by the same operations in the same order whatever the tile: a
     product's value does not depend on its tile."""
     block_len, block_bytes = BLOCKS[qtype]
+    if block_len == 256 and tokens == 1 and n_rows > 2:   # super-blocks of four rows at once spill registers:
+        for r0 in range(0, n_rows, 2):                      # two loops of two rows (same operations per row)
+            at = ir.Constant(I64, 8 * r0)
+            _emit_tile(b, qtype, min(2, n_rows - r0), 1, b.add(rowsa, at), b.add(aheada, at), xa, x_stride,
+                       b.add(outa, ir.Constant(I64, 4 * r0)), out_stride, n_blocks)
+        return
     n_acc = ACCUMULATORS[block_len]
     rows, ahead = _pointers(b, rowsa, n_rows), _pointers(b, aheada, n_rows)
     xp = _strided(b, xa, x_stride, tokens, F32)
