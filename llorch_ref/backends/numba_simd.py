@@ -400,6 +400,28 @@ def _legacy_codes(qtype, k):
     return lo, hi, k.f16(0), (k.f16(2) if qtype in ("Q4_1", "Q5_1") else None)
 
 
+PAIRS = _compiles_for("avx2")      # ggml's integer products as pair sums (vpmaddwd) or as 32-bit products
+
+
+def _pair_sums(b, codes, acts):
+    """<16 x i32> codes (each within 16 bits) and <16 x i16> activations -> <8 x i32>: lane j the sum of the
+    products of elements 2j and 2j+1 (vpmaddwd: exact, as every sum here is)."""
+    name, V16 = "llvm.x86.avx2.pmadd.wd", ir.VectorType(I16, L)
+    fn = b.module.globals.get(name) or ir.Function(
+        b.module, ir.FunctionType(ir.VectorType(I32, 8), [V16, V16]), name=name)
+    return b.call(fn, [b.trunc(codes, V16), acts])
+
+
+def _quad_sums(b, lo, hi, alo, ahi):
+    """Codes and activations of elements 0-15 and 16-31 -> <8 x i32>: lane l the sum of the products of elements
+    4l..4l+3 (exact), by pair sums where AVX2 has them."""
+    if not PAIRS:
+        return _lane_sums(b, b.mul(lo, alo), b.mul(hi, ahi))
+    p_lo, p_hi = _pair_sums(b, lo, alo), _pair_sums(b, hi, ahi)
+    pick = lambda first: ir.Constant(ir.VectorType(I32, 8), list(range(first, 16, 2)))     # noqa: E731
+    return b.add(b.shuffle_vector(p_lo, p_hi, pick(0)), b.shuffle_vector(p_lo, p_hi, pick(1)))
+
+
 def _lane_sums(b, p_lo, p_hi):
     """Products of elements 0-15 and 16-31 -> <8 x i32>: lane l the sum of elements 4l..4l+3 (exact)."""
     s = None
@@ -429,13 +451,14 @@ def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa
         acts = []
         for t in range(tokens):
             qa = b.gep(qap[t], [b.mul(i, ir.Constant(I64, 32))])
-            lo = b.sext(b.load(b.bitcast(qa, VI8_16.as_pointer()), align=1), VI32)
-            hi = b.sext(b.load(b.bitcast(b.gep(qa, [ir.Constant(I64, 16)]), VI8_16.as_pointer()), align=1), VI32)
+            wide = ir.VectorType(I16, L) if PAIRS else VI32
+            lo = b.sext(b.load(b.bitcast(qa, VI8_16.as_pointer()), align=1), wide)
+            hi = b.sext(b.load(b.bitcast(b.gep(qa, [ir.Constant(I64, 16)]), VI8_16.as_pointer()), align=1), wide)
             acts.append((lo, hi, b.load(b.gep(dap[t], [i])), b.load(b.gep(sap[t], [i]))))
         for r in range(n_rows):
             lo, hi, d, m = _legacy_codes(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes))
             for t, (alo, ahi, da, sa) in enumerate(acts):
-                lanes = b.sitofp(_lane_sums(b, b.mul(lo, alo), b.mul(hi, ahi)), V8)      # exact (< 2^16)
+                lanes = b.sitofp(_quad_sums(b, lo, hi, alo, ahi), V8)      # exact (< 2^17)
                 st["acc", r, t] = _fma(b, _splat(b, b.fmul(d, da), 8), lanes, st["acc", r, t])
                 if m is not None:
                     st["summs", r, t] = b.fadd(st["summs", r, t], b.fmul(m, sa))
