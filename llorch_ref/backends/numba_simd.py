@@ -107,6 +107,12 @@ def _nibbles(k, q, shift):
     return k.b.and_(k.b.lshr(q, _vi(shift)), _vi(15)) if shift else k.b.and_(q, _vi(15))
 
 
+def _codes4(k, q, shift):
+    """The 4-bit codes at bit `shift` of each byte (q: bytes widened to <16 x i32>) in each lane's low four bits,
+    the bits above not cleared: _codes_times' lookup reads only those four, its conversion masks them."""
+    return k.b.lshr(q, _vi(shift)) if shift else q
+
+
 def _lanes(b, v, idx):
     return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, len(idx)), list(idx)))
 
@@ -161,7 +167,7 @@ def _weights(qtype, k):
     b = k.b
     if qtype in ("Q4_0", "Q4_1"):
         q = k.bytes16(2 if qtype == "Q4_0" else 4)
-        lo, hi = q, b.lshr(q, _vi(4))                   # the low four bits of each: the codes
+        lo, hi = _codes4(k, q, 0), _codes4(k, q, 4)
         if qtype == "Q4_0":                              # d * (code - 8) = d * code - 8d, exact either way
             d = k.f16_splats(0, 1)[0]
             off = b.fmul(d, ir.Constant(VF, [-8.0] * L))
@@ -189,11 +195,12 @@ def _weights(qtype, k):
         for j in range(8):
             base, shift = q_at + 32 * (j // 2), 4 * (j % 2)
             s, m = b.extract_element(scales, ir.Constant(I32, j)), b.extract_element(mins, ir.Constant(I32, j))
-            lo, hi = _nibbles(k, k.bytes16(base), shift), _nibbles(k, k.bytes16(base + 16), shift)
             if qtype == "Q4_K":
+                lo, hi = _codes4(k, k.bytes16(base), shift), _codes4(k, k.bytes16(base + 16), shift)
                 sv, mv = _splat(b, s), _splat(b, m)
                 out += [(_codes_times(k, lo, sv, mv), 32 * j), (_codes_times(k, hi, sv, mv), 32 * j + 16)]
                 continue
+            lo, hi = _nibbles(k, k.bytes16(base), shift), _nibbles(k, k.bytes16(base + 16), shift)
             lo = b.or_(lo, b.shl(b.and_(b.lshr(k.bytes16(16), _vi(j)), _vi(1)), _vi(4)))   # qh[l] bit j: the
             hi = b.or_(hi, b.shl(b.and_(b.lshr(k.bytes16(32), _vi(j)), _vi(1)), _vi(4)))   # fifth bit
             out += [(_fma(b, k.fl(c), _splat(b, s), _splat(b, m)), 32 * j + o) for c, o in ((lo, 0), (hi, 16))]

@@ -189,9 +189,7 @@ class Sampler:
 
     def __call__(self, logits) -> int:
         x = filtered_logits(logits, self.params, self.history)
-        tok = greedy(x) if self.params.greedy else draw(x, self.rng)
-        self.history.append(tok)
-        return tok
+        return self.took(greedy(x) if self.params.greedy else draw(x, self.rng))
 
     @property
     def plain_greedy(self) -> bool:
@@ -207,7 +205,5 @@ class Sampler:
         """logits: [V] on `backend` -> the next token. Plain greedy (no penalty) is the argmax of the raw logits,
         taken where they are (a GPU sends back one index, not the row); anything else samples on the host."""
         if self.plain_greedy:
-            tok = backend.argmax(logits)
-            self.history.append(tok)
-            return tok
+            return self.took(backend.argmax(logits))
         return self(backend.to_numpy(logits))
