@@ -57,10 +57,20 @@ def _vi(v):
 
 
 class _Block:
-    """Reads of one block at i8* p."""
+    """Reads of one block at i8* p; one_token: the block's weights serve one token (no other token shares the
+    splats of its scales)."""
 
-    def __init__(self, b, p):
-        self.b, self.p = b, p
+    def __init__(self, b, p, one_token=False):
+        self.b, self.p, self.one_token = b, p, one_token
+
+    def splats(self, v):
+        """v <16 x float> (a super-block's scales) -> splat(j): lane j of v in every lane. For one token, by a
+        broadcast load from a stack slot v is stored to: a load port's work where a lane shuffle is the shuffle
+        port's, the port that the code lookups and byte widenings keep busy (Q5_K and Q6_K products 1.1-1.2x
+        faster, tools/kernel_speed.py); for several tokens, whose splats are shared, the shuffle is faster."""
+        if not self.one_token:
+            return lambda j: _lanes(self.b, v, [j] * L)
+        return _splats_from_memory(self.b, v)
 
     def at(self, off, ty):
         return self.b.bitcast(self.b.gep(self.p, [ir.Constant(I64, off)]), ty.as_pointer())
@@ -192,31 +202,54 @@ def _weights(qtype, k):
         scales = _scaled(b, k.f16(0), sc)                # d * sc, exact
         mins = b.fneg(_scaled(b, k.f16(2), mn))          # -(dmin * m), exact
         q_at, out = (16 if qtype == "Q4_K" else 48), []
+        splats = k.splats(b.shuffle_vector(scales, mins, ir.Constant(VI32, list(range(16)))))
         for j in range(8):
             base, shift = q_at + 32 * (j // 2), 4 * (j % 2)
-            s, m = b.extract_element(scales, ir.Constant(I32, j)), b.extract_element(mins, ir.Constant(I32, j))
+            sv, mv = splats(j), splats(8 + j)
             if qtype == "Q4_K":
                 lo, hi = _codes4(k, k.bytes16(base), shift), _codes4(k, k.bytes16(base + 16), shift)
-                sv, mv = _splat(b, s), _splat(b, m)
                 out += [(_codes_times(k, lo, sv, mv), 32 * j), (_codes_times(k, hi, sv, mv), 32 * j + 16)]
                 continue
             lo, hi = _nibbles(k, k.bytes16(base), shift), _nibbles(k, k.bytes16(base + 16), shift)
             lo = b.or_(lo, b.shl(b.and_(b.lshr(k.bytes16(16), _vi(j)), _vi(1)), _vi(4)))   # qh[l] bit j: the
             hi = b.or_(hi, b.shl(b.and_(b.lshr(k.bytes16(32), _vi(j)), _vi(1)), _vi(4)))   # fifth bit
-            out += [(_fma(b, k.fl(c), _splat(b, s), _splat(b, m)), 32 * j + o) for c, o in ((lo, 0), (hi, 16))]
+            out += [(_fma(b, k.fl(c), sv, mv), 32 * j + o) for c, o in ((lo, 0), (hi, 16))]
         return out
     if qtype == "Q6_K":
-        scales, out = _scaled(b, k.f16(208), k.bytes16(192, True)), []   # d * sc, exact
+        splats, out = k.splats(_scaled(b, k.f16(208), k.bytes16(192, True))), []   # d * sc, exact
         for n in range(2):
             for which in range(4):
                 for h in range(2):
                     ql = _nibbles(k, k.bytes16(64 * n + 32 * (which % 2) + 16 * h), 4 * (which // 2))
                     qh = b.shl(b.and_(b.lshr(k.bytes16(128 + 32 * n + 16 * h), _vi(2 * which)), _vi(3)), _vi(4))
                     code = b.sub(b.or_(ql, qh), _vi(32))
-                    s = _lanes(b, scales, [8 * n + h + 2 * which] * L)
+                    s = splats(8 * n + h + 2 * which)
                     out.append((b.fmul(s, k.fl(code)), 128 * n + 32 * which + 16 * h))
         return out
     raise ValueError(f"no in-place kernel for {qtype}")
+
+
+def _splats_from_memory(b, v):
+    """_Block.splats by broadcast loads: v stored once, each lane read back by a volatile load (LLVM would otherwise
+    forward the stored lane and shuffle), which the backend folds into one vbroadcastss."""
+    with b.goto_entry_block():
+        slot = b.alloca(VF)
+    b.store(v, slot, align=64)
+    fp = b.bitcast(slot, F32.as_pointer())
+
+    def splat(j):
+        load = _VolatileLoad(b.block, b.gep(fp, [ir.Constant(I32, j)]))
+        b._insert(load)
+        return _splat(b, load)
+    return splat
+
+
+class _VolatileLoad(ir.instructions.LoadInstr):
+    """A load LLVM keeps (llvmlite's builder has no volatile loads)."""
+
+    def descr(self, buf):
+        [val] = self.operands
+        buf.append(f"load volatile {self.type}, {val.type} {val.get_reference()}, align 4\n")
 
 
 def _splat(b, v, n=L):
@@ -291,12 +324,12 @@ def _strided(b, addr, stride, n, ty):
     return [b.gep(b.inttoptr(addr, ty.as_pointer()), [b.mul(stride, ir.Constant(I64, t))]) for t in range(n)]
 
 
-def _block_at(b, row, ahead, i, block_bytes):
+def _block_at(b, row, ahead, i, block_bytes, one_token):
     """Block i of a row, after prefetching block i of the row to come (every cache line of it)."""
     at = b.mul(i, ir.Constant(I64, block_bytes))
     for line in range(0, block_bytes, 64):
         _prefetch(b, b.gep(ahead, [b.add(at, ir.Constant(I64, line))]))
-    return _Block(b, b.gep(row, [at]))
+    return _Block(b, b.gep(row, [at]), one_token)
 
 
 def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_stride, n_blocks):
@@ -308,10 +341,10 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
     not wait on each other), every one updated by the same operations in the same order whatever the tile: a
     product's value does not depend on its tile."""
     block_len, block_bytes = BLOCKS[qtype]
-    if block_len == 256 and tokens == 1 and n_rows > 2:   # super-blocks of four rows at once spill registers:
-        for r0 in range(0, n_rows, 2):                      # two loops of two rows (same operations per row)
+    if block_len == 256 and tokens == 1 and n_rows > 1:   # super-blocks of several rows at once spill registers:
+        for r0 in range(n_rows):                            # one loop a row (same operations per row)
             at = ir.Constant(I64, 8 * r0)
-            _emit_tile(b, qtype, min(2, n_rows - r0), 1, b.add(rowsa, at), b.add(aheada, at), xa, x_stride,
+            _emit_tile(b, qtype, 1, 1, b.add(rowsa, at), b.add(aheada, at), xa, x_stride,
                        b.add(outa, ir.Constant(I64, 4 * r0)), out_stride, n_blocks)
         return
     n_acc = ACCUMULATORS[block_len]
@@ -329,7 +362,7 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
                 xv[t, off] = b.load(b.bitcast(ptr, VF.as_pointer()), align=4)
             return xv[t, off]
         for r in range(n_rows):
-            for w, off in _weights(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes)):
+            for w, off in _weights(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes, tokens == 1)):
                 for t in range(tokens):
                     key = ("acc", r, t, off // L % n_acc)
                     st[key] = _fma(b, w, x_at(t, off), st[key])
@@ -463,7 +496,7 @@ def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa
             hi = b.sext(b.load(b.bitcast(b.gep(qa, [ir.Constant(I64, 16)]), VI8_16.as_pointer()), align=1), wide)
             acts.append((lo, hi, b.load(b.gep(dap[t], [i])), b.load(b.gep(sap[t], [i]))))
         for r in range(n_rows):
-            lo, hi, d, m = _legacy_codes(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes))
+            lo, hi, d, m = _legacy_codes(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes, tokens == 1))
             for t, (alo, ahi, da, sa) in enumerate(acts):
                 lanes = b.sitofp(_quad_sums(b, lo, hi, alo, ahi), V8)      # exact (< 2^17)
                 st["acc", r, t] = _fma(b, _splat(b, b.fmul(d, da), 8), lanes, st["acc", r, t])
