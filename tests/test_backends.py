@@ -218,6 +218,48 @@ def test_numba_4bit_lookup_and_conversion_builds_give_the_same_products_to_the_b
         np.testing.assert_array_equal(runs["lookup"][qt], runs["conversion"][qt], err_msg=qt)
 
 
+STAMP_PROBE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from llorch_ref.backends import numba_ggml, numba_kernels
+for f in (numba_kernels.matmul_rows, numba_kernels.decode_step, numba_ggml.decode_step):
+    loc = f._cache._impl.locator
+    print(type(loc).__name__, loc.get_cache_path(), repr(loc.get_source_stamp()))
+"""
+
+
+def test_numba_cached_kernels_are_rebuilt_when_any_kernel_source_changes(tmp_path):
+    """numba keys a cached function on its own file only: a changed numba_simd.py (the intrinsics numba_kernels'
+    and numba_ggml's functions are built from) would load the old kernels. Planted: a copy of the package whose
+    numba_simd.py gains one line must give every kernel's cache a new stamp (numba then recompiles), and the
+    unchanged copy the same stamp twice; numba_kernels.py and numba_ggml.py alike."""
+    need_backend("numba")
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "copy"
+    shutil.copytree(os.path.dirname(llorch_ref.__file__), pkg / "llorch_ref",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "NUMBA_CACHE_DIR": ""}
+
+    def stamps():
+        out = subprocess.run([sys.executable, "-c", STAMP_PROBE, str(pkg)], env=env, check=True, timeout=300,
+                             capture_output=True, text=True).stdout.splitlines()
+        assert len(out) == 3 and all(line.startswith("KernelInTreeCacheLocator ") for line in out), out
+        assert all(str(pkg) in line for line in out), out             # the copy's own cache folder
+        return out
+    first, again = stamps(), stamps()
+    assert first == again
+    for name in ("numba_simd.py", "numba_kernels.py", "numba_ggml.py"):
+        with open(pkg / "llorch_ref" / "backends" / name, "a") as f:
+            f.write("# changed\n")
+        changed = stamps()
+        assert all(a != b for a, b in zip(first, changed)), name
+        first = changed
+
+
 @pytest.mark.parametrize("model", ["tiny-Q4_0", "tiny-Q4_1", "default"])
 def test_numba_fused_decode_step_equals_the_op_by_op_step(tiny, default_model, model, monkeypatch):
     """The fused one-token step (each layer in one numba call) against the op-by-op forward the checkpoints

@@ -17,7 +17,10 @@ numba_wide_vectors()            # before numba reads its configuration: 512-bit 
 import numba as nb  # noqa: E402
 import numpy as np  # noqa: E402
 
+from . import numba_cache  # noqa: E402
 from . import numba_simd as S  # noqa: E402
+
+numba_cache.install()           # before the kernels below are decorated: their cache sees numba_simd's code too
 
 
 # -- products straight from the file's blocks (numba_simd's vector loops), rows anywhere in memory ------------

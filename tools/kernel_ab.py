@@ -1,0 +1,105 @@
+"""A/B of numba's in-place products: this tree's kernels against those of another commit, in one process.
+
+    python tools/kernel_ab.py --base 6042d8f [--types Q4_K,Q5_K,Q6_K] [--tokens 1,8] [--threads 1,2]
+
+The host's speed moves by up to 2x within seconds (another VM's work on the same cores), and numba code placed
+differently runs up to 10% apart, so separate processes cannot resolve a 10% change. Here the base commit's
+numba_simd and numba_kernels are written to a temporary package and imported beside this tree's; both run the
+same random blocks (real float16 scales), alternating every 40 calls for 15 rounds, the order swapped every
+round. Prints each side's median weight-tokens a second and the median of the per-round ratios (this tree /
+base), after checking that both give the same products to the bit.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def base_package(commit: str, where: Path) -> str:
+    """The commit's two kernel modules as package `kernels_base` under `where` -> its name."""
+    pkg = where / "kernels_base"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from llorch_ref.backends import numba_wide_vectors  # noqa: F401\n")
+    for name in ("numba_simd.py", "numba_kernels.py"):
+        text = subprocess.run(["git", "show", f"{commit}:llorch_ref/backends/{name}"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+        (pkg / name).write_text(text)
+    return "kernels_base"
+
+
+def random_rows(S, qtype, n, k, rng):
+    """n rows of random blocks of qtype (float16 scales 0.01, mins 0.001) -> (blocks, row addresses, blocks a row)."""
+    import numpy as np
+
+    block_len, block_bytes = S.BLOCKS[qtype]
+    blocks = rng.integers(0, 256, (n, k // block_len * block_bytes), dtype=np.uint8)
+    b = blocks.reshape(n, -1, block_bytes)
+    d, m = (np.frombuffer(np.float16(v).tobytes(), np.uint8) for v in (0.01, 0.001))
+    at = {"Q6_K": [(208, d)], "Q4_1": [(0, d), (2, m)], "Q5_1": [(0, d), (2, m)], "Q4_K": [(0, d), (2, m)],
+          "Q5_K": [(0, d), (2, m)]}.get(qtype, [(0, d)])
+    for off, v in at:
+        b[:, :, off:off + 2] = v
+    return blocks, (blocks.ctypes.data + np.arange(n) * blocks.strides[0]).astype(np.int64), k // block_len
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", required=True, help="the commit to compare against")
+    ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K")
+    ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rows", type=int, default=512, help="rows a matrix (K = 4096)")
+    a = ap.parse_args()
+    import numba as nb
+    import numpy as np
+
+    from llorch_ref.backends import numba_kernels as here
+    from llorch_ref.backends import numba_simd as S
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.path.insert(0, tmp)
+        base = importlib.import_module(f"{base_package(a.base, Path(tmp))}.numba_kernels")
+        rng, k = np.random.default_rng(0), 4096
+        mats = {q: random_rows(S, q, a.rows, k, rng) for q in a.types.split(",")}
+        for threads in map(int, a.threads.split(",")):
+            nb.set_num_threads(threads)
+            for t_n in map(int, a.tokens.split(",")):
+                x = rng.standard_normal((t_n, k)).astype(np.float32)
+                for q, (_, rows, n_blocks) in mats.items():
+                    print(compare(q, S.TYPE_CODE[q], rows, n_blocks, x, {"this": here, "base": base}, threads),
+                          flush=True)
+
+
+def compare(qtype, code, rows, n_blocks, x, sides, threads, rounds=15, calls=40):
+    import numpy as np
+
+    outs = {}
+    for name, mod in sides.items():
+        outs[name] = np.empty((x.shape[0], rows.shape[0]), np.float32)
+        mod.matmul_rows(code, rows, n_blocks, x, outs[name])
+    if not np.array_equal(outs["this"], outs["base"]):
+        return f"{qtype}: products differ (max abs {np.abs(outs['this'] - outs['base']).max():.3g})"
+    took = {name: [] for name in sides}
+    for r in range(rounds):
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            f, out = sides[name].matmul_rows, outs[name]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f(code, rows, n_blocks, x, out)
+            took[name].append((time.perf_counter() - t0) / calls)
+    work = rows.shape[0] * x.shape[1] * x.shape[0]
+    this, base = np.array(took["this"]), np.array(took["base"])
+    return (f"{qtype} T={x.shape[0]} threads={threads}: this {work / np.median(this) / 1e9:6.2f}, base "
+            f"{work / np.median(base) / 1e9:6.2f} G weight-tokens/s; this/base {np.median(base / this):.3f} "
+            f"(rounds {np.min(base / this):.2f}-{np.max(base / this):.2f}); same products to the bit")
+
+
+if __name__ == "__main__":
+    main()
