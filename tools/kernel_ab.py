@@ -23,14 +23,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def base_package(commit: str, where: Path) -> str:
-    """The commit's two kernel modules as package `kernels_base` under `where` -> its name."""
+    """The commit's kernel modules as package `kernels_base` under `where` -> its name."""
     pkg = where / "kernels_base"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("from llorch_ref.backends import numba_wide_vectors  # noqa: F401\n")
-    for name in ("numba_simd.py", "numba_kernels.py"):
-        text = subprocess.run(["git", "show", f"{commit}:llorch_ref/backends/{name}"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout
-        (pkg / name).write_text(text)
+    for name in ("numba_simd.py", "numba_kernels.py", "numba_ggml.py", "numba_cache.py"):
+        got = subprocess.run(["git", "show", f"{commit}:llorch_ref/backends/{name}"], cwd=ROOT, capture_output=True,
+                             text=True)
+        if got.returncode == 0:                         # numba_cache.py: not in commits before it came
+            (pkg / name).write_text(got.stdout)
     return "kernels_base"
 
 

@@ -37,6 +37,10 @@ VF, VI32, VI8 = ir.VectorType(F32, L), ir.VectorType(I32, L), ir.VectorType(I8, 
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token) has, by block length
+# For one token, super-block types: rows a loop takes (more rows at once spill registers), and whether a block's
+# scales are splatted by broadcast loads (_Block.splats). Chosen by tools/kernel_ab.py (results/cpu/2026-11-28-s16.md).
+SUPER_ROWS = {"Q4_K": 2, "Q5_K": 1, "Q6_K": 1}
+SPLAT_LOADS = ("Q5_K", "Q6_K")
 
 
 def _compiles_for(feature: str) -> bool:
@@ -57,18 +61,18 @@ def _vi(v):
 
 
 class _Block:
-    """Reads of one block at i8* p; one_token: the block's weights serve one token (no other token shares the
-    splats of its scales)."""
+    """Reads of one block at i8* p; splat_loads: its scales' splats by broadcast loads (see splats)."""
 
-    def __init__(self, b, p, one_token=False):
-        self.b, self.p, self.one_token = b, p, one_token
+    def __init__(self, b, p, splat_loads=False):
+        self.b, self.p, self.splat_loads = b, p, splat_loads
 
     def splats(self, v):
         """v <16 x float> (a super-block's scales) -> splat(j): lane j of v in every lane. For one token, by a
         broadcast load from a stack slot v is stored to: a load port's work where a lane shuffle is the shuffle
-        port's, the port that the code lookups and byte widenings keep busy (Q5_K and Q6_K products 1.1-1.2x
-        faster, tools/kernel_speed.py); for several tokens, whose splats are shared, the shuffle is faster."""
-        if not self.one_token:
+        port's, the port that the code lookups and byte widenings keep busy (Q5_K's and Q6_K's one-token products
+        1.04-1.26x faster, tools/kernel_ab.py; Q4_K's 0.94x); for several tokens, whose splats are shared, the
+        shuffle is faster."""
+        if not self.splat_loads:
             return lambda j: _lanes(self.b, v, [j] * L)
         return _splats_from_memory(self.b, v)
 
@@ -324,12 +328,12 @@ def _strided(b, addr, stride, n, ty):
     return [b.gep(b.inttoptr(addr, ty.as_pointer()), [b.mul(stride, ir.Constant(I64, t))]) for t in range(n)]
 
 
-def _block_at(b, row, ahead, i, block_bytes, one_token):
+def _block_at(b, row, ahead, i, block_bytes, splat_loads=False):
     """Block i of a row, after prefetching block i of the row to come (every cache line of it)."""
     at = b.mul(i, ir.Constant(I64, block_bytes))
     for line in range(0, block_bytes, 64):
         _prefetch(b, b.gep(ahead, [b.add(at, ir.Constant(I64, line))]))
-    return _Block(b, b.gep(row, [at]), one_token)
+    return _Block(b, b.gep(row, [at]), splat_loads)
 
 
 def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_stride, n_blocks):
@@ -341,10 +345,11 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
     not wait on each other), every one updated by the same operations in the same order whatever the tile: a
     product's value does not depend on its tile."""
     block_len, block_bytes = BLOCKS[qtype]
-    if block_len == 256 and tokens == 1 and n_rows > 1:   # super-blocks of several rows at once spill registers:
-        for r0 in range(n_rows):                            # one loop a row (same operations per row)
+    step = SUPER_ROWS.get(qtype, n_rows) if tokens == 1 else n_rows
+    if step < n_rows:                               # super-blocks of several rows at once spill registers: loops
+        for r0 in range(0, n_rows, step):           # of fewer rows (the same operations per row)
             at = ir.Constant(I64, 8 * r0)
-            _emit_tile(b, qtype, 1, 1, b.add(rowsa, at), b.add(aheada, at), xa, x_stride,
+            _emit_tile(b, qtype, min(step, n_rows - r0), 1, b.add(rowsa, at), b.add(aheada, at), xa, x_stride,
                        b.add(outa, ir.Constant(I64, 4 * r0)), out_stride, n_blocks)
         return
     n_acc = ACCUMULATORS[block_len]
@@ -362,7 +367,8 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
                 xv[t, off] = b.load(b.bitcast(ptr, VF.as_pointer()), align=4)
             return xv[t, off]
         for r in range(n_rows):
-            for w, off in _weights(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes, tokens == 1)):
+            block = _block_at(b, rows[r], ahead[r], i, block_bytes, tokens == 1 and qtype in SPLAT_LOADS)
+            for w, off in _weights(qtype, block):
                 for t in range(tokens):
                     key = ("acc", r, t, off // L % n_acc)
                     st[key] = _fma(b, w, x_at(t, off), st[key])
@@ -496,7 +502,7 @@ def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa
             hi = b.sext(b.load(b.bitcast(b.gep(qa, [ir.Constant(I64, 16)]), VI8_16.as_pointer()), align=1), wide)
             acts.append((lo, hi, b.load(b.gep(dap[t], [i])), b.load(b.gep(sap[t], [i]))))
         for r in range(n_rows):
-            lo, hi, d, m = _legacy_codes(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes, tokens == 1))
+            lo, hi, d, m = _legacy_codes(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes))
             for t, (alo, ahi, da, sa) in enumerate(acts):
                 lanes = b.sitofp(_quad_sums(b, lo, hi, alo, ahi), V8)      # exact (< 2^17)
                 st["acc", r, t] = _fma(b, _splat(b, b.fmul(d, da), 8), lanes, st["acc", r, t])
