@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 from llorch_ref.backends import cpu_flags, cpu_model
 from llorch_ref.engine import GenerationResult
 from llorch_ref.loaders.gguf_file import open_reader, read_metadata
@@ -176,12 +178,33 @@ def worker_main(argv):
     print("BENCH " + json.dumps(out), flush=True)
 
 
+def host_probe(threads, rounds=9) -> float:
+    """The host's speed now: GFLOP/s of float32 matrix products in cache (384 x 384, BLAS on `threads` threads),
+    the median of `rounds` rounds of about 30 ms. A shared host's cores run up to 2x slower for seconds at a time
+    (another machine's work on the same physical cores; results/cpu/2026-11-28-s16.md): run before each engine
+    and after the last, it shows whether the engines were measured on the same machine speed."""
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((384, 384)).astype(np.float32) for _ in range(2))
+    took = []
+    with threadpool_limits(threads):
+        a @ b
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(8):
+                a @ b
+            took.append((time.perf_counter() - t0) / 8)
+    return round(2 * 384 ** 3 / statistics.median(took) / 1e9, 1)
+
+
 def run_bench(path, engines, prefill=128, decode=128, repeats=3, threads=None, timeout=1800):
     threads = threads or os.cpu_count() or 1
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
-    results = []
+    results, probes = [], []
     for e in engines:
+        probes.append(host_probe(threads))
         print(f"llorch-ref bench: {e} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "llorch_ref.bench", e, str(path), str(prefill), str(decode), str(repeats),
                str(threads)]
@@ -192,8 +215,10 @@ def run_bench(path, engines, prefill=128, decode=128, repeats=3, threads=None, t
             results.append({"engine": e, "error": tail})
             continue
         results.append(json.loads(line[6:]))
+    probes.append(host_probe(threads))
     return {"model": str(path), "prefill_tokens": prefill, "decode_tokens": decode, "repeats": repeats,
-            "threads": threads, "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "results": results}
+            "threads": threads, "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "results": results,
+            "host_probe_gflops": probes}
 
 
 def _tps(x) -> str:
@@ -221,6 +246,7 @@ def markdown(report) -> str:
               for r in report["results"] if r.get("prefill_runs") and r.get("decode_runs")]
     if spread:
         lines += ["", "run-to-run spread (tok/s, every timed run): " + "; ".join(spread)]
+    lines += _probe_lines(report.get("host_probe_gflops"), [r["engine"] for r in report["results"]])
     for r in report["results"]:
         info = r.get("info") or {}
         if info.get("matrix_paths"):
@@ -230,6 +256,18 @@ def markdown(report) -> str:
             lines += ["", f"{r['engine']}: compiled kernels' vector registers: "
                       + "; ".join(f"{k} {v}" for k, v in info["vector_registers"].items())]
     return "\n".join(lines)
+
+
+def _probe_lines(probes, engines) -> list:
+    """The host probe's figures, and a warning where they moved by more than a fifth during the run."""
+    if not probes:
+        return []
+    when = [f"before {e} {p}" for e, p in zip(engines, probes)] + [f"after the last {probes[-1]}"]
+    lines = ["", "host speed (float32 products in cache, GFLOP/s, host_probe): " + ", ".join(when)]
+    if max(probes) > 1.2 * min(probes):
+        lines.append(f"warning: the host's speed moved by {max(probes) / min(probes):.2f}x during this run; engines "
+                     "measured at different speeds are not comparable: run again")
+    return lines
 
 
 if __name__ == "__main__":

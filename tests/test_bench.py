@@ -1,5 +1,6 @@
 """`llorch-ref bench` on a file without a vocabulary (token ids for every engine, llama.cpp included), with the
-CPU named and each matrix product's path counted; the vector registers of a compiled kernel read from its code."""
+CPU named, each matrix product's path counted and the host's speed probed around each engine; the vector
+registers of a compiled kernel read from its code."""
 from __future__ import annotations
 
 import json
@@ -28,6 +29,21 @@ def test_bench_runs_every_engine_on_a_file_without_a_vocabulary(tiny, tmp_path, 
     for x in rep["results"]:                       # every timed run kept, the median among them
         assert len(x["prefill_runs"]) == 1 and x["prefill_tok_s"] == pytest.approx(x["prefill_runs"][0], abs=1e-3)
     assert "run-to-run spread" in r.stdout
+    probes = rep["host_probe_gflops"]              # before each engine and after the last
+    assert len(probes) == 4 and all(p > 0 for p in probes)
+    assert "host speed (float32 products in cache" in r.stdout
+
+
+def test_bench_warns_when_the_host_speed_moved_during_the_run():
+    """The probe's figures printed beside the engines they preceded; a move of more than a fifth warned of."""
+    from llorch_ref.bench import _probe_lines
+
+    steady = "\n".join(_probe_lines([100.0, 95.0, 104.0], ["numba", "llama.cpp"]))
+    assert "before numba 100.0, before llama.cpp 95.0, after the last 104.0" in steady
+    assert "warning" not in steady
+    moved = "\n".join(_probe_lines([100.0, 52.0, 98.0], ["numba", "llama.cpp"]))
+    assert "warning: the host's speed moved by 1.92x" in moved
+    assert _probe_lines(None, ["numba"]) == []          # reports written before the probe existed
 
 
 def test_vector_registers_are_read_from_the_compiled_code():

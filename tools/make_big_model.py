@@ -35,7 +35,7 @@ SHAPES = {
                                                          "high_freq_factor": 4.0,
                                                          "original_max_position_embeddings": 8192}),
 }
-BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144)}
+BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
 def _rng(name, seed):
@@ -55,6 +55,10 @@ def random_blocks(name, rows, cols, qtype, std, seed) -> np.ndarray:
     elif qtype == "Q4_0":                                            # w = d * (q - 8), q uniform in 0..15
         d = np.full(nb, std / 4.61, dtype=np.float16)
         out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    elif qtype == "Q6_K":                                            # w = d * sc * (q - 32), sc in -64..63
+        out[:, 192:208] = ((out[:, 192:208] // 2).astype(np.int16) - 64).astype(np.int8).view(np.uint8)
+        d = np.full(nb, std / (37.0 * 18.5), dtype=np.float16)
+        out[:, 208:210] = d.view(np.uint8).reshape(nb, 2)
     else:                                                            # Q4_K: w = d*sc*q - dmin*m
         d = np.full(nb, std / 259.0, dtype=np.float16)
         out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
@@ -101,7 +105,7 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0):
     w.add_rope_freq_base(s["base"])
     w.add_rope_dimension_count(hd)
     w.add_vocab_size(V)
-    w.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_K": 15}[qtype])
+    w.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_K": 15, "Q6_K": 18}[qtype])
     tokens, types, scores, merges = vocab(s["vocab_kind"], V)
     if s["vocab_kind"] == "spm":
         w.add_tokenizer_model("llama")
