@@ -67,11 +67,11 @@ class _Block:
         self.b, self.p, self.splat_loads = b, p, splat_loads
 
     def splats(self, v):
-        """v <16 x float> (a super-block's scales) -> splat(j): lane j of v in every lane. For one token, by a
-        broadcast load from a stack slot v is stored to: a load port's work where a lane shuffle is the shuffle
-        port's, the port that the code lookups and byte widenings keep busy (Q5_K's and Q6_K's one-token products
-        1.04-1.26x faster, tools/kernel_ab.py; Q4_K's 0.94x); for several tokens, whose splats are shared, the
-        shuffle is faster."""
+        """v <16 x float> (a super-block's scales) -> splat(j): lane j of v in every lane. With splat_loads (Q5_K
+        and Q6_K for one token: SPLAT_LOADS), by a broadcast load from a stack slot v is stored to, a load port's
+        work where a lane shuffle is the shuffle port's, the port that the code lookups and byte widenings keep
+        busy (those products 1.04-1.26x faster, tools/kernel_ab.py; Q4_K's 0.86-0.94x); otherwise by a lane
+        shuffle (for several tokens the splats are shared, and the shuffle is faster)."""
         if not self.splat_loads:
             return lambda j: _lanes(self.b, v, [j] * L)
         return _splats_from_memory(self.b, v)
