@@ -38,7 +38,8 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token) has, by block length
 # For one token, super-block types: rows a loop takes (more rows at once spill registers), and whether a block's
-# scales are splatted by broadcast loads (_Block.splats). Chosen by tools/kernel_ab.py (results/cpu/2026-11-28-s16.md).
+# scales are splatted by broadcast loads (_Block.splats); Q4_K's two rows decode their 6-bit scales together
+# (_k4_pair). Chosen by tools/kernel_ab.py (results/cpu/2026-11-28-s16.md).
 SUPER_ROWS = {"Q4_K": 2, "Q5_K": 1, "Q6_K": 1}
 SPLAT_LOADS = ("Q5_K", "Q6_K")
 
@@ -146,6 +147,26 @@ def _k4_scales_mins(k):
     return sc, mn
 
 
+def _k4_pair(ka, kb):
+    """The scales and mins of two rows' super-blocks at once, as floats: (d sc, -(dmin m)) <16 x float> each, lanes
+    0-7 block ka's groups, 8-15 kb's: _k4_scales_mins and _scaled's operations, lane for lane, on 16 lanes."""
+    b = ka.b
+    qa, qb = ka.bytes16(4), kb.bytes16(4)
+    v16 = lambda c: _vi(c)                                                            # noqa: E731
+    two = lambda idx: b.shuffle_vector(qa, qb, ir.Constant(VI32, list(idx) + [L + i for i in idx]))   # noqa: E731
+    first = ir.Constant(ir.VectorType(ir.IntType(1), L), ([1] * 4 + [0] * 4) * 2)
+    p, m = two((0, 1, 2, 3, 8, 9, 10, 11)), two((4, 5, 6, 7, 8, 9, 10, 11))
+    top = lambda idx: b.shl(b.lshr(two(idx), v16(6)), v16(4))                        # noqa: E731
+    sc = b.select(first, b.and_(p, v16(63)), b.or_(b.and_(p, v16(15)), top((0, 1, 2, 3, 0, 1, 2, 3))))
+    mn = b.select(first, b.and_(m, v16(63)), b.or_(b.lshr(m, v16(4)), top((4, 5, 6, 7, 4, 5, 6, 7))))
+
+    def per_row(off):
+        u = ir.Constant(VF, ir.Undefined)
+        v = b.insert_element(b.insert_element(u, ka.f16(off), ir.Constant(I32, 0)), kb.f16(off), ir.Constant(I32, 8))
+        return b.shuffle_vector(v, u, ir.Constant(VI32, [0] * 8 + [8] * 8))
+    return b.fmul(per_row(0), b.sitofp(sc, VF)), b.fneg(b.fmul(per_row(2), b.sitofp(mn, VF)))
+
+
 def _scaled(b, d, ints):
     """d (a float16's value) times each integer of a vector, in float32: exact (at most 11 x 8 bits)."""
     n = ints.type.count
@@ -174,7 +195,7 @@ def _codes_times(k, codes, scale, offset=None):
     return _fma(b, k.fl(b.and_(codes, _vi(15))), scale, offset)
 
 
-def _weights(qtype, k):
+def _weights(qtype, k, k4=None):
     """One block at k -> [(w <16 x float>, x offset)]: its weights in float32, each the value gguf-py's
     dequantization (the NumPy oracle's) gives it, bit for bit: a float16 scale (times an integer sub-scale:
     exact) times a code (exact in float32 for every type), minus or plus a min term with one rounding."""
@@ -202,14 +223,16 @@ def _weights(qtype, k):
         d = k.f16_splats(0, 1)[0]
         return [(b.fmul(d, k.fl(k.bytes16(2, True))), 0), (b.fmul(d, k.fl(k.bytes16(18, True))), 16)]
     if qtype in ("Q4_K", "Q5_K"):
-        sc, mn = _k4_scales_mins(k)
-        scales = _scaled(b, k.f16(0), sc)                # d * sc, exact
-        mins = b.fneg(_scaled(b, k.f16(2), mn))          # -(dmin * m), exact
+        if k4 is None:
+            sc, mn = _k4_scales_mins(k)
+            scales = _scaled(b, k.f16(0), sc)                # d * sc, exact
+            mins = b.fneg(_scaled(b, k.f16(2), mn))          # -(dmin * m), exact
+            splats = k.splats(b.shuffle_vector(scales, mins, ir.Constant(VI32, list(range(16)))))
+            k4 = lambda j: (splats(j), splats(8 + j))       # noqa: E731
         q_at, out = (16 if qtype == "Q4_K" else 48), []
-        splats = k.splats(b.shuffle_vector(scales, mins, ir.Constant(VI32, list(range(16)))))
         for j in range(8):
             base, shift = q_at + 32 * (j // 2), 4 * (j % 2)
-            sv, mv = splats(j), splats(8 + j)
+            sv, mv = k4(j)
             if qtype == "Q4_K":
                 lo, hi = _codes4(k, k.bytes16(base), shift), _codes4(k, k.bytes16(base + 16), shift)
                 out += [(_codes_times(k, lo, sv, mv), 32 * j), (_codes_times(k, hi, sv, mv), 32 * j + 16)]
@@ -366,9 +389,12 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
                 ptr = b.gep(xp[t], [b.add(x0, ir.Constant(I64, off))])
                 xv[t, off] = b.load(b.bitcast(ptr, VF.as_pointer()), align=4)
             return xv[t, off]
+        blocks = [_block_at(b, rows[r], ahead[r], i, block_bytes, tokens == 1 and qtype in SPLAT_LOADS)
+                  for r in range(n_rows)]
+        pair = _k4_pair(*blocks) if qtype == "Q4_K" and tokens == 1 and n_rows == 2 else None   # shared decode
         for r in range(n_rows):
-            block = _block_at(b, rows[r], ahead[r], i, block_bytes, tokens == 1 and qtype in SPLAT_LOADS)
-            for w, off in _weights(qtype, block):
+            k4 = None if pair is None else (lambda j, r=r: tuple(_lanes(b, v, [8 * r + j] * L) for v in pair))
+            for w, off in _weights(qtype, blocks[r], k4):
                 for t in range(tokens):
                     key = ("acc", r, t, off // L % n_acc)
                     st[key] = _fma(b, w, x_at(t, off), st[key])
