@@ -1,8 +1,8 @@
 """numba's on-disk cache of the kernels, kept true to every source file the kernels are built from.
 
-numba keys a cached function on its own file's contents (its mtime and size before 0.61): numba_kernels.py's
-functions are built from numba_simd.py's intrinsics, and numba_ggml.py's from both, so an edit to numba_simd.py
-alone, or an upgrade that changes only it (pip leaves __pycache__'s .nbi/.nbc files in place), would load the
+numba keys a cached function on its own file (a hash of its contents; its mtime and size in older releases):
+numba_kernels.py's functions are built from numba_simd.py's intrinsics, and numba_ggml.py's from both, so an edit to
+numba_simd.py alone, or an upgrade that changes only it (pip leaves __pycache__'s .nbi/.nbc files in place), would load the
 kernels compiled from the old code. `install()` puts, ahead of numba's own cache locators, the same locators with
 a stamp that also covers the contents of every kernel source file (KERNEL_SOURCES): any change to one of them
 recompiles every cached kernel. Call it before the kernel modules' functions are decorated.
@@ -44,7 +44,7 @@ def install() -> bool:
     """Put the stamped locators first (once) -> whether numba's locator list was found (a test checks it is)."""
     from numba.core import caching
 
-    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)     # numba >= 0.61 / before
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)     # newer / older numba
     classes = getattr(impl, "_locator_classes", None)
     if classes is None:
         return False
