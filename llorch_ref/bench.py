@@ -181,7 +181,7 @@ def worker_main(argv):
 def host_probe(threads, rounds=9) -> float:
     """The host's speed now: GFLOP/s of float32 matrix products in cache (384 x 384, BLAS on `threads` threads),
     the median of `rounds` rounds of about 30 ms. A shared host's cores run up to 2x slower for seconds at a time
-    (another machine's work on the same physical cores; results/cpu/2026-11-28-s16.md): run before each engine
+    (results/cpu/2026-11-28-s16.md): run before each engine
     and after the last, it shows whether the engines were measured on the same machine speed."""
     from threadpoolctl import threadpool_limits
 
