@@ -7,6 +7,7 @@ from llorch_test_helpers import need_backend
 
 import llorch_ref
 from llorch_ref.errors import ParameterError
+from llorch_ref.testing.blocks import SCALES_AT, random_qtensor
 
 
 @pytest.mark.parametrize("kw", [dict(vocab="bpe", weight_type="Q8_0"), dict(vocab="bpe", weight_type="Q4_1"),
@@ -142,22 +143,6 @@ def test_numba_checkpoints_against_numpy_default_model(default_model):
     assert res.first_divergence is None
 
 
-SCALES_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-             "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
-def random_qtensor(qt, n, k, seed):
-    """Random blocks with finite float16 scales (random codes, as tinygrad's tests draw them)."""
-    from llorch_ref.model.qtensor import QTensor, block_size
-
-    block, size = block_size(qt)
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    for at in SCALES_AT[qt]:
-        raw[..., at:at + 2] = rng.uniform(0.001, 0.02, (n, k // block, 1)).astype(np.float16).view(np.uint8)
-    return QTensor(qt, (n, k), raw.reshape(n, -1), f"random {qt}")
-
-
 @pytest.mark.parametrize("qt", list(SCALES_AT))
 def test_numba_kernels_match_the_dequantized_product(qt):
     """Every kernel type, two QTensors stacked by rows (72 + 40 rows: padding in the last chunk), one token and
@@ -179,7 +164,7 @@ def test_numba_kernels_match_the_dequantized_product(qt):
 TABLE_PROBE = """
 import sys, numpy as np
 sys.path.insert(0, sys.argv[1])
-from test_backends import random_qtensor
+from llorch_ref.testing.blocks import random_qtensor
 from llorch_ref.backends import numba_simd
 from llorch_ref.backends.numba_backend import KernelBlocks
 x = np.random.default_rng(3).standard_normal((5, 512)).astype(np.float32)

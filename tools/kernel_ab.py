@@ -5,7 +5,7 @@
 The host's speed moves by up to 2x within seconds (another VM's work on the same cores), and numba code placed
 differently runs up to 10% apart, so separate processes cannot resolve a 10% change. Here the base commit's
 numba_simd and numba_kernels are written to a temporary package and imported beside this tree's; both run the
-same random blocks (real float16 scales), alternating every 40 calls for 15 rounds, the order swapped every
+same random blocks (llorch_ref.testing.blocks: finite float16 scales), alternating every 40 calls for 15 rounds, the order swapped every
 round. Prints each side's median weight-tokens a second and the median of the per-round ratios (this tree /
 base), after checking that both give the same products to the bit.
 """
@@ -35,21 +35,6 @@ def base_package(commit: str, where: Path) -> str:
     return "kernels_base"
 
 
-def random_rows(S, qtype, n, k, rng):
-    """n rows of random blocks of qtype (float16 scales 0.01, mins 0.001) -> (blocks, row addresses, blocks a row)."""
-    import numpy as np
-
-    block_len, block_bytes = S.BLOCKS[qtype]
-    blocks = rng.integers(0, 256, (n, k // block_len * block_bytes), dtype=np.uint8)
-    b = blocks.reshape(n, -1, block_bytes)
-    d, m = (np.frombuffer(np.float16(v).tobytes(), np.uint8) for v in (0.01, 0.001))
-    at = {"Q6_K": [(208, d)], "Q4_1": [(0, d), (2, m)], "Q5_1": [(0, d), (2, m)], "Q4_K": [(0, d), (2, m)],
-          "Q5_K": [(0, d), (2, m)]}.get(qtype, [(0, d)])
-    for off, v in at:
-        b[:, :, off:off + 2] = v
-    return blocks, (blocks.ctypes.data + np.arange(n) * blocks.strides[0]).astype(np.int64), k // block_len
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", required=True, help="the commit to compare against")
@@ -62,19 +47,20 @@ def main():
     import numpy as np
 
     from llorch_ref.backends import numba_kernels as here
-    from llorch_ref.backends import numba_simd as S
+    from llorch_ref.backends.numba_backend import KernelBlocks
+    from llorch_ref.testing.blocks import random_qtensor
 
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, tmp)
         base = importlib.import_module(f"{base_package(a.base, Path(tmp))}.numba_kernels")
         rng, k = np.random.default_rng(0), 4096
-        mats = {q: random_rows(S, q, a.rows, k, rng) for q in a.types.split(",")}
+        mats = {q: KernelBlocks([random_qtensor(q, a.rows, k, seed)]) for seed, q in enumerate(a.types.split(","))}
         for threads in map(int, a.threads.split(",")):
             nb.set_num_threads(threads)
             for t_n in map(int, a.tokens.split(",")):
                 x = rng.standard_normal((t_n, k)).astype(np.float32)
-                for q, (_, rows, n_blocks) in mats.items():
-                    print(compare(q, S.TYPE_CODE[q], rows, n_blocks, x, {"this": here, "base": base}, threads),
+                for q, kb in mats.items():
+                    print(compare(q, kb.code, kb.rows, kb.n_blocks, x, {"this": here, "base": base}, threads),
                           flush=True)
 
 

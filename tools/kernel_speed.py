@@ -4,7 +4,7 @@
 
 Prints, per matrix (layer 0's gate and down, the tied Q8_0 output), the best of `repeats` timings of
 numba_kernels.matmul_rows and the weights times tokens it multiplies a second. To compare two versions of the code,
-run it from each tree with its own NUMBA_CACHE_DIR (PYTHONPATH=TREE), alternating, in one window.
+use tools/kernel_ab.py (both in one process: the host's speed moves too much between processes).
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token) has, by block length
 # For one token, super-block types: rows a loop takes (more rows at once spill registers), and whether a block's
 # scales are splatted by broadcast loads (_Block.splats); Q4_K's two rows decode their 6-bit scales together
-# (_k4_pair). Chosen by tools/kernel_ab.py (results/cpu/2026-11-28-s16.md).
+# (_k4_scales). Chosen by tools/kernel_ab.py (results/cpu/2026-11-28-s16.md).
 SUPER_ROWS = {"Q4_K": 2, "Q5_K": 1, "Q6_K": 1}
 SPLAT_LOADS = ("Q5_K", "Q6_K")
 
@@ -132,39 +132,31 @@ def _lanes(b, v, idx):
     return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, len(idx)), list(idx)))
 
 
-def _k4_scales_mins(k):
-    """get_scale_min_k4 for the 8 groups at once, from the 12 scale bytes at offset 4: (scales, mins) <8 x i32>.
-    Groups 0-3: q[j] & 63, q[j+4] & 63; groups 4-7: (q[j+4] & 15) | (q[j-4] >> 6) << 4, (q[j+4] >> 4) |
+def _k4_scales(blocks):
+    """get_scale_min_k4 for the 8 groups of each of `blocks` (one or two super-blocks: two rows decoded in one pass),
+    from the 12 scale bytes at offset 4, as floats: (d sc, -(dmin m)) <8n x float> each, lanes 8i..8i+7 block i's,
+    exact. Groups 0-3: q[j] & 63, q[j+4] & 63; groups 4-7: (q[j+4] & 15) | (q[j-4] >> 6) << 4, (q[j+4] >> 4) |
     (q[j] >> 6) << 4."""
-    b = k.b
-    q = k.bytes16(4)                                 # bytes 4..19: the 12 scale bytes and 4 code bytes after
-    v8 = lambda c: ir.Constant(ir.VectorType(I32, 8), [c] * 8)                        # noqa: E731
-    first = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1] * 4 + [0] * 4)
-    p, m = _lanes(b, q, (0, 1, 2, 3, 8, 9, 10, 11)), _lanes(b, q, (4, 5, 6, 7, 8, 9, 10, 11))
-    top = lambda idx: b.shl(b.lshr(_lanes(b, q, idx), v8(6)), v8(4))                 # noqa: E731
-    sc = b.select(first, b.and_(p, v8(63)), b.or_(b.and_(p, v8(15)), top((0, 1, 2, 3, 0, 1, 2, 3))))
-    mn = b.select(first, b.and_(m, v8(63)), b.or_(b.lshr(m, v8(4)), top((4, 5, 6, 7, 4, 5, 6, 7))))
-    return sc, mn
+    b, n = blocks[0].b, len(blocks)
+    w = 8 * n
+    qa, qb = blocks[0].bytes16(4), blocks[-1].bytes16(4)     # bytes 4..19: 12 scale bytes and 4 code bytes after
+    vw = lambda c: ir.Constant(ir.VectorType(I32, w), [c] * w)                        # noqa: E731
+    pick = lambda idx: b.shuffle_vector(qa, qb, ir.Constant(ir.VectorType(I32, w),    # noqa: E731
+                                                            [L * i + j for i in range(n) for j in idx]))
+    first = ir.Constant(ir.VectorType(ir.IntType(1), w), ([1] * 4 + [0] * 4) * n)
+    p, m = pick((0, 1, 2, 3, 8, 9, 10, 11)), pick((4, 5, 6, 7, 8, 9, 10, 11))
+    top = lambda idx: b.shl(b.lshr(pick(idx), vw(6)), vw(4))                          # noqa: E731
+    sc = b.select(first, b.and_(p, vw(63)), b.or_(b.and_(p, vw(15)), top((0, 1, 2, 3, 0, 1, 2, 3))))
+    mn = b.select(first, b.and_(m, vw(63)), b.or_(b.lshr(m, vw(4)), top((4, 5, 6, 7, 4, 5, 6, 7))))
 
-
-def _k4_pair(ka, kb):
-    """The scales and mins of two rows' super-blocks at once, as floats: (d sc, -(dmin m)) <16 x float> each, lanes
-    0-7 block ka's groups, 8-15 kb's: _k4_scales_mins and _scaled's operations, lane for lane, on 16 lanes."""
-    b = ka.b
-    qa, qb = ka.bytes16(4), kb.bytes16(4)
-    v16 = lambda c: _vi(c)                                                            # noqa: E731
-    two = lambda idx: b.shuffle_vector(qa, qb, ir.Constant(VI32, list(idx) + [L + i for i in idx]))   # noqa: E731
-    first = ir.Constant(ir.VectorType(ir.IntType(1), L), ([1] * 4 + [0] * 4) * 2)
-    p, m = two((0, 1, 2, 3, 8, 9, 10, 11)), two((4, 5, 6, 7, 8, 9, 10, 11))
-    top = lambda idx: b.shl(b.lshr(two(idx), v16(6)), v16(4))                        # noqa: E731
-    sc = b.select(first, b.and_(p, v16(63)), b.or_(b.and_(p, v16(15)), top((0, 1, 2, 3, 0, 1, 2, 3))))
-    mn = b.select(first, b.and_(m, v16(63)), b.or_(b.lshr(m, v16(4)), top((4, 5, 6, 7, 4, 5, 6, 7))))
-
-    def per_row(off):
+    def each_block(off):                                     # the float16 at off of block i in lanes 8i..8i+7
         u = ir.Constant(VF, ir.Undefined)
-        v = b.insert_element(b.insert_element(u, ka.f16(off), ir.Constant(I32, 0)), kb.f16(off), ir.Constant(I32, 8))
-        return b.shuffle_vector(v, u, ir.Constant(VI32, [0] * 8 + [8] * 8))
-    return b.fmul(per_row(0), b.sitofp(sc, VF)), b.fneg(b.fmul(per_row(2), b.sitofp(mn, VF)))
+        v = u
+        for i, k in enumerate(blocks):
+            v = b.insert_element(v, k.f16(off), ir.Constant(I32, 8 * i))
+        return b.shuffle_vector(v, u, ir.Constant(ir.VectorType(I32, w), [8 * i for i in range(n) for _ in range(8)]))
+    fw = ir.VectorType(F32, w)
+    return b.fmul(each_block(0), b.sitofp(sc, fw)), b.fneg(b.fmul(each_block(2), b.sitofp(mn, fw)))
 
 
 def _scaled(b, d, ints):
@@ -224,9 +216,7 @@ def _weights(qtype, k, k4=None):
         return [(b.fmul(d, k.fl(k.bytes16(2, True))), 0), (b.fmul(d, k.fl(k.bytes16(18, True))), 16)]
     if qtype in ("Q4_K", "Q5_K"):
         if k4 is None:
-            sc, mn = _k4_scales_mins(k)
-            scales = _scaled(b, k.f16(0), sc)                # d * sc, exact
-            mins = b.fneg(_scaled(b, k.f16(2), mn))          # -(dmin * m), exact
+            scales, mins = _k4_scales([k])                   # d * sc, -(dmin * m): exact
             splats = k.splats(b.shuffle_vector(scales, mins, ir.Constant(VI32, list(range(16)))))
             k4 = lambda j: (splats(j), splats(8 + j))       # noqa: E731
         q_at, out = (16 if qtype == "Q4_K" else 48), []
@@ -391,7 +381,7 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
             return xv[t, off]
         blocks = [_block_at(b, rows[r], ahead[r], i, block_bytes, tokens == 1 and qtype in SPLAT_LOADS)
                   for r in range(n_rows)]
-        pair = _k4_pair(*blocks) if qtype == "Q4_K" and tokens == 1 and n_rows == 2 else None   # shared decode
+        pair = _k4_scales(blocks) if qtype == "Q4_K" and tokens == 1 and n_rows == 2 else None   # one decode
         for r in range(n_rows):
             k4 = None if pair is None else (lambda j, r=r: tuple(_lanes(b, v, [8 * r + j] * L) for v in pair))
             for w, off in _weights(qtype, blocks[r], k4):
