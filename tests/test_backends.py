@@ -315,6 +315,35 @@ def test_cuda_rows_split_over_warps_match_the_dequantized_product(layout):
         assert (np.abs(cp.asnumpy(y) - want) <= 1e-6 * scale).all(), (qt, layout)
 
 
+@pytest.mark.parametrize("layout", [(1, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 2), (8, 1, 1)])
+def test_cuda_q4k_scales_decoded_once_for_several_octs_give_the_same_products_to_the_bit(layout):
+    """Q4_K's scales decoded by one lane for four octs and passed by shuffles, its blocks fetched a pass ahead
+    (rows_dot's F::SHARES) against one decode an oct and no fetch ahead (LLORCH_Q4K_SHARED=0): the same floats in
+    the same operations, so the same products to the bit,
+    in each layout (1, 2, 4 and 8 octs a lane, two rows, two warps a row), over 11 super-blocks a row (passes of four
+    and a shorter last piece), 70 rows; and equal to the float64 product up to rounding order."""
+    need_backend("cupy")
+    import cupy as cp
+
+    from llorch_ref.backends import cuda_blocks
+
+    src = cuda_blocks.ROWS + cuda_blocks.gemv_source({"q4_k": layout}, "t_{f}")
+    k, n, per = 256 * 11, 70, cuda_blocks.rows_per_block(layout)
+    q = random_qtensor("Q4_K", n, k, 8)
+    x = np.random.default_rng(9).standard_normal((1, k)).astype(np.float32)
+    deq = q.dequantize().astype(np.float64)
+    want, scale = x @ deq.T, np.abs(x) @ np.abs(deq).T
+    got = {}
+    for shared in (1, 0):
+        mod = cp.RawModule(code=src, options=("-std=c++17", f"-DLLORCH_Q4K_SHARED={shared}"))
+        y, blocks = cp.zeros((1, n), dtype=cp.float32), cp.asarray(q.blocks)
+        mod.get_function("t_q4_k")(((n + per - 1) // per,), (128,), (blocks, cp.asarray(x), y, cp.int32(n), cp.int32(k),
+                                                                     cp.int64(blocks.shape[1])))
+        got[shared] = cp.asnumpy(y)
+    np.testing.assert_array_equal(got[1], got[0])
+    assert (np.abs(got[1] - want) <= 1e-6 * scale).all(), float((np.abs(got[1] - want) / scale).max())
+
+
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q8_0"])
 def test_cupy_blocks_checkpoints_against_numpy(tiny, weight_type):
     need_backend("cupy")

@@ -200,7 +200,7 @@ def profile(out):
     fmts = ["f16", *cuda_blocks.GEMV_LAYOUT]
     src = cuda_blocks.ROWS + "".join(cuda_blocks.gemv_source({q: lay}, f"{how}_{{f}}_{{u}}_{{r}}_{{w}}", how == "planar")
                                      for q in fmts for lay in PROBE_LAYOUTS for how in ("probe", "planar"))
-    mod = cp.RawModule(code=src, options=("-std=c++17",))
+    mod = cp.RawModule(code=src, options=cuda_blocks.compile_options())
     name = lambda how, q, lay: f"{how}_{q}_{'_'.join(map(str, lay))}"                     # noqa: E731
     probe = {name(how, q, lay): mod.get_function(name(how, q, lay))
              for q in fmts for lay in PROBE_LAYOUTS for how in ("probe", "planar")}
@@ -355,13 +355,15 @@ def free_gpu():
 # several-token products and prefill attention as before session 11 (float16 outputs cast, attention recorded);
 # "f16-pdl0": plain launches instead of programmatic dependent launch; "f16-nonorm": no residual add fused with
 # the next norm and no float16 activations into the products (as before session 12); "q4k-op": the op-by-op
-# step on Q4_K blocks (the fused step for blocks came in session 13)
+# step on Q4_K blocks (the fused step for blocks came in session 13); "q4k-oct": Q4_K's scales decoded once an oct
+# (as before session 17) instead of once for four
 OURS_Q = {"q40": ("blocks", "Q4_0"), "q41": ("blocks", "Q4_1"), "q80": ("blocks", "Q8_0")}     # planar steps
 OURS = {"f16": ("float16", None, {}), "f16-op": ("float16", None, {"LLORCH_CUDA_FUSED": "0"}),
         "f16-nonorm": ("float16", None, {"LLORCH_CUDA_FUSED_NORM": "0"}),
         "f16-noprefill": ("float16", None, {"LLORCH_CUDA_HALF_PREFILL": "0"}),
         "f16-pdl0": ("float16", None, {"LLORCH_CUDA_PDL": "0"}),
         "q4k": ("blocks", "Q4_K", {}), "q4k-op": ("blocks", "Q4_K", {"LLORCH_CUDA_FUSED": "0"}),
+        "q4k-oct": ("blocks", "Q4_K", {"LLORCH_CUDA_Q4K_SHARED": "0"}),
         "q40": ("blocks", "Q4_0", {}), "q6k": ("blocks", "Q6_K", {}), "q80": ("blocks", "Q8_0", {}),
         "q41": ("blocks", "Q4_1", {}), **{f"{r}-natural": (*OURS_Q[r], {"LLORCH_CUDA_PLANAR": "0"}) for r in OURS_Q},
         **{f"{r}-nochain": (*OURS_Q.get(r, ("float16", None)), {"LLORCH_CUDA_CHAIN": "0"}) for r in ("f16", "q41", "q80")}}
@@ -618,13 +620,12 @@ def report(out):
 # (2, 2, 1), norm_glu (2, 1) (results/gpu/2026-11-27-s13/call9-layouts.json); call 10 more (call10-layouts.json);
 # call 20 Q4_K, Q4_1, Q6_K, Q4_0, Q8_0 variants after the rows were read through per-lane block pointers; call 23
 # float16's layouts before call 11 against the final ones, twice. Session 14 (results/gpu/2026-11-27-s14/): calls 8-9
-# natural against planar for every format (kept planar: Q4_0, Q4_1, Q8_0), call 17 Q4_K planar (below; all slower)
+# natural against planar for every format (kept planar: Q4_0, Q4_1, Q8_0), call 17 Q4_K planar (all slower). Session
+# 17: Q4_K's layouts again with its scales decoded once for four octs and its blocks fetched a pass ahead: call 4
+# (results/gpu/2026-11-28-s17/call4-layouts-shared-pipelined.json) chose norm_qkv (4, 4, 1); call 5 around it (below)
 STEP_VARIANTS = [
-    ("q4_k", {"planar": False}), ("q4_k", {"planar": True}),
-    ("q4_k", {"planar": True, "norm_qkv": (4, 1, 1), "norm_logits": (4, 1, 1)}),
-    ("q4_k", {"planar": True, "norm_glu": (2, 2)}), ("q4_k", {"planar": True, "norm_glu": (4, 2)}),
-    ("q4_k", {"planar": True, "norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "gemv_res": (2, 2, 1)}),
-    ("q4_k", {"planar": True, "gemv_res": (4, 1, 2)}), ("q4_k", {"planar": False})]
+    ("q4_k", {}), ("q4_k", {"norm_logits": (4, 4, 1)}), ("q4_k", {"norm_qkv": (8, 4, 1)}),
+    ("q4_k", {"norm_glu": (4, 1)}), ("q4_k", {"gemv_res": (4, 2, 1)}), ("q4_k", {})]
 
 
 def layouts(out):

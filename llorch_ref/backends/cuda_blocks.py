@@ -7,7 +7,8 @@ the magic number in one LOP3, then one subtraction), not the slower int-to-float
 
   gemv          one token (decode): each format's layout (GEMV_LAYOUT: octs a lane in flight, rows a warp);
                 the scales applied once per oct, d * sum(q x) (+ m * sum(x)): the dequantized weights'
-                products summed in another order of float32 roundings
+                products summed in another order of float32 roundings (Q4_K's scales decoded once for four
+                octs and its blocks fetched a pass ahead: rows_dot's F::SHARES)
   dequant       several tokens (prefill): the matrix dequantized into a float32 scratch bit for bit as gguf-py
                 does (oct: products and sums rounded explicitly, __fmul_rn / __fadd_rn, so that the compiler
                 fuses nothing into an FMA), then cuBLAS (TF32 off), the same product the float32 path computes
@@ -19,12 +20,17 @@ results/gpu/2026-11-27-s14/.
 """
 from __future__ import annotations
 
+import os
+
 TYPES = {"Q4_0": (0, 18, 32), "Q4_1": (1, 20, 32), "Q8_0": (2, 34, 32), "Q4_K": (3, 144, 256),
          "Q6_K": (4, 210, 256)}                # type -> (kernel code, bytes per block, weights per block)
 
 ROWS = r"""
 #include <cuda_fp16.h>
 typedef unsigned char u8;
+#ifndef LLORCH_Q4K_SHARED               // Q4_K's scales decoded once for several octs and its blocks fetched a
+#define LLORCH_Q4K_SHARED 1             // pass ahead (rows_dot); 0: a decode an oct, no fetch ahead
+#endif
 
 __device__ __forceinline__ float warp_sum(float a) {
     for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
@@ -90,6 +96,7 @@ template <int BITS> __device__ __forceinline__ float qdot8(unsigned a, unsigned 
 // bits of c below 32 (where in its block an oct is), so callers pass the lane: constant through a row.
 struct F16 {
     static constexpr bool OFFSET = false;
+    static constexpr bool SHARES = false;
     static constexpr int OCTS = 1, BYTES = 16;
     uint4 w;
     __device__ __forceinline__ void load(const u8* blk, int) { w = __ldcs(reinterpret_cast<const uint4*>(blk)); }
@@ -97,6 +104,7 @@ struct F16 {
 };
 struct F32 {
     static constexpr bool OFFSET = false;
+    static constexpr bool SHARES = false;
     static constexpr int OCTS = 1, BYTES = 32;
     float4 a, b;
     __device__ __forceinline__ void load(const u8* blk, int) {
@@ -114,6 +122,7 @@ __device__ __forceinline__ void ld_scale_and_8(const u8* blk, int at, unsigned s
 }
 struct Q4_0 {                    // 18-byte blocks of 32: d, 16 bytes (weight j low nibble, j + 16 high); d (q - 8)
     static constexpr bool OFFSET = false;
+    static constexpr bool SHARES = false;
     static constexpr int OCTS = 4, BYTES = 18;
     unsigned short d; unsigned a, b;
     __device__ __forceinline__ void load(const u8* blk, int c) { ld_scale_and_8(blk, 2 + 8 * (c & 1), d, a, b); }
@@ -124,6 +133,7 @@ struct Q4_0 {                    // 18-byte blocks of 32: d, 16 bytes (weight j 
 };
 struct Q4_1 {                    // 20-byte blocks: d, m, 16 bytes of nibbles as Q4_0; d q + m
     static constexpr bool OFFSET = true;
+    static constexpr bool SHARES = false;
     static constexpr int OCTS = 4, BYTES = 20;
     unsigned dm, a, b;
     __device__ __forceinline__ void load(const u8* blk, int c) {
@@ -138,6 +148,7 @@ struct Q4_1 {                    // 20-byte blocks: d, m, 16 bytes of nibbles as
 };
 struct Q8_0 {                    // 34-byte blocks: d, 32 signed bytes; q d
     static constexpr bool OFFSET = false;
+    static constexpr bool SHARES = false;
     static constexpr int OCTS = 4, BYTES = 34;
     unsigned short d; unsigned a, b;
     __device__ __forceinline__ void load(const u8* blk, int c) { ld_scale_and_8(blk, 2 + 8 * (c & 3), d, a, b); }
@@ -147,24 +158,34 @@ struct Q8_0 {                    // 34-byte blocks: d, 32 signed bytes; q d
 };
 struct Q4_K {                    // 144-byte super-blocks of 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 of
     static constexpr bool OFFSET = true;                // nibbles (groups 2i low, 2i + 1 high); (d sc) q - dmin m
+    static constexpr bool SHARES = LLORCH_Q4K_SHARED;   // rows_dot decodes the scales once for several octs
     static constexpr int OCTS = 32, BYTES = 144;
     uint4 h; uint2 q;
-    __device__ __forceinline__ void load(const u8* blk, int c) {
-        h = __ldcs(reinterpret_cast<const uint4*>(blk));
+    __device__ __forceinline__ void load(const u8* blk, int c) { h = head(blk); codes(blk, c); }
+    __device__ __forceinline__ void codes(const u8* blk, int c) {
         q = __ldcs(reinterpret_cast<const uint2*>(blk + 16 + 32 * ((c >> 3) & 3) + 8 * (c & 3)));
     }
-    __device__ __forceinline__ float dot(int c, float4 u, float4 v, float sx) const {
-        int g = (c >> 2) & 7, s8 = 8 * (g & 3), sh = 4 * (g & 1);
+    __device__ static __forceinline__ uint4 head(const u8* blk) { return __ldcs(reinterpret_cast<const uint4*>(blk)); }
+    // (d sc, dmin m) of group g (0-7) of the super-block whose first 16 bytes are h
+    __device__ static __forceinline__ float2 scales(uint4 h, int g) {
+        int s8 = 8 * (g & 3);
         unsigned A = (h.y >> s8) & 255, B = (h.z >> s8) & 255, C = (h.w >> s8) & 255;   // selects, not branches:
         unsigned sc = g < 4 ? A & 63 : (C & 15) | ((A >> 6) << 4);                      // the lanes of a warp
         unsigned mn = g < 4 ? B & 63 : (C >> 4) | ((B >> 6) << 4);                      // take both sides
-        float d = __fmul_rn(__half2float(__ushort_as_half((unsigned short)h.x)), fq(sc, 0.f));
-        float dm = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(h.x >> 16))), fq(mn, 0.f));
-        return __fmaf_rn(d, qdot8<4>(q.x >> sh, q.y >> sh, 0.f, u, v), -dm * sx);
+        return make_float2(__fmul_rn(__half2float(__ushort_as_half((unsigned short)h.x)), fq(sc, 0.f)),
+                           __fmul_rn(__half2float(__ushort_as_half((unsigned short)(h.x >> 16))), fq(mn, 0.f)));
+    }
+    __device__ __forceinline__ float dot_scaled(int c, float4 u, float4 v, float sx, float2 s) const {
+        int sh = 4 * ((c >> 2) & 1);
+        return __fmaf_rn(s.x, qdot8<4>(q.x >> sh, q.y >> sh, 0.f, u, v), -s.y * sx);
+    }
+    __device__ __forceinline__ float dot(int c, float4 u, float4 v, float sx) const {
+        return dot_scaled(c, u, v, sx, scales(h, (c >> 2) & 7));
     }
 };
 struct Q6_K {                    // 210-byte super-blocks: 128 bytes of low nibbles, 64 of high pairs, 16 int8
     static constexpr bool OFFSET = false;               // scales, d; (d sc) (q - 32)
+    static constexpr bool SHARES = false;
     static constexpr int OCTS = 32, BYTES = 210;
     unsigned l0, l1, h0, h1; unsigned short d; signed char sc;
     __device__ __forceinline__ void load(const u8* blk, int c) {
@@ -213,15 +234,42 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, c
     const u8* p[R];                                           // the block of this lane's next oct, each row
 #pragma unroll
     for (int q = 0; q < R; ++q) p[q] = w[q] + (size_t)(lane / F::OCTS) * F::BYTES + (size_t)(U * part) * PASS;
-    int i = lane + 32 * U * part;
-    for (; i + 32 * (U - 1) < k8; i += 32 * U * W) {
-        F raw[R][U];
+    int i = lane + 32 * U * part, i0 = 32 * U * part;
+    // F::SHARES (Q4_K): the 4 lanes of an oct group need the same scales of each pass's super-block, so lane l
+    // decodes those of pass SH j + l % SH (group l / 4) and the pass's lanes take them from it by a shuffle: one
+    // decode for SH octs instead of one an oct, the same floats. Fewer instructions but more L1 traffic (the
+    // shuffles): slower alone, faster with the next pass's blocks fetched before this pass's products (PIPE; the
+    // other formats measured slower so): results/gpu/2026-11-28-s17/
+    constexpr int SH = F::SHARES ? (U >= 4 ? 4 : U) : 1, STEP = 32 * U * W;
+    constexpr bool PIPE = F::SHARES;
+    static_assert(U % SH == 0, "U a multiple of the passes sharing a decode");
+    // (Q4_K rows are whole super-blocks, k8 % 32 == 0: every lane of a warp runs as many passes; the bound written
+    // without the lane lets the compiler see that, so the shuffles need no divergent-warp code)
+    auto whole = [&](int i, int i0) { return F::SHARES ? i0 + 32 * U <= k8 : i + 32 * (U - 1) < k8; };
+    auto fetch = [&](F (&raw)[R][U], float2 (&sc)[R][U / SH]) {
 #pragma unroll
         for (int q = 0; q < R; ++q) {
 #pragma unroll
-            for (int r = 0; r < U; ++r) raw[q][r].load(p[q] + r * PASS, lane);
+            for (int r = 0; r < U; ++r) {
+                if constexpr (F::SHARES) raw[q][r].codes(p[q] + r * PASS, lane);
+                else raw[q][r].load(p[q] + r * PASS, lane);
+            }
+            if constexpr (F::SHARES)
+#pragma unroll
+                for (int j = 0; j < U / SH; ++j) sc[q][j] = F::scales(F::head(p[q] + (SH * j + lane % SH) * PASS), (lane >> 2) & 7);
             p[q] += U * W * PASS;
         }
+    };
+    // PIPE: the next pass's blocks fetched before this pass's products (twice the bytes in flight a warp)
+    F raw[R][U];
+    float2 sc[R][U / SH];
+    if (PIPE && whole(i, i0)) fetch(raw, sc);
+    for (; whole(i, i0); i += STEP, i0 += STEP) {
+        F nxt[R][U];
+        float2 nsc[R][U / SH];
+        bool more = PIPE && whole(i + STEP, i0 + STEP);
+        if (!PIPE) fetch(raw, sc);
+        else if (more) fetch(nxt, nsc);
 #pragma unroll
         for (int r = 0; r < U; ++r) {
             int c = i + 32 * r, cu = PLANAR ? c : 2 * c, cv = PLANAR ? k8 + c : 2 * c + 1;
@@ -229,7 +277,25 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, c
             if (NORM) { s[r] += sq4(u) + sq4(v); u = mul4(u, __ldg(gv + cu)); v = mul4(v, __ldg(gv + cv)); }
             float sx = F::OFFSET ? sum8(u, v) : 0.f;
 #pragma unroll
-            for (int q = 0; q < R; ++q) a[q][r] += raw[q][r].dot(lane, u, v, sx);
+            for (int q = 0; q < R; ++q) {
+                if constexpr (F::SHARES) {
+                    float2 t = sc[q][r / SH];
+                    int from = (lane & ~3) | (r % SH);
+                    if (SH > 1) t = make_float2(__shfl_sync(0xffffffffu, t.x, from), __shfl_sync(0xffffffffu, t.y, from));
+                    a[q][r] += raw[q][r].dot_scaled(lane, u, v, sx, t);
+                } else {
+                    a[q][r] += raw[q][r].dot(lane, u, v, sx);
+                }
+            }
+        }
+        if (more) {
+#pragma unroll
+            for (int q = 0; q < R; ++q) {
+#pragma unroll
+                for (int r = 0; r < U; ++r) raw[q][r] = nxt[q][r];
+#pragma unroll
+                for (int j = 0; j < U / SH; ++j) sc[q][j] = nsc[q][j];
+            }
         }
     }
     for (; i < k8; i += 32) {                   // the row's last piece, shorter than 32 U octs (one warp's)
@@ -413,10 +479,21 @@ KERNELS(4, q6_k)
 _MODULE = {}
 
 
+def compile_options():
+    """nvcc options for sources built on ROWS: LLORCH_CUDA_Q4K_SHARED=0 decodes Q4_K's scales once an oct and fetches
+    no blocks ahead (as before session 17; the same products to the bit)."""
+    shared = os.environ.get("LLORCH_CUDA_Q4K_SHARED", "1") != "0"
+    return ("-std=c++17", f"-DLLORCH_Q4K_SHARED={int(shared)}")
+
+
 def kernels(cp):
-    """{"gemv_q4_0": RawKernel, "dequant_q4_0": ..., ...}, compiled once per process."""
-    if not _MODULE:
-        mod = cp.RawModule(code=SRC, options=("-std=c++17",))
+    """{"gemv_q4_0": RawKernel, "dequant_q4_0": ..., ...}, compiled once per process (again where
+    compile_options() changed)."""
+    opts = compile_options()
+    if _MODULE.get("options") != opts:
+        _MODULE.clear()
+        _MODULE["options"] = opts
+        mod = cp.RawModule(code=SRC, options=opts)
         for qtype in TYPES:
             for kind in ("gemv", "dequant"):
                 name = f"{kind}_{qtype.lower()}"

@@ -34,7 +34,7 @@ import os
 
 import numpy as np
 
-from .cuda_blocks import GEMV_LAYOUT, ROWS, STRUCTS, GpuBlocks, planar_places, rows_per_block
+from .cuda_blocks import GEMV_LAYOUT, ROWS, STRUCTS, GpuBlocks, compile_options, planar_places, rows_per_block
 
 FUSED = r"""
 // P (the products) or pl (rope_attend, embed): the vectors the products read (the residual stream x, the attention
@@ -87,13 +87,15 @@ def fused_source():
 # (results/gpu/2026-11-27-s13/call9-, call10-, call20-, call23-layouts.json). On blocks the products with the norm
 # folded in take more rows a warp than the plain ones (the norm's x g and sum of squares shared by more rows).
 # Float16 keeps session 12's: gate/up over two warps was 0.8% faster on one machine and 1% slower on another.
+# Q4_K's norm_qkv takes four rows a warp since its scales are decoded once for four octs (session 17: 3.23 -> 3.04 ms
+# a step, results/gpu/2026-11-28-s17/call4-layouts-shared-pipelined.json).
 ROLES = ("norm_qkv", "norm_logits", "norm_glu", "gemv_res")
 LAYOUT = {"f16": {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)},
           "f32": {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)},
           "q4_0": {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (4, 1), "gemv_res": (2, 2, 1)},
           "q4_1": {"norm_qkv": (4, 2, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)},
           "q8_0": {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (2, 1), "gemv_res": (2, 2, 1)},
-          "q4_k": {"norm_qkv": (4, 2, 1), "norm_logits": (4, 2, 1), "norm_glu": (2, 1), "gemv_res": (4, 1, 1)},
+          "q4_k": {"norm_qkv": (4, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (2, 1), "gemv_res": (4, 1, 1)},
           "q6_k": {"norm_qkv": (4, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)}}
 # The formats whose steps run faster with the step's vectors in the planar layout (rows_dot's PLANAR: a warp's x
 # loads take half the L1 wavefronts; the same sums to the bit), with their layouts so: a step is planar where every
@@ -287,8 +289,11 @@ def source():
 
 def kernels(cp):
     """The step's kernels, compiled once per process (a cleared _MOD compiles them again from source())."""
-    if not _MOD:
-        mod = cp.RawModule(code=source(), options=("-std=c++17",))
+    opts = compile_options()
+    if _MOD.get("options") != opts:
+        _MOD.clear()
+        _MOD["options"] = opts
+        mod = cp.RawModule(code=source(), options=opts)
         names = [f"{k}_{f}" for f in LAYOUT for k in ROLES] + [f"{k}_{f}_p" for f in LAYOUT_PLANAR for k in ROLES]
         for name in names + ["rope_attend_f32", "rope_attend_f16", "embed_f32", "embed_f16"]:
             _MOD[name] = mod.get_function(name)
