@@ -47,6 +47,29 @@ def planted(tiny, tmp_path_factory):
     return ref, res, out["dir"]
 
 
+def test_prove_without_plots_writes_the_same_files_less_the_images(tiny, tmp_path, llamacpp):
+    """prove --no-plots: no PNG, the page says why there are none, matplotlib never imported; the same checkpoint
+    files otherwise, and verify redoes its figures."""
+    model = tiny(vocab="bpe")
+    runs = {}
+    for rid, more in (("plain", []), ("bare", ["--no-plots"])):
+        cmd = [sys.executable, "-X", "importtime", "-m", "llorch_ref.cli", "prove", "--model", str(model), "--out",
+               str(tmp_path), "--run-id", rid, "--greedy", "2", "--checkpoint", "4", *more]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        runs[rid] = ({p.relative_to(tmp_path / rid).as_posix() for p in (tmp_path / rid).rglob("*") if p.is_file()},
+                     "matplotlib" in r.stderr)
+    (plain, plt_plain), (bare, plt_bare) = runs["plain"], runs["bare"]
+    assert plt_plain and not plt_bare
+    assert {f for f in plain if f.endswith(".png")} == {"cp4_attention_scores/error_by_layer.png"}
+    assert bare == {f for f in plain if not f.endswith(".png")}
+    page = (tmp_path / "bare" / "report.html").read_text()
+    assert "Plots not drawn (written with --no-plots)." in page and "<svg" not in page
+    r = subprocess.run([sys.executable, "-m", "llorch_ref.cli", "verify", str(tmp_path / "bare")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "the figures hold" in r.stdout, r.stdout + r.stderr
+
+
 def test_bundle_layout_and_contents(tiny_result, tmp_path):
     from llorch_ref.harness.bundle import sha256_of, write_bundle
 

@@ -85,3 +85,28 @@ def test_cli_names_the_known_models():
     from llorch_ref.cli import build_parser
     text = build_parser().format_help() + build_parser()._subparsers._group_actions[0].choices["diff"].format_help()
     assert "gemma3-270m" in text and "smollm2-135m" in text
+
+
+def test_a_file_is_hashed_once_a_process_until_it_changes(tmp_path):
+    """sha256_file remembers a file's hash by (device, inode, size, mtime): the same answer without reading it
+    again; another content of the same size under another mtime is hashed again; a file written in the last two
+    seconds is never remembered (a second write in the same coarse time tick would keep its key)."""
+    import os
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"A" * 4096)
+    old = os.stat(f).st_mtime_ns - 10_000_000_000
+    os.utime(f, ns=(old, old))
+    assert dm.sha256_file(f) == hashlib.sha256(b"A" * 4096).hexdigest()
+    st = os.stat(f)
+    assert dm._SHA256[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] == hashlib.sha256(b"A" * 4096).hexdigest()
+    f.write_bytes(b"B" * 4096)
+    os.utime(f, ns=(old + 1_000_000, old + 1_000_000))
+    assert dm.sha256_file(f) == hashlib.sha256(b"B" * 4096).hexdigest()
+    g = tmp_path / "fresh.gguf"
+    g.write_bytes(b"C" * 4096)
+    assert dm.sha256_file(g) == hashlib.sha256(b"C" * 4096).hexdigest()
+    tick = os.stat(g).st_mtime_ns
+    g.write_bytes(b"D" * 4096)
+    os.utime(g, ns=(tick, tick))                      # the same size and mtime: what a same-tick rewrite leaves
+    assert dm.sha256_file(g) == hashlib.sha256(b"D" * 4096).hexdigest()

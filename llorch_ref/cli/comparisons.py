@@ -117,7 +117,7 @@ def cmd_prove(args):
     out_dir, run_id = check_bundle_target(args.out, args.run_id)     # before the run, not after it
     eng, res = run_comparison(args)
     paths = write_bundle(res, eng, out_dir=out_dir, run_id=run_id, argv=["llorch-ref"] + sys.argv[1:],
-                         tensors=not args.no_tensors)
+                         tensors=not args.no_tensors, plot=not args.no_plots)
     print_result(res, False)
     print(f"proof bundle: {paths['dir']}/ (report.html, summary.md, junit.xml, manifest.json with every file's sha256"
           + (", repro/" if paths["repro"] else "") + ")")

@@ -179,6 +179,7 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
     target = check_output(out_dir / run_id, kind="folder", what="bundle", make_parents=True)
     specs = [s for s in result.specs if any(r.checkpoint == s.id for r in result.rows)
              or any(u["checkpoint"] == s.id for u in result.not_covered)]
+    plot_off = None if plot else "Plots not drawn (written with --no-plots)."
     plot = plot and plots.available()
     with target.staged_folder() as d:
         svgs = {s.id: _write_checkpoint(d / bundle_md.checkpoint_folder(s), s, result, man, plot, tensors)
@@ -188,7 +189,8 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
         (d / "summary.md").write_text(bundle_md.summary(result, man, run_id, specs))
         (d / "junit.xml").write_text(junit.xml(result, run_id))
         (d / "report.html").write_text(report_html.render(result, man, run_id, engine, case, plot=plot,
-                                                                 layer_svgs={k: v for k, v in svgs.items() if v}))
+                                                          layer_svgs={k: v for k, v in svgs.items() if v},
+                                                          plot_off=plot_off))
         (d / MANIFEST).write_text(json.dumps({**man, "run_id": run_id, "checkpoints": [s.id for s in specs],
                                               "tensors": tensors,
                                               "files": file_hashes(d)}, indent=2) + "\n")

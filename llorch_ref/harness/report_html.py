@@ -110,9 +110,10 @@ def divergence_card(result, case, plot: bool) -> dict | None:
     return card
 
 
-def render(result, man, run_id, engine, case, plot=True, layer_svgs=None) -> str:
+def render(result, man, run_id, engine, case, plot=True, layer_svgs=None, plot_off=None) -> str:
     """The run's page; case: repro.write's answer (with the operation's outputs) or None; layer_svgs:
-    {checkpoint id: its error-by-layer figure as SVG} (the bundle draws each once)."""
+    {checkpoint id: its error-by-layer figure as SVG} (the bundle draws each once); plot_off: why no plots were
+    drawn where that was asked (else, without plots, the page says matplotlib is missing)."""
     figures = [{"id": s.id, "title": s.title, "svg": layer_svgs[s.id]} for s in result.specs
                if s.id in (layer_svgs or {})]
     summary = []
@@ -127,7 +128,8 @@ def render(result, man, run_id, engine, case, plot=True, layer_svgs=None) -> str
     settings = {k: v for k, v in man.items() if k not in ("sides", "files", "token_ids", "recipe", "weights")}
     return _template().render(
         title=f"llorch-ref proof run {run_id}", run_id=run_id, result=result, man=man, summary=summary,
-        card=divergence_card(result, case, plot), figures=figures, plot=plot, greedy=greedy, band12=band12,
+        card=divergence_card(result, case, plot), figures=figures, plot=plot, plot_off=plot_off, greedy=greedy,
+        band12=band12,
         layer_kinds=_layer_kinds(man.get("local_layers")), settings=settings, sides=man.get("sides", {}),
         eval=None, repro=case)
 

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -30,11 +31,23 @@ def home() -> Path:
     return Path(os.environ.get("LLORCH_HOME") or Path.home() / ".cache" / "llorch_ref")
 
 
+_SHA256 = {}                 # (device, inode, size, mtime in ns) -> sha256: a file hashed once a process
+
+
 def sha256_file(path, chunk=1 << 20) -> str:
-    h = hashlib.sha256()
+    """sha256 of a file, hashed once a process while its size and modification time stay (a diff names the model's
+    hash in three places: about 1.6 s each on a 540 MB file). A file written in the last two seconds is hashed each
+    time: file times tick coarsely (milliseconds), so a second write in the same tick would keep the key."""
     with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if key in _SHA256:
+            return _SHA256[key]
+        h = hashlib.sha256()
         while b := f.read(chunk):
             h.update(b)
+    if time.time_ns() - st.st_mtime_ns > 2_000_000_000:
+        _SHA256[key] = h.hexdigest()
     return h.hexdigest()
 
 

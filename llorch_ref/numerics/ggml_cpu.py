@@ -127,15 +127,15 @@ class LegacyQuantMatrix:
         t, b, _ = qa.shape
         n = self.shape[0]
         qa_lanes = qa.reshape(t, b, 8, 4).transpose(1, 2, 0, 3)                   # [B, 8, T, 4]
-        acc = np.zeros((t, n, 8), dtype=F32)
+        acc = np.zeros((8, t, n), dtype=F32)                                       # lanes first, as the products
         summs = np.zeros((t, n), dtype=F32) if mw is not None else None
         for blk in range(b):
             lane = np.matmul(qa_lanes[blk], q_lanes[blk])                          # [8, T, N] exact integers
-            d0d1 = dw[None, :, blk] * da[:, blk, None]                             # [T, N] f32
-            acc = fma(d0d1[..., None], lane.transpose(1, 2, 0), acc)
+            d0d1 = (dw[None, :, blk] * da[:, blk, None]).astype(F64)              # [T, N] f32 products, exactly
+            acc = (d0d1 * lane + acc).astype(F32)          # fma(d0d1, lane, acc): one rounding to f32 (in f64)
             if summs is not None:
                 summs = summs + mw[None, :, blk] * sa[:, blk, None]                # f32
-        y = hsum8(acc)
+        y = hsum8(np.moveaxis(acc, 0, -1))
         return y + summs if summs is not None else y
 
 
