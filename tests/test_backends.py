@@ -193,8 +193,9 @@ def test_numba_4bit_lookup_and_conversion_builds_give_the_same_products_to_the_b
     kinds = ["Q4_0", "Q4_1", "Q4_K"]
     runs = {}
     base = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_FEATURES"}
-    for name, extra in (("lookup", {}), ("conversion", {"NUMBA_CPU_FEATURES": off})):
-        env = {**base, "NUMBA_CACHE_DIR": str(tmp_path / f"cache-{name}"), **extra}
+    for name, extra in (("lookup", {}), ("conversion", {"NUMBA_CPU_FEATURES": off,
+                                                         "NUMBA_CACHE_DIR": str(tmp_path / "cache-conversion")})):
+        env = {**base, **extra}                 # the host's build from the usual cache; the other one apart
         subprocess.run([sys.executable, "-c", TABLE_PROBE, os.path.dirname(__file__), str(tmp_path / name), *kinds],
                        env=env, check=True, timeout=600)
         runs[name] = np.load(tmp_path / f"{name}.npz")

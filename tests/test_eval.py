@@ -154,7 +154,8 @@ def two_node_cluster(ray, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")       # short: Ray's socket paths must fit in 107 bytes
-    run = lambda *a: subprocess.run(["ray", "start", *a], env=env, capture_output=True, text=True, timeout=120)
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")   # the interpreter's own, on PATH or not
+    run = lambda *a: subprocess.run([ray_cli, "start", *a], env=env, capture_output=True, text=True, timeout=120)
     head = run("--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={temp}",
                "--node-ip-address=127.0.0.1")
     assert head.returncode == 0, head.stderr[-2000:]
@@ -163,7 +164,7 @@ def two_node_cluster(ray, monkeypatch):
         assert worker.returncode == 0, worker.stderr[-2000:]
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(temp, ignore_errors=True)
 
 
