@@ -245,18 +245,18 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, c
     static_assert(U % SH == 0, "U a multiple of the passes sharing a decode");
     // (Q4_K rows are whole super-blocks, k8 % 32 == 0: every lane of a warp runs as many passes; the bound written
     // without the lane lets the compiler see that, so the shuffles need no divergent-warp code)
-    auto whole = [&](int i, int i0) { return F::SHARES ? i0 + 32 * U <= k8 : i + 32 * (U - 1) < k8; };
-    auto fetch = [&](F (&raw)[R][U], float2 (&sc)[R][U / SH]) {
+    auto whole = [&](int at, int at0) { return F::SHARES ? at0 + 32 * U <= k8 : at + 32 * (U - 1) < k8; };
+    auto fetch = [&](F (&dst)[R][U], float2 (&dsc)[R][U / SH]) {      // this pass's blocks, p[q] moved past them
 #pragma unroll
         for (int q = 0; q < R; ++q) {
 #pragma unroll
             for (int r = 0; r < U; ++r) {
-                if constexpr (F::SHARES) raw[q][r].codes(p[q] + r * PASS, lane);
-                else raw[q][r].load(p[q] + r * PASS, lane);
+                if constexpr (F::SHARES) dst[q][r].codes(p[q] + r * PASS, lane);
+                else dst[q][r].load(p[q] + r * PASS, lane);
             }
             if constexpr (F::SHARES)
 #pragma unroll
-                for (int j = 0; j < U / SH; ++j) sc[q][j] = F::scales(F::head(p[q] + (SH * j + lane % SH) * PASS), (lane >> 2) & 7);
+                for (int j = 0; j < U / SH; ++j) dsc[q][j] = F::scales(F::head(p[q] + (SH * j + lane % SH) * PASS), (lane >> 2) & 7);
             p[q] += U * W * PASS;
         }
     };
