@@ -308,13 +308,14 @@ def test_plugin_with_a_llamacpp_dump_in_a_separate_project(lc_dump, default_f32,
 
 @pytest.mark.default_model
 def test_plugin_with_the_torch_engine_and_a_planted_bug(torch_subject, default_f32, tmp_path):
+    """The plugin on an engine under test with a planted bug (wrong attention scale): the checkpoints before it
+    pass, cp4 fails and is named. (The same engine without the bug passes every checkpoint in
+    test_torch_engine_with_other_layouts_passes; a clean plugin run: test_plugin_with_a_llamacpp_dump_in_a_separate_project
+    and test_plugin_with_transformers_as_the_subject.)"""
     proj = tmp_path / "proj"
     proj.mkdir()
     (proj / "my_engine.py").write_text((HERE / "subjects" / "torch_llama.py").read_text())
     args = ["--llorch-subject=my_engine:make_dump", f"--llorch-model={default_f32}"]
-    r = _pytest_in(proj, *args, env={"PYTHONPATH": str(proj)})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "passed" in r.stdout and "1 skipped" in r.stdout          # cp0: the subject does not tokenize
     r = _pytest_in(proj, *args, "-vv", env={"PYTHONPATH": str(proj), "LLORCH_TORCH_BUG": "scale"})
     assert r.returncode == 1
     import re

@@ -26,7 +26,7 @@ def diff_f32(engine_f32, llama_f32):
 def diff_q41(engine_q41, llamacpp):
     from llorch_ref.harness.run import run_diff
 
-    return run_diff(engine_q41, n_greedy=64)
+    return run_diff(engine_q41, n_greedy=32)
 
 
 @pytest.fixture
