@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llorch_ref.model.qtensor import block_size
+
 SHAPES = {
     "llama2-7b": dict(d=4096, f=11008, layers=32, heads=32, kv=32, vocab=32000, ctx=4096, base=10000.0, vocab_kind="spm"),
     "llama3-8b": dict(d=4096, f=14336, layers=32, heads=32, kv=8, vocab=128256, ctx=131072, base=500000.0,
@@ -35,7 +37,7 @@ SHAPES = {
                                                          "high_freq_factor": 4.0,
                                                          "original_max_position_embeddings": 8192}),
 }
-BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")        # the block types random_blocks draws (sizes: block_size)
 
 
 def _rng(name, seed):
@@ -44,7 +46,7 @@ def _rng(name, seed):
 
 def random_blocks(name, rows, cols, qtype, std, seed) -> np.ndarray:
     """-> uint8 [rows, cols / block * block_bytes]: random blocks of qtype with weights of about `std`."""
-    per, size = BLOCK[qtype]
+    per, size = block_size(qtype)
     nb = rows * cols // per
     rng = _rng(name, seed)
     out = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
@@ -141,7 +143,7 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0):
         if std is None or std == "freqs":
             w.add_tensor_info(name, shp, np.dtype(np.float32), shp[0] * 4)
         else:
-            per, size = BLOCK[qtype]
+            per, size = block_size(qtype)
             w.add_tensor_info(name, (shp[0], shp[1] // per * size), np.dtype(np.uint8),
                               shp[0] * shp[1] // per * size, raw_dtype=qt)
     w.write_header_to_file()
@@ -163,7 +165,7 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="llama2-7b")
-    ap.add_argument("--type", choices=list(BLOCK), default="Q4_K")
+    ap.add_argument("--type", choices=TYPES, default="Q4_K")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()

@@ -37,8 +37,8 @@ def hsum8(acc):
 
 
 def fma(a, b, c):
-    """float32 fused multiply-add, emulated in float64."""
-    return (a.astype(F64) * b.astype(F64) + c).astype(F32)
+    """float32 fused multiply-add, emulated in float64 (b and c, float32, widened exactly by the ufuncs)."""
+    return (a.astype(F64) * b + c).astype(F32)
 
 
 # -- activation quantization ------------------------------------------------------------------------
@@ -131,8 +131,8 @@ class LegacyQuantMatrix:
         summs = np.zeros((t, n), dtype=F32) if mw is not None else None
         for blk in range(b):
             lane = np.matmul(qa_lanes[blk], q_lanes[blk])                          # [8, T, N] exact integers
-            d0d1 = (dw[None, :, blk] * da[:, blk, None]).astype(F64)              # [T, N] f32 products, exactly
-            acc = (d0d1 * lane + acc).astype(F32)          # fma(d0d1, lane, acc): one rounding to f32 (in f64)
+            d0d1 = dw[None, :, blk] * da[:, blk, None]                             # [T, N] f32
+            acc = fma(d0d1, lane, acc)
             if summs is not None:
                 summs = summs + mw[None, :, blk] * sa[:, blk, None]                # f32
         y = hsum8(np.moveaxis(acc, 0, -1))
