@@ -43,9 +43,9 @@ def print_result(res, verbose, file=None):
 
 
 def console_for(file=None) -> Console:
-    """A terminal gets its own width; a file or a pipe (a CI log) gets 140 columns (tables fold to fit)."""
+    """A terminal gets its own width; a file or a pipe gets 100 columns (tables fold to fit)."""
     out = file or sys.stdout                                   # stdout at call time (tests capture it)
-    return Console(file=out, width=None if out.isatty() else 140)
+    return Console(file=out, width=None if out.isatty() else 100)
 
 
 def fmt_band(band: dict) -> str:
