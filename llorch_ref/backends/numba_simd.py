@@ -12,7 +12,7 @@ whatever the thread count or tile, and differs from the oracle's (dequantized we
 the order of the sums only.
 
 4-bit codes (Q4_0, Q4_1, Q4_K) on AVX-512: the sixteen weights a block's scale and min allow are computed
-once (one fused multiply-add of the codes 0..15) and looked up per code with one vpermps, instead of a
+once (one fused multiply-add of the codes 0..15; Q4_0's one multiply of the codes less 8) and looked up per code with one vpermps, instead of a
 mask, a conversion and a multiply-add per 16 codes; elsewhere the codes are converted. The two give the same
 floats (`TABLES` picks one when the kernels are compiled, for the CPU numba compiles for).
 
@@ -187,6 +187,19 @@ def _codes_times(k, codes, scale, offset=None):
     return _fma(b, k.fl(b.and_(codes, _vi(15))), scale, offset)
 
 
+CENTRED16 = ir.Constant(VF, [float(j - 8) for j in range(L)])   # code - 8 for the 16 values a Q4_0 code takes
+
+
+def _codes_centred(k, codes, d):
+    """Q4_0's weights d * (code - 8) (d: a <16 x float> splat) for 4-bit codes as in _codes_times: exact in float32
+    (an 11-bit float16 scale times a 4-bit integer), the oracle's value. With AVX-512's permute the sixteen values
+    are one multiply a block (the constant codes - 8 times d), looked up per code."""
+    b = k.b
+    if TABLES:
+        return _lookup(b, b.fmul(d, CENTRED16), codes)
+    return b.fmul(d, k.fl(b.sub(b.and_(codes, _vi(15)), _vi(8))))
+
+
 def _weights(qtype, k, k4=None):
     """One block at k -> [(w <16 x float>, x offset)]: its weights in float32, each the value gguf-py's
     dequantization (the NumPy oracle's) gives it, bit for bit: a float16 scale (times an integer sub-scale:
@@ -195,10 +208,9 @@ def _weights(qtype, k, k4=None):
     if qtype in ("Q4_0", "Q4_1"):
         q = k.bytes16(2 if qtype == "Q4_0" else 4)
         lo, hi = _codes4(k, q, 0), _codes4(k, q, 4)
-        if qtype == "Q4_0":                              # d * (code - 8) = d * code - 8d, exact either way
+        if qtype == "Q4_0":
             d = k.f16_splats(0, 1)[0]
-            off = b.fmul(d, ir.Constant(VF, [-8.0] * L))
-            return [(_codes_times(k, lo, d, off), 0), (_codes_times(k, hi, d, off), 16)]
+            return [(_codes_centred(k, lo, d), 0), (_codes_centred(k, hi, d), 16)]
         d, m = k.f16_splats(0, 2)
         return [(_codes_times(k, lo, d, m), 0), (_codes_times(k, hi, d, m), 16)]
     if qtype in ("Q5_0", "Q5_1"):
