@@ -52,3 +52,35 @@ def test_vector_registers_are_read_from_the_compiled_code():
 
     got = vector_registers(["matmul_rows"])["matmul_rows"]
     assert got.split()[0] in ("zmm", "ymm", "xmm") and "operands" in got
+
+
+def test_bench_interleaved_pairs_each_round_and_reports_an_engine_that_fails(tiny, tmp_path, llamacpp):
+    """--interleave: the engines loaded at once, timed in rounds; each ratio is the median of the rounds' ratios to
+    llama.cpp (each round's runs back to back); an engine that cannot load is reported and the others still run."""
+    pytest.importorskip("numba")
+    import importlib.util
+
+    model = tiny(vocab="none", weight_type="Q4_0")
+    out = tmp_path / "bench.json"
+    engines = ["numba", "llamacpp"] + ([] if importlib.util.find_spec("cupy") else ["cupy"])
+    r = subprocess.run([sys.executable, "-m", "llorch_ref.cli", "bench", "--model", str(model), "--engines",
+                        ",".join(engines), "--prefill", "8", "--decode", "4", "--repeats", "3", "--threads", "1",
+                        "--interleave", "--json", str(out)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, LLORCH_BENCH_VECTOR_REGISTERS="0"))
+    rep = json.loads(out.read_text())
+    assert rep["interleaved"] is True and len(rep["host_probe_gflops"]) == 3
+    numba, llama = rep["results"][:2]
+    assert "error" not in numba and "error" not in llama, r.stderr
+    for kind in ("prefill", "decode"):
+        assert len(numba[f"{kind}_runs"]) == len(llama[f"{kind}_runs"]) == 3
+        want = [a / b for a, b in zip(numba[f"{kind}_runs"], llama[f"{kind}_runs"])]
+        assert numba[f"{kind}_vs_llamacpp_runs"] == pytest.approx(want, rel=2e-3)
+    import statistics
+    row = next(ln for ln in r.stdout.splitlines() if ln.startswith("| llorch-ref numba"))
+    assert row.rstrip(" |").endswith(f"{statistics.median(numba['decode_vs_llamacpp_runs']):.2f}x")
+    assert "interleaved: the engines loaded at once" in r.stdout
+    if "cupy" in engines:                          # no cupy here: its process fails to load, reported in one line
+        assert rep["results"][2]["error"] and r.returncode == 1
+        assert "| cupy | - |" in r.stdout
+    else:
+        assert r.returncode == 0, r.stderr

@@ -213,7 +213,7 @@ def cmd_bench(args):
             raise ParameterError("--weight-cache-mb applies to the numpy and numpy-lazy engines")
         os.environ["LLORCH_BENCH_WEIGHT_CACHE_MB"] = str(args.weight_cache_mb)
     report = run_bench(path, engines, prefill=args.prefill, decode=args.decode, repeats=args.repeats,
-                       threads=args.threads)
+                       threads=args.threads, interleave=args.interleave)
     md = markdown(report)
     print(md)
     if args.json:

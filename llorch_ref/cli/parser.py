@@ -82,6 +82,9 @@ def _bench(sub):
     b.add_argument("--decode", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--threads", type=int, default=None, help="threads for every engine (default: all cores)")
+    b.add_argument("--interleave", action="store_true",
+                   help="load every engine at once and time them in rounds, back to back (ratios per round: for a "
+                        "host whose speed moves; every engine's memory held at once)")
     b.add_argument("--json", help="write the full report here")
     b.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     b.set_defaults(fn=cmd_bench)
