@@ -427,7 +427,7 @@ def _probe_lines(probes, engines, paired=False) -> list:
                      "pairs runs made back to back, and the per-round ratios show how far it moved them")
     elif max(probes) > 1.2 * min(probes):
         lines.append(f"warning: the host's speed moved by {max(probes) / min(probes):.2f}x during this run; engines "
-                     "measured at different speeds are not comparable: run again")
+                     "measured at different speeds are not comparable: run again, or with --interleave (runs paired back to back)")
     return lines
 
 
