@@ -277,7 +277,9 @@ class _Served:
         return None
 
     def _failed(self):
-        self.proc.wait()
+        """The process's last line on stderr (or that it was killed: the run's timeout)."""
+        if self.proc.wait() < 0:
+            return f"killed (signal {-self.proc.returncode}): the run's timeout, or the system"
         self.err.seek(0)
         return (self.err.read().decode(errors="replace").strip().splitlines() or ["no output"])[-1]
 
@@ -295,8 +297,11 @@ class _Served:
         return float(got)
 
     def finish(self) -> dict:
-        self.proc.stdin.write("end\n")
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.write("end\n")
+            self.proc.stdin.close()
+        except OSError:
+            pass
         got = self._read("BENCH ")
         if got is None:
             return {"engine": self.name, "error": self._failed()}
