@@ -120,3 +120,23 @@ def test_convert_f32_roundtrip(tiny, tmp_path):
     assert a.tokenizer.tokens == b.tokenizer.tokens and a.tokenizer.chat_template == b.tokenizer.chat_template
     np.testing.assert_array_equal(a.logits([1, 2, 3]), b.logits([1, 2, 3]))
     assert_one_line_error(run("convert", src, out), "already exists")
+
+
+
+@pytest.mark.parametrize("flag", ["--prefill", "--decode", "--repeats", "--threads"])
+def test_bench_counts_below_one_are_rejected(tiny, flag):
+    """A count of 0 gave a median of nothing, 0 tok/s, or (--threads 0) all cores: now refused by the parser, the
+    flag named, as generate's --threads is."""
+    r = run("bench", "--model", tiny(), "--engines", "numpy", flag, "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"argument {flag}: 0 is not in 1.." in r.stderr.splitlines()[-1]
+
+
+def test_threads_zero_is_refused_not_taken_as_all_cores(tiny):
+    """The API's threads=0 was read as "not given" (all cores); now a ParameterError."""
+    import llorch_ref
+    from llorch_ref.errors import ParameterError
+
+    pytest.importorskip("numba")
+    with pytest.raises(ParameterError, match="threads=0"):
+        llorch_ref.load(tiny(), backend="numba", threads=0)

@@ -133,7 +133,7 @@ _BLAS_LIMIT = []      # the threadpoolctl limit in force (kept alive: dropping i
 
 def cpu_threads(threads=None) -> int:
     """The thread count of a CPU backend: --threads, else $LLORCH_THREADS, else the cores this process may use."""
-    n = threads or os.environ.get("LLORCH_THREADS")
+    n = threads if threads is not None else os.environ.get("LLORCH_THREADS")      # 0 is refused, not "all cores"
     if n is None:
         n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     n = int(n)

@@ -78,10 +78,10 @@ def _bench(sub):
                         "cupy:float16, llamacpp, transformers")
     b.add_argument("--weight-cache-mb", type=float, default=None,
                    help="cache budget for the lazy-weight engines (default: theirs)")
-    b.add_argument("--prefill", type=int, default=128)
-    b.add_argument("--decode", type=int, default=128)
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--threads", type=int, default=None, help="threads for every engine (default: all cores)")
+    b.add_argument("--prefill", type=int_in(1, 1 << 20), default=128)
+    b.add_argument("--decode", type=int_in(1, 1 << 20), default=128)
+    b.add_argument("--repeats", type=int_in(1, 10000), default=3)
+    b.add_argument("--threads", type=int_in(1, 1024), default=None, help="threads for every engine (default: all cores)")
     b.add_argument("--interleave", action="store_true",
                    help="load every engine at once and time them in rounds, back to back (ratios per round: for a "
                         "host whose speed moves; every engine's memory held at once)")
