@@ -140,3 +140,7 @@ def test_threads_zero_is_refused_not_taken_as_all_cores(tiny):
     pytest.importorskip("numba")
     with pytest.raises(ParameterError, match="threads=0"):
         llorch_ref.load(tiny(), backend="numba", threads=0)
+
+
+def test_bench_without_an_engine_is_refused(tiny):
+    assert_one_line_error(run("bench", "--model", tiny(), "--engines", ","), "--engines names no engine")

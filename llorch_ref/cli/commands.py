@@ -201,6 +201,8 @@ def cmd_bench(args):
     if args.json:
         json_out = check_output(args.json, inputs=[path], overwrite=args.overwrite, what="--json")
     engines = [e for e in args.engines.split(",") if e]
+    if not engines:
+        raise ParameterError("--engines names no engine (give e.g. numba,llamacpp)")
     known = {"numpy", "numpy-eager", "numpy-lazy", "numpy-ggml", "numba", "numba-ggml", "cupy", "cupy:float16", "llamacpp",
              "transformers"}
     bad = [e for e in engines if e not in known]
