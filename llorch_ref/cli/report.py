@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -66,8 +67,10 @@ FOLDING = ("name", "worst at")      # the columns a narrow console may fold; fig
 
 
 def _table(title, cols) -> Table:
-    """Names and places fold to fit the console; figures, bands and verdicts stay whole on one line."""
-    t = Table(title=title, pad_edge=False)
+    """Names and places fold to fit the console; figures, bands and verdicts stay whole on one line. A rule under
+    the header and one space between columns (no cell borders or padding): a checkpoint row fits 100 columns, the
+    width of a file or a CI log, mostly on one line."""
+    t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     for col in cols:
         t.add_column(col, overflow="fold", no_wrap=col not in FOLDING)
     return t
