@@ -5,8 +5,8 @@ llorch-ref backends (numpy, numba, cupy), llama.cpp (llama-cpp-python, low-level
 on the CPU when asked. Prefill: one forward over a PREFILL-token prompt (logits of the last row).
 Decode: DECODE greedy tokens after an 8-token prompt, EOS ignored, timed from the end of the prompt's
 forward (every engine: the prompt's prefill is not in the decode figure). Medians of REPEATS runs after one
-warm-up; GPU work is synchronized before each clock read. Output: a JSON file and a Markdown table with
-ratios to llama.cpp. The engines run one after another, or with --interleave all loaded at once and timed in
+warm-up, each run asked of the engine's process by this one (bench.serve); GPU work is synchronized before each
+clock read. Output: a JSON file and a Markdown table with ratios to llama.cpp. The engines run one after another, or with --interleave all loaded at once and timed in
 rounds back to back (run_interleaved), each ratio then the median of the rounds' ratios.
 """
 from __future__ import annotations
@@ -35,17 +35,6 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _speeds(one_prefill, one_decode, repeats) -> dict:
-    """Medians of `repeats` runs of each (after one warm-up run: compilation, caches, allocator), with every run
-    kept: the run-to-run spread is part of the figure."""
-    out = {}
-    for name, fn in (("prefill", one_prefill), ("decode", one_decode)):
-        fn()
-        runs = [fn() for _ in range(repeats)]
-        out[f"{name}_tok_s"], out[f"{name}_runs"] = statistics.median(runs), [round(r, 3) for r in runs]
-    return out
-
-
 def _paths():
     """The numba backend's count of matrix products by path (an empty one without numba)."""
     try:
@@ -57,7 +46,7 @@ def _paths():
 
 
 def open_llorch(path, backend, prefill, decode, threads, dtype="float32", numerics="exact", weights="auto"):
-    """Load a llorch-ref engine -> (head, one_prefill, one_decode, tail) (see measure)."""
+    """Load a llorch-ref engine -> (head, one_prefill, one_decode, tail) (see open_engine)."""
     import llorch_ref
 
     cache_mb = os.environ.get("LLORCH_BENCH_WEIGHT_CACHE_MB")
@@ -175,16 +164,9 @@ def open_engine(engine, path, prefill, decode, threads):
     return open_llorch(path, backend.split("-")[0], prefill, decode, threads, dtype or "float32", numerics, weights)
 
 
-def measure(subject, repeats) -> dict:
-    """An opened engine's report: `repeats` timed runs of each kind after one warm-up, medians and every run."""
-    head, one_prefill, one_decode, tail = subject
-    speeds = _speeds(one_prefill, one_decode, repeats)
-    return {**head, **speeds, **tail()}
-
-
 def serve(subject, stdin=sys.stdin, stdout=sys.stdout):
-    """--interleave's engine side: "READY", then one timed run per "prefill" or "decode" line read ("RUN <tok/s>"),
-    and at "end" the report's other figures ("BENCH <json>")."""
+    """An engine's process: "READY", then one timed run per "prefill" or "decode" line read ("RUN <tok/s>"), and at
+    "end" the report's other figures ("BENCH <json>"). The parent (_served_runs) decides the warm-ups and rounds."""
     head, one_prefill, one_decode, tail = subject
     print("READY", file=stdout, flush=True)
     for line in stdin:
@@ -196,15 +178,10 @@ def serve(subject, stdin=sys.stdin, stdout=sys.stdout):
 
 
 def worker_main(argv):
-    """python -m llorch_ref.bench ENGINE PATH PREFILL DECODE REPEATS THREADS [serve] -> one JSON line (serve: the
-    runs the parent asks for, then one JSON line)."""
-    engine, path, prefill, decode, repeats, threads = argv[0], argv[1], *map(int, argv[2:6])
+    """python -m llorch_ref.bench ENGINE PATH PREFILL DECODE THREADS: one engine loaded, served (see serve)."""
+    engine, path, prefill, decode, threads = argv[0], argv[1], *map(int, argv[2:5])
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    subject = open_engine(engine, path, prefill, decode, threads)
-    if argv[6:] == ["serve"]:
-        serve(subject)
-    else:
-        print("BENCH " + json.dumps(measure(subject, repeats)), flush=True)
+    serve(open_engine(engine, path, prefill, decode, threads))
 
 
 def host_probe(threads, rounds=9) -> float:
@@ -232,9 +209,8 @@ def _env(threads):
                 MKL_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
 
 
-def _command(e, path, prefill, decode, repeats, threads):
-    return [sys.executable, "-m", "llorch_ref.bench", e, str(path), str(prefill), str(decode), str(repeats),
-            str(threads)]
+def _command(e, path, prefill, decode, threads):
+    return [sys.executable, "-m", "llorch_ref.bench", e, str(path), str(prefill), str(decode), str(threads)]
 
 
 def run_bench(path, engines, prefill=128, decode=128, repeats=3, threads=None, timeout=1800, interleave=False):
@@ -248,15 +224,7 @@ def run_bench(path, engines, prefill=128, decode=128, repeats=3, threads=None, t
     results, probes = [], []
     for e in engines:
         probes.append(host_probe(threads))
-        print(f"llorch-ref bench: {e} ...", file=sys.stderr, flush=True)
-        r = subprocess.run(_command(e, path, prefill, decode, repeats, threads), capture_output=True, text=True,
-                           env=_env(threads), timeout=timeout)
-        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("BENCH ")), None)
-        if r.returncode != 0 or line is None:
-            tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-            results.append({"engine": e, "error": tail})
-            continue
-        results.append(json.loads(line[6:]))
+        results += _served_runs(path, [e], prefill, decode, repeats, threads, timeout)
     probes.append(host_probe(threads))
     return {**report, "results": results, "host_probe_gflops": probes}
 
@@ -313,12 +281,22 @@ class _Served:
 def run_interleaved(path, engines, prefill, decode, repeats, threads, timeout=1800) -> dict:
     """Every engine loaded in its own process (one after another), then the timed runs in rounds: each round runs
     every engine once, back to back (the order reversed every other round), so that a ratio pairs runs made within
-    seconds of each other on a host whose speed moves for tens of seconds at a time. One warm-up run of each kind
-    per engine first. -> {results, host_probe_gflops (before the loads, before the rounds, after), rounds}"""
+    seconds of each other on a host whose speed moves for tens of seconds at a time.
+    -> {results, host_probe_gflops (before the loads, before the rounds, after), interleaved}"""
+    probes = [host_probe(threads)]
+    results = _served_runs(path, engines, prefill, decode, repeats, threads, timeout, probes)
+    _round_ratios(results)
+    return {"results": results, "host_probe_gflops": probes, "interleaved": True}
+
+
+def _served_runs(path, engines, prefill, decode, repeats, threads, timeout, probes=None) -> list:
+    """The engines each loaded in its own process (bench.serve), then one warm-up run of each kind and `repeats`
+    timed ones, in rounds over the engines (the order reversed every other round) -> each engine's result. probes:
+    a list the host's speed is appended to before the rounds and after them."""
     import tempfile
     import threading
 
-    probes, served = [host_probe(threads)], []
+    served = []
     killer = threading.Timer(timeout, lambda: [s.proc.kill() for s in served])
     killer.start()
     with tempfile.TemporaryDirectory() as tmp:
@@ -326,8 +304,9 @@ def run_interleaved(path, engines, prefill, decode, repeats, threads, timeout=18
             for i, e in enumerate(engines):
                 print(f"llorch-ref bench: {e} (loading) ...", file=sys.stderr, flush=True)
                 err = open(os.path.join(tmp, f"{i}.err"), "w+b")
-                served.append(_Served(e, _command(e, path, prefill, decode, repeats, threads), threads, err))
-            probes.append(host_probe(threads))
+                served.append(_Served(e, _command(e, path, prefill, decode, threads), threads, err))
+            if probes is not None:
+                probes.append(host_probe(threads))
             print(f"llorch-ref bench: timed rounds ({repeats}) of {', '.join(engines)} ...", file=sys.stderr, flush=True)
             for kind in ("prefill", "decode"):
                 for r in range(-1, repeats):                 # round -1: the warm-up
@@ -336,16 +315,15 @@ def run_interleaved(path, engines, prefill, decode, repeats, threads, timeout=18
                             tps = s.ask(kind)
                             if r >= 0 and tps is not None:
                                 s.runs[kind].append(tps)
-            probes.append(host_probe(threads))
-            results = [{"engine": s.name, "error": s.error} if s.error else _served_result(s) for s in served]
+            if probes is not None:
+                probes.append(host_probe(threads))
+            return [{"engine": s.name, "error": s.error} if s.error else _served_result(s) for s in served]
         finally:
             killer.cancel()
             for s in served:
                 if s.proc.poll() is None:
                     s.proc.kill()
                 s.err.close()
-    _round_ratios(results)
-    return {"results": results, "host_probe_gflops": probes, "interleaved": True}
 
 
 def _served_result(s) -> dict:
