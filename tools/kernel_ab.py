@@ -7,7 +7,9 @@ differently runs up to 10% apart, so separate processes cannot resolve a 10% cha
 numba_simd and numba_kernels are written to a temporary package and imported beside this tree's; both run the
 same random blocks (llorch_ref.testing.blocks: finite float16 scales), alternating every 40 calls for 15 rounds, the order swapped every
 round. Prints each side's median weight-tokens a second and the median of the per-round ratios (this tree /
-base), after checking that both give the same products to the bit.
+base), after checking that both give the same products to the bit; with --reordered (a change of the order of
+the sums), the products may differ, and each side's largest error against the float64 product of the
+dequantized weights is printed instead.
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ def main():
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rows", type=int, default=512, help="rows a matrix (K = 4096)")
+    ap.add_argument("--reordered", action="store_true",
+                    help="the products may differ in their last bits (another order of the sums): check both "
+                         "against the float64 product instead of against each other")
     a = ap.parse_args()
     import numba as nb
     import numpy as np
@@ -54,24 +59,32 @@ def main():
         sys.path.insert(0, tmp)
         base = importlib.import_module(f"{base_package(a.base, Path(tmp))}.numba_kernels")
         rng, k = np.random.default_rng(0), 4096
-        mats = {q: KernelBlocks([random_qtensor(q, a.rows, k, seed)]) for seed, q in enumerate(a.types.split(","))}
+        qts = {q: random_qtensor(q, a.rows, k, seed) for seed, q in enumerate(a.types.split(","))}
+        mats = {q: KernelBlocks([qt]) for q, qt in qts.items()}
         for threads in map(int, a.threads.split(",")):
             nb.set_num_threads(threads)
             for t_n in map(int, a.tokens.split(",")):
                 x = rng.standard_normal((t_n, k)).astype(np.float32)
                 for q, kb in mats.items():
-                    print(compare(q, kb.code, kb.rows, kb.n_blocks, x, {"this": here, "base": base}, threads),
-                          flush=True)
+                    exact = (x.astype(np.float64) @ qts[q].dequantize().astype(np.float64).T
+                             if a.reordered else None)
+                    print(compare(q, kb.code, kb.rows, kb.n_blocks, x, {"this": here, "base": base}, threads,
+                                  exact=exact), flush=True)
 
 
-def compare(qtype, code, rows, n_blocks, x, sides, threads, rounds=15, calls=40):
+def compare(qtype, code, rows, n_blocks, x, sides, threads, rounds=15, calls=40, exact=None):
     import numpy as np
 
     outs = {}
     for name, mod in sides.items():
         outs[name] = np.empty((x.shape[0], rows.shape[0]), np.float32)
         mod.matmul_rows(code, rows, n_blocks, x, outs[name])
-    if not np.array_equal(outs["this"], outs["base"]):
+    same = "same products to the bit"
+    if exact is not None:
+        err = {name: np.abs(o - exact).max() / np.abs(exact).max() for name, o in outs.items()}
+        same = (same if np.array_equal(outs["this"], outs["base"]) else "products differ") + \
+            f"; largest error / largest product: this {err['this']:.2e}, base {err['base']:.2e}"
+    elif not np.array_equal(outs["this"], outs["base"]):
         return f"{qtype}: products differ (max abs {np.abs(outs['this'] - outs['base']).max():.3g})"
     took = {name: [] for name in sides}
     for r in range(rounds):
@@ -85,7 +98,7 @@ def compare(qtype, code, rows, n_blocks, x, sides, threads, rounds=15, calls=40)
     this, base = np.array(took["this"]), np.array(took["base"])
     return (f"{qtype} T={x.shape[0]} threads={threads}: this {work / np.median(this) / 1e9:6.2f}, base "
             f"{work / np.median(base) / 1e9:6.2f} G weight-tokens/s; this/base {np.median(base / this):.3f} "
-            f"(rounds {np.min(base / this):.2f}-{np.max(base / this):.2f}); same products to the bit")
+            f"(rounds {np.min(base / this):.2f}-{np.max(base / this):.2f}); {same}")
 
 
 if __name__ == "__main__":

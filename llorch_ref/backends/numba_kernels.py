@@ -24,12 +24,31 @@ numba_cache.install()           # before the kernels below are decorated: their 
 
 
 # -- products straight from the file's blocks (numba_simd's vector loops), rows anywhere in memory ------------
-@nb.njit(parallel=True, cache=True, fastmath=False)
+@nb.njit(cache=True, fastmath=False)
+def _in_lane_order(code, x):
+    """x [T, K] f32, each group of 32 in the order the type's blocks give their weights (numba_simd.LANE_ORDER):
+    x itself for the types that keep the file's order, else a reordered copy."""
+    if not S.REORDERED[code]:
+        return x
+    order, out = S.LANE_ORDER[code], np.empty_like(x)
+    for t in range(x.shape[0]):
+        for g in range(0, x.shape[1], 32):
+            for i in range(32):
+                out[t, g + i] = x[t, g + order[i]]
+    return out
+
+
+@nb.njit(cache=True, fastmath=False)
 def matmul_rows(code, rows, n_blocks, x, out):
     """code: numba_simd.TYPE_CODE of the blocks' type, rows: int64 [N] addresses of N rows of its blocks (the
-    mapped file's, where they lie; several matrices stacked by address), x: [T, K] f32 -> out: [T, N] f32.
-    Tiles of 4 rows for one token, of 2 rows by 4 tokens for several; every product the same in any tile (and
-    so whatever T or the thread count)."""
+    mapped file's, where they lie; several matrices stacked by address), x: [T, K] f32 -> out: [T, N] f32."""
+    _rows_times(code, rows, n_blocks, _in_lane_order(code, x), out)     # an argument: alive through the call
+
+
+@nb.njit(parallel=True, cache=True, fastmath=False)
+def _rows_times(code, rows, n_blocks, x, out):
+    """matmul_rows with x in the blocks' lane order. Tiles of 4 rows for one token, of 2 rows by 4 tokens for
+    several; every product the same in any tile (and so whatever T or the thread count)."""
     t_n, k = x.shape
     n = rows.shape[0]
     ra, xa, oa = rows.ctypes.data, x.ctypes.data, out.ctypes.data

@@ -9,7 +9,9 @@ float32, plus or minus a min term with one rounding: one fused multiply-add); ea
 matching floats and added to a lane accumulator with a fused multiply-add (llvm.fma, no fast-math otherwise:
 nothing reassociated); one fixed-order tree sum at the row's end. A row's result is therefore the same
 whatever the thread count or tile, and differs from the oracle's (dequantized weights times x in BLAS) by
-the order of the sums only.
+the order of the sums only. The 4-bit types' codes are read from their bytes' 32-bit words by one broadcast
+load and one shift per 16 codes (no widening of bytes to lanes, a shuffle port's work), which puts each 32 of a
+block's weights in an order of their own (LANE_ORDER); matmul_rows reads x in that order.
 
 4-bit codes (Q4_0, Q4_1, Q4_K) on AVX-512: the sixteen weights a block's scale and min allow are computed
 once (one fused multiply-add of the codes 0..15; Q4_0's one multiply of the codes less 8) and looked up per code with one vpermps, instead of a
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 
 import llvmlite.binding as ll
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -107,6 +110,18 @@ class _Block:
         v = self.b.load(self.at(off, VI8), align=1)
         return self.b.sext(v, VI32) if signed else self.b.zext(v, VI32)
 
+    def nibble_lanes(self, off, n_bytes):
+        """The n_bytes (16 or 32) at off as 32-bit words repeated across the 16 lanes (one broadcast load, no
+        widening of bytes to lanes), each repeat shifted right by one more byte -> codes(shift): those lanes
+        shifted right by `shift` bits more (LLVM makes the two one variable shift), a 4-bit code in each lane's
+        low four bits (the bits above not cleared), lane l's from byte 4 (l % words) + l // words + shift // 8,
+        its high half where shift % 8 is 4."""
+        b, words = self.b, n_bytes // 4
+        v = b.load(self.at(off, ir.VectorType(I32, words)), align=1)
+        v = b.lshr(b.shuffle_vector(v, v, ir.Constant(VI32, [lane % words for lane in range(L)])),
+                   _vi([8 * (lane // words) for lane in range(L)]))
+        return lambda shift: b.lshr(v, _vi(shift)) if shift else v
+
     def bits16(self, word, first):
         """((word >> (first + j)) & 1) << 4 for lanes j: a 32-bit mask's 16 high bits of codes."""
         b = self.b
@@ -122,41 +137,37 @@ def _nibbles(k, q, shift):
     return k.b.and_(k.b.lshr(q, _vi(shift)), _vi(15)) if shift else k.b.and_(q, _vi(15))
 
 
-def _codes4(k, q, shift):
-    """The 4-bit codes at bit `shift` of each byte (q: bytes widened to <16 x i32>) in each lane's low four bits,
-    the bits above not cleared: _codes_times' lookup reads only those four, its conversion masks them."""
-    return k.b.lshr(q, _vi(shift)) if shift else q
-
-
 def _lanes(b, v, idx):
     return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, len(idx)), list(idx)))
 
 
 def _k4_scales(blocks):
     """get_scale_min_k4 for the 8 groups of each of `blocks` (one or two super-blocks: two rows decoded in one pass),
-    from the 12 scale bytes at offset 4, as floats: (d sc, -(dmin m)) <8n x float> each, lanes 8i..8i+7 block i's,
-    exact. Groups 0-3: q[j] & 63, q[j+4] & 63; groups 4-7: (q[j+4] & 15) | (q[j-4] >> 6) << 4, (q[j+4] >> 4) |
-    (q[j] >> 6) << 4."""
+    from the 12 scale bytes q at offset 4, as floats: (d sc, -(dmin m)) <8n x float> each, lanes 8i..8i+7 block
+    i's, exact. Groups 0-3: q[j] & 63, q[j+4] & 63; groups 4-7: (q[j+8] & 15) | (q[j] >> 6) << 4, (q[j+8] >> 4) |
+    (q[j+4] >> 6) << 4: four bytes at once in 32-bit words (general-purpose registers' work, where the vector
+    ports are the loop's bound), then one widening of the 8n bytes, one conversion and one multiply."""
     b, n = blocks[0].b, len(blocks)
-    w = 8 * n
-    qa, qb = blocks[0].bytes16(4), blocks[-1].bytes16(4)     # bytes 4..19: 12 scale bytes and 4 code bytes after
-    vw = lambda c: ir.Constant(ir.VectorType(I32, w), [c] * w)                        # noqa: E731
-    pick = lambda idx: b.shuffle_vector(qa, qb, ir.Constant(ir.VectorType(I32, w),    # noqa: E731
-                                                            [L * i + j for i in range(n) for j in idx]))
-    first = ir.Constant(ir.VectorType(ir.IntType(1), w), ([1] * 4 + [0] * 4) * n)
-    p, m = pick((0, 1, 2, 3, 8, 9, 10, 11)), pick((4, 5, 6, 7, 8, 9, 10, 11))
-    top = lambda idx: b.shl(b.lshr(pick(idx), vw(6)), vw(4))                          # noqa: E731
-    sc = b.select(first, b.and_(p, vw(63)), b.or_(b.and_(p, vw(15)), top((0, 1, 2, 3, 0, 1, 2, 3))))
-    mn = b.select(first, b.and_(m, vw(63)), b.or_(b.lshr(m, vw(4)), top((4, 5, 6, 7, 4, 5, 6, 7))))
-
-    def each_block(off):                                     # the float16 at off of block i in lanes 8i..8i+7
-        u = ir.Constant(VF, ir.Undefined)
-        v = u
-        for i, k in enumerate(blocks):
-            v = b.insert_element(v, k.f16(off), ir.Constant(I32, 8 * i))
-        return b.shuffle_vector(v, u, ir.Constant(ir.VectorType(I32, w), [8 * i for i in range(n) for _ in range(8)]))
+    w, i64 = 8 * n, ir.IntType(64)
+    c32 = lambda v: ir.Constant(I32, v)                                                 # noqa: E731
+    sc, mn = ir.Constant(ir.VectorType(i64, n), ir.Undefined), ir.Constant(ir.VectorType(i64, n), ir.Undefined)
+    dd = ir.Constant(ir.VectorType(I32, n), ir.Undefined)
+    for i, k in enumerate(blocks):
+        w0, w1, w2 = k.u32(4), k.u32(8), k.u32(12)
+        six = lambda word: b.and_(word, c32(0x3F3F3F3F))                              # noqa: E731
+        top = lambda word: b.and_(b.lshr(word, c32(2)), c32(0x30303030))               # noqa: E731
+        s_hi = b.or_(b.and_(w2, c32(0x0F0F0F0F)), top(w0))
+        m_hi = b.or_(b.and_(b.lshr(w2, c32(4)), c32(0x0F0F0F0F)), top(w1))
+        pack = lambda lo, hi: b.or_(b.zext(lo, i64), b.shl(b.zext(hi, i64), ir.Constant(i64, 32)))   # noqa: E731
+        sc = b.insert_element(sc, pack(six(w0), s_hi), c32(i))
+        mn = b.insert_element(mn, pack(six(w1), m_hi), c32(i))
+        dd = b.insert_element(dd, k.u32(0), c32(i))                                   # d, dmin: two float16s
     fw = ir.VectorType(F32, w)
-    return b.fmul(each_block(0), b.sitofp(sc, fw)), b.fneg(b.fmul(each_block(2), b.sitofp(mn, fw)))
+    as_floats = lambda v: b.uitofp(b.zext(b.bitcast(v, ir.VectorType(I8, w)), ir.VectorType(I32, w)), fw)  # noqa
+    h = b.fpext(b.bitcast(dd, ir.VectorType(F16, 2 * n)), ir.VectorType(F32, 2 * n))   # d0 dmin0 d1 dmin1 ...
+    h = b.fmul(h, ir.Constant(ir.VectorType(F32, 2 * n), [1.0, -1.0] * n))              # d, -dmin: exact
+    per = lambda at: _lanes(b, h, [2 * i + at for i in range(n) for _ in range(8)])     # noqa: E731
+    return b.fmul(per(0), as_floats(sc)), b.fmul(per(1), as_floats(mn))
 
 
 def _scaled(b, d, ints):
@@ -205,9 +216,10 @@ def _weights(qtype, k, k4=None):
     dequantization (the NumPy oracle's) gives it, bit for bit: a float16 scale (times an integer sub-scale:
     exact) times a code (exact in float32 for every type), minus or plus a min term with one rounding."""
     b = k.b
-    if qtype in ("Q4_0", "Q4_1"):
-        q = k.bytes16(2 if qtype == "Q4_0" else 4)
-        lo, hi = _codes4(k, q, 0), _codes4(k, q, 4)
+    if qtype in ("Q4_0", "Q4_1"):                           # lanes in LANE_ORDER's order
+        q_at = 2 if qtype == "Q4_0" else 4
+        codes = k.nibble_lanes(q_at, 16)
+        lo, hi = codes(0), codes(4)
         if qtype == "Q4_0":
             d = k.f16_splats(0, 1)[0]
             return [(_codes_centred(k, lo, d), 0), (_codes_centred(k, hi, d), 16)]
@@ -235,8 +247,9 @@ def _weights(qtype, k, k4=None):
         for j in range(8):
             base, shift = q_at + 32 * (j // 2), 4 * (j % 2)
             sv, mv = k4(j)
-            if qtype == "Q4_K":
-                lo, hi = _codes4(k, k.bytes16(base), shift), _codes4(k, k.bytes16(base + 16), shift)
+            if qtype == "Q4_K":                              # lanes in LANE_ORDER's order
+                codes = k.nibble_lanes(base, 32)
+                lo, hi = codes(shift), codes(16 + shift)
                 out += [(_codes_times(k, lo, sv, mv), 32 * j), (_codes_times(k, hi, sv, mv), 32 * j + 16)]
                 continue
             lo, hi = _nibbles(k, k.bytes16(base), shift), _nibbles(k, k.bytes16(base + 16), shift)
@@ -279,6 +292,20 @@ class _VolatileLoad(ir.instructions.LoadInstr):
     def descr(self, buf):
         [val] = self.operands
         buf.append(f"load volatile {self.type}, {val.type} {val.get_reference()}, align 4\n")
+
+
+def _splats_after_barrier(b, v):
+    """_splats_from_memory for Q4_K's two-row decode: v stored once to a stack slot, each lane read back by a plain
+    load, which the backend folds into one vbroadcastss (or into the fused multiply-add that uses it as a
+    broadcast operand). An empty inline assembly block that is given the slot stands between the store and the
+    loads (LLVM would otherwise forward the stored lane and shuffle). Volatile loads there make LLVM spill vectors
+    (tools/kernel_ab.py: 0.89-0.94x), and this form makes Q5_K's and Q6_K's one-row decode 0.90x."""
+    with b.goto_entry_block():
+        slot = b.alloca(VF)
+    b.store(v, slot, align=64)
+    fp = b.bitcast(slot, F32.as_pointer())
+    b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [fp.type]), "", "r,~{memory}", side_effect=True), [fp])
+    return lambda j: _splat(b, b.load(b.gep(fp, [ir.Constant(I32, j)]), align=4))
 
 
 def _splat(b, v, n=L):
@@ -394,8 +421,10 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
         blocks = [_block_at(b, rows[r], ahead[r], i, block_bytes, tokens == 1 and qtype in SPLAT_LOADS)
                   for r in range(n_rows)]
         pair = _k4_scales(blocks) if qtype == "Q4_K" and tokens == 1 and n_rows == 2 else None   # one decode
+        if pair is not None:
+            splat_s, splat_m = (_splats_after_barrier(b, v) for v in pair)
         for r in range(n_rows):
-            k4 = None if pair is None else (lambda j, r=r: tuple(_lanes(b, v, [8 * r + j] * L) for v in pair))
+            k4 = None if pair is None else (lambda j, r=r: (splat_s(8 * r + j), splat_m(8 * r + j)))
             for w, off in _weights(qtype, blocks[r], k4):
                 for t in range(tokens):
                     key = ("acc", r, t, off // L % n_acc)
@@ -414,6 +443,20 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
 
 NAMES = tuple(BLOCKS)
 TYPE_CODE = {name: i for i, name in enumerate(NAMES)}
+
+
+def _lane_order(qtype) -> list:
+    """For each of 32 weights in _weights' order, its place in its group of 32 in the file: the 4-bit types' codes
+    come in nibble_lanes' order (words of bytes), the others' in the file's."""
+    if qtype in ("Q4_0", "Q4_1"):
+        return [16 * h + 4 * (lane % 4) + lane // 4 for h in range(2) for lane in range(L)]
+    if qtype == "Q4_K":
+        return [4 * (lane % 8) + lane // 8 + 2 * m for m in range(2) for lane in range(L)]
+    return list(range(32))
+
+
+LANE_ORDER = np.array([_lane_order(name) for name in NAMES], np.int64)   # [type code, 32]: x read in this order
+REORDERED = np.array([_lane_order(name) != list(range(32)) for name in NAMES])
 
 
 def _per_type(b, code, names, emit):
