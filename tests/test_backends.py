@@ -159,6 +159,18 @@ def test_numba_kernels_match_the_dequantized_product(qt):
     assert got.shape == (3, 112)
     assert (np.abs(got - want) <= 1e-6 * scale + 1e-30).all(), float((np.abs(got - want) / scale).max())
     np.testing.assert_array_equal(blocks.matvec(x[1]), got[1])            # each row exactly as alone
+    np.testing.assert_array_equal(_one_hot_products(blocks, 512), deq.astype(np.float32))
+
+
+def _one_hot_products(blocks, k, tokens_at_once=(512, 1)):
+    """The kernels' weights themselves, whatever the order of their sums: x = e_j gives row r's w[r, j] exactly
+    (every other product is a zero) -> [N, K]; all K one-hot tokens in one call, and the first 8 one token a call
+    (the one-token tiles decode blocks their own way), which must agree."""
+    eye = np.eye(k, dtype=np.float32)
+    w = blocks.matmul(eye).T
+    for j in range(8):
+        np.testing.assert_array_equal(blocks.matvec(eye[j]), w[:, j])
+    return w
 
 
 TABLE_PROBE = """
@@ -168,15 +180,23 @@ from llorch_ref.testing.blocks import random_qtensor
 from llorch_ref.backends import numba_simd
 from llorch_ref.backends.numba_backend import KernelBlocks
 x = np.random.default_rng(3).standard_normal((5, 512)).astype(np.float32)
-out = {qt: KernelBlocks([random_qtensor(qt, 24, 512, 7)]).matmul(x) for qt in sys.argv[3:]}
-np.savez(sys.argv[2], tables=numba_simd.TABLES, **out)
+eye = np.eye(512, dtype=np.float32)
+out = {}
+for qt in sys.argv[3:]:
+    kb = KernelBlocks([random_qtensor(qt, 24, 512, 7)])
+    out[qt], out[qt + "_eye"] = kb.matmul(x), kb.matmul(eye).T
+    out[qt + "_eye1"] = np.stack([kb.matvec(eye[j]) for j in range(0, 512, 37)], 1)
+np.savez(sys.argv[2], tables=numba_simd.TABLES, words=numba_simd.WORDS, **out)
 """
 
 
-def test_numba_4bit_lookup_and_conversion_builds_give_the_same_products_to_the_bit(tmp_path):
-    """The AVX-512 build looks 4-bit codes' weights up (one vpermps), any other converts them: both make each
-    weight the oracle's float, so a product is the same to the bit whichever CPU built the kernel (one token
-    and five, Q4_0, Q4_1, Q4_K; the other build compiled in a child process with AVX-512 turned off)."""
+def test_numba_4bit_lookup_and_conversion_builds_give_the_oracle_weights_to_the_bit(tmp_path):
+    """The AVX-512 build looks 4-bit codes' weights up (one vpermps) and reads the codes from 32-bit words (so a
+    block's products are summed in an order of their own, LANE_ORDER); any other build converts the codes, read
+    in the file's order. Both make each weight the oracle's float: with one-hot tokens (every other product a
+    zero) both builds' products are gguf-py's dequantized weights to the bit, all tokens in one call and one
+    token a call; with random tokens they agree up to the order of the sums (Q4_0, Q4_1, Q4_K; the other build
+    compiled in a child process with AVX-512 turned off)."""
     need_backend("numba")
     import os
     import subprocess
@@ -200,8 +220,15 @@ def test_numba_4bit_lookup_and_conversion_builds_give_the_same_products_to_the_b
                        env=env, check=True, timeout=600)
         runs[name] = np.load(tmp_path / f"{name}.npz")
     assert bool(runs["lookup"]["tables"]) and not bool(runs["conversion"]["tables"])
+    assert bool(runs["lookup"]["words"]) and not bool(runs["conversion"]["words"])
     for qt in kinds:
-        np.testing.assert_array_equal(runs["lookup"][qt], runs["conversion"][qt], err_msg=qt)
+        want = random_qtensor(qt, 24, 512, 7).dequantize()
+        for name, run in runs.items():
+            np.testing.assert_array_equal(run[qt + "_eye"], want, err_msg=f"{qt} {name}")
+            np.testing.assert_array_equal(run[qt + "_eye1"], want[:, ::37], err_msg=f"{qt} {name}, one token")
+        x = np.random.default_rng(3).standard_normal((5, 512)).astype(np.float32)
+        scale = np.abs(x) @ np.abs(want.astype(np.float64)).T
+        assert (np.abs(runs["lookup"][qt] - runs["conversion"][qt]) <= 1e-6 * scale).all(), qt
 
 
 STAMP_PROBE = """

@@ -58,6 +58,8 @@ def _compiles_for(feature: str) -> bool:
 
 
 TABLES = _compiles_for("avx512f")     # 4-bit codes' weights by a 16-entry lookup (one vpermps) or by conversion
+WORDS = TABLES         # 4-bit codes read from 32-bit words (_Block.codes4): with lookups 1.03-1.15x one-token on
+#                       AVX-512; with conversions 0.83-0.88x (Q4_0, Q4_1) on the AVX2 build (results/cpu/2026-11-28-s19.md)
 
 
 def _vi(v):
@@ -110,17 +112,22 @@ class _Block:
         v = self.b.load(self.at(off, VI8), align=1)
         return self.b.sext(v, VI32) if signed else self.b.zext(v, VI32)
 
-    def nibble_lanes(self, off, n_bytes):
-        """The n_bytes (16 or 32) at off as 32-bit words repeated across the 16 lanes (one broadcast load, no
-        widening of bytes to lanes), each repeat shifted right by one more byte -> codes(shift): those lanes
-        shifted right by `shift` bits more (LLVM makes the two one variable shift), a 4-bit code in each lane's
-        low four bits (the bits above not cleared), lane l's from byte 4 (l % words) + l // words + shift // 8,
-        its high half where shift % 8 is 4."""
-        b, words = self.b, n_bytes // 4
+    def codes4(self, off, n_bytes):
+        """The 4-bit codes of the n_bytes (16 or 32) at off -> part(half, seg): 16 codes, those of bytes 16 seg..
+        16 seg + 15 (seg 0 for 16 bytes), their low (half 0) or high (half 1) four bits, in each lane's low four
+        bits (the bits above not cleared: _codes_times' lookup reads only those four, its conversion masks them).
+        With WORDS, the bytes' 32-bit words repeated across the lanes by one broadcast load (no widening of bytes
+        to lanes, a shuffle port's work), each repeat shifted right by one more byte, and a part one shift of
+        that (LLVM makes the two one variable shift): lane l's code from byte 4 (l % words) + l // words + 2 seg,
+        the order LANE_ORDER gives; otherwise the bytes widened to lanes in the file's order and shifted."""
+        b = self.b
+        if not WORDS:
+            return lambda half, seg: b.lshr(self.bytes16(off + 16 * seg), _vi(4 * half))
+        words = n_bytes // 4
         v = b.load(self.at(off, ir.VectorType(I32, words)), align=1)
         v = b.lshr(b.shuffle_vector(v, v, ir.Constant(VI32, [lane % words for lane in range(L)])),
                    _vi([8 * (lane // words) for lane in range(L)]))
-        return lambda shift: b.lshr(v, _vi(shift)) if shift else v
+        return lambda half, seg: b.lshr(v, _vi(16 * seg + 4 * half)) if half or seg else v
 
     def bits16(self, word, first):
         """((word >> (first + j)) & 1) << 4 for lanes j: a 32-bit mask's 16 high bits of codes."""
@@ -218,8 +225,8 @@ def _weights(qtype, k, k4=None):
     b = k.b
     if qtype in ("Q4_0", "Q4_1"):                           # lanes in LANE_ORDER's order
         q_at = 2 if qtype == "Q4_0" else 4
-        codes = k.nibble_lanes(q_at, 16)
-        lo, hi = codes(0), codes(4)
+        codes = k.codes4(q_at, 16)
+        lo, hi = codes(0, 0), codes(1, 0)
         if qtype == "Q4_0":
             d = k.f16_splats(0, 1)[0]
             return [(_codes_centred(k, lo, d), 0), (_codes_centred(k, hi, d), 16)]
@@ -248,8 +255,8 @@ def _weights(qtype, k, k4=None):
             base, shift = q_at + 32 * (j // 2), 4 * (j % 2)
             sv, mv = k4(j)
             if qtype == "Q4_K":                              # lanes in LANE_ORDER's order
-                codes = k.nibble_lanes(base, 32)
-                lo, hi = codes(shift), codes(16 + shift)
+                codes = k.codes4(base, 32)
+                lo, hi = codes(j % 2, 0), codes(j % 2, 1)
                 out += [(_codes_times(k, lo, sv, mv), 32 * j), (_codes_times(k, hi, sv, mv), 32 * j + 16)]
                 continue
             lo, hi = _nibbles(k, k.bytes16(base), shift), _nibbles(k, k.bytes16(base + 16), shift)
@@ -447,10 +454,10 @@ TYPE_CODE = {name: i for i, name in enumerate(NAMES)}
 
 def _lane_order(qtype) -> list:
     """For each of 32 weights in _weights' order, its place in its group of 32 in the file: the 4-bit types' codes
-    come in nibble_lanes' order (words of bytes), the others' in the file's."""
-    if qtype in ("Q4_0", "Q4_1"):
+    come in _Block.codes4's order with WORDS, the others' in the file's."""
+    if qtype in ("Q4_0", "Q4_1") and WORDS:
         return [16 * h + 4 * (lane % 4) + lane // 4 for h in range(2) for lane in range(L)]
-    if qtype == "Q4_K":
+    if qtype == "Q4_K" and WORDS:
         return [4 * (lane % 8) + lane // 8 + 2 * m for m in range(2) for lane in range(L)]
     return list(range(32))
 
