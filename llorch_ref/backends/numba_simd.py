@@ -9,14 +9,16 @@ float32, plus or minus a min term with one rounding: one fused multiply-add); ea
 matching floats and added to a lane accumulator with a fused multiply-add (llvm.fma, no fast-math otherwise:
 nothing reassociated); one fixed-order tree sum at the row's end. A row's result is therefore the same
 whatever the thread count or tile, and differs from the oracle's (dequantized weights times x in BLAS) by
-the order of the sums only. The 4-bit types' codes are read from their bytes' 32-bit words by one broadcast
-load and one shift per 16 codes (no widening of bytes to lanes, a shuffle port's work), which puts each 32 of a
-block's weights in an order of their own (LANE_ORDER); matmul_rows reads x in that order.
+the order of the sums only.
 
 4-bit codes (Q4_0, Q4_1, Q4_K) on AVX-512: the sixteen weights a block's scale and min allow are computed
-once (one fused multiply-add of the codes 0..15; Q4_0's one multiply of the codes less 8) and looked up per code with one vpermps, instead of a
-mask, a conversion and a multiply-add per 16 codes; elsewhere the codes are converted. The two give the same
-floats (`TABLES` picks one when the kernels are compiled, for the CPU numba compiles for).
+once (one fused multiply-add of the codes 0..15; Q4_0's one multiply of the codes less 8) and looked up per
+code with one vpermps, instead of a mask, a conversion and a multiply-add per 16 codes; elsewhere the codes are
+converted. The two give the same floats (`TABLES` picks one when the kernels are compiled, for the CPU numba
+compiles for). With the lookups the codes are read from their bytes' 32-bit words by one broadcast load and one
+shift per 16 codes (`WORDS`: no widening of bytes to lanes, a shuffle port's work), which puts each 32 of a
+block's weights in an order of their own (LANE_ORDER; matmul_rows reads x in that order): the two builds' sums
+of a 4-bit product run in different orders, over the same weights.
 
 `dot_tile` is the intrinsic numba code calls: R rows by T tokens at once (R, T and the type constants), each
 row's blocks decoded once for its T tokens and x's floats loaded once for the R rows.
