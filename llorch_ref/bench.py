@@ -6,8 +6,9 @@ on the CPU when asked. Prefill: one forward over a PREFILL-token prompt (logits 
 Decode: DECODE greedy tokens after an 8-token prompt, EOS ignored, timed from the end of the prompt's
 forward (every engine: the prompt's prefill is not in the decode figure). Medians of REPEATS runs after one
 warm-up, each run asked of the engine's process by this one (bench.serve); GPU work is synchronized before each
-clock read. Output: a JSON file and a Markdown table with ratios to llama.cpp. The engines run one after another, or with --interleave all loaded at once and timed in
-rounds back to back (run_interleaved), each ratio then the median of the rounds' ratios.
+clock read. Output: a JSON file and a Markdown table with ratios to llama.cpp. The engines run one after another,
+or with --interleave all loaded at once and timed in rounds back to back (run_interleaved), each ratio then the
+median of the rounds' ratios.
 """
 from __future__ import annotations
 

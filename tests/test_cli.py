@@ -122,7 +122,6 @@ def test_convert_f32_roundtrip(tiny, tmp_path):
     assert_one_line_error(run("convert", src, out), "already exists")
 
 
-
 @pytest.mark.parametrize("flag", ["--prefill", "--decode", "--repeats", "--threads"])
 def test_bench_counts_below_one_are_rejected(tiny, flag):
     """A count of 0 gave a median of nothing, 0 tok/s, or (--threads 0) all cores: now refused by the parser, the

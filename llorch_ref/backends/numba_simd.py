@@ -161,13 +161,13 @@ def _k4_scales(blocks):
     c32 = lambda v: ir.Constant(I32, v)                                                 # noqa: E731
     sc, mn = ir.Constant(ir.VectorType(i64, n), ir.Undefined), ir.Constant(ir.VectorType(i64, n), ir.Undefined)
     dd = ir.Constant(ir.VectorType(I32, n), ir.Undefined)
+    six = lambda word: b.and_(word, c32(0x3F3F3F3F))                                  # noqa: E731
+    top = lambda word: b.and_(b.lshr(word, c32(2)), c32(0x30303030))                   # noqa: E731
+    pack = lambda lo, hi: b.or_(b.zext(lo, i64), b.shl(b.zext(hi, i64), ir.Constant(i64, 32)))   # noqa: E731
     for i, k in enumerate(blocks):
         w0, w1, w2 = k.u32(4), k.u32(8), k.u32(12)
-        six = lambda word: b.and_(word, c32(0x3F3F3F3F))                              # noqa: E731
-        top = lambda word: b.and_(b.lshr(word, c32(2)), c32(0x30303030))               # noqa: E731
         s_hi = b.or_(b.and_(w2, c32(0x0F0F0F0F)), top(w0))
         m_hi = b.or_(b.and_(b.lshr(w2, c32(4)), c32(0x0F0F0F0F)), top(w1))
-        pack = lambda lo, hi: b.or_(b.zext(lo, i64), b.shl(b.zext(hi, i64), ir.Constant(i64, 32)))   # noqa: E731
         sc = b.insert_element(sc, pack(six(w0), s_hi), c32(i))
         mn = b.insert_element(mn, pack(six(w1), m_hi), c32(i))
         dd = b.insert_element(dd, k.u32(0), c32(i))                                   # d, dmin: two float16s
@@ -280,13 +280,20 @@ def _weights(qtype, k, k4=None):
     raise ValueError(f"no in-place kernel for {qtype}")
 
 
-def _splats_from_memory(b, v):
-    """_Block.splats by broadcast loads: v stored once, each lane read back by a volatile load (LLVM would otherwise
-    forward the stored lane and shuffle), which the backend folds into one vbroadcastss."""
+def _splats_from_memory(b, v, barrier=False):
+    """_Block.splats by broadcast loads: v stored once to a stack slot, each lane read back by a load, which the
+    backend folds into one vbroadcastss (or, with `barrier`, also into a fused multiply-add's broadcast operand).
+    LLVM would otherwise forward the stored lane and shuffle: the loads are volatile, or with `barrier` plain ones
+    behind an empty inline assembly block that is given the slot. Q4_K's two-row decode takes the barrier (its
+    volatile loads make LLVM spill vectors: tools/kernel_ab.py 0.89-0.94x); Q5_K's and Q6_K's one-row decode the
+    volatile loads (with the barrier 0.90x)."""
     with b.goto_entry_block():
         slot = b.alloca(VF)
     b.store(v, slot, align=64)
     fp = b.bitcast(slot, F32.as_pointer())
+    if barrier:
+        b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [fp.type]), "", "r,~{memory}", side_effect=True), [fp])
+        return lambda j: _splat(b, b.load(b.gep(fp, [ir.Constant(I32, j)]), align=4))
 
     def splat(j):
         load = _VolatileLoad(b.block, b.gep(fp, [ir.Constant(I32, j)]))
@@ -301,20 +308,6 @@ class _VolatileLoad(ir.instructions.LoadInstr):
     def descr(self, buf):
         [val] = self.operands
         buf.append(f"load volatile {self.type}, {val.type} {val.get_reference()}, align 4\n")
-
-
-def _splats_after_barrier(b, v):
-    """_splats_from_memory for Q4_K's two-row decode: v stored once to a stack slot, each lane read back by a plain
-    load, which the backend folds into one vbroadcastss (or into the fused multiply-add that uses it as a
-    broadcast operand). An empty inline assembly block that is given the slot stands between the store and the
-    loads (LLVM would otherwise forward the stored lane and shuffle). Volatile loads there make LLVM spill vectors
-    (tools/kernel_ab.py: 0.89-0.94x), and this form makes Q5_K's and Q6_K's one-row decode 0.90x."""
-    with b.goto_entry_block():
-        slot = b.alloca(VF)
-    b.store(v, slot, align=64)
-    fp = b.bitcast(slot, F32.as_pointer())
-    b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [fp.type]), "", "r,~{memory}", side_effect=True), [fp])
-    return lambda j: _splat(b, b.load(b.gep(fp, [ir.Constant(I32, j)]), align=4))
 
 
 def _splat(b, v, n=L):
@@ -431,7 +424,7 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
                   for r in range(n_rows)]
         pair = _k4_scales(blocks) if qtype == "Q4_K" and tokens == 1 and n_rows == 2 else None   # one decode
         if pair is not None:
-            splat_s, splat_m = (_splats_after_barrier(b, v) for v in pair)
+            splat_s, splat_m = (_splats_from_memory(b, v, barrier=True) for v in pair)
         for r in range(n_rows):
             k4 = None if pair is None else (lambda j, r=r: (splat_s(8 * r + j), splat_m(8 * r + j)))
             for w, off in _weights(qtype, blocks[r], k4):
