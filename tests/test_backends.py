@@ -273,6 +273,43 @@ def test_numba_cached_kernels_are_rebuilt_when_any_kernel_source_changes(tmp_pat
         first = changed
 
 
+LOAD_PROBE = """
+import sys
+import numpy as np
+from gguf import GGMLQuantizationType as Q, dequantize, quantize
+from llorch_ref.backends import numba_cache, numba_kernels as K, numba_simd as S
+rng = np.random.default_rng(0)
+q = quantize(rng.standard_normal((8, 64)).astype(np.float32), Q.Q4_0)
+x, out = rng.standard_normal((1, 64)).astype(np.float32), np.empty((1, 8), np.float32)
+K.matmul_rows(S.TYPE_CODE["Q4_0"], np.array([q[r].ctypes.data for r in range(8)], np.int64), 2, x, out)
+want = x.astype(np.float64) @ dequantize(q, Q.Q4_0).astype(np.float64).T
+print(numba_cache.install(), sum(K.matmul_rows.stats.cache_hits.values()), "numba.np.arraymath" in sys.modules,
+      float(np.abs(out - want).max() / np.abs(want).max()))
+import numba
+print(numba.njit(lambda a: np.median(a))(np.array([3.0, 1.0, 2.0])))       # compiled now: its registries load
+"""
+
+
+def test_numba_kernels_load_from_the_cache_without_numbas_compile_registries():
+    """A cached kernel's load skips numba's context refresh (its lowering registries: 0.2-0.3 s of the load) and
+    still runs: in a fresh process, matmul_rows comes from the cache (a hit), gives the dequantized product, and
+    numba.np.arraymath (a registry only the refresh imports) is not loaded; a function compiled afterwards still
+    finds its implementations (np.median's). Planted: numba's own loader (the refresh) imports arraymath."""
+    need_backend("numba")
+    import subprocess
+    import sys
+
+    def probe(numba_load=False):
+        back = "from numba.core import caching\ncaching.Cache.load_overload = caching.Cache.load_overload.numba_load\n"
+        code = LOAD_PROBE.replace("K.matmul_rows(", back + "K.matmul_rows(", 1) if numba_load else LOAD_PROBE
+        got = subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True, text=True)
+        return got.stdout.split()
+    probe()                                     # compiles and caches the kernel where nothing did before
+    installed, hits, registries, err, median = probe()
+    assert (installed, hits, registries, median) == ("True", "1", "False", "2.0") and float(err) < 1e-6
+    assert probe(numba_load=True)[2] == "True"
+
+
 @pytest.mark.parametrize("model", ["tiny-Q4_0", "tiny-Q4_1", "default"])
 def test_numba_fused_decode_step_equals_the_op_by_op_step(tiny, default_model, model, monkeypatch):
     """The fused one-token step (each layer in one numba call) against the op-by-op forward the checkpoints

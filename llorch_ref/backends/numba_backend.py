@@ -323,7 +323,7 @@ def vector_registers(names=None) -> dict:
         if names is not None and name not in names:
             continue
         f = getattr(K, name)
-        g = numba.njit(**{k: v for k, v in f.targetoptions.items() if k != "cache"})(f.py_func)
+        g = numba.njit(**{k: v for k, v in f.targetoptions.items() if k not in ("cache", "nopython")})(f.py_func)
         g(*args)
         asm = "\n".join(g.inspect_asm().values())
         n = {r: len(re.findall(rf"%{r}\d", asm)) for r in ("zmm", "ymm", "xmm")}

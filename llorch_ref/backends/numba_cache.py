@@ -6,6 +6,12 @@ numba_simd.py alone, or an upgrade that changes only it (pip leaves __pycache__'
 kernels compiled from the old code. `install()` puts, ahead of numba's own cache locators, the same locators with
 a stamp that also covers the contents of every kernel source file (KERNEL_SOURCES): any change to one of them
 recompiles every cached kernel. Call it before the kernel modules' functions are decorated.
+
+Loading a cached kernel: numba refreshes its target context first, which imports and installs every lowering
+registry it has (linalg, random, typed containers, ...: 0.2-0.3 s, a third of the default model's load). Those are
+needed to compile, and numba's compiler refreshes before it compiles; loaded machine code needs numba's runtime
+(NRT) only. The stamped kernels' cache loads therefore start the runtime and skip the refresh (`install`);
+every other function's cache loads as numba's does.
 """
 from __future__ import annotations
 
@@ -40,14 +46,31 @@ class _KernelStamp:
 _DIGEST = sources_digest()
 
 
+def _loader(numba_load):
+    """Cache.load_overload for the stamped kernels: the runtime started, the context's registries left unloaded."""
+    from numba.core.runtime import rtsys
+
+    def load_overload(self, sig, target_context):
+        if not isinstance(self._impl.locator, _KernelStamp):
+            return numba_load(self, sig, target_context)
+        rtsys.initialize(target_context)
+        return self._load_overload(sig, target_context)
+    load_overload.numba_load = numba_load
+    return load_overload
+
+
 def install() -> bool:
-    """Put the stamped locators first (once) -> whether numba's locator list was found (a test checks it is)."""
+    """Put the stamped locators first and their loader in (once) -> whether numba's locator list and cache loader
+    were found (a test checks they are)."""
     from numba.core import caching
 
     impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)     # newer / older numba
     classes = getattr(impl, "_locator_classes", None)
-    if classes is None:
+    cache = getattr(caching, "Cache", None)
+    if classes is None or not hasattr(cache, "_load_overload"):
         return False
+    if not hasattr(cache.load_overload, "numba_load"):
+        cache.load_overload = _loader(cache.load_overload)
     if not any(issubclass(c, _KernelStamp) for c in classes):
         bases = [caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator]
         classes[:0] = [type(f"Kernel{b.__name__}", (_KernelStamp, b), {}) for b in bases]
