@@ -273,6 +273,25 @@ def test_numba_cached_kernels_are_rebuilt_when_any_kernel_source_changes(tmp_pat
         first = changed
 
 
+def test_numba_kernel_modules_take_the_wide_vectors_whichever_is_imported_first():
+    """numba reads its CPU features once, at its import: each kernel module, imported first in a fresh process,
+    must leave numba with the features numba_wide_vectors gives (512-bit vectors on AVX-512 hosts; on others numba's
+    own, where the check holds trivially). Planted by the order it caught: numba_ggml imported numba before
+    numba_kernels set the features, and so did numba_backend (which imports numba_ggml first): kernels compiled for
+    256-bit vectors under another cache key (9 s)."""
+    need_backend("numba")
+    import subprocess
+    import sys
+
+    def features(first):
+        code = f"{first}\nimport numba\nprint(numba.config.CPU_FEATURES)"
+        return subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True,
+                              text=True).stdout.strip()
+    want = features("from llorch_ref.backends import numba_wide_vectors\nnumba_wide_vectors()")
+    for module in ("numba_simd", "numba_kernels", "numba_ggml", "numba_backend"):
+        assert features(f"import llorch_ref.backends.{module}") == want, module
+
+
 LOAD_PROBE = """
 import sys
 import numpy as np

@@ -10,12 +10,16 @@ stacked by rows: each row's result is its own), in the order ops.block runs them
 """
 from __future__ import annotations
 
-import numba as nb
-import numpy as np
-from numba import types
-from numba.extending import overload
+from . import numba_wide_vectors
 
-from . import numba_kernels as K
+numba_wide_vectors()            # before numba reads its configuration: 512-bit vectors on AVX-512 CPUs
+
+import numba as nb  # noqa: E402
+import numpy as np  # noqa: E402
+from numba import types  # noqa: E402
+from numba.extending import overload  # noqa: E402
+
+from . import numba_kernels as K  # noqa: E402
 from .numba_simd import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
 
 F32 = np.float32

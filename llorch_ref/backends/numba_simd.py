@@ -25,13 +25,17 @@ row's blocks decoded once for its T tokens and x's floats loaded once for the R 
 """
 from __future__ import annotations
 
-import os
+from . import numba_wide_vectors
 
-import llvmlite.binding as ll
-import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
+numba_wide_vectors()            # before numba reads its configuration: 512-bit vectors on AVX-512 CPUs
+
+import os  # noqa: E402
+
+import llvmlite.binding as ll  # noqa: E402
+import numpy as np  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import types  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 L = 16
 F32, F16 = ir.FloatType(), ir.HalfType()
