@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -33,7 +34,19 @@ PROMPT = ("The history of the world is long and full of surprises. Rivers change
 
 
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """This process's peak resident memory in MB (10^6 bytes; Linux gives ru_maxrss in KiB). Reports before
+    session 20 held MiB under the same key."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+
+
+def _model_mb(path) -> float | None:
+    """The model's bytes in MB: a file's size, or a folder's files summed (None where the path is not there)."""
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size / 1e6
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / 1e6
+    return None
 
 
 def _paths():
@@ -218,7 +231,7 @@ def run_bench(path, engines, prefill=128, decode=128, repeats=3, threads=None, t
     """Each engine in its own process, one after another (interleave: all loaded at once, their timed runs taking
     turns: see run_interleaved) -> the report."""
     threads = threads or os.cpu_count() or 1
-    report = {"model": str(path), "prefill_tokens": prefill, "decode_tokens": decode, "repeats": repeats,
+    report = {"model": str(path), "model_mb": _model_mb(path), "prefill_tokens": prefill, "decode_tokens": decode, "repeats": repeats,
               "threads": threads, "cpu_model": cpu_model(), "cpu_flags": cpu_flags()}
     if interleave:
         return {**report, **run_interleaved(path, engines, prefill, decode, repeats, threads, timeout)}
@@ -351,20 +364,26 @@ def _tps(x) -> str:
     return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
 
 
+def _times(x, of) -> str:
+    return f"{x / of:.2f}x" if of else "-"
+
+
 def markdown(report) -> str:
     base = next((r for r in report["results"] if r.get("engine") == "llama.cpp" and "error" not in r), None)
     lines = [f"model `{os.path.basename(report['model'])}`, {report['threads']} threads, prefill "
              f"{report['prefill_tokens']} tokens, decode {report['decode_tokens']} tokens (EOS ignored), "
              f"medians of {report['repeats']}; CPU {report.get('cpu_model')} ({report.get('cpu_flags')})", "",
-             "| engine | device | load s | prefill tok/s | decode tok/s | peak MB | prefill vs llama.cpp | "
-             "decode vs llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+             "| engine | device | load s | prefill tok/s | decode tok/s | peak MB | peak vs model | prefill vs "
+             "llama.cpp | decode vs llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
+    model_mb = report.get("model_mb")
     for r in report["results"]:
         if "error" in r:
-            lines.append(f"| {r['engine']} | - | - | - | - | - | error: {r['error']} | |")
+            lines.append(f"| {r['engine']} | - | - | - | - | - | - | error: {r['error']} | |")
             continue
         rp, rd = (_ratio(r, base, kind) for kind in ("prefill", "decode"))
         lines.append(f"| {r['engine']} | {r['device']} | {r['load_s']:.2f} | {_tps(r['prefill_tok_s'])} | "
-                     f"{_tps(r['decode_tok_s'])} | {r['peak_mb']:.0f} | {rp} | {rd} |")
+                     f"{_tps(r['decode_tok_s'])} | {r['peak_mb']:.0f} | {_times(r['peak_mb'], model_mb)} | {rp} | "
+                     f"{rd} |")
     spread = [f"{r['engine']} prefill {_tps(min(r['prefill_runs']))}-{_tps(max(r['prefill_runs']))}, decode "
               f"{_tps(min(r['decode_runs']))}-{_tps(max(r['decode_runs']))}"
               for r in report["results"] if r.get("prefill_runs") and r.get("decode_runs")]

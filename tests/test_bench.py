@@ -32,6 +32,18 @@ def test_bench_runs_every_engine_on_a_file_without_a_vocabulary(tiny, tmp_path, 
     probes = rep["host_probe_gflops"]              # before each engine and after the last
     assert len(probes) == 4 and all(p > 0 for p in probes)
     assert "host speed (float32 products in cache" in r.stdout
+    assert rep["model_mb"] == os.path.getsize(model) / 1e6
+    numba = next(x for x in rep["results"] if x["engine"].startswith("llorch-ref numba"))
+    assert f"| {numba['peak_mb']:.0f} | {numba['peak_mb'] / rep['model_mb']:.2f}x |" in r.stdout
+
+
+def test_bench_peak_memory_is_in_megabytes():
+    """peak_mb is 10^6 bytes, as the table's "peak MB" says (it held MiB, 4.9% less, through session 19): the
+    kernel's own high-water mark, /proc/self/status VmHWM in KiB, converted independently."""
+    from llorch_ref.bench import _peak_mb
+
+    hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    assert _peak_mb() == pytest.approx(hwm * 1024 / 1e6, rel=0.01)
 
 
 def test_bench_warns_when_the_host_speed_moved_during_the_run():
