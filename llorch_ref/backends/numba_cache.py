@@ -8,7 +8,7 @@ a stamp that also covers the contents of every kernel source file (KERNEL_SOURCE
 recompiles every cached kernel. Call it before the kernel modules' functions are decorated.
 
 Loading a cached kernel: numba refreshes its target context first, which imports and installs every lowering
-registry it has (linalg, random, typed containers, ...: 0.2-0.3 s, a third of the default model's load). Those are
+registry it has (linalg, random, typed containers, ...: 0.2-0.3 s, a fifth of the default model's load). Those are
 needed to compile, and numba's compiler refreshes before it compiles; loaded machine code needs numba's runtime
 (NRT) only. The stamped kernels' cache loads therefore start the runtime and skip the refresh (`install`);
 every other function's cache loads as numba's does.
