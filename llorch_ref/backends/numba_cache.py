@@ -60,18 +60,18 @@ def _loader(numba_load):
 
 
 def install() -> bool:
-    """Put the stamped locators first and their loader in (once) -> whether numba's locator list and cache loader
-    were found (a test checks they are)."""
+    """Put the stamped locators first and their loader in (once) -> whether numba's locator list was found (a test
+    checks it is). The loader is only a speed-up: a numba whose Cache has no _load_overload keeps its own."""
     from numba.core import caching
 
     impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)     # newer / older numba
     classes = getattr(impl, "_locator_classes", None)
-    cache = getattr(caching, "Cache", None)
-    if classes is None or not hasattr(cache, "_load_overload"):
+    if classes is None:
         return False
-    if not hasattr(cache.load_overload, "numba_load"):
-        cache.load_overload = _loader(cache.load_overload)
     if not any(issubclass(c, _KernelStamp) for c in classes):
         bases = [caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator]
         classes[:0] = [type(f"Kernel{b.__name__}", (_KernelStamp, b), {}) for b in bases]
+    cache = getattr(caching, "Cache", None)
+    if hasattr(cache, "_load_overload") and not hasattr(cache.load_overload, "numba_load"):
+        cache.load_overload = _loader(cache.load_overload)
     return True
