@@ -401,6 +401,10 @@ def markdown(report) -> str:
         lines += _probe_lines(report.get("host_probe_gflops"), [r["engine"] for r in report["results"]])
     for r in report["results"]:
         info = r.get("info") or {}
+        if info.get("kernels_compiled"):
+            lines += ["", f"warning: {r['engine']} compiled {info['kernels_compiled']} kernel signatures while loading "
+                      f"(numba's cache was cold or stale): its load of {r['load_s']:.2f} s is mostly compile "
+                      f"({info.get('compile_or_cache_load_s', 0):.1f} s); run again for a cached load"]
         if info.get("matrix_paths"):
             lines += ["", f"{r['engine']}: matrix products by path (every prefill and decode run): "
                       + "; ".join(f"{k} x{n}" for k, n in info["matrix_paths"].items())]

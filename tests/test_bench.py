@@ -96,3 +96,32 @@ def test_bench_interleaved_pairs_each_round_and_reports_an_engine_that_fails(tin
         assert "| cupy | - |" in r.stdout
     else:
         assert r.returncode == 0, r.stderr
+
+
+COMPILE_PROBE = """
+import numpy as np
+from llorch_ref.backends import numba_backend as B
+B.K.silu_mul(np.ones(4, np.float32), np.ones(4, np.float32), np.empty(4, np.float32))
+print(B.kernels_compiled())
+"""
+
+
+def test_a_load_that_compiled_kernels_is_counted_and_warned_of(tmp_path):
+    """kernels_compiled counts what numba compiled in the process, not what it loaded from its cache: with a fresh
+    cache folder the kernel is compiled (1), in the next process it is loaded (0). The bench's table then warns that
+    such a load is mostly compile (a session 20 run printed a 12.2 s load that way without a word)."""
+    pytest.importorskip("numba")
+    from llorch_ref.bench import markdown
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+
+    def compiled():
+        return subprocess.run([sys.executable, "-c", COMPILE_PROBE], env=env, check=True, capture_output=True,
+                              text=True, timeout=300).stdout.split()
+    assert compiled() == ["1"] and compiled() == ["0"]
+    row = {"engine": "llorch-ref numba lazy", "device": "cpu", "load_s": 12.2, "prefill_tok_s": 1.0,
+           "decode_tok_s": 1.0, "peak_mb": 1.0, "info": {"kernels_compiled": 7, "compile_or_cache_load_s": 11.3}}
+    report = {"model": "m.gguf", "threads": 2, "prefill_tokens": 8, "decode_tokens": 8, "repeats": 1, "results": [row]}
+    assert "warning: llorch-ref numba lazy compiled 7 kernel signatures while loading" in markdown(report)
+    row["info"]["kernels_compiled"] = 0
+    assert "compiled" not in markdown(report)

@@ -332,6 +332,15 @@ def vector_registers(names=None) -> dict:
     return res
 
 
+def kernels_compiled() -> int:
+    """How many kernel signatures numba compiled in this process so far (its cache cold, or stale after a change to
+    a kernel source) rather than loaded from its on-disk cache: a load that compiled is not a load's time."""
+    import numba
+
+    return sum(sum(f.stats.cache_misses.values()) for mod in (K, G) for f in vars(mod).values()
+               if isinstance(f, numba.core.registry.CPUDispatcher))
+
+
 def _blas_controller():
     """threadpoolctl's controller of the BLAS libraries in this process (cpu_split sets their thread count)."""
     from threadpoolctl import ThreadpoolController
@@ -361,6 +370,7 @@ class NumbaBackend(Backend):
         t0 = time.perf_counter()
         self._warm_up()
         self.info["compile_or_cache_load_s"] = round(time.perf_counter() - t0, 3)
+        self.info["kernels_compiled"] = kernels_compiled()      # 0 when every kernel came from numba's cache
 
     def _warm_up(self):
         """Compile (or load from the on-disk cache) every kernel once, outside any timed region."""
