@@ -254,6 +254,8 @@ def test_terminal_table_fits_100_columns_in_a_file(tiny_result):
     print_result(res, True, file=buf)
     lines = buf.getvalue().splitlines()
     assert len(lines) > 20 and max(len(line) for line in lines) <= 100
+    for s in res.summary():                             # one row a line: no checkpoint's name folded
+        assert any(f" {s['name']} " in line for line in lines), s["name"]
 
 
 def test_a_narrow_console_folds_names_never_figures():

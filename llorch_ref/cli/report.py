@@ -79,7 +79,7 @@ def _table(title, cols) -> Table:
 def _summary_table(res, ref_name) -> Table:
     """One row per checkpoint, end to end: the worst figures over its tensors and layers beside the band."""
     t = _table(f"{res.subject_label} vs {ref_name}: {len(res.token_ids)} tokens, band class {res.band_class}",
-               ["cp", "name", "n", "failed", "worst NMSE", "max abs", "cosine / tokens", "worst at", "band", "verdict"])
+               ["cp", "name", "n", "fail", "worst NMSE", "max abs", "cosine / tokens", "worst at", "band", "verdict"])
     for s in res.summary():
         at = s["worst_at"]
         rows = [r for r in res.rows if r.checkpoint == s["checkpoint"]]
