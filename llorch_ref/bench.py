@@ -231,8 +231,8 @@ def run_bench(path, engines, prefill=128, decode=128, repeats=3, threads=None, t
     """Each engine in its own process, one after another (interleave: all loaded at once, their timed runs taking
     turns: see run_interleaved) -> the report."""
     threads = threads or os.cpu_count() or 1
-    report = {"model": str(path), "model_mb": _model_mb(path), "prefill_tokens": prefill, "decode_tokens": decode, "repeats": repeats,
-              "threads": threads, "cpu_model": cpu_model(), "cpu_flags": cpu_flags()}
+    report = {"model": str(path), "model_mb": _model_mb(path), "prefill_tokens": prefill, "decode_tokens": decode,
+              "repeats": repeats, "threads": threads, "cpu_model": cpu_model(), "cpu_flags": cpu_flags()}
     if interleave:
         return {**report, **run_interleaved(path, engines, prefill, decode, repeats, threads, timeout)}
     results, probes = [], []
