@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -26,6 +27,7 @@ def test_bench_runs_every_engine_on_a_file_without_a_vocabulary(tiny, tmp_path, 
     paths = next(x for x in rep["results"] if x["engine"].startswith("llorch-ref numba"))["info"]["matrix_paths"]
     assert any("Q4_0: numba kernel" in k and k.endswith("1 row") for k in paths), paths
     assert "matrix products by path" in r.stdout
+    assert "llorch-ref numba lazy: BLAS " in r.stdout or "llorch-ref numba eager: BLAS " in r.stdout
     for x in rep["results"]:                       # every timed run kept, the median among them
         assert len(x["prefill_runs"]) == 1 and x["prefill_tok_s"] == pytest.approx(x["prefill_runs"][0], abs=1e-3)
     assert "run-to-run spread" in r.stdout
@@ -35,6 +37,21 @@ def test_bench_runs_every_engine_on_a_file_without_a_vocabulary(tiny, tmp_path, 
     assert rep["model_mb"] == os.path.getsize(model) / 1e6
     numba = next(x for x in rep["results"] if x["engine"].startswith("llorch-ref numba"))
     assert f"| {numba['peak_mb']:.0f} | {numba['peak_mb'] / rep['model_mb']:.2f}x |" in r.stdout
+
+
+def test_bench_names_the_blas_kernels_and_who_chose_them():
+    """The prefill's products run on numpy's BLAS, whose kernel set can be forced by OPENBLAS_CORETYPE (a machine of
+    this workplace sets Haswell on an AVX-512 CPU, 0.7x OpenBLAS's own choice there): the report names the set
+    OpenBLAS loaded and says when the environment chose it; each side is checked in a fresh process."""
+    code = "import llorch_ref.backends as b, numpy as np; np.ones((2, 2)) @ np.ones((2, 2)); print(b.blas_info())"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    own = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.strip()
+    if not own.startswith("openblas") or platform.machine() != "x86_64":
+        pytest.skip(f"numpy's BLAS here is not OpenBLAS on x86-64: {own}")
+    assert " kernels, " in own and "OPENBLAS_CORETYPE" not in own, own
+    forced = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=dict(env, OPENBLAS_CORETYPE="Sandybridge")).stdout.strip()
+    assert "Sandybridge kernels (chosen by OPENBLAS_CORETYPE=Sandybridge in the environment)" in forced, forced
 
 
 def test_bench_peak_memory_is_in_megabytes():

@@ -44,6 +44,24 @@ def cpu_flags() -> str:
     return " ".join(f for f in keep if f in flags) or platform.processor()
 
 
+def blas_info() -> str:
+    """The BLAS numpy runs on (the prefill's products), its kernel set and threads, in one line for reports; says
+    when OPENBLAS_CORETYPE chose the kernels (a machine that sets OPENBLAS_CORETYPE=Haswell gives an AVX-512 CPU
+    256-bit kernels: 0.7x OpenBLAS's own choice on AMD EPYC Zen 5, results/cpu/2026-11-28-s21.md)."""
+    try:
+        from threadpoolctl import threadpool_info
+        libs = [x for x in threadpool_info() if x.get("user_api") == "blas"]
+    except Exception as e:          # threadpoolctl missing or failing: say so rather than guess
+        return f"unknown (threadpoolctl: {e})"
+    if not libs:
+        return "none found"
+    b = libs[0]
+    forced = os.environ.get("OPENBLAS_CORETYPE") if b.get("internal_api") == "openblas" else None
+    return (f"{b.get('internal_api')} {b.get('version')}, {b.get('architecture')} kernels"
+            + (f" (chosen by OPENBLAS_CORETYPE={forced} in the environment)" if forced else "")
+            + f", {b.get('num_threads')} threads")
+
+
 
 @dataclass
 class Backend:
