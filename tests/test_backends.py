@@ -50,10 +50,15 @@ def test_numba_lazy_uncached_prefill_runs_the_kernels_and_meets_the_bands(tiny):
 
 def test_cpu_split_products_and_attention_equal_the_unsplit_ones_to_the_bit():
     """cpu_split: a product cut into row panels of the weight, one single-threaded BLAS call a thread, and attention on
-    groups of KV heads (6 query heads on 3 KV heads, a cached prefix, a causal mask) give the unsplit results to the
-    bit at 1, 2 and 3 threads; a split whose groups put their query heads in the wrong places (planted) does not."""
+    groups of KV heads (6 query heads on 3 KV heads, a cached prefix, a causal mask) give the unsplit results at 1, 2
+    and 3 threads: attention to the bit; the product to the bit where OpenBLAS multiplies a panel with the kernel it
+    uses for the whole (its SkylakeX set does on this shape; its Haswell set, which a machine's OPENBLAS_CORETYPE can
+    force, does not: 118 of 1000 columns differ in their last bits), else each panel equal to the bit to the same
+    BLAS call on that panel and the whole within float32 rounding of the float64 product. A split whose groups put
+    their query heads in the wrong places (planted) does not give attention's result."""
     from threadpoolctl import threadpool_limits
 
+    from llorch_ref.backends import blas_info
     from llorch_ref.backends.cpu_split import CpuSplit
     from llorch_ref.model import layers as L
     from llorch_ref.model.cache import visible_mask
@@ -70,7 +75,14 @@ def test_cpu_split_products_and_attention_equal_the_unsplit_ones_to_the_bit():
         want_att = L.attention(np, q, k, v, mask, 0.125, kv_head)[0]
         for threads in (1, 2, 3):
             split = CpuSplit(threads, mode="split")
-            assert np.array_equal(split.product(x, w), want_y)
+            got = split.product(x, w)
+            if not np.array_equal(got, want_y):
+                assert "SkylakeX" not in blas_info(), "SkylakeX kernels gave these shapes equal products before"
+                bounds = [1000 * i // threads for i in range(threads + 1)]
+                for lo, hi in zip(bounds, bounds[1:]):
+                    assert np.array_equal(got[:, lo:hi], x @ w[lo:hi].T)
+                exact = x.astype(np.float64) @ w.T.astype(np.float64)
+                assert np.abs(got - exact).max() <= 1e-6 * np.abs(exact).max()
             assert np.array_equal(split.attention_out(L.attention, np, q, k, v, mask, 0.125, kv_head), want_att)
             bad = split.attention_out(lambda xp, q, k, v, m, sc, kh: L.attention(xp, q[:, ::-1], k, v, m, sc, kh),
                                       np, q, k, v, mask, 0.125, kv_head)
@@ -80,7 +92,8 @@ def test_cpu_split_products_and_attention_equal_the_unsplit_ones_to_the_bit():
 
 def test_numba_prefill_split_or_not_at_any_thread_count_equals_to_the_bit(tiny, monkeypatch):
     """The numba backend's several-token products and attention, split over its threads (as on a busy machine) or
-    left to BLAS's threads: the prompt's logits and K/V cache at 1, 2 and 3 threads, split or not, equal to the bit;
+    left to BLAS's threads: the prompt's logits and K/V cache at 1, 2 and 3 threads, split or not, equal to the bit
+    with OpenBLAS's SkylakeX kernels (with its Haswell kernels within 1e-5 of the largest: 2.1e-5 of 8.3 measured);
     with nobody watching (generation's attention_out) equal to the recorded path's. A mode that is not one is an
     error."""
     need_backend("numba")
@@ -97,9 +110,14 @@ def test_numba_prefill_split_or_not_at_any_thread_count_equals_to_the_bit(tiny, 
             cache = eng.new_cache()
             logits = eng.forward(ids, cache, record=record)
             got.append((logits, cache.k[:, :cache.pos].copy(), cache.v[:, :cache.pos].copy()))
-    for other in got[1:]:
-        for a, b in zip(got[0], other):
-            assert np.array_equal(a, b)
+    if not all(np.array_equal(a, b) for other in got[1:] for a, b in zip(got[0], other)):
+        # OpenBLAS's Haswell kernels (forced by a machine's OPENBLAS_CORETYPE) sum some outputs of a product in
+        # other orders at other thread counts or panel widths; its SkylakeX kernels do not on these shapes
+        from llorch_ref.backends import blas_info
+        assert "SkylakeX" not in blas_info(), "SkylakeX kernels gave every thread count equal results before"
+        for other in got[1:]:
+            for a, b in zip(got[0], other):
+                assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
     monkeypatch.setenv("LLORCH_BLAS_SPLIT", "sometimes")
     with pytest.raises(ParameterError, match="LLORCH_BLAS_SPLIT"):
         llorch_ref.load(path, backend="numba")
