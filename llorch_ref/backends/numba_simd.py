@@ -48,9 +48,12 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token) has, by block length
 # For one token, super-block types: rows a loop takes (more rows at once spill registers), and whether a block's
 # scales are splatted by broadcast loads (_Block.splats); Q4_K's two rows decode their 6-bit scales together
-# (_k4_scales). Chosen by tools/kernel_ab.py (results/cpu/2026-11-28-s16.md).
+# (_k4_scales). Chosen by tools/kernel_ab.py (results/cpu/2026-11-28-s16.md). With the scales decoded an iteration
+# ahead, on Zen 5 against the code before it: these 1.08-1.14x, Q4_K four rows 1.00-1.02x, Q5_K two rows 0.96x,
+# Q6_K two rows 1.05-1.07x (results/cpu/2026-11-28-s21.md).
 SUPER_ROWS = {"Q4_K": 2, "Q5_K": 1, "Q6_K": 1}
 SPLAT_LOADS = ("Q5_K", "Q6_K")
+SCALE_VECTORS = ("Q4_K", "Q5_K", "Q6_K")      # super-block types whose scales are decoded to a vector first
 
 
 def _compiles_for(feature: str) -> bool:
@@ -224,10 +227,27 @@ def _codes_centred(k, codes, d):
     return b.fmul(d, k.fl(b.sub(b.and_(codes, _vi(15)), _vi(8))))
 
 
-def _weights(qtype, k, k4=None):
+def _scale_vector(qtype, blocks):
+    """The super-blocks' float scales, exact, for one to two blocks of a super-block type (`blocks`: one a row):
+    Q4_K, Q5_K: <16n x float>, block r's d sc of group j in lane 8r + j, its -(dmin m) in lane 8n + 8r + j;
+    Q6_K (one block): <16 x float>, d sc of its 16 groups."""
+    if qtype == "Q6_K":
+        (k,) = blocks
+        return _scaled(k.b, k.f16(208), k.bytes16(192, True))
+    n = len(blocks)
+    return blocks[0].b.shuffle_vector(*_k4_scales(blocks), ir.Constant(ir.VectorType(I32, 16 * n), list(range(16 * n))))
+
+
+def _scale_lane(qtype, r, n, j):
+    """Where _scale_vector puts row r's (of n) scale j: Q4_K and Q5_K's j < 8 the group's d sc, 8 + g its min."""
+    return j if qtype == "Q6_K" else 8 * r + j if j < 8 else 8 * n + 8 * r + j - 8
+
+
+def _weights(qtype, k, splat=None):
     """One block at k -> [(w <16 x float>, x offset)]: its weights in float32, each the value gguf-py's
     dequantization (the NumPy oracle's) gives it, bit for bit: a float16 scale (times an integer sub-scale:
-    exact) times a code (exact in float32 for every type), minus or plus a min term with one rounding."""
+    exact) times a code (exact in float32 for every type), minus or plus a min term with one rounding. splat
+    (super-block types): j -> lane j of the block's _scale_vector in every lane (default: decoded here)."""
     b = k.b
     if qtype in ("Q4_0", "Q4_1"):                           # lanes in LANE_ORDER's order
         q_at = 2 if qtype == "Q4_0" else 4
@@ -251,15 +271,12 @@ def _weights(qtype, k, k4=None):
     if qtype == "Q8_0":
         d = k.f16_splats(0, 1)[0]
         return [(b.fmul(d, k.fl(k.bytes16(2, True))), 0), (b.fmul(d, k.fl(k.bytes16(18, True))), 16)]
+    splat = splat or (k.splats(_scale_vector(qtype, [k])) if qtype in SCALE_VECTORS else None)
     if qtype in ("Q4_K", "Q5_K"):
-        if k4 is None:
-            scales, mins = _k4_scales([k])                   # d * sc, -(dmin * m): exact
-            splats = k.splats(b.shuffle_vector(scales, mins, ir.Constant(VI32, list(range(16)))))
-            k4 = lambda j: (splats(j), splats(8 + j))       # noqa: E731
         q_at, out = (16 if qtype == "Q4_K" else 48), []
         for j in range(8):
             base, shift = q_at + 32 * (j // 2), 4 * (j % 2)
-            sv, mv = k4(j)
+            sv, mv = splat(j), splat(8 + j)
             if qtype == "Q4_K":                              # lanes in LANE_ORDER's order
                 codes = k.codes4(base, 32)
                 lo, hi = codes(j % 2, 0), codes(j % 2, 1)
@@ -271,14 +288,14 @@ def _weights(qtype, k, k4=None):
             out += [(_fma(b, k.fl(c), sv, mv), 32 * j + o) for c, o in ((lo, 0), (hi, 16))]
         return out
     if qtype == "Q6_K":
-        splats, out = k.splats(_scaled(b, k.f16(208), k.bytes16(192, True))), []   # d * sc, exact
+        out = []
         for n in range(2):
             for which in range(4):
                 for h in range(2):
                     ql = _nibbles(k, k.bytes16(64 * n + 32 * (which % 2) + 16 * h), 4 * (which // 2))
                     qh = b.shl(b.and_(b.lshr(k.bytes16(128 + 32 * n + 16 * h), _vi(2 * which)), _vi(3)), _vi(4))
                     code = b.sub(b.or_(ql, qh), _vi(32))
-                    s = splats(8 * n + h + 2 * which)
+                    s = splat(8 * n + h + 2 * which)
                     out.append((b.fmul(s, k.fl(code)), 128 * n + 32 * which + 16 * h))
         return out
     raise ValueError(f"no in-place kernel for {qtype}")
@@ -290,9 +307,10 @@ def _splats_from_memory(b, v, barrier=False):
     LLVM would otherwise forward the stored lane and shuffle: the loads are volatile, or with `barrier` plain ones
     behind an empty inline assembly block that is given the slot. Q4_K's two-row decode takes the barrier (its
     volatile loads make LLVM spill vectors: tools/kernel_ab.py 0.89-0.94x); Q5_K's and Q6_K's one-row decode the
-    volatile loads (with the barrier 0.90x)."""
+    volatile loads (with the barrier 0.90x). A store read back by a broadcast load is forwarded on Zen 5 (11
+    cycles, store and load, against 5 for a lane shuffle)."""
     with b.goto_entry_block():
-        slot = b.alloca(VF)
+        slot = b.alloca(v.type)
     b.store(v, slot, align=64)
     fp = b.bitcast(slot, F32.as_pointer())
     if barrier:
@@ -401,7 +419,13 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
     block's weights are made once (_weights) for the tile's tokens; each (row, token) has its own accumulators,
     ACCUMULATORS of them taking a block's 16-weight segments in turn (so that one block's fused multiply-adds do
     not wait on each other), every one updated by the same operations in the same order whatever the tile: a
-    product's value does not depend on its tile."""
+    product's value does not depend on its tile.
+    For one token, a super-block type's scales (SCALE_VECTORS) are decoded an iteration ahead, first in its body,
+    and carried to the next: the chain from the scale bytes to the weights' tables (integer decode, conversion,
+    a store and broadcast loads: about 45 cycles) otherwise held each iteration's lookups and multiply-adds
+    waiting, with the out-of-order window too small to start the next one (tools/kernel_ab.py on AMD EPYC Zen 5,
+    weights from DRAM: Q4_K 1.08-1.10x, Q5_K 1.14x, Q6_K 1.11-1.14x, the same products to the bit). The last
+    iteration decodes its own block again, never a block past the row's end."""
     block_len, block_bytes = BLOCKS[qtype]
     step = SUPER_ROWS.get(qtype, n_rows) if tokens == 1 else n_rows
     if step < n_rows:                               # super-blocks of several rows at once spill registers: loops
@@ -411,27 +435,35 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
                        b.add(outa, ir.Constant(I64, 4 * r0)), out_stride, n_blocks)
         return
     n_acc = ACCUMULATORS[block_len]
-    rows, ahead = _pointers(b, rowsa, n_rows), _pointers(b, aheada, n_rows)
+    rows, later = _pointers(b, rowsa, n_rows), _pointers(b, aheada, n_rows)
     xp = _strided(b, xa, x_stride, tokens, F32)
     keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
     init = {("acc", r, t, a): ir.Constant(VF, [0.0] * L) for r, t in keys for a in range(n_acc)}
+    ahead = tokens == 1 and qtype in SCALE_VECTORS      # the scales decoded an iteration ahead (see below)
+    if ahead:
+        scales_of = lambda i: _scale_vector(qtype, [_Block(b, b.gep(row, [b.mul(i, ir.Constant(I64, block_bytes))]))
+                                                    for row in rows])      # noqa: E731
+        init["scales"] = scales_of(ir.Constant(I64, 0))
 
     def body(i, st):
         x0, xv = b.mul(i, ir.Constant(I64, block_len)), {}     # x's 16 floats at an offset: loaded once
+        if ahead:
+            nxt = b.add(i, ir.Constant(I64, 1))
+            next_scales = scales_of(b.select(b.icmp_signed("<", nxt, n_blocks), nxt, i))
 
         def x_at(t, off):
             if (t, off) not in xv:
                 ptr = b.gep(xp[t], [b.add(x0, ir.Constant(I64, off))])
                 xv[t, off] = b.load(b.bitcast(ptr, VF.as_pointer()), align=4)
             return xv[t, off]
-        blocks = [_block_at(b, rows[r], ahead[r], i, block_bytes, tokens == 1 and qtype in SPLAT_LOADS)
+        blocks = [_block_at(b, rows[r], later[r], i, block_bytes, tokens == 1 and qtype in SPLAT_LOADS)
                   for r in range(n_rows)]
-        pair = _k4_scales(blocks) if qtype == "Q4_K" and tokens == 1 and n_rows == 2 else None   # one decode
-        if pair is not None:
-            splat_s, splat_m = (_splats_from_memory(b, v, barrier=True) for v in pair)
+        if ahead:
+            splat = _splats_from_memory(b, st["scales"], barrier=qtype not in SPLAT_LOADS)
+            st["scales"] = next_scales
         for r in range(n_rows):
-            k4 = None if pair is None else (lambda j, r=r: (splat_s(8 * r + j), splat_m(8 * r + j)))
-            for w, off in _weights(qtype, blocks[r], k4):
+            row_splat = (lambda j, r=r: splat(_scale_lane(qtype, r, n_rows, j))) if ahead else None
+            for w, off in _weights(qtype, blocks[r], row_splat):
                 for t in range(tokens):
                     key = ("acc", r, t, off // L % n_acc)
                     st[key] = _fma(b, w, x_at(t, off), st[key])
