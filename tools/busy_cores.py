@@ -2,7 +2,9 @@
 with 0, 1 and 2 other cores kept busy (one spinning Python process per busy core), at --threads 2 and 1, and the
 slowdown of each engine against its own idle figure. Writes results/cpu/busy-cores.md and .json.
 
-    python tools/busy_cores.py [--prefill 64 --decode 64 --repeats 3]
+    python tools/busy_cores.py [--prefill 64 --decode 64 --repeats 3] [--out results/cpu/busy-cores]
+
+--out: the path of the two files without their .md and .json (another machine's figures beside the earlier ones).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def main():
     ap.add_argument("--prefill", type=int, default=64)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "results" / "cpu" / "busy-cores"))
     a = ap.parse_args()
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,7 +51,7 @@ def main():
                     p.kill()
     engines = ["numpy", "numba", "llama.cpp"]
     lines = ["# A busy machine: decode and prefill speed with other cores kept busy", "",
-             f"`python tools/busy_cores.py --prefill {a.prefill} --decode {a.decode} --repeats {a.repeats}` on "
+             f"`python {' '.join(sys.argv)}` (--prefill {a.prefill} --decode {a.decode} --repeats {a.repeats}) on "
              f"{cpu_model()} ({cpu_flags()}), 2 cores: `llorch-ref bench --engines numpy,numba,llamacpp --threads T` "
              f"(default model) while 0, 1 or 2 other processes spin on the cores. tok/s medians of {a.repeats}; the "
              f"slowdown is each engine's idle figure (same T) over its busy one.", "",
@@ -61,10 +64,10 @@ def main():
                                              if e in r and "error" not in r[e] else "error")
         lines.append(f"| {busy} | {threads} | " + " | ".join(cell(e, "decode_tok_s") for e in engines) + " | "
                      + " | ".join(cell(e, "prefill_tok_s") for e in engines) + " |")
-    out = ROOT / "results" / "cpu"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "busy-cores.md").write_text("\n".join(lines) + "\n")
-    (out / "busy-cores.json").write_text(json.dumps({f"{b}-{t}": r for (b, t), r in runs.items()}, indent=1))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_name(out.name + ".md").write_text("\n".join(lines) + "\n")
+    out.with_name(out.name + ".json").write_text(json.dumps({f"{b}-{t}": r for (b, t), r in runs.items()}, indent=1))
     print("\n".join(lines))
 
 
