@@ -125,6 +125,32 @@ def test_numba_prefill_split_or_not_at_any_thread_count_equals_to_the_bit(tiny, 
     llorch_ref.load(path, backend="numba")
 
 
+def test_numpy_backend_hands_its_blas_work_to_the_split_when_the_machine_is_busy(tiny, monkeypatch):
+    """The oracle on a busy machine (forced here: LLORCH_BLAS_SPLIT=split at 2 threads): every product, one token or
+    several, cut into row panels over llorch-ref's threads with BLAS on one thread, attention into KV-head groups;
+    its prompt and decode logits the one-thread oracle's up to float32 rounding. Unforced on free cores: one part."""
+    from llorch_ref.backends.cpu_split import SPLIT
+
+    path = tiny(vocab="bpe", weight_type="Q4_1", n_heads=4, n_kv_heads=2, d_model=128)
+    ids = [(5 * i + 2) % 200 + 1 for i in range(24)]
+    runs = {}
+    parts = []
+    real_run = type(SPLIT).run
+    monkeypatch.setattr(type(SPLIT), "run", lambda self, fn, n: (parts.append(n), real_run(self, fn, n))[1])
+    for threads, mode in ((1, "blas"), (2, "split")):
+        monkeypatch.setenv("LLORCH_BLAS_SPLIT", mode)
+        eng = llorch_ref.load(path, backend="numpy", threads=threads)
+        assert eng.backend.info["blas_split"] == mode and SPLIT.split is (mode == "split")
+        parts.clear()
+        cache = eng.new_cache()
+        prompt = eng.forward(ids, cache)
+        step = eng.forward([7], cache)
+        runs[mode] = (prompt, step, list(parts))
+    assert runs["blas"][2] == [] and runs["split"][2].count(2) >= 2 * 4 * 2     # 7 products a layer, 2 layers, 2 steps
+    for a, b in zip(runs["blas"][:2], runs["split"][:2]):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+
+
 @pytest.mark.parametrize("kernel,first", [("rope_one", ("1B", "q@step1")), ("attend_one", ("4", "kq@step1")),
                                           ("rms_norm_rows", ("1", "attn_norm@step1"))])
 def test_a_planted_bug_in_a_one_token_kernel_is_caught_at_its_checkpoint(tiny, monkeypatch, kernel, first):

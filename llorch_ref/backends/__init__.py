@@ -181,10 +181,8 @@ def get_backend(name=None, dtype: str = "float32", threads: int | None = None) -
     if name == "numpy":
         if dtype != "float32":
             raise ParameterError("the numpy backend computes in float32 only (it is the oracle)")
-        import numpy as np
-
-        n = cpu_threads(threads)
-        return Backend("numpy", np, lambda a: a, lambda a: a, "cpu", info={"threads": n, "blas": limit_blas(n)})
+        from .numpy_backend import NumpyBackend
+        return NumpyBackend(threads)
     reason = available()[name]
     if reason:
         raise ParameterError(f"backend {name!r} is not available: {reason}")

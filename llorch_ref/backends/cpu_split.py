@@ -42,6 +42,12 @@ def machine_busy_s():
     return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")      # less idle and iowait; guest time is in user
 
 
+def blas_controller():
+    """threadpoolctl's controller of the BLAS libraries in this process (CpuSplit sets their thread count)."""
+    from threadpoolctl import ThreadpoolController
+    return ThreadpoolController().select(user_api="blas")
+
+
 class CpuSplit:
     """run(fn, parts), product(x, w), attention_out(attention, ...) over `threads` threads (1: in the caller);
     `split` says whether the last look found the cores busy (then products and attention are split and BLAS runs on
@@ -140,4 +146,4 @@ class CpuSplit:
         return out.reshape(t, h * hd)
 
 
-SPLIT = CpuSplit()          # the numba backend's (configured by it: BLAS's thread count is per process too)
+SPLIT = CpuSplit()          # the numpy and numba backends' (configured by them: BLAS's thread count is per process too)

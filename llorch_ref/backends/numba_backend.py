@@ -17,7 +17,7 @@ from . import Backend, cpu_threads, limit_blas
 from . import numba_ggml as G
 from . import numba_kernels as K
 from . import numba_simd as S
-from .cpu_split import SPLIT
+from .cpu_split import SPLIT, blas_controller
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 PATHS: Counter = Counter()        # (weight type, path, rows) -> products: what `bench` reports
@@ -341,12 +341,6 @@ def kernels_compiled() -> int:
                if isinstance(f, numba.core.registry.CPUDispatcher))
 
 
-def _blas_controller():
-    """threadpoolctl's controller of the BLAS libraries in this process (cpu_split sets their thread count)."""
-    from threadpoolctl import ThreadpoolController
-    return ThreadpoolController().select(user_api="blas")
-
-
 class NumbaBackend(Backend):
     def __init__(self, threads=None):
         import os
@@ -362,7 +356,7 @@ class NumbaBackend(Backend):
         threads = cpu_threads(threads)
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         blas = limit_blas(threads)
-        SPLIT.configure(threads, _blas_controller())   # several-token BLAS work split over our threads when busy
+        SPLIT.configure(threads, blas_controller())   # several-token BLAS work split over our threads when busy
         super().__init__(name="numba", xp=np, asarray=lambda a: a, to_numpy=lambda a: a, device="cpu",
                          info={"numba": numba.__version__, "threads": numba.get_num_threads(), "fastmath": False,
                                "blas": blas, "blas_split": SPLIT.mode})
