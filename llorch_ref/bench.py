@@ -99,7 +99,7 @@ def open_llorch(path, backend, prefill, decode, threads, dtype="float32", numeri
         return {"engine": f"llorch-ref {backend}" + (f" {dtype}" if dtype != "float32" else "")
                 + (" ggml" if numerics == "ggml" else "") + (" lazy" if wi.get("lazy") else " eager"),
                 "peak_mb": peak, "info": {**eng.backend.info, "weights": wi, "matrix_paths": paths,
-                                          "blas": blas_info()}}
+                                          "blas_kernels": blas_info()}}
     return {"device": eng.backend.device, "load_s": load_s}, one_prefill, one_decode, tail
 
 
@@ -406,8 +406,8 @@ def markdown(report) -> str:
             lines += ["", f"warning: {r['engine']} compiled {info['kernels_compiled']} kernel signatures while loading "
                       f"(numba's cache was cold or stale): its load of {r['load_s']:.2f} s is mostly compile "
                       f"({info.get('compile_or_cache_load_s', 0):.1f} s); run again for a cached load"]
-        if info.get("blas"):
-            lines += ["", f"{r['engine']}: BLAS {info['blas']}"]
+        if info.get("blas_kernels"):
+            lines += ["", f"{r['engine']}: BLAS {info['blas_kernels']}"]
         if info.get("matrix_paths"):
             lines += ["", f"{r['engine']}: matrix products by path (every prefill and decode run): "
                       + "; ".join(f"{k} x{n}" for k, n in info["matrix_paths"].items())]

@@ -62,7 +62,6 @@ def blas_info() -> str:
             + f", {b.get('num_threads')} threads")
 
 
-
 @dataclass
 class Backend:
     name: str
