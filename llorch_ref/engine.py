@@ -109,6 +109,7 @@ class Engine:
     def forward(self, token_ids, cache, rows=None, record=None):
         """Append token_ids to the sequence in `cache` -> logits [R, V] for `rows` (None: all)."""
         kw = {"record": record} if record is not None else {}
+        self.backend.before_forward(len(token_ids))
         return forward_mod.forward(self.xp, self.config, self.weights, token_ids, cache, rows=rows, ops=self.ops,
                                    **kw)
 

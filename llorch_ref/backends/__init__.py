@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ParameterError
+from .cpu_split import SPLIT, blas_controller
 
 BACKENDS = ("numpy", "numba", "cupy")
 
@@ -88,6 +89,9 @@ class Backend:
 
     def synchronize(self):
         pass
+
+    def before_forward(self, n_tokens):
+        """Called before every forward pass of n_tokens tokens: a CPU backend may look at the machine's load."""
 
     def argmax(self, logits) -> int:
         """logits: [V] on this backend -> the index of the highest (the first on ties and NaN, as np.argmax)."""
@@ -168,6 +172,31 @@ def limit_blas(threads: int) -> dict:
     return {i["internal_api"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
 
 
+class NumpyBackend(Backend):
+    """The oracle: the layer functions as they are (ops stay the model.layers module, so that a planted bug in one
+    reaches every run). With both cores busy at two threads OpenBLAS's spinning threads made its decode 50x slower
+    (results/cpu/2026-11-28-s21-busy-cores.md): before each one-token step it looks at the machine's load (cpu_split's
+    look) and runs BLAS on one thread while other processes hold the cores. One row's product has the same bits at
+    any BLAS thread count (OpenBLAS's Haswell and SkylakeX kernels, tests/test_backends.py); several rows' do not
+    under the Haswell kernels, so a prompt keeps the threads asked for: the oracle's results never follow the load.
+    `LLORCH_BLAS_SPLIT=blas` keeps BLAS's threads for every step."""
+
+    def __init__(self, threads=None):
+        n = cpu_threads(threads)
+        blas = limit_blas(n)
+        SPLIT.configure(n)                    # its look only: this backend sets BLAS's threads itself
+        self._blas, self._one = blas_controller(), False
+        super().__init__("numpy", np, lambda a: a, lambda a: a, "cpu",
+                         info={"threads": n, "blas": blas, "blas_split": SPLIT.mode})
+
+    def before_forward(self, n_tokens):
+        SPLIT.look()
+        one = SPLIT.split and n_tokens == 1
+        if one != self._one:
+            self._blas.limit(limits=1 if one else self.info["threads"])
+            self._one = one
+
+
 def get_backend(name=None, dtype: str = "float32", threads: int | None = None) -> Backend:
     name = backend_name(name)
     if name not in BACKENDS:
@@ -180,7 +209,6 @@ def get_backend(name=None, dtype: str = "float32", threads: int | None = None) -
     if name == "numpy":
         if dtype != "float32":
             raise ParameterError("the numpy backend computes in float32 only (it is the oracle)")
-        from .numpy_backend import NumpyBackend
         return NumpyBackend(threads)
     reason = available()[name]
     if reason:

@@ -9,6 +9,8 @@ free cores OpenBLAS's spinning threads are faster (each hand-off to a sleeping t
 of the default model's prefill), so the split is taken only while the machine is busy: every 0.2 s at most the
 cores other processes used since the last look are read from /proc/stat (the machine's busy time less this
 process's own), and at 0.5 cores or more the split is on and BLAS runs on one thread, else BLAS gets the threads.
+The numpy backend (the oracle) takes only the look: BLAS on one thread for its one-token steps while the cores are
+busy, never a split, so that its results do not follow the load (backends/__init__.NumpyBackend).
 A product is cut into row panels of the weight and attention into groups of KV heads, one part a thread (the
 calling thread takes the first). Each output element comes from a BLAS call of the same operands either way, but
 not always from the same kernel: OpenBLAS picks its kernel by the call's shape, and a panel can fall under its
