@@ -176,10 +176,11 @@ class NumpyBackend(Backend):
     """The oracle: the layer functions as they are (ops stay the model.layers module, so that a planted bug in one
     reaches every run). With both cores busy at two threads OpenBLAS's spinning threads made its decode 50x slower
     (results/cpu/2026-11-28-s21-busy-cores.md): before each one-token step it looks at the machine's load (cpu_split's
-    look) and runs BLAS on one thread while other processes hold the cores. One row's product has the same bits at
-    any BLAS thread count (OpenBLAS's Haswell and SkylakeX kernels, tests/test_backends.py); several rows' do not
-    under the Haswell kernels, so a prompt keeps the threads asked for: the oracle's results never follow the load.
-    `LLORCH_BLAS_SPLIT=blas` keeps BLAS's threads for every step."""
+    look) and runs BLAS on one thread while other processes hold the cores. One row's product has the same bits on
+    one BLAS thread and on two (OpenBLAS's Haswell and SkylakeX kernels; tests/test_backends.py checks it on the
+    machine's); eight rows' do not under the Haswell kernels, so a prompt keeps the threads asked for: the oracle's
+    results do not follow the load. `LLORCH_BLAS_SPLIT=blas` keeps BLAS's threads for every step. The last backend
+    configured in a process governs cpu_split (a numba engine loaded after a numpy one splits its own products)."""
 
     def __init__(self, threads=None):
         n = cpu_threads(threads)
