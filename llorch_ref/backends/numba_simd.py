@@ -69,6 +69,8 @@ def _compiles_for(feature: str) -> bool:
 TABLES = _compiles_for("avx512f")     # 4-bit codes' weights by a 16-entry lookup (one vpermps) or by conversion
 WORDS = TABLES         # 4-bit codes read from 32-bit words (_Block.codes4): with lookups 1.03-1.15x one-token on
 #                       AVX-512; with conversions 0.83-0.88x (Q4_0, Q4_1) on the AVX2 build (results/cpu/2026-11-28-s19.md)
+SCALES_AHEAD = TABLES  # for one token, super-block scales decoded an iteration ahead (_emit_tile): on Zen 5's AVX-512
+#                       build 1.08-1.14x; on its AVX2 build Q4_K and Q5_K 0.99-1.00x, Q6_K 0.95-0.96x (results/cpu/2026-11-28-s21.md)
 
 
 def _vi(v):
@@ -439,10 +441,11 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
     xp = _strided(b, xa, x_stride, tokens, F32)
     keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
     init = {("acc", r, t, a): ir.Constant(VF, [0.0] * L) for r, t in keys for a in range(n_acc)}
-    ahead = tokens == 1 and qtype in SCALE_VECTORS      # the scales decoded an iteration ahead (see below)
+    joint = tokens == 1 and qtype in SCALE_VECTORS     # one token: the rows' scales decoded in one pass, splatted
+    ahead = joint and SCALES_AHEAD                      # by broadcast loads; an iteration ahead (see above)
+    scales_of = lambda i: _scale_vector(qtype, [_Block(b, b.gep(row, [b.mul(i, ir.Constant(I64, block_bytes))]))
+                                                for row in rows])          # noqa: E731
     if ahead:
-        scales_of = lambda i: _scale_vector(qtype, [_Block(b, b.gep(row, [b.mul(i, ir.Constant(I64, block_bytes))]))
-                                                    for row in rows])      # noqa: E731
         init["scales"] = scales_of(ir.Constant(I64, 0))
 
     def body(i, st):
@@ -458,11 +461,12 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
             return xv[t, off]
         blocks = [_block_at(b, rows[r], later[r], i, block_bytes, tokens == 1 and qtype in SPLAT_LOADS)
                   for r in range(n_rows)]
+        if joint:
+            splat = _splats_from_memory(b, st["scales"] if ahead else scales_of(i), barrier=qtype not in SPLAT_LOADS)
         if ahead:
-            splat = _splats_from_memory(b, st["scales"], barrier=qtype not in SPLAT_LOADS)
             st["scales"] = next_scales
         for r in range(n_rows):
-            row_splat = (lambda j, r=r: splat(_scale_lane(qtype, r, n_rows, j))) if ahead else None
+            row_splat = (lambda j, r=r: splat(_scale_lane(qtype, r, n_rows, j))) if joint else None
             for w, off in _weights(qtype, blocks[r], row_splat):
                 for t in range(tokens):
                     key = ("acc", r, t, off // L % n_acc)
