@@ -422,8 +422,9 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
     ACCUMULATORS of them taking a block's 16-weight segments in turn (so that one block's fused multiply-adds do
     not wait on each other), every one updated by the same operations in the same order whatever the tile: a
     product's value does not depend on its tile.
-    For one token, a super-block type's scales (SCALE_VECTORS) are decoded an iteration ahead, first in its body,
-    and carried to the next: the chain from the scale bytes to the weights' tables (integer decode, conversion,
+    For one token, a super-block type's scales (SCALE_VECTORS) are decoded for the tile's rows in one pass and
+    splatted by broadcast loads; on AVX-512 builds (SCALES_AHEAD) an iteration ahead, first in the body, and carried
+    to the next: the chain from the scale bytes to the weights' tables (integer decode, conversion,
     a store and broadcast loads: about 45 cycles) otherwise held each iteration's lookups and multiply-adds
     waiting, with the out-of-order window too small to start the next one (tools/kernel_ab.py on AMD EPYC Zen 5,
     weights from DRAM: Q4_K 1.08-1.10x, Q5_K 1.14x, Q6_K 1.11-1.14x, the same products to the bit). The last
