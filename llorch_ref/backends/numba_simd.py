@@ -46,11 +46,12 @@ VF, VI32, VI8 = ir.VectorType(F32, L), ir.VectorType(I32, L), ir.VectorType(I8, 
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token) has, by block length
-# For one token, super-block types: rows a loop takes (more rows at once spill registers), and whether a block's
-# scales are splatted by broadcast loads (_Block.splats); Q4_K's two rows decode their 6-bit scales together
-# (_k4_scales). Chosen by tools/kernel_ab.py (results/cpu/2026-11-28-s16.md). With the scales decoded an iteration
-# ahead, on Zen 5 against the code before it: these 1.08-1.14x, Q4_K four rows 1.00-1.02x, Q5_K two rows 0.96x,
-# Q6_K two rows 1.05-1.07x (results/cpu/2026-11-28-s21.md).
+# For one token, super-block types: rows a loop takes (more rows at once spill registers; Q4_K's two rows decode
+# their 6-bit scales together, _k4_scales), and whether the broadcast loads that splat a block's scales are volatile
+# (SPLAT_LOADS) or plain behind a barrier (_splats_from_memory). Chosen by tools/kernel_ab.py
+# (results/cpu/2026-11-28-s16.md). With the scales decoded an iteration ahead, on Zen 5 against the code before it:
+# these 1.08-1.14x, Q4_K four rows 1.00-1.02x, Q5_K two rows 0.96x, Q6_K two rows 1.05-1.07x
+# (results/cpu/2026-11-28-s21.md).
 SUPER_ROWS = {"Q4_K": 2, "Q5_K": 1, "Q6_K": 1}
 SPLAT_LOADS = ("Q5_K", "Q6_K")
 SCALE_VECTORS = ("Q4_K", "Q5_K", "Q6_K")      # super-block types whose scales are decoded to a vector first
@@ -69,8 +70,9 @@ def _compiles_for(feature: str) -> bool:
 TABLES = _compiles_for("avx512f")     # 4-bit codes' weights by a 16-entry lookup (one vpermps) or by conversion
 WORDS = TABLES         # 4-bit codes read from 32-bit words (_Block.codes4): with lookups 1.03-1.15x one-token on
 #                       AVX-512; with conversions 0.83-0.88x (Q4_0, Q4_1) on the AVX2 build (results/cpu/2026-11-28-s19.md)
-SCALES_AHEAD = TABLES  # for one token, super-block scales decoded an iteration ahead (_emit_tile): on Zen 5's AVX-512
-#                       build 1.08-1.14x; on its AVX2 build Q4_K and Q5_K 0.99-1.00x, Q6_K 0.95-0.96x (results/cpu/2026-11-28-s21.md)
+SCALES_AHEAD = TABLES  # one token's super-block scales decoded an iteration ahead (_emit_tile): on Zen 5's AVX-512
+#                       build 1.08-1.14x; on its AVX2 build Q4_K and Q5_K 0.99-1.00x, Q6_K 0.95-0.96x
+#                       (results/cpu/2026-11-28-s21.md)
 
 
 def _vi(v):
@@ -78,20 +80,15 @@ def _vi(v):
 
 
 class _Block:
-    """Reads of one block at i8* p; splat_loads: its scales' splats by broadcast loads (see splats)."""
+    """Reads of one block at i8* p."""
 
-    def __init__(self, b, p, splat_loads=False):
-        self.b, self.p, self.splat_loads = b, p, splat_loads
+    def __init__(self, b, p):
+        self.b, self.p = b, p
 
     def splats(self, v):
-        """v <16 x float> (a super-block's scales) -> splat(j): lane j of v in every lane. With splat_loads (Q5_K
-        and Q6_K for one token: SPLAT_LOADS), by a broadcast load from a stack slot v is stored to, a load port's
-        work where a lane shuffle is the shuffle port's, the port that the code lookups and byte widenings keep
-        busy (those products 1.04-1.26x faster, tools/kernel_ab.py; Q4_K's 0.86-0.94x); otherwise by a lane
-        shuffle (for several tokens the splats are shared, and the shuffle is faster)."""
-        if not self.splat_loads:
-            return lambda j: _lanes(self.b, v, [j] * L)
-        return _splats_from_memory(self.b, v)
+        """v <16 x float> (a super-block's scales) -> splat(j): lane j of v in every lane, by a lane shuffle (for
+        several tokens, where the splats are shared; one token's tiles splat by broadcast loads: _emit_tile)."""
+        return lambda j: _lanes(self.b, v, [j] * L)
 
     def at(self, off, ty):
         return self.b.bitcast(self.b.gep(self.p, [ir.Constant(I64, off)]), ty.as_pointer())
@@ -236,8 +233,8 @@ def _scale_vector(qtype, blocks):
     if qtype == "Q6_K":
         (k,) = blocks
         return _scaled(k.b, k.f16(208), k.bytes16(192, True))
-    n = len(blocks)
-    return blocks[0].b.shuffle_vector(*_k4_scales(blocks), ir.Constant(ir.VectorType(I32, 16 * n), list(range(16 * n))))
+    both = ir.Constant(ir.VectorType(I32, 16 * len(blocks)), list(range(16 * len(blocks))))     # scales, then mins
+    return blocks[0].b.shuffle_vector(*_k4_scales(blocks), both)
 
 
 def _scale_lane(qtype, r, n, j):
@@ -406,12 +403,12 @@ def _strided(b, addr, stride, n, ty):
     return [b.gep(b.inttoptr(addr, ty.as_pointer()), [b.mul(stride, ir.Constant(I64, t))]) for t in range(n)]
 
 
-def _block_at(b, row, ahead, i, block_bytes, splat_loads=False):
+def _block_at(b, row, ahead, i, block_bytes):
     """Block i of a row, after prefetching block i of the row to come (every cache line of it)."""
     at = b.mul(i, ir.Constant(I64, block_bytes))
     for line in range(0, block_bytes, 64):
         _prefetch(b, b.gep(ahead, [b.add(at, ir.Constant(I64, line))]))
-    return _Block(b, b.gep(row, [at]), splat_loads)
+    return _Block(b, b.gep(row, [at]))
 
 
 def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_stride, n_blocks):
@@ -460,8 +457,7 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
                 ptr = b.gep(xp[t], [b.add(x0, ir.Constant(I64, off))])
                 xv[t, off] = b.load(b.bitcast(ptr, VF.as_pointer()), align=4)
             return xv[t, off]
-        blocks = [_block_at(b, rows[r], later[r], i, block_bytes, tokens == 1 and qtype in SPLAT_LOADS)
-                  for r in range(n_rows)]
+        blocks = [_block_at(b, rows[r], later[r], i, block_bytes) for r in range(n_rows)]
         if joint:
             splat = _splats_from_memory(b, st["scales"] if ahead else scales_of(i), barrier=qtype not in SPLAT_LOADS)
         if ahead:
