@@ -103,7 +103,8 @@ def test_bench_interleaved_pairs_each_round_and_reports_an_engine_that_fails(tin
     for kind in ("prefill", "decode"):
         assert len(numba[f"{kind}_runs"]) == len(llama[f"{kind}_runs"]) == 3
         want = [a / b for a, b in zip(numba[f"{kind}_runs"], llama[f"{kind}_runs"])]
-        assert numba[f"{kind}_vs_llamacpp_runs"] == pytest.approx(want, rel=2e-3)
+        # each stored ratio is its round's, rounded to 3 decimals (rel=2e-3 failed a new user's run at 0.146)
+        assert numba[f"{kind}_vs_llamacpp_runs"] == pytest.approx(want, abs=5e-4 + 1e-9)
     import statistics
     row = next(ln for ln in r.stdout.splitlines() if ln.startswith("| llorch-ref numba"))
     assert row.rstrip(" |").endswith(f"{statistics.median(numba['decode_vs_llamacpp_runs']):.2f}x")
