@@ -15,8 +15,8 @@ from llorch_ref.testing.blocks import SCALES_AT, random_qtensor
                          ids=["q8_0", "q4_1", "q4_0-mha", "f32"])
 @pytest.mark.parametrize("weights", ["lazy", "eager"])
 def test_numba_checkpoints_against_numpy_tiny(tiny, kw, weights):
-    """Lazy weights (the default for GGUF): the kernels read blocks unpacked at load, several-token products
-    dequantize on use; eager: float32 weights kept for those."""
+    """Lazy weights (the default for GGUF): the kernels read the file's blocks for one token and for several (no
+    float32 copy kept); eager: float32 weights kept, several-token products by BLAS on them."""
     need_backend("numba")
     from llorch_ref.harness.run import run_backend_diff
 
@@ -46,6 +46,71 @@ def test_numba_lazy_uncached_prefill_runs_the_kernels_and_meets_the_bands(tiny):
     worst = max(r.metrics["nmse"] for r in res.rows if r.tensor == "l_out")
     assert 0 < worst < 1e-9                                            # the prompt rows now differ from numpy's
     assert eng.weights_info()["hits"] == 0                             # nothing was dequantized and kept
+
+
+def test_numba_lazy_default_keeps_no_float32_copy_and_runs_prompts_on_the_blocks(tiny, monkeypatch):
+    """Every matrix on a kernel (Q4_1 here): the default weight cache gives up its float32 copy (a 7B file had been
+    held as 25 GB of float32 on a 128 GiB machine, 8x the file) and a prompt's products run on the blocks, with BLAS
+    on one thread while it runs (its threads, spinning after each call, had halved the kernels' speed); a budget
+    the user asks for is kept and prompts go to BLAS on the float32 weights. A model with a matrix no kernel
+    serves (float32 weights) keeps the default cache, and LLORCH_BLAS_SPLIT=blas keeps BLAS's threads."""
+    need_backend("numba")
+    from threadpoolctl import threadpool_info
+
+    from llorch_ref.backends import numba_backend as NB
+    from llorch_ref.backends.cpu_split import SPLIT
+
+    def blas_threads():
+        return max(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas")
+
+    path = tiny(vocab="bpe", weight_type="Q4_1")
+    eng = llorch_ref.load(path, backend="numba", threads=2)
+    info = eng.weights_info()
+    assert (info["budget_mb"], info["budget_by"]) == (0, "default")
+    assert eng.backend.info["prompts"] == "kernels on the blocks"
+    NB.PATHS.clear()
+    logits = eng.forward(list(range(1, 9)), eng.new_cache())
+    assert blas_threads() == 1 and SPLIT.split                        # the prompt ran with BLAS on one thread
+    assert NB.PATHS[("Q4_1", "numba kernel (in place)", "several rows")] > 0
+    assert not any(path_ == "BLAS on the float32 weight" for _, path_, _ in NB.PATHS)
+    assert eng.weights_info()["used_mb"] == 0
+
+    kept = llorch_ref.load(path, backend="numba", threads=2, weight_cache_mb=64)
+    assert (kept.weights_info()["budget_mb"], kept.weights_info()["budget_by"]) == (64, "user")
+    assert kept.backend.info["prompts"] == "BLAS on float32 weights"
+    NB.PATHS.clear()
+    near = kept.forward(list(range(1, 9)), kept.new_cache())
+    assert NB.PATHS[("Q4_1", "BLAS on the float32 weight", "several rows")] > 0
+    assert kept.weights_info()["used_mb"] > 0
+    assert np.abs(near - logits).max() <= 1e-4 * np.abs(logits).max()
+
+    dense = llorch_ref.load(tiny(vocab="bpe"), backend="numba", threads=2)      # float32 matrices: no kernels
+    assert dense.weights_info()["budget_mb"] > 0 and dense.backend.info["prompts"] == "BLAS on float32 weights"
+
+    monkeypatch.setenv("LLORCH_BLAS_SPLIT", "blas")
+    eng = llorch_ref.load(path, backend="numba", threads=2)
+    eng.forward(list(range(1, 9)), eng.new_cache())
+    assert blas_threads() == 2 and not SPLIT.split
+
+
+def test_numba_prompt_products_in_l2_sized_chunks_of_tokens_equal_the_whole_to_the_bit(monkeypatch):
+    """KernelBlocks.matmul runs a prompt's tokens in chunks whose activations fit in L2 (tokens_per_chunk: from
+    the L2 size Linux reports, in fours); chunks of 4 over 11 tokens (the last one short) give the unchunked
+    products to the bit, for a legacy and a K-quant type."""
+    need_backend("numba")
+    from llorch_ref.backends import l2_bytes
+    from llorch_ref.backends import numba_backend as NB
+
+    assert NB.tokens_per_chunk(4096) % 4 == 0 and NB.tokens_per_chunk(4096) * 4 * 4096 <= 0.75 * l2_bytes() + 16384
+    assert NB.tokens_per_chunk(10 ** 7) == 4
+    x = np.random.default_rng(5).standard_normal((11, 512)).astype(np.float32)
+    for qtype in ("Q4_1", "Q4_K"):
+        kb = NB.KernelBlocks([random_qtensor(qtype, 48, 512, seed=2)])
+        whole = kb.matmul(x)
+        monkeypatch.setattr(NB, "tokens_per_chunk", lambda k: 4)
+        assert np.array_equal(kb.matmul(x), whole)
+        monkeypatch.undo()
+        assert np.array_equal(whole[3], kb.matvec(x[3]))
 
 
 def test_cpu_split_products_and_attention_equal_the_unsplit_ones_to_the_bit():

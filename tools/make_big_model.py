@@ -6,9 +6,11 @@
 Shapes: llama2-7b (D 4096, F 11008, 32 layers, 32 heads, MHA, vocab 32000, SentencePiece-style 'llama'
 vocabulary); llama3-8b (D 4096, F 14336, 32 layers, 32/8 heads (GQA), vocab 128256, BPE 'llama-bpe'
 vocabulary, rope base 500000, Llama 3.1's rope scaling (factor 8) as rope_freqs.weight, the way
-llama.cpp's converter writes it); 'small' (a few layers of the
-7B widths, for quick checks), 'small-llama3' (two layers of the 8B shape). The quantized blocks are drawn directly (seeded per tensor name, so every
-run writes the same bytes): Q8_0 int8 codes with one f16 scale per 32 weights, Q4_0 nibbles with one, Q4_K nibbles with random
+llama.cpp's converter writes it); 'small' (a few layers of the 7B widths, for quick checks), 'small-llama3' (two
+layers of the 8B shape); 'smollm2-135m' (the default model's shape and block types: a tied Q8_0 embedding, its
+matrices in --type, for timing on a machine that cannot fetch the default model). The quantized blocks are drawn
+directly (seeded per tensor name, so every run writes the same bytes): Q8_0 int8 codes with one f16 scale per 32
+weights, Q4_0 nibbles with one, Q4_1 nibbles with a scale and a minimum, Q4_K nibbles with random
 6-bit sub-block scales and mins, d and dmin set so the weights have the standard deviation asked for.
 Norm weights are F32 near 1. The vocabulary is a small trained one (llorch_ref.testing.tiny) padded with
 unused tokens to the full size. Tensors are written one at a time (memory stays small).
@@ -31,13 +33,16 @@ SHAPES = {
                       vocab_kind="bpe", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                       "high_freq_factor": 4.0,
                                                       "original_max_position_embeddings": 8192}),
+    # the default model's shape (SmolLM2-135M): tied Q8_0 embedding, for benches where its file can't be fetched
+    "smollm2-135m": dict(d=576, f=1536, layers=30, heads=9, kv=3, vocab=49152, ctx=8192, base=100000.0,
+                         vocab_kind="bpe", embed_type="Q8_0", tied=True),
     "small": dict(d=4096, f=11008, layers=2, heads=32, kv=32, vocab=32000, ctx=4096, base=10000.0, vocab_kind="spm"),
     "small-llama3": dict(d=4096, f=14336, layers=2, heads=32, kv=8, vocab=128256, ctx=131072, base=500000.0,
                          vocab_kind="bpe", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                          "high_freq_factor": 4.0,
                                                          "original_max_position_embeddings": 8192}),
 }
-TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")        # the block types random_blocks draws (sizes: block_size)
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")        # the block types random_blocks draws (sizes: block_size)
 
 
 def _rng(name, seed):
@@ -57,6 +62,10 @@ def random_blocks(name, rows, cols, qtype, std, seed) -> np.ndarray:
     elif qtype == "Q4_0":                                            # w = d * (q - 8), q uniform in 0..15
         d = np.full(nb, std / 4.61, dtype=np.float16)
         out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    elif qtype == "Q4_1":                                            # w = d * q + m, m = -7.5 d
+        d = np.full(nb, std / 4.61, dtype=np.float16)
+        out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+        out[:, 2:4] = (d.astype(np.float32) * -7.5).astype(np.float16).view(np.uint8).reshape(nb, 2)
     elif qtype == "Q6_K":                                            # w = d * sc * (q - 32), sc in -64..63
         out[:, 192:208] = ((out[:, 192:208] // 2).astype(np.int16) - 64).astype(np.int8).view(np.uint8)
         d = np.full(nb, std / (37.0 * 18.5), dtype=np.float16)
@@ -107,7 +116,7 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0):
     w.add_rope_freq_base(s["base"])
     w.add_rope_dimension_count(hd)
     w.add_vocab_size(V)
-    w.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_K": 15, "Q6_K": 18}[qtype])
+    w.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15, "Q6_K": 18}[qtype])
     tokens, types, scores, merges = vocab(s["vocab_kind"], V)
     if s["vocab_kind"] == "spm":
         w.add_tokenizer_model("llama")
@@ -123,39 +132,41 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0):
     w.add_token_types(types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    qt = gguf.GGMLQuantizationType[qtype]
-    plan = [("token_embd.weight", (V, d), 0.02)]
+    q, norm = qtype, None                              # each entry: name, shape, std of the weights, block type
+    plan = [("token_embd.weight", (V, d), 0.02, s.get("embed_type", qtype))]
     for i in range(L):
         p = f"blk.{i}."
-        plan += [(p + "attn_norm.weight", (d,), None), (p + "attn_q.weight", (h * hd, d), 0.02),
-                 (p + "attn_k.weight", (kv * hd, d), 0.02), (p + "attn_v.weight", (kv * hd, d), 0.02),
-                 (p + "attn_output.weight", (d, h * hd), 0.02), (p + "ffn_norm.weight", (d,), None),
-                 (p + "ffn_gate.weight", (f, d), 0.02), (p + "ffn_up.weight", (f, d), 0.02),
-                 (p + "ffn_down.weight", (d, f), 0.02)]
-    plan += [("output_norm.weight", (d,), None), ("output.weight", (V, d), 0.02)]
+        plan += [(p + "attn_norm.weight", (d,), None, norm), (p + "attn_q.weight", (h * hd, d), 0.02, q),
+                 (p + "attn_k.weight", (kv * hd, d), 0.02, q), (p + "attn_v.weight", (kv * hd, d), 0.02, q),
+                 (p + "attn_output.weight", (d, h * hd), 0.02, q), (p + "ffn_norm.weight", (d,), None, norm),
+                 (p + "ffn_gate.weight", (f, d), 0.02, q), (p + "ffn_up.weight", (f, d), 0.02, q),
+                 (p + "ffn_down.weight", (d, f), 0.02, q)]
+    plan.append(("output_norm.weight", (d,), None, norm))
+    if not s.get("tied"):                              # tied: the output reuses token_embd, as the default model
+        plan.append(("output.weight", (V, d), 0.02, q))
     freqs = None
     if "rope_scaling" in s:
         from llorch_ref.loaders.hf_folder import rope_scaling_from_hf
         _, factors = rope_scaling_from_hf(s["rope_scaling"], s["base"], hd, shape)
         freqs = np.asarray(factors, dtype=np.float32)
-        plan.append(("rope_freqs.weight", (hd // 2,), "freqs"))
-    for name, shp, std in plan:
+        plan.append(("rope_freqs.weight", (hd // 2,), "freqs", None))
+    for name, shp, std, ty in plan:
         if std is None or std == "freqs":
             w.add_tensor_info(name, shp, np.dtype(np.float32), shp[0] * 4)
         else:
-            per, size = block_size(qtype)
+            per, size = block_size(ty)
             w.add_tensor_info(name, (shp[0], shp[1] // per * size), np.dtype(np.uint8),
-                              shp[0] * shp[1] // per * size, raw_dtype=qt)
+                              shp[0] * shp[1] // per * size, raw_dtype=gguf.GGMLQuantizationType[ty])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, shp, std in tqdm(plan, desc=f"writing {path.name}", unit="tensor", file=sys.stderr):
+    for name, shp, std, ty in tqdm(plan, desc=f"writing {path.name}", unit="tensor", file=sys.stderr):
         if std == "freqs":
             arr = freqs
         elif std is None:
             arr = (1.0 + 0.05 * _rng(name, seed).standard_normal(shp)).astype(np.float32)
         else:
-            arr = random_blocks(name, shp[0], shp[1], qtype, std, seed)
+            arr = random_blocks(name, shp[0], shp[1], ty, std, seed)
         w.write_tensor_data(arr)
     w.close()
     tmp.rename(path)

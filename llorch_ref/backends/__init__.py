@@ -7,6 +7,7 @@ cupy   the whole forward on an NVIDIA GPU: weights uploaded once, float32 (TF32 
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import sys
@@ -161,6 +162,19 @@ def cpu_threads(threads=None) -> int:
     if n < 1:
         raise ParameterError(f"threads={n} must be >= 1")
     return n
+
+
+@functools.lru_cache(maxsize=None)
+def l2_bytes() -> int:
+    """A core's L2 cache in bytes, as Linux reports it for CPU 0; 1 MiB where that cannot be read."""
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (d / "level").read_text().strip() == "2" and (d / "type").read_text().strip() != "Instruction":
+                size = (d / "size").read_text().strip().upper()          # "1024K", "2048K", "2M"
+                return int(size.rstrip("KM")) << (20 if size.endswith("M") else 10 if size.endswith("K") else 0)
+        except (OSError, ValueError):
+            pass
+    return 1 << 20
 
 
 def limit_blas(threads: int) -> dict:

@@ -33,6 +33,7 @@ from ..errors import ParameterError
 
 BUSY_CORES = 0.5        # other processes' use of the cores at which the split goes on
 LOOK_EVERY_S = 0.2
+SPLIT_SCORES = 4096     # attention split from this many scores a head (T x positions); fewer cost less than the pool
 
 
 def machine_busy_s():
@@ -98,6 +99,13 @@ class CpuSplit:
             self._set(others >= BUSY_CORES)
         self._last = (now, busy, own)
 
+    def prefer_split(self):
+        """Split this forward's work, BLAS on one thread, unless mode "blas" forbids it: for a caller whose own
+        kernels take every core between its BLAS calls (numba's prompts on the blocks), where BLAS's threads,
+        spinning after each call, held a core against them (a 96-token prompt at half the speed of 80)."""
+        if self.mode != "blas":
+            self._set(True)
+
     def run(self, fn, parts: int):
         """fn(0), ..., fn(parts - 1): part 0 in the calling thread, the others on the pool; returns when all are done
         (an exception in any part is raised here)."""
@@ -133,7 +141,7 @@ class CpuSplit:
         whole KV heads, one a thread -> out only (the scores and probabilities of each group are dropped)."""
         t, h, hd = q.shape
         kv = k.shape[1]
-        parts = min(self.threads, kv) if self.split else 1
+        parts = min(self.threads, kv) if self.split and t * k.shape[0] >= SPLIT_SCORES else 1
         if parts == 1:
             return attention(xp, q, k, v, mask, scale, kv_head)[0]
         g = h // kv

@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..numerics.ggml_cpu import ACT_TYPE, LegacyQuantMatrix, quantize_q8
-from . import Backend, cpu_threads, limit_blas
+from . import Backend, cpu_threads, l2_bytes, limit_blas
 from . import numba_ggml as G
 from . import numba_kernels as K
 from . import numba_simd as S
@@ -28,6 +28,11 @@ def row_addresses(qts):
     """QTensors (rows C-contiguous) -> int64 [sum N_i]: where each row's blocks start in memory, in order."""
     return np.concatenate([q.blocks.ctypes.data + np.arange(q.shape[0], dtype=np.int64) * q.blocks.strides[0]
                            for q in qts]).astype(np.int64)
+
+
+def tokens_per_chunk(k: int) -> int:
+    """Tokens whose float32 activations of width k fill 3/4 of a core's L2 cache, in the kernels' fours."""
+    return max(4, int(0.75 * l2_bytes()) // (4 * k) // 4 * 4)
 
 
 class KernelBlocks:
@@ -51,9 +56,14 @@ class KernelBlocks:
         return sum(q.blocks.nbytes for q in self.qts)
 
     def matmul(self, x):
-        """x: [T, K] f32 -> [T, N] f32; every row exactly as matvec computes it alone."""
+        """x: [T, K] f32 -> [T, N] f32; every row exactly as matvec computes it alone. The tokens go in chunks
+        whose activations fit in a core's L2 cache (each pair of weight rows streams a chunk's activations
+        past it; a prompt's all, at 7B widths and 64 tokens, came from L3 at half the speed)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], self.n), dtype=np.float32)
-        K.matmul_rows(self.code, self.rows, self.n_blocks, np.ascontiguousarray(x, dtype=np.float32), out)
+        step = tokens_per_chunk(self.k)
+        for t in range(0, x.shape[0], step):
+            K.matmul_rows(self.code, self.rows, self.n_blocks, x[t:t + step], out[t:t + step])
         return out
 
     def matvec(self, x):
@@ -360,7 +370,7 @@ class NumbaBackend(Backend):
         super().__init__(name="numba", xp=np, asarray=lambda a: a, to_numpy=lambda a: a, device="cpu",
                          info={"numba": numba.__version__, "threads": numba.get_num_threads(), "fastmath": False,
                                "blas": blas, "blas_split": SPLIT.mode})
-        self.n_matrices, self.all_kernels = 0, False
+        self.n_matrices, self.all_kernels, self.prompts_in_place = 0, False, False
         t0 = time.perf_counter()
         self._warm_up()
         self.info["compile_or_cache_load_s"] = round(time.perf_counter() - t0, 3)
@@ -390,6 +400,7 @@ class NumbaBackend(Backend):
         swap = lambda a: GgmlKernelMatrix(a.qt) if isinstance(a, LegacyQuantMatrix) else a      # noqa: E731
         layers = [type(lw)(**{k: swap(v) for k, v in vars(lw).items()}) for lw in weights.layers]
         self.n_matrices = sum(isinstance(a, GgmlKernelMatrix) for lw in layers for a in vars(lw).values())
+        self.prompts_in_place = self.n_matrices > 0
         return type(weights)(tok_embd=weights.tok_embd, layers=layers, out_norm=weights.out_norm,
                              output=swap(weights.output))
 
@@ -423,7 +434,18 @@ class NumbaBackend(Backend):
         self.info["kernel_matrices"] = self.n_matrices
         # a decode step with any product left to BLAS runs numba's attention serially (attend_one_serial)
         self.all_kernels = out is not None and all(set(h) >= set(MATRIX_FIELDS) for h in handles)
+        lazy = getattr(weights, "lazy", False)
+        if lazy and self.all_kernels:       # prompts too on the blocks: no float32 copy unless --weight-cache-mb
+            weights.cache.shrink_default(0)
+        self.prompts_in_place = lazy and not all(weights.layers.keeps(i) for i in range(len(weights.layers)))
+        self.info["prompts"] = "kernels on the blocks" if self.prompts_in_place else "BLAS on float32 weights"
         return NumbaWeights(weights, handles, out)
+
+    def before_forward(self, n_tokens):
+        """A prompt on the kernels runs with BLAS on one thread (SPLIT.prefer_split); otherwise cpu_split's look."""
+        SPLIT.look()
+        if n_tokens > 1 and self.prompts_in_place:
+            SPLIT.prefer_split()
 
     def make_decoder(self, engine, cache):
         """One-token steps by FusedDecoder where the model allows it (LLORCH_NUMBA_FUSED=0: never), else the

@@ -496,7 +496,7 @@ def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
     check(out_name, (cfg.n_vocab, cfg.d_model))
     full += cfg.n_vocab * cfg.d_model * store.itemsize
     budget = default_cache_bytes(full) if weight_cache_mb is None else int(weight_cache_mb * 2**20)
-    cache = WeightCache(budget)
+    cache = WeightCache(budget, asked=weight_cache_mb is not None)
 
     def make_layer(i):
         return LayerWeights(**split_fused(cfg, {fld: deq(f"blk.{i}.{suffix}", len(shp(cfg)) == 2)

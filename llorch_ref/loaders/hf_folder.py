@@ -439,7 +439,8 @@ def _lazy_hf(folder, c, cfg, tensors, names, shapes, take, check, make_layer, pe
     check(out_name, (V, D))
     per_layer = sum(int(np.prod(shapes[f])) * (store.itemsize if len(shapes[f]) == 2 else 4) for f in names.values())
     full = per_layer * cfg.n_layers + V * D * store.itemsize
-    cache = WeightCache(default_cache_bytes(full) if weight_cache_mb is None else int(weight_cache_mb * 2**20))
+    cache = WeightCache(default_cache_bytes(full) if weight_cache_mb is None else int(weight_cache_mb * 2**20),
+                        asked=weight_cache_mb is not None)
     by_field = {fld: sfx for sfx, fld in names.items()}
 
     def deq_field(i, fld):

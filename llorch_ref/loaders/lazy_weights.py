@@ -42,10 +42,17 @@ def default_cache_bytes(full_bytes: int) -> int:
 
 
 class WeightCache:
-    def __init__(self, budget_bytes: int):
-        self.budget, self.used = int(budget_bytes), 0
+    def __init__(self, budget_bytes: int, asked: bool = False):
+        """asked: the budget is the user's (--weight-cache-mb), not default_cache_bytes' choice."""
+        self.budget, self.used, self.asked = int(budget_bytes), 0, asked
         self.items: dict = {}
         self.hits = self.misses = 0
+
+    def shrink_default(self, budget_bytes: int):
+        """A backend that needs less than the default budget (numba: its kernels read the blocks) lowers it before
+        anything is cached; a budget the user asked for stays."""
+        if not self.asked and not self.items:
+            self.budget = min(self.budget, int(budget_bytes))
 
     def get(self, key, make, nbytes, make_transient=None):
         """The cached value of key; else make() and keep it if nbytes fit in what is left of the budget;
@@ -68,7 +75,7 @@ class WeightCache:
         return key in self.items or self.used + nbytes <= self.budget
 
     def stats(self) -> dict:
-        return {"budget_mb": round(self.budget / 2**20, 1), "used_mb": round(self.used / 2**20, 1),
+        return {"budget_mb": round(self.budget / 2**20, 1), "budget_by": "user" if self.asked else "default", "used_mb": round(self.used / 2**20, 1),
                 "entries": len(self.items), "hits": self.hits, "misses": self.misses}
 
 
