@@ -408,6 +408,9 @@ def markdown(report) -> str:
                       f"({info.get('compile_or_cache_load_s', 0):.1f} s); run again for a cached load"]
         if info.get("blas_kernels"):
             lines += ["", f"{r['engine']}: BLAS {info['blas_kernels']}"]
+        if info.get("gomp_spincount"):
+            lines += ["", f"{r['engine']}: prompts by {info.get('prompts', '?')}; numba's OpenMP workers spin "
+                      f"{info['gomp_spincount']} times before sleeping (GOMP_SPINCOUNT)"]
         if info.get("matrix_paths"):
             lines += ["", f"{r['engine']}: matrix products by path (every prefill and decode run): "
                       + "; ".join(f"{k} x{n}" for k, n in info["matrix_paths"].items())]

@@ -93,6 +93,30 @@ def test_numba_lazy_default_keeps_no_float32_copy_and_runs_prompts_on_the_blocks
     assert blas_threads() == 2 and not SPLIT.split
 
 
+def test_numba_workers_spin_as_libgomp_has_them_only_with_cores_to_spare(monkeypatch):
+    """GOMP_SPINCOUNT: 1000 where this process's threads and the machine's load leave no core spare (2 threads on
+    2 cores; 2 threads on 16 cores under a load of 14), libgomp's default with cores to spare (2 threads on 16 cores,
+    load 0.8), and a value the user set is kept either way."""
+    import os
+
+    from llorch_ref.backends import cpu_split
+    from llorch_ref.backends import numba_backend as NB
+
+    def machine(cores, load):
+        monkeypatch.setattr(cpu_split.os, "sched_getaffinity", lambda pid: set(range(cores)))
+        monkeypatch.setattr(cpu_split.os, "getloadavg", lambda: (load, load, load))
+
+    for cores, load, user, want in ((2, 0.1, None, "1000"), (16, 14.0, None, "1000"), (16, 0.8, None, None),
+                                    (16, 0.8, "50000", "50000"), (2, 0.1, "300000", "300000")):
+        machine(cores, load)
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+        if user:
+            monkeypatch.setenv("GOMP_SPINCOUNT", user)
+        got = NB.choose_spin_count(2)
+        assert os.environ.get("GOMP_SPINCOUNT") == want
+        assert got == (want or "libgomp's default")
+
+
 def test_numba_prompt_products_in_l2_sized_chunks_of_tokens_equal_the_whole_to_the_bit(monkeypatch):
     """KernelBlocks.matmul runs a prompt's tokens in chunks whose activations fit in L2 (tokens_per_chunk: from
     the L2 size Linux reports, in fours); chunks of 4 over 11 tokens (the last one short) give the unchunked

@@ -46,6 +46,14 @@ def machine_busy_s():
     return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")      # less idle and iowait; guest time is in user
 
 
+def spare_cores(threads: int) -> float:
+    """Cores this process may use, less its threads and the machine's load (1-minute average): what other
+    processes could still have if this one's threads spun while waiting."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float(cores)
+    return cores - threads - load
+
+
 def blas_controller():
     """threadpoolctl's controller of the BLAS libraries in this process (CpuSplit sets their thread count)."""
     from threadpoolctl import ThreadpoolController

@@ -4,6 +4,7 @@ the cache does not keep; otherwise those go to BLAS, split over the backend's th
 itself on one thread), and Numba RMSNorm, RoPE, SwiGLU and attention for one-token steps."""
 from __future__ import annotations
 
+import os
 import re
 import time
 import types
@@ -17,10 +18,11 @@ from . import Backend, cpu_threads, l2_bytes, limit_blas
 from . import numba_ggml as G
 from . import numba_kernels as K
 from . import numba_simd as S
-from .cpu_split import SPLIT, blas_controller
+from .cpu_split import SPLIT, blas_controller, spare_cores
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 PATHS: Counter = Counter()        # (weight type, path, rows) -> products: what `bench` reports
+SPIN_COUNT = None                 # GOMP_SPINCOUNT as the first NumbaBackend left it for numba's OpenMP threads
 MATRIX_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
@@ -351,24 +353,36 @@ def kernels_compiled() -> int:
                if isinstance(f, numba.core.registry.CPUDispatcher))
 
 
+def choose_spin_count(threads: int) -> str:
+    """Set GOMP_SPINCOUNT to 1000 where no core is spare (NumbaBackend's comment says why), unless the user set
+    it -> the value numba's OpenMP threads will read ("libgomp's default" where unset)."""
+    if spare_cores(threads) < 1:
+        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    return os.environ.get("GOMP_SPINCOUNT", "libgomp's default")
+
+
 class NumbaBackend(Backend):
     def __init__(self, threads=None):
-        import os
-
-        # numba's OpenMP workers spin up to GOMP_SPINCOUNT times at each of a step's ~150 parallel regions before
-        # sleeping; libgomp's default (300000) makes a worker that shares its core with another process hold the
-        # core against the thread doing the work: a decode 10x slower with one busy core, against 2x at 1000
-        # spins, idle speed unchanged (results/cpu/busy-cores.md). Read when numba first starts its threads
+        threads = cpu_threads(threads)
+        # numba's OpenMP workers spin up to GOMP_SPINCOUNT times at each of a step's ~225 parallel regions before
+        # sleeping. Where the cores are all wanted (no core spare beside this process's threads and the machine's
+        # load), libgomp's default (300000) made a worker that shares its core with another process hold the core
+        # against the thread doing the work: a decode 10x slower with one busy core, against 2x at 1000 spins,
+        # idle speed unchanged (results/cpu/busy-cores.md); so 1000 there. With cores to spare the workers spin
+        # as libgomp has them: sleeping after 1000 spins cost a 7B Q4_K decode 5-20% in wake-ups on an idle
+        # 16-core Xeon at 2 threads (results/cpu/2026-11-28-s22.md). Read when numba first starts its threads
         # (set_num_threads below); a value the user set is kept.
-        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+        global SPIN_COUNT
+        if SPIN_COUNT is None:
+            SPIN_COUNT = choose_spin_count(threads)
         import numba
 
-        threads = cpu_threads(threads)
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         blas = limit_blas(threads)
         SPLIT.configure(threads, blas_controller())   # several-token BLAS work split over our threads when busy
         super().__init__(name="numba", xp=np, asarray=lambda a: a, to_numpy=lambda a: a, device="cpu",
                          info={"numba": numba.__version__, "threads": numba.get_num_threads(), "fastmath": False,
+                               "gomp_spincount": SPIN_COUNT,
                                "blas": blas, "blas_split": SPLIT.mode})
         self.n_matrices, self.all_kernels, self.prompts_in_place = 0, False, False
         t0 = time.perf_counter()
@@ -401,6 +415,7 @@ class NumbaBackend(Backend):
         layers = [type(lw)(**{k: swap(v) for k, v in vars(lw).items()}) for lw in weights.layers]
         self.n_matrices = sum(isinstance(a, GgmlKernelMatrix) for lw in layers for a in vars(lw).values())
         self.prompts_in_place = self.n_matrices > 0
+        self.info["prompts"] = "ggml kernels on the blocks" if self.prompts_in_place else "ggml_cpu's NumPy emulation"
         return type(weights)(tok_embd=weights.tok_embd, layers=layers, out_norm=weights.out_norm,
                              output=swap(weights.output))
 
@@ -450,8 +465,6 @@ class NumbaBackend(Backend):
     def make_decoder(self, engine, cache):
         """One-token steps by FusedDecoder where the model allows it (LLORCH_NUMBA_FUSED=0: never), else the
         op-by-op forward."""
-        import os
-
         fused = GgmlFusedDecoder if engine.numerics == "ggml" else FusedDecoder
         plans = fused.plan(engine, cache) if os.environ.get("LLORCH_NUMBA_FUSED", "1") != "0" else None
         self.info["fused_decode"] = plans is not None
