@@ -93,6 +93,33 @@ def test_numba_lazy_default_keeps_no_float32_copy_and_runs_prompts_on_the_blocks
     assert blas_threads() == 2 and not SPLIT.split
 
 
+def test_loading_a_cpu_backend_never_probes_cupy(monkeypatch):
+    """get_backend("numba") probes numba alone: cupy's import and CUDA's device count (where cupy is installed, as
+    on the GPU host) are not part of a numba load. The spy sees cupy probed when all are asked."""
+    import importlib.abc
+    import sys
+
+    from llorch_ref.backends import available, get_backend
+
+    need_backend("numba")
+    seen = []
+
+    class Spy(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] == "cupy":
+                seen.append(name)
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [Spy()] + sys.meta_path)
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    get_backend("numba", threads=1)
+    get_backend("numpy", threads=1)
+    assert seen == []
+    assert set(available(("numba",))) == {"numba"}
+    available()
+    assert seen and seen[0] == "cupy"
+
+
 def test_numba_workers_spin_as_libgomp_has_them_only_with_cores_to_spare(monkeypatch):
     """GOMP_SPINCOUNT: 1000 where this process's threads and the machine's load leave no core spare (2 threads on
     2 cores; 2 threads on 16 cores under a load of 14), libgomp's default with cores to spare (2 threads on 16 cores,

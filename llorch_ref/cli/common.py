@@ -8,7 +8,7 @@ import time
 
 import llorch_ref
 
-from ..backends import available, backend_name
+from ..backends import BACKENDS, available, backend_name
 from ..errors import ParameterError
 from ..generate.sampling import SamplingParams
 
@@ -48,7 +48,7 @@ def preflight(args):
     """What can be checked before a model is loaded or a comparison runs, so a bad value costs nothing."""
     backend = backend_name(getattr(args, "backend", None))
     if backend != "numpy":
-        reason = available().get(backend, f"not one of {', '.join(available())}")
+        reason = available((backend,)).get(backend, f"not one of {', '.join(BACKENDS)}")
         if reason:
             raise ParameterError(f"--backend {backend}: {reason}")
     if hasattr(args, "temperature"):
