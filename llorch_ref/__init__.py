@@ -42,8 +42,9 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="float3
     backend ("float16" for cupy only; "blocks": cupy multiplies quantized matrices as the file's blocks); numerics: "exact" (float32 math) or "ggml" (llama.cpp's CPU
     arithmetic, numpy and numba backends); kv_dtype: "float32" or "float16" (the K/V cache type; llama.cpp's default is f16).
     weights: "lazy" (GGUF memory-mapped, each layer dequantized when it runs, through a cache of
-    weight_cache_mb; default: the whole model if it fits in half the available memory; the numba backend
-    keeps its kernels' blocks in memory besides), "eager" (all dequantized at load) or "auto" (lazy for
+    weight_cache_mb; default: the whole model if it fits in half the available memory; on the numba backend 0
+    where its kernels serve every matrix, prompts too running on the file's blocks, and a budget puts prompts
+    on BLAS over the float32 layers it keeps), "eager" (all dequantized at load) or "auto" (lazy for
     GGUF files on the numpy and numba backends with exact numerics).
     weight_dtype: storage of dequantized 2-D weights, "float32", "float16" or "bfloat16" (math stays float32)."""
 

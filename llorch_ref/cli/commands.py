@@ -211,8 +211,8 @@ def cmd_bench(args):
     if args.weight_cache_mb is not None:
         if args.weight_cache_mb < 0:
             raise ParameterError("--weight-cache-mb must be >= 0")
-        if not any(e in ("numpy", "numpy-lazy") for e in engines):
-            raise ParameterError("--weight-cache-mb applies to the numpy and numpy-lazy engines")
+        if not any(e in ("numpy", "numpy-lazy", "numba") for e in engines):
+            raise ParameterError("--weight-cache-mb applies to the lazy-weight engines (numpy, numpy-lazy, numba)")
         os.environ["LLORCH_BENCH_WEIGHT_CACHE_MB"] = str(args.weight_cache_mb)
     report = run_bench(path, engines, prefill=args.prefill, decode=args.decode, repeats=args.repeats,
                        threads=args.threads, interleave=args.interleave)

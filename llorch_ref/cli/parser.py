@@ -77,7 +77,7 @@ def _bench(sub):
                    help="comma list of numpy (lazy weights for GGUF), numpy-eager, numpy-lazy, numpy-ggml, numba, numba-ggml, cupy, "
                         "cupy:float16, llamacpp, transformers")
     b.add_argument("--weight-cache-mb", type=float, default=None,
-                   help="cache budget for the lazy-weight engines (default: theirs)")
+                   help="cache budget for the lazy-weight engines, numpy and numba (default: theirs)")
     b.add_argument("--prefill", type=int_in(1, 1 << 20), default=128)
     b.add_argument("--decode", type=int_in(1, 1 << 20), default=128)
     b.add_argument("--repeats", type=int_in(1, 10000), default=3)
@@ -253,7 +253,8 @@ def model_args(sp):
                          "everything at load")
     sp.add_argument("--weight-cache-mb", type=float, default=None,
                     help="lazy weights: MB of dequantized layers kept between uses (default: the whole "
-                         "model if it fits in half the available memory, else 0)")
+                         "model if it fits in half the available memory, else 0; on numba 0 when its kernels "
+                         "serve every matrix: prompts run on the blocks, a budget puts them on BLAS)")
     sp.add_argument("--weight-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                     help="storage of dequantized weights on the numpy backend (math stays float32)")
 
