@@ -143,3 +143,27 @@ def test_a_load_that_compiled_kernels_is_counted_and_warned_of(tmp_path):
     assert "warning: llorch-ref numba lazy compiled 7 kernel signatures while loading" in markdown(report)
     row["info"]["kernels_compiled"] = 0
     assert "compiled" not in markdown(report)
+
+
+def test_bench_weight_cache_reaches_numba_and_puts_its_prompts_on_blas(tiny, tmp_path):
+    """bench --weight-cache-mb on the numba engine: the budget is the user's and its prompts run by BLAS on the
+    float32 layers kept (the report says which); without it, on the blocks, nothing kept."""
+    pytest.importorskip("numba")
+    model = tiny(vocab="none", weight_type="Q4_0")
+    got = {}
+    for cache in ("64", None):
+        out = tmp_path / f"bench-{cache}.json"
+        r = subprocess.run([sys.executable, "-m", "llorch_ref.cli", "bench", "--model", str(model), "--engines", "numba",
+                            "--prefill", "8", "--decode", "2", "--repeats", "1", "--threads", "1", "--json", str(out)]
+                           + (["--weight-cache-mb", cache] if cache else []), capture_output=True, text=True,
+                           timeout=600, env=dict(os.environ, LLORCH_BENCH_VECTOR_REGISTERS="0"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        got[cache] = (json.loads(out.read_text())["results"][0]["info"], r.stdout)
+    info, text = got["64"]
+    assert (info["weights"]["budget_mb"], info["weights"]["budget_by"]) == (64, "user") and info["weights"]["used_mb"] > 0
+    assert "prompts by BLAS on float32 weights" in text
+    assert any("BLAS on the float32 weight" in k for k in info["matrix_paths"])
+    info, text = got[None]
+    assert (info["weights"]["budget_mb"], info["weights"]["used_mb"]) == (0, 0)
+    assert "prompts by kernels on the blocks" in text
+    assert not any("BLAS on the float32 weight" in k for k in info["matrix_paths"])
