@@ -88,6 +88,8 @@ def open_llorch(path, backend, prefill, decode, threads, dtype="float32", numeri
 
     counted = _paths()
     counted.clear()
+    held = ("; held to one thread while a prompt runs on the kernels"
+            if getattr(eng.backend, "prompts_in_place", False) else "")
 
     def tail():
         wi = eng.weights_info()
@@ -99,7 +101,7 @@ def open_llorch(path, backend, prefill, decode, threads, dtype="float32", numeri
         return {"engine": f"llorch-ref {backend}" + (f" {dtype}" if dtype != "float32" else "")
                 + (" ggml" if numerics == "ggml" else "") + (" lazy" if wi.get("lazy") else " eager"),
                 "peak_mb": peak, "info": {**eng.backend.info, "weights": wi, "matrix_paths": paths,
-                                          "blas_kernels": blas_info()}}
+                                          "blas_kernels": blas_info() + held}}
     return {"device": eng.backend.device, "load_s": load_s}, one_prefill, one_decode, tail
 
 

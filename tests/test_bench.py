@@ -161,9 +161,10 @@ def test_bench_weight_cache_reaches_numba_and_puts_its_prompts_on_blas(tiny, tmp
         got[cache] = (json.loads(out.read_text())["results"][0]["info"], r.stdout)
     info, text = got["64"]
     assert (info["weights"]["budget_mb"], info["weights"]["budget_by"]) == (64, "user") and info["weights"]["used_mb"] > 0
-    assert "prompts by BLAS on float32 weights" in text
+    assert "prompts by BLAS on float32 weights" in text and "held to one thread" not in text
     assert any("BLAS on the float32 weight" in k for k in info["matrix_paths"])
     info, text = got[None]
     assert (info["weights"]["budget_mb"], info["weights"]["used_mb"]) == (0, 0)
     assert "prompts by kernels on the blocks" in text
+    assert "threads; held to one thread while a prompt runs on the kernels" in text
     assert not any("BLAS on the float32 weight" in k for k in info["matrix_paths"])
