@@ -410,6 +410,10 @@ def markdown(report) -> str:
                       f"({info.get('compile_or_cache_load_s', 0):.1f} s); run again for a cached load"]
         if info.get("blas_kernels"):
             lines += ["", f"{r['engine']}: BLAS {info['blas_kernels']}"]
+        build = (info.get("settings") or {}).get("build")
+        if build is not None:
+            lines += ["", f"{r['engine']}: its build's CPU features {' '.join(build) or 'none reported'}"
+                      + _unused_simd(build, report.get("cpu_flags", ""))]
         if info.get("gomp_spincount"):
             lines += ["", f"{r['engine']}: prompts by {info.get('prompts', '?')}; numba's OpenMP workers spin "
                       f"{info['gomp_spincount']} times before sleeping (GOMP_SPINCOUNT)"]
@@ -420,6 +424,14 @@ def markdown(report) -> str:
             lines += ["", f"{r['engine']}: compiled kernels' vector registers: "
                       + "; ".join(f"{k} {v}" for k, v in info["vector_registers"].items())]
     return "\n".join(lines)
+
+
+def _unused_simd(build, cpu_flags) -> str:
+    """What the CPU has that llama.cpp's build does not use (a portable wheel's one level), said beside its figures."""
+    if "avx512f" in cpu_flags.split() and not any(f.startswith("AVX512") for f in build):
+        return ("; this CPU has AVX-512, which this build does not use (a native build, CMAKE_ARGS=-DGGML_NATIVE=ON, "
+                "would): the ratios above are against this build")
+    return ""
 
 
 def _ratio(r, base, kind) -> str:

@@ -28,6 +28,8 @@ def test_bench_runs_every_engine_on_a_file_without_a_vocabulary(tiny, tmp_path, 
     assert any("Q4_0: numba kernel" in k and k.endswith("1 row") for k in paths), paths
     assert "matrix products by path" in r.stdout
     assert "llorch-ref numba lazy: BLAS " in r.stdout or "llorch-ref numba eager: BLAS " in r.stdout
+    llama = next(x for x in rep["results"] if x["engine"] == "llama.cpp")["info"]["settings"]["build"]
+    assert f"llama.cpp: its build's CPU features {' '.join(llama)}" in r.stdout
     for x in rep["results"]:                       # every timed run kept, the median among them
         assert len(x["prefill_runs"]) == 1 and x["prefill_tok_s"] == pytest.approx(x["prefill_runs"][0], abs=1e-3)
     assert "run-to-run spread" in r.stdout
@@ -168,3 +170,19 @@ def test_bench_weight_cache_reaches_numba_and_puts_its_prompts_on_blas(tiny, tmp
     assert "prompts by kernels on the blocks" in text
     assert "threads; held to one thread while a prompt runs on the kernels" in text
     assert not any("BLAS on the float32 weight" in k for k in info["matrix_paths"])
+
+
+def test_bench_names_llama_cpps_build_and_the_simd_it_leaves_unused(llamacpp):
+    """llama.cpp's figures come with its build's CPU features, read from the library itself (the shared wheel: AVX2,
+    no AVX-512); where the CPU has AVX-512 that the build does not use, the report says the ratios are against that
+    build. An AVX-512 build on the same CPU, or an AVX2 CPU, draws no such line."""
+    from llorch_ref.bench import _unused_simd
+    from llorch_ref.references.llamacpp import build_features
+
+    build = build_features()
+    raw = llamacpp.llama_print_system_info().decode()
+    assert build and all(f"{f} = 1" in raw for f in build), (build, raw)
+    assert not any(f"{f} = 0" in raw for f in build)
+    assert "AVX-512, which this build does not use" in _unused_simd(["SSE3", "AVX", "AVX2"], "avx2 fma avx512f")
+    assert _unused_simd(["AVX2", "AVX512", "AVX512_VNNI"], "avx2 avx512f") == ""
+    assert _unused_simd(["AVX2"], "avx2 fma f16c") == ""

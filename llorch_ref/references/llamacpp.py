@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,15 @@ def _import():
 
 
 _GGML = None
+
+
+def build_features() -> list[str]:
+    """The CPU features llama.cpp's build uses, read from llama_print_system_info ("CPU : SSE3 = 1 | AVX2 = 1 |
+    ... |"): a portable wheel is built for one level (the shared wheel: AVX2, no AVX-512), whatever the CPU."""
+    llama_cpp, _ = _import()
+    info = llama_cpp.llama_print_system_info().decode()
+    cpu = info.split("CPU :", 1)[1] if "CPU :" in info else info
+    return [m.group(1) for m in re.finditer(r"(\w+) = 1\b", cpu.split(";")[0])]
 
 
 def _ggml_funcs():
@@ -194,7 +204,7 @@ class LlamaCpp:
         self.settings = {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "n_threads": n_threads,
                          "flash_attn": bool(flash_attn), "type_k": SHORT[kv_dtype], "type_v": SHORT[kv_dtype], "use_extra_bufts": False,
                          "logits": "all tokens (llama_batch_init)", "llama_cpp_python": llama_cpp.__version__,
-                         "GGML_CPU_TILED_MM": os.environ.get("GGML_CPU_TILED_MM")}
+                         "GGML_CPU_TILED_MM": os.environ.get("GGML_CPU_TILED_MM"), "build": build_features()}
         self.n_ctx, self.n_ubatch, self.n_batch, self.path = n_ctx, n_ubatch, n_batch, str(path)
 
     @staticmethod
