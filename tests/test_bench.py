@@ -186,3 +186,4 @@ def test_bench_names_llama_cpps_build_and_the_simd_it_leaves_unused(llamacpp):
     assert "AVX-512, which this build does not use" in _unused_simd(["SSE3", "AVX", "AVX2"], "avx2 fma avx512f")
     assert _unused_simd(["AVX2", "AVX512", "AVX512_VNNI"], "avx2 avx512f") == ""
     assert _unused_simd(["AVX2"], "avx2 fma f16c") == ""
+

@@ -327,3 +327,18 @@ def test_default_model_fused_numba_ggml_step_equals_the_op_by_op_step(default_mo
         runs.append((np.concatenate(logits), cache.k[:, :cache.pos].copy(), cache.v[:, :cache.pos].copy()))
     for a, b in zip(*runs):
         assert np.array_equal(a, b)
+
+
+def test_a_llamacpp_dump_notes_an_avx512_build_that_ggml_numerics_do_not_reproduce(llamacpp, tiny, monkeypatch):
+    """--numerics ggml reproduces the shared wheel's AVX2 arithmetic; a native AVX-512 build (26 bit-equality tests
+    failed against one, session 22) is named in the dump's notes, and the wheel's own build is not."""
+    from llorch_ref.references import llamacpp as L
+    from llorch_ref.references.engines import dump_llamacpp
+
+    path = tiny(weight_type="Q8_0", vocab="bpe")
+    plain = dump_llamacpp(path, token_ids=[1, 2, 3], n_greedy=1)
+    wheel = plain.extra["arithmetic"]["settings"]["build"]
+    assert ("uses AVX-512" in plain.notes) == any(f.startswith("AVX512") for f in wheel)
+    monkeypatch.setattr(L, "build_features", lambda: ["AVX2", "AVX512", "AVX512_VNNI"])
+    native = dump_llamacpp(path, token_ids=[1, 2, 3], n_greedy=1)
+    assert "this llama.cpp build uses AVX-512" in native.notes and "AVX2 build's arithmetic" in native.notes

@@ -83,6 +83,9 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
     ref = context or LlamaCpp(path, n_ctx=max(256, 64 * ((need + 63) // 64)), kv_dtype=kv_dtype,
                               flash_attn=flash_attn, n_ubatch=n_ubatch, n_batch=t, n_threads=n_threads)
     rec.extra["arithmetic"] = {"numerics": "ggml", "kv_dtype": kv_dtype, "settings": dict(ref.settings)}
+    if any(f.startswith("AVX512") for f in ref.settings.get("build", ())):
+        rec.notes += ("; this llama.cpp build uses AVX-512: --numerics ggml reproduces the AVX2 build's arithmetic "
+                      "bit for bit (the shared wheel's), so expect last-bit differences against this one")
     capture = _LlamaCppCapture(rec, specs, cfg, flash_attn, array_order, rows=rows)
     try:
         if prompt is not None and any(s.id == "0" for s in specs):
