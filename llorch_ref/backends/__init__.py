@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ParameterError
-from .cpu_split import SPLIT, blas_controller
+from .cpu_split import SPLIT, blas_controller, usable_cores
 
 BACKENDS = ("numpy", "numba", "cupy")
 
@@ -165,7 +165,7 @@ def cpu_threads(threads=None) -> int:
     """The thread count of a CPU backend: --threads, else $LLORCH_THREADS, else the cores this process may use."""
     n = threads if threads is not None else os.environ.get("LLORCH_THREADS")      # 0 is refused, not "all cores"
     if n is None:
-        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n = usable_cores()
     n = int(n)
     if n < 1:
         raise ParameterError(f"threads={n} must be >= 1")

@@ -46,10 +46,15 @@ def machine_busy_s():
     return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")      # less idle and iowait; guest time is in user
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def spare_cores(threads: int) -> float:
     """Cores this process may use, less its threads and the machine's load (1-minute average): what other
     processes could still have if this one's threads spun while waiting."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float(cores)
     return cores - threads - load
 

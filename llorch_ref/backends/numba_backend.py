@@ -459,9 +459,10 @@ class NumbaBackend(Backend):
 
     def before_forward(self, n_tokens):
         """A prompt on the kernels runs with BLAS on one thread (SPLIT.prefer_split); otherwise cpu_split's look."""
-        SPLIT.look()
         if n_tokens > 1 and self.prompts_in_place:
             SPLIT.prefer_split()
+        else:
+            SPLIT.look()
 
     def make_decoder(self, engine, cache):
         """One-token steps by FusedDecoder where the model allows it (LLORCH_NUMBA_FUSED=0: never), else the
