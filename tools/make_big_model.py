@@ -13,7 +13,9 @@ directly (seeded per tensor name, so every run writes the same bytes): Q8_0 int8
 weights, Q4_0 nibbles with one, Q4_1 nibbles with a scale and a minimum, Q4_K nibbles with random
 6-bit sub-block scales and mins, d and dmin set so the weights have the standard deviation asked for.
 Norm weights are F32 near 1. The vocabulary is a small trained one (llorch_ref.testing.tiny) padded with
-unused tokens to the full size. Tensors are written one at a time (memory stays small).
+unused tokens to the full size, or, with --vocab-from FILE, every tokenizer.* key of another GGUF (its vocabulary
+size must be the shape's): the default model's vocabulary travels in 2 MB where its 98 MB file cannot, and a
+load then builds the same tokenizer as from the real file. Tensors are written one at a time (memory stays small).
 """
 from __future__ import annotations
 
@@ -95,7 +97,20 @@ def vocab(kind, n):
     return tokens, types, None, merges
 
 
-def write(path, shape="llama2-7b", qtype="Q4_K", seed=0):
+def copy_vocab(w, src, n_vocab):
+    """Every tokenizer.* key of the GGUF `src`, with its value type, into the writer w."""
+    import gguf
+
+    fields = {k: f for k, f in gguf.GGUFReader(src).fields.items() if k.startswith("tokenizer.")}
+    n = len(fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in fields else 0
+    if n != n_vocab:
+        raise SystemExit(f"make_big_model: {src} has {n} tokens; this shape's vocabulary has {n_vocab}")
+    for key, f in fields.items():
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+
+
+def write(path, shape="llama2-7b", qtype="Q4_K", seed=0, vocab_from=None):
     import gguf
     from tqdm import tqdm
 
@@ -118,7 +133,9 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0):
     w.add_vocab_size(V)
     w.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15, "Q6_K": 18}[qtype])
     tokens, types, scores, merges = vocab(s["vocab_kind"], V)
-    if s["vocab_kind"] == "spm":
+    if vocab_from:
+        copy_vocab(w, vocab_from, V)
+    elif s["vocab_kind"] == "spm":
         w.add_tokenizer_model("llama")
         w.add_token_scores(scores)
         w.add_unk_token_id(0)
@@ -128,10 +145,11 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0):
         w.add_tokenizer_pre("llama-bpe")
         w.add_token_merges(merges)
         w.add_add_bos_token(False)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    if not vocab_from:
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
     q, norm = qtype, None                              # each entry: name, shape, std of the weights, block type
     plan = [("token_embd.weight", (V, d), 0.02, s.get("embed_type", qtype))]
     for i in range(L):
@@ -178,10 +196,11 @@ def main():
     ap.add_argument("--shape", choices=list(SHAPES), default="llama2-7b")
     ap.add_argument("--type", choices=TYPES, default="Q4_K")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab-from", metavar="GGUF", help="copy every tokenizer.* key of this file")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     t0 = time.perf_counter()
-    p = write(a.out, a.shape, a.type, a.seed)
+    p = write(a.out, a.shape, a.type, a.seed, a.vocab_from)
     print(f"wrote {p} ({p.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s")
 
 
