@@ -182,16 +182,18 @@ def _g():
     return numba_ggml
 
 
-def test_numba_v_expf_equals_the_emulation_bit_for_bit():
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_numba_v_expf_equals_the_emulation_bit_for_bit(lanes):
     g = _g()
     rng = np.random.default_rng(5)
     x = np.concatenate([np.linspace(-200, 100, 200001, dtype=np.float32),          # both overflow branches
                         (rng.standard_normal(20000) * 30).astype(np.float32),
                         np.array([0.0, -0.0, -np.inf, 1e-40, -1e-40, 88.7, -87.3, -103.9], np.float32)])
     with np.errstate(all="ignore"):
-        want = ggml_cpu.v_expf(x)
-    got = np.array([g.v_expf(v) for v in x], np.float32)
+        want = ggml_cpu.v_expf(x, lanes)
+    got = np.array([g.v_expf(v, lanes) for v in x], np.float32)
     assert np.array_equal(got.view(np.int32), want.view(np.int32))
+    assert not np.array_equal(want, ggml_cpu.v_expf(x, 24 - lanes))      # the two builds' exps do differ
 
 
 @pytest.mark.parametrize("with_sum", [False, True])
@@ -208,9 +210,10 @@ def test_numba_activation_quantization_equals_the_emulation(with_sum):
         assert np.array_equal(s, ws[0])
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("n_pos", [1, 7, 33, 70])
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
-def test_numba_one_token_attention_equals_the_emulation(n_pos, kv_dtype):
+def test_numba_one_token_attention_equals_the_emulation(n_pos, kv_dtype, lanes):
     """Over the first n_pos rows of a longer cache; a float16 cache passed as its bits (uint16), as the step does."""
     g = _g()
     rng = np.random.default_rng(n_pos)
@@ -219,19 +222,20 @@ def test_numba_one_token_attention_equals_the_emulation(n_pos, kv_dtype):
     k = (rng.standard_normal((n_pos + 5, kv, hd)) * 3).astype(kv_dtype)
     v = rng.standard_normal((n_pos + 5, kv, hd)).astype(kv_dtype)
     kv_head = np.arange(h) // (h // kv)
-    want, _, _ = ggml_cpu.make_attention(kv_dtype)(np, q[None], k[:n_pos].astype(np.float32),
-                                                   v[:n_pos].astype(np.float32), np.zeros((1, n_pos), np.float32),
-                                                   0.125, kv_head)
+    want, _, _ = ggml_cpu.make_attention(kv_dtype, lanes)(np, q[None], k[:n_pos].astype(np.float32),
+                                                          v[:n_pos].astype(np.float32),
+                                                          np.zeros((1, n_pos), np.float32), 0.125, kv_head)
     bits = (lambda a: a.view(np.uint16)) if kv_dtype == "float16" else (lambda a: a)
-    got = g.attend(q, bits(k), bits(v), n_pos, 0.125, kv_head)
+    got = g.attend(q, bits(k), bits(v), n_pos, 0.125, kv_head, lanes)
     assert np.array_equal(got, want[0])
-    bad = g.attend(q, bits(k), bits(v[:, ::-1].copy()), n_pos, 0.125, kv_head)   # planted: the KV heads swapped
+    bad = g.attend(q, bits(k), bits(v[:, ::-1].copy()), n_pos, 0.125, kv_head, lanes)   # planted: KV heads swapped
     assert not np.array_equal(bad, want[0])
 
 
-@pytest.mark.parametrize("t,s,hd", [(5, 5, 64), (9, 37, 40), (33, 70, 128)])
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("t,s,hd", [(5, 5, 64), (9, 37, 48), (33, 70, 128)])
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
-def test_numba_several_token_attention_equals_the_emulation(t, s, hd, kv_dtype):
+def test_numba_several_token_attention_equals_the_emulation(t, s, hd, kv_dtype, lanes):
     """numba_ggml.attend_rows (a prefill's attention, tinyBLAS's lanes) against ggml_cpu's emulation, its output, kq
     and probabilities bit for bit: T new tokens after S - T cached ones, causal mask, 6 query heads on 2 KV heads,
     Hd with and without a remainder past 32 lanes, S not a multiple of 8. Planted: P not rounded to float16 on a
@@ -245,16 +249,19 @@ def test_numba_several_token_attention_equals_the_emulation(t, s, hd, kv_dtype):
     kv_head = np.arange(h) // (h // kv)
     pos = np.arange(s - t, s)[:, None]
     mask = np.where(np.arange(s)[None, :] <= pos, 0.0, -np.inf).astype(np.float32)
-    want = ggml_cpu.make_attention(kv_dtype)(np, q, k.astype(np.float32), v.astype(np.float32), mask, 0.125, kv_head)
+    attention = ggml_cpu.make_attention(kv_dtype, lanes)
+    want = attention(np, q, k.astype(np.float32), v.astype(np.float32), mask, 0.125, kv_head)
     half, k32, v32 = kv_dtype == "float16", k.astype(np.float32), v.astype(np.float32)
-    got = g.attend_rows(q, k32, v32, mask, np.float32(0.125), kv_head, half)
+    got = g.attend_rows(q, k32, v32, mask, np.float32(0.125), kv_head, half, lanes)
     for a, b in zip(got, want):
         assert a.shape == b.shape and np.array_equal(a, b)
-    bad = g.attend_rows(q, k32[:, ::-1].copy(), v32, mask, np.float32(0.125), kv_head, half)
+    bad = g.attend_rows(q, k32[:, ::-1].copy(), v32, mask, np.float32(0.125), kv_head, half, lanes)
     assert not any(np.array_equal(a, b) for a, b in zip(bad, want))
+    other = ggml_cpu.make_attention(kv_dtype, 24 - lanes)(np, q, k32, v32, mask, 0.125, kv_head)
+    assert not all(np.array_equal(a, b) for a, b in zip(other, got))     # the other build's lanes: other bits
     if kv_dtype == "float16":
-        loose = ggml_cpu.make_attention("float32")(np, q, k.astype(np.float32), v.astype(np.float32), mask, 0.125,
-                                                    kv_head)
+        loose = ggml_cpu.make_attention("float32", lanes)(np, q, k.astype(np.float32), v.astype(np.float32), mask,
+                                                           0.125, kv_head)
         assert not np.array_equal(loose[0], got[0])                  # the float16 roundings are seen
 
 
@@ -293,8 +300,9 @@ def test_default_model_fused_numba_ggml_greedy_identical(default_model, llamacpp
     assert ours == LlamaCpp(default_model, n_ctx=256, kv_dtype=kv).greedy(ids, 64)
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("neox", [False, True])
-def test_numba_rope_norm_and_swiglu_equal_the_emulation(neox):
+def test_numba_rope_norm_and_swiglu_equal_the_emulation(neox, lanes):
     g = _g()
     rng = np.random.default_rng(7)
     x = rng.standard_normal((4, 64)).astype(np.float32)
@@ -304,8 +312,8 @@ def test_numba_rope_norm_and_swiglu_equal_the_emulation(neox):
     h, w = (rng.standard_normal(576) * 4).astype(np.float32), rng.standard_normal(576).astype(np.float32)
     assert np.array_equal(g.rms_norm(h, w, 1e-5), ggml_cpu.make_ops().rms_norm(np, h[None], w, 1e-5)[0])
     gu = (rng.standard_normal(2 * 96) * 6).astype(np.float32)
-    want = (ggml_cpu.silu(np, gu[None, :96]) * gu[None, 96:]).astype(np.float32)[0]
-    assert np.array_equal(g.swiglu_hidden(gu, 96), want)
+    want = (ggml_cpu.silu(np, gu[None, :96], lanes) * gu[None, 96:]).astype(np.float32)[0]
+    assert np.array_equal(g.swiglu_hidden(gu, 96, lanes), want)
 
 
 @pytest.mark.parametrize("kv", ["float32", "float16"])

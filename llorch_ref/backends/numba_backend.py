@@ -264,8 +264,6 @@ class GgmlFusedDecoder(_OneCallStep):
     @staticmethod
     def plan(engine, cache):
         cfg, w = engine.config, engine.weights
-        if engine.ops.lanes != 8:           # numba_ggml reproduces the AVX2 build's sums (ggml_cpu.SIMD_LANES)
-            return None
         if cache.kv_dtype not in (np.float32, np.float16) or cfg.qkv_bias or cfg.qk_norm or cfg.post_norms \
                 or cfg.ffn_act != "silu" or cfg.sliding_window or cfg.rope_base_local is not None \
                 or cfg.rope_style not in ("adjacent", "neox"):
@@ -291,9 +289,10 @@ class GgmlFusedDecoder(_OneCallStep):
     def _layers(self, x, cos, sin):
         c, p, cfg = self.cache, self.plan_args, self.engine.config
         kc, vc = (c.k, c.v) if c.k.dtype == np.float32 else (c.k.view(np.uint16), c.v.view(np.uint16))   # f16 bits
-        return G.decode_step(np.ascontiguousarray(x[0]), p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"],
-                             p["n_blocks"], p["rows"], *p["shapes"], cos, sin, cfg.rope_style == "neox", kc, vc,
-                             c.pos, cfg.scale, self.kv_head)
+        step = G.decode_step16 if self.engine.ops.lanes == 16 else G.decode_step8
+        return step(np.ascontiguousarray(x[0]), p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"],
+                    p["n_blocks"], p["rows"], *p["shapes"], cos, sin, cfg.rope_style == "neox", kc, vc,
+                    c.pos, cfg.scale, self.kv_head)
 
 
 class GgmlKernelMatrix:
@@ -481,15 +480,14 @@ class NumbaBackend(Backend):
         bit, tests/test_ggml_numerics.py); one token's, and everything else, as ggml_cpu computes it."""
         ops = types.SimpleNamespace(**vars(ggml_ops))
         emulated, half = ggml_ops.attention, ggml_ops.kv_dtype == "float16"
-        if ggml_ops.lanes != 8:             # numba_ggml reproduces the AVX2 build's sums; AVX-512's: ggml_cpu's
-            return ops
+        attend_rows = G.attend_rows16 if ggml_ops.lanes == 16 else G.attend_rows8
 
         def attention(xp, q, k, v, mask, scale, kv_head):
-            if q.shape[0] == 1 or q.shape[2] % 8:
+            if q.shape[0] == 1 or q.shape[2] % ggml_ops.lanes:
                 return emulated(xp, q, k, v, mask, scale, kv_head)
             f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)      # noqa: E731 (the cache's values)
-            return G.attend_rows(f32(q), f32(k), f32(v), f32(mask), np.float32(scale),
-                                 np.ascontiguousarray(kv_head, dtype=np.int64), half)
+            return attend_rows(f32(q), f32(k), f32(v), f32(mask), np.float32(scale),
+                               np.ascontiguousarray(kv_head, dtype=np.int64), half)
         ops.attention = attention
         return ops
 
