@@ -11,6 +11,7 @@ from .loaders.default_model import resolve_model
 from .loaders.gguf_file import load_gguf
 from .loaders.hf_folder import load_hf_folder
 from .loaders.onnx_folder import is_onnx_folder, load_onnx_folder
+from .numerics.ggml_build import installed_simd
 from .numerics.ggml_cpu import SIMD_LANES
 from .tokenizer import from_gguf_metadata
 
@@ -96,6 +97,5 @@ def resolve_ggml_simd(numerics, ggml_simd="auto"):
             raise ParameterError(f"--ggml-simd {ggml_simd} applies to --numerics ggml (got numerics {numerics})")
         return None
     if ggml_simd in ("auto", None):
-        from .references.llamacpp import build_simd
-        return build_simd() or "avx2"
+        return installed_simd() or "avx2"
     return ggml_simd

@@ -337,16 +337,39 @@ def test_default_model_fused_numba_ggml_step_equals_the_op_by_op_step(default_mo
         assert np.array_equal(a, b)
 
 
-def test_a_llamacpp_dump_notes_an_avx512_build_that_ggml_numerics_do_not_reproduce(llamacpp, tiny, monkeypatch):
-    """--numerics ggml reproduces the shared wheel's AVX2 arithmetic; a native AVX-512 build (26 bit-equality tests
-    failed against one, session 22) is named in the dump's notes, and the wheel's own build is not."""
+def test_a_llamacpp_dump_declares_its_builds_vector_width_and_diff_reproduces_that_build(llamacpp, tiny, tmp_path,
+                                                                                        monkeypatch):
+    """A llama.cpp dump declares the width of the build it came from (AVX2 or AVX-512: their float sums differ);
+    `diff --subject` runs numerics ggml for that build: every tensor equal to the bit, locally and end to end; told
+    to reproduce the other width (--ggml-simd), the local comparisons differ in the last bits (inside the bands).
+    --ggml-simd with exact numerics is refused."""
+    import json
+    import subprocess
+    import sys
+
+    from llorch_ref.numerics.ggml_build import installed_simd
     from llorch_ref.references import llamacpp as L
     from llorch_ref.references.engines import dump_llamacpp
 
-    path = tiny(weight_type="Q8_0", vocab="bpe")
-    plain = dump_llamacpp(path, token_ids=[1, 2, 3], n_greedy=1)
-    wheel = plain.extra["arithmetic"]["settings"]["build"]
-    assert ("uses AVX-512" in plain.notes) == any(f.startswith("AVX512") for f in wheel)
-    monkeypatch.setattr(L, "build_features", lambda: ["AVX2", "AVX512", "AVX512_VNNI"])
-    native = dump_llamacpp(path, token_ids=[1, 2, 3], n_greedy=1)
-    assert "this llama.cpp build uses AVX-512" in native.notes and "AVX2 build's arithmetic" in native.notes
+    path = tiny(weight_type="Q8_0", vocab="none")
+    rec = dump_llamacpp(path, token_ids=list(range(1, 40)), n_greedy=2)
+    here = "avx512" if any(f.startswith("AVX512") for f in rec.extra["arithmetic"]["settings"]["build"]) else "avx2"
+    assert rec.extra["arithmetic"]["ggml_simd"] == here == installed_simd()
+    with monkeypatch.context() as m:
+        m.setattr(L, "build_features", lambda: ["AVX2", "AVX512", "AVX512_VNNI"])
+        assert dump_llamacpp(path, token_ids=[1, 2, 3], n_greedy=1).extra["arithmetic"]["ggml_simd"] == "avx512"
+    out = rec.save(tmp_path / "lc.safetensors")
+
+    def diff(*a):
+        return subprocess.run([sys.executable, "-m", "llorch_ref.cli", "diff", "--subject", str(out), "--model",
+                               str(path), "--json", *a], capture_output=True, text=True, timeout=600)
+    same = diff()
+    assert same.returncode == 0 and f"({here} build)" in same.stderr, same.stderr
+    rows = json.loads(same.stdout)["rows"]
+    assert len(rows) > 20 and all(r.get("max_abs", 0.0) == 0.0 and r["local"].get("max_abs", 0.0) == 0.0
+                                  and r.get("agreement", 1.0) == 1.0 for r in rows if "local" in r)
+    other = diff("--ggml-simd", "avx2" if here == "avx512" else "avx512")      # inside the bands, not the same bits
+    assert other.returncode == 0 and "build)" in other.stderr, other.stderr
+    assert any(r["local"].get("max_abs", 0.0) > 0.0 for r in json.loads(other.stdout)["rows"] if "local" in r)
+    bad = diff("--numerics", "exact", "--ggml-simd", "avx512")
+    assert bad.returncode != 0 and "applies to --numerics ggml" in bad.stderr and "Traceback" not in bad.stderr

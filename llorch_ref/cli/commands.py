@@ -136,7 +136,8 @@ def cmd_dump(args):
             raise ParameterError(f"{', '.join(lcp)}: llama.cpp settings, for --engine llamacpp (--ubatch: llamacpp and transformers)")
     if args.engine != "llorch":
         given = [f"--{k.replace('_', '-')} {v}" for k, v, d in (("backend", args.backend, None),
-                 ("dtype", args.dtype, "float32"), ("numerics", args.numerics, None)) if v != d]
+                 ("dtype", args.dtype, "float32"), ("numerics", args.numerics, None),
+                 ("ggml_simd", args.ggml_simd, "auto")) if v != d]
         if args.engine == "transformers" and args.kv_dtype not in (None, "float32"):
             given.append(f"--kv-dtype {args.kv_dtype}")
         if given:

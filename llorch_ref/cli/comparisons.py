@@ -57,6 +57,10 @@ def band_class_for(args, eng):
     return args.band_class or ("ggml" if eng.numerics == "ggml" else engine_band_class(eng))
 
 
+def _simd_text(decl):
+    return f" ({decl['ggml_simd']} build)" if decl.get("ggml_simd") else ""
+
+
 def run_subject_dump(args):
     """--subject DUMP: the dump is under test; llorch-ref on --model is the reference."""
     if args.reference != "llamacpp" or args.reference_model:
@@ -67,8 +71,12 @@ def run_subject_dump(args):
     if decl:
         args.numerics = args.numerics or decl["numerics"]
         args.kv_dtype = args.kv_dtype or decl["kv_dtype"]
-        log(f"llorch-ref: the dump declares {decl['numerics']} arithmetic, K/V {decl['kv_dtype']}; the reference "
-             f"runs numerics {args.numerics}, K/V {args.kv_dtype} (local errors are measured in that arithmetic)")
+        if args.numerics == "ggml" and args.ggml_simd == "auto" and decl.get("ggml_simd"):
+            args.ggml_simd = decl["ggml_simd"]          # the build the dump came from, not the one installed here
+        simd = f" ({args.ggml_simd} build)" if args.numerics == "ggml" else ""
+        log(f"llorch-ref: the dump declares {decl['numerics']} arithmetic{_simd_text(decl)}, K/V {decl['kv_dtype']}; "
+             f"the reference runs numerics {args.numerics}{simd}, K/V {args.kv_dtype} (local errors are measured in "
+             f"that arithmetic)")
     else:
         log("llorch-ref: the dump declares no arithmetic (format llorch-dump/1): local errors are measured in "
              "exact float32 unless --numerics/--kv-dtype say otherwise")

@@ -120,6 +120,7 @@ def manifest(result, engine, argv, seed=0) -> dict:
         "reference": result.reference_label,
         "backend": engine.backend.name,
         "numerics": engine.numerics,
+        "ggml_simd": engine.ggml_simd,
         "kv_dtype": engine.kv_dtype,
         "device": engine.backend.device,
         "weights": engine.weights_info(),

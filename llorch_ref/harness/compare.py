@@ -16,7 +16,7 @@ from ..checkpoints import coarser, declaration, greedy_band, load_specs, local_b
 from ..dump import Dump, Recorder, catalogue, expected_shape, neox_pairs, to_canonical, token_axis
 from ..errors import HarnessError
 from ..model.cache import visible_mask
-from .local import local_outputs, model_outputs
+from .local import last_row, local_outputs, model_outputs
 from .metrics import compare, nmse_by_row, within
 from .result import DiffResult, Row
 
@@ -396,15 +396,15 @@ def _local_reader(engine, sub: Dump, cat: dict, dims: dict, positions):
     get = subject_getter(engine, sub, dims)
 
     def local(cp, tensor, layer):
-        key = "head" if layer is None else layer
+        key = ("head9" if cp == "9" else "head") if layer is None else layer
         if key not in memo:
-            memo[key] = (model_outputs(engine, get) if layer is None else
+            memo[key] = (model_outputs(engine, last_row(get) if cp == "9" else get) if layer is None else
                          local_outputs(engine, get, layer, [sub.token_ids[r] for r in sub.rows],
                                        fused_attention=fused_attention(sub), past=len(sub.past_token_ids),
                                        positions=positions))
         lo = memo[key].get(tensor)
         if cp == "9" and lo is not None:            # the last row alone, from the subject's own result_norm
-            return lo[-1]
+            return lo[-1]                           # (computed on that row alone: see local.last_row)
         if lo is not None and neox_rows(engine, cp, tensor):
             lo = to_canonical(lo, cat[(cp, tensor)], {"rope_pairs": "neox"}, dims)
         return lo

@@ -141,6 +141,15 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
     return {k: npy(v) for k, v in out.items()}
 
 
+def last_row(get):
+    """get, its tensors cut to their last row: checkpoint 9's logits are computed on that row alone, as
+    generation asks for them (llama.cpp then multiplies one row by ggml's vec_dot, not tinyBLAS's tiles)."""
+    def get_last(name, layer):
+        a = get(name, layer)
+        return None if a is None else a[-1:]
+    return get_last
+
+
 def model_outputs(engine, get, only=None) -> dict:
     """The head: result_norm from the last layer's l_out, logits from result_norm (the subject's own)."""
     cfg, ops, xp, w = engine.config, engine.ops, engine.xp, engine.weights

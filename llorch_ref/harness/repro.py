@@ -29,9 +29,9 @@ from ..loaders.gguf_file import open_reader, qtensors_of
 from ..model import layers as layer_ops
 from ..model.cache import Cache, visible_mask
 from ..model.qtensor import QTensor
-from ..numerics.ggml_cpu import FloatMatrix, make_ops, matrix_of
+from ..numerics.ggml_cpu import SIMD_LANES, FloatMatrix, make_ops, matrix_of
 from .compare import dims_of, fused_attention, neox_rows, subject_getter
-from .local import local_outputs, model_outputs
+from .local import last_row, local_outputs, model_outputs
 from .metrics import compare, fmt, fmt_cos, within
 
 TEST_FILE = '''"""The first divergence of proof run {run_id}: {what}.
@@ -148,6 +148,7 @@ def _record(result, engine, row):
     case = {"checkpoint": row.checkpoint, "tensor": tensor, "layer": row.layer, "step": row.step,
             "positions": [int(p) for p in positions], "past": len(sub.past_token_ids),
             "fused_attention": fused_attention(sub), "numerics": engine.numerics, "kv_dtype": engine.kv_dtype,
+            "ggml_simd": getattr(engine, "ggml_simd", None),
             "qk_rows": proxy.qk_rows, "config": cfg.to_dict(), "dims": dims, "inputs": sorted(read),
             "weights": case_weights, "masked_by": "visible.npy" if tensor == "kq" else None}
     return case, arrays
@@ -155,7 +156,7 @@ def _record(result, engine, row):
 
 def _operation(engine, get, layer, tensor, ids, fused, past, positions, cp):
     if layer is None:
-        return model_outputs(engine, get, only={tensor}).get(tensor)
+        return model_outputs(engine, last_row(get) if cp == "9" else get, only={tensor}).get(tensor)
     return local_outputs(engine, get, layer, ids, fused_attention=fused, past=past, positions=positions,
                          only={tensor}).get(tensor)
 
@@ -210,12 +211,12 @@ def _engine(case):
         c["n_layers"] = layer + 1
         c["local_layers"] = c["local_layers"][:layer + 1] if c["local_layers"] else None
     cfg = Config(**c)
-    weights = {}
+    weights, lanes = {}, SIMD_LANES[case.get("ggml_simd") or "avx2"]
     for name, how in case["weights"].items():
         if how["kind"] == "array":
             weights[name] = np.load(folder / "weights" / f"{name}.npy")
         elif how["kind"] == "float_matrix":
-            weights[name] = FloatMatrix(np.load(folder / "weights" / f"{name}.npy"), how["qtype"])
+            weights[name] = FloatMatrix(np.load(folder / "weights" / f"{name}.npy"), how["qtype"], lanes)
         else:
             qt = QTensor(how["qtype"], tuple(how["shape"]), np.load(folder / "weights" / f"{name}.blocks.npy"), name)
             weights[name] = matrix_of(qt) if case["numerics"] == "ggml" else qt.dequantize()
@@ -224,7 +225,7 @@ def _engine(case):
     n_ctx = max(case["positions"]) + 1
     lw = types.SimpleNamespace(**weights)
     eng = types.SimpleNamespace(config=cfg, xp=np, backend=backend, numerics=case["numerics"],
-                                ops=make_ops(case["kv_dtype"]) if ggml else backend.make_ops(layer_ops),
+                                ops=make_ops(case["kv_dtype"], lanes) if ggml else backend.make_ops(layer_ops),
                                 qk_rows=case["qk_rows"], weights=types.SimpleNamespace(
                                     layers={layer: lw} if layer is not None else {},
                                     tok_embd=weights.get("tok_embd"), out_norm=weights.get("out_norm"),

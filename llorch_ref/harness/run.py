@@ -131,7 +131,7 @@ def run_subject(engine, sub: Dump, band_class: str, checkpoints=None, subject_la
         res.warnings.append(warn)
     res.recipe = recipe("llorch", engine.path, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n,
                         rows=sub.manifest.get("rows"), checkpoints=checkpoints, backend=engine.backend.name,
-                        numerics=engine.numerics, kv_dtype=engine.kv_dtype,
+                        numerics=engine.numerics, kv_dtype=engine.kv_dtype, ggml_simd=engine.ggml_simd,
                         decode_ids=sub.decode_token_ids or None, local=True)
     return res
 

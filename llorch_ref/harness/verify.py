@@ -119,7 +119,8 @@ def _reference(recipe, path: Path, log):
                           n_ubatch=recipe.get("n_ubatch", 512), rows=recipe.get("rows"))
         return d.to_dump(), None, gguf_config(path)
     if kind == "llorch":
-        eng = llorch_ref.load(path, backend=recipe["backend"], numerics=recipe["numerics"], kv_dtype=recipe["kv_dtype"])
+        eng = llorch_ref.load(path, backend=recipe["backend"], numerics=recipe["numerics"], kv_dtype=recipe["kv_dtype"],
+                              ggml_simd=recipe.get("ggml_simd") or "auto")
         d = record_engine(eng, ids, prompt=recipe.get("prompt"), n_greedy=recipe["n_greedy"],
                           decode_ids=recipe.get("decode_ids"), rows=recipe.get("rows"))
         return d.to_dump(), eng, eng.config

@@ -156,8 +156,8 @@ class LegacyQuantMatrix:
 
 class FloatMatrix:
     """An F32 or F16 weight [N, K]; matmul(x) reproduces llamafile's tinyBLAS product (`lanes`-lane FMA over K),
-    or ggml_vec_dot_f32/f16 when x has a single row (llama.cpp does not use tinyBLAS for one row) or K is not a
-    multiple of the lanes (tinyBLAS declines it)."""
+    or ggml_vec_dot_f32/f16 when x has a single row (llama.cpp does not use tinyBLAS for one row), K is not a
+    multiple of the lanes or N not a multiple of 4 (tinyBLAS declines both)."""
 
     def __init__(self, w, qtype: str, lanes: int = 8):
         self.qtype, self.shape, self.lanes = qtype, w.shape, lanes
@@ -174,7 +174,7 @@ class FloatMatrix:
         n, k = self.shape
         lanes = self.lanes
         out = np.empty((x.shape[0], n), dtype=F32)
-        if x.shape[0] == 1 or k % lanes:           # ggml's own vec_dot, not llamafile's tinyBLAS
+        if x.shape[0] == 1 or k % lanes or n % 4:  # ggml's own vec_dot: tinyBLAS declines these (rows % 4: its tiles)
             for i in range(0, x.shape[0], rows_per_chunk):
                 out[i:i + rows_per_chunk] = _vec_dot_f32(x[i:i + rows_per_chunk, None, :], self.w[None, :, :],
                                                          leftovers_f64=self.qtype == "F16", lanes=lanes)

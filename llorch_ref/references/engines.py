@@ -16,6 +16,7 @@ from ..dump import Recorder, capture_invariance, catalogue, check_rows, select_r
 from ..errors import ParameterError, PromptError, ReferenceError_
 from ..loaders.default_model import home, sha256_file
 from ..loaders.gguf_file import config_from_metadata, open_reader, read_metadata, rope_freqs_of
+from ..numerics.ggml_build import simd_of
 from .llamacpp import Capture, LlamaCpp, tokenize
 
 
@@ -82,10 +83,9 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
         _check_context(context, path, n_ctx=need, type_k=SHORT[kv_dtype], flash_attn=flash_attn, n_ubatch=n_ubatch)
     ref = context or LlamaCpp(path, n_ctx=max(256, 64 * ((need + 63) // 64)), kv_dtype=kv_dtype,
                               flash_attn=flash_attn, n_ubatch=n_ubatch, n_batch=t, n_threads=n_threads)
-    rec.extra["arithmetic"] = {"numerics": "ggml", "kv_dtype": kv_dtype, "settings": dict(ref.settings)}
-    if any(f.startswith("AVX512") for f in ref.settings.get("build", ())):
-        rec.notes += ("; this llama.cpp build uses AVX-512: --numerics ggml reproduces the AVX2 build's arithmetic "
-                      "bit for bit (the shared wheel's), so expect last-bit differences against this one")
+    rec.extra["arithmetic"] = {"numerics": "ggml", "ggml_simd": simd_of(ref.settings.get("build", ())),
+                               "kv_dtype": kv_dtype,
+                               "settings": dict(ref.settings)}     # numerics ggml reproduces this build's sums
     capture = _LlamaCppCapture(rec, specs, cfg, flash_attn, array_order, rows=rows)
     try:
         if prompt is not None and any(s.id == "0" for s in specs):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 
 from ..dtypes import SHORT, dtype_name
 from ..errors import PromptError, ReferenceError_
+from ..numerics.ggml_build import installed_build_features
 
 EXPECTED_VERSION = "0.3.36"
 GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
@@ -61,22 +61,10 @@ _GGML = None
 
 
 def build_features() -> list[str]:
-    """The CPU features llama.cpp's build uses, read from llama_print_system_info ("CPU : SSE3 = 1 | AVX2 = 1 |
-    ... |"): a portable wheel is built for one level (the shared wheel: AVX2, no AVX-512), whatever the CPU."""
-    llama_cpp, _ = _import()
-    info = llama_cpp.llama_print_system_info().decode()
-    cpu = info.split("CPU :", 1)[1] if "CPU :" in info else info
-    return [m.group(1) for m in re.finditer(r"(\w+) = 1\b", cpu.split(";")[0])]
-
-
-def build_simd() -> str | None:
-    """The vector width of the installed llama.cpp build as numerics "ggml" names it: "avx512" when its build uses
-    AVX-512 (a native build on an AVX-512 CPU), "avx2" otherwise; None when llama-cpp-python is not installed."""
-    try:
-        features = build_features()
-    except ReferenceError_:
-        return None
-    return "avx512" if any(f.startswith("AVX512") for f in features) else "avx2"
+    """The CPU features llama.cpp's build uses (numerics.ggml_build.installed_build_features; an error when
+    llama-cpp-python is missing)."""
+    _import()
+    return installed_build_features()
 
 
 def _ggml_funcs():

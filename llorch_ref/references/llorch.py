@@ -18,6 +18,7 @@ def _recorder(engine, token_ids, prompt=None, rows=None, **extra) -> Recorder:
                     model_path=engine.path, token_ids=token_ids, prompt=prompt, rows=rows,
                     layouts={"rope_pairs": engine.qk_rows},       # Q/K rows as loaded (not as the forward rotates)
                     extra={"arithmetic": {"numerics": engine.numerics, "kv_dtype": engine.kv_dtype,
+                                          **({"ggml_simd": engine.ggml_simd} if engine.ggml_simd else {}),
                                           "settings": {"backend": engine.backend.name}}, **extra})
 
 
