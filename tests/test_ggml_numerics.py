@@ -373,3 +373,33 @@ def test_a_llamacpp_dump_declares_its_builds_vector_width_and_diff_reproduces_th
     assert any(r["local"].get("max_abs", 0.0) > 0.0 for r in json.loads(other.stdout)["rows"] if "local" in r)
     bad = diff("--numerics", "exact", "--ggml-simd", "avx512")
     assert bad.returncode != 0 and "applies to --numerics ggml" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_ggml_simd_is_applied_or_refused(tiny, monkeypatch):
+    """--ggml-simd picks the build numerics ggml reproduces (the ops' lanes, the float matrices' lanes); auto follows
+    the installed llama-cpp-python (None installed: avx2); a bad value, or any value with exact numerics, is a
+    ParameterError; the CLI refuses it for an engine that is not llorch-ref's."""
+    import subprocess
+    import sys
+
+    from llorch_ref.errors import ParameterError
+    from llorch_ref.numerics import ggml_build
+
+    path = tiny(vocab="none", weight_type="F32")
+    for simd, lanes in (("avx2", 8), ("avx512", 16)):
+        eng = llorch_ref.load(path, numerics="ggml", ggml_simd=simd)
+        assert eng.ggml_simd == simd and eng.ops.lanes == lanes and eng.weights.layers[0].wq.lanes == lanes
+    monkeypatch.setattr(ggml_build, "installed_build_features", lambda: None)
+    assert llorch_ref.load(path, numerics="ggml").ggml_simd == "avx2"
+    monkeypatch.setattr(ggml_build, "installed_build_features", lambda: ["AVX2", "AVX512"])
+    assert llorch_ref.load(path, numerics="ggml").ggml_simd == "avx512"
+    assert llorch_ref.load(path).ggml_simd is None
+    for kw, msg in [(dict(numerics="ggml", ggml_simd="avx9"), "must be 'auto'"),
+                    (dict(ggml_simd="avx512"), "applies to --numerics ggml")]:
+        with pytest.raises(ParameterError, match=msg):
+            llorch_ref.load(path, **kw)
+    r = subprocess.run([sys.executable, "-m", "llorch_ref.cli", "dump", "--engine", "llamacpp", "--model", str(path),
+                        "--ggml-simd", "avx2", "--out", str(path.with_suffix(".never.safetensors"))],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "--ggml-simd avx2" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not path.with_suffix(".never.safetensors").exists()
