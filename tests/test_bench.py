@@ -187,3 +187,22 @@ def test_bench_names_llama_cpps_build_and_the_simd_it_leaves_unused(llamacpp):
     assert _unused_simd(["AVX2", "AVX512", "AVX512_VNNI"], "avx2 avx512f") == ""
     assert _unused_simd(["AVX2"], "avx2 fma f16c") == ""
 
+
+
+def test_blas_line_names_numpys_own_library_when_another_is_loaded_first(monkeypatch):
+    """A process may hold several BLAS libraries (the GPU host's: another OpenBLAS listed before numpy's in some
+    runs); the report names the one numpy multiplies with (numpy.libs), not the first listed."""
+    import numpy
+    import threadpoolctl
+
+    import llorch_ref.backends as b
+
+    home = os.path.dirname(numpy.__file__)
+    other = {"user_api": "blas", "internal_api": "openblas", "version": "0.3.34", "architecture": "Other",
+             "num_threads": 16, "filepath": "/opt/x/site-packages/scipy.libs/libscipy_openblas.so"}
+    mine = dict(other, version="0.3.31", architecture="Mine", num_threads=2,
+                filepath=home + ".libs/libscipy_openblas64_.so")
+    monkeypatch.setattr(threadpoolctl, "threadpool_info", lambda: [other, mine])
+    assert b.blas_info().startswith("openblas 0.3.31, Mine kernels") and b.blas_info().endswith(", 2 threads")
+    monkeypatch.setattr(threadpoolctl, "threadpool_info", lambda: [other])
+    assert b.blas_info().startswith("openblas 0.3.34, Other kernels")

@@ -46,6 +46,16 @@ def cpu_flags() -> str:
     return " ".join(f for f in keep if f in flags) or platform.processor()
 
 
+def numpys_blas(libs: list) -> dict:
+    """Of threadpoolctl's BLAS entries, the one numpy's products run on: the library that numpy's wheel carries
+    (numpy.libs, or inside numpy), else the first loaded. A process can hold several: on the GPU host's Python
+    (scipy installed, which numba imports) some runs listed another OpenBLAS (0.3.31.dev) before numpy's 0.3.34."""
+    import numpy
+
+    home = os.path.dirname(numpy.__file__)
+    return next((x for x in libs if str(x.get("filepath", "")).startswith((home + os.sep, home + ".libs"))), libs[0])
+
+
 def blas_info() -> str:
     """The BLAS numpy runs on (the prefill's products), its kernel set and threads, in one line for reports; says
     when OPENBLAS_CORETYPE chose the kernels (a machine that sets OPENBLAS_CORETYPE=Haswell gives an AVX-512 CPU
@@ -57,7 +67,7 @@ def blas_info() -> str:
         return f"unknown (threadpoolctl: {e})"
     if not libs:
         return "none found"
-    b = libs[0]
+    b = numpys_blas(libs)
     forced = os.environ.get("OPENBLAS_CORETYPE") if b.get("internal_api") == "openblas" else None
     return (f"{b.get('internal_api')} {b.get('version')}, {b.get('architecture')} kernels"
             + (f" (chosen by OPENBLAS_CORETYPE={forced} in the environment)" if forced else "")
