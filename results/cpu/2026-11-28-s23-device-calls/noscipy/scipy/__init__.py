@@ -1,0 +1,1 @@
+raise ImportError("scipy hidden for this measurement: the README install has none")
