@@ -314,6 +314,10 @@ def test_numba_rope_norm_and_swiglu_equal_the_emulation(neox, lanes):
     gu = (rng.standard_normal(2 * 96) * 6).astype(np.float32)
     want = (ggml_cpu.silu(np, gu[None, :96], lanes) * gu[None, 96:]).astype(np.float32)[0]
     assert np.array_equal(g.swiglu_hidden(gu, 96, lanes), want)
+    rows = (rng.standard_normal((5, 2, 96)) * 6).astype(np.float32)                 # a prompt's gate and up rows
+    want = (ggml_cpu.silu(np, rows[:, 0], lanes) * rows[:, 1]).astype(np.float32)
+    assert np.array_equal(g.silu_mul_rows(rows[:, 0].copy(), rows[:, 1].copy(), lanes), want)
+    assert not np.array_equal(g.silu_mul_rows(rows[:, 0].copy(), rows[:, 1].copy(), 24 - lanes), want)
 
 
 @pytest.mark.parametrize("kv", ["float32", "float16"])

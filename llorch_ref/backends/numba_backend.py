@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..numerics.ggml_cpu import ACT_TYPE, LegacyQuantMatrix, quantize_q8
+from ..numerics.ggml_cpu import ACT_TYPE, LegacyQuantMatrix
 from . import Backend, cpu_threads, l2_bytes, limit_blas
 from . import numba_ggml as G
 from . import numba_kernels as K
@@ -312,11 +312,12 @@ class GgmlKernelMatrix:
 
     def matmul(self, x):
         PATHS[(self.qtype, "numba ggml kernel (in place)", "1 row" if x.shape[0] == 1 else "several rows")] += 1
-        qa, da, sa = quantize_q8(np.asarray(x, dtype=np.float32), with_sum=self.with_sum)
-        out = np.empty((x.shape[0], self.shape[0]), np.float32)
-        K.ggml_rows(S.TYPE_CODE[self.qtype], self.rows, self.shape[1] // 32,
-                    np.ascontiguousarray(qa.reshape(qa.shape[0], -1), dtype=np.int8), np.ascontiguousarray(da),
-                    np.ascontiguousarray(sa if sa is not None else da), out)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        t, k = x.shape
+        qa, da, sa = np.empty((t, k), np.int8), np.empty((t, k // 32), np.float32), np.empty((t, k // 32), np.float32)
+        G.quantize_rows(x, qa, da, sa)              # ggml_cpu.quantize_q8's bits (sa: Q8_1's sums, unread for Q8_0)
+        out = np.empty((t, self.shape[0]), np.float32)
+        K.ggml_rows(S.TYPE_CODE[self.qtype], self.rows, k // 32, qa, da, sa, out)
         return out
 
 
@@ -476,8 +477,9 @@ class NumbaBackend(Backend):
         return fused(engine, cache, plans)
 
     def make_ggml_ops(self, ggml_ops):
-        """numerics "ggml": several new tokens' attention by numba_ggml.attend_rows (ggml_cpu's attention bit for
-        bit, tests/test_ggml_numerics.py); one token's, and everything else, as ggml_cpu computes it."""
+        """numerics "ggml": several new tokens' attention by numba_ggml.attend_rows and SwiGLU's silu(gate) * up by
+        numba_ggml.silu_mul_rows (ggml_cpu's bit for bit, tests/test_ggml_numerics.py); one token's attention, and
+        everything else, as ggml_cpu computes it."""
         ops = types.SimpleNamespace(**vars(ggml_ops))
         emulated, half = ggml_ops.attention, ggml_ops.kv_dtype == "float16"
         attend_rows = G.attend_rows16 if ggml_ops.lanes == 16 else G.attend_rows8
@@ -488,7 +490,12 @@ class NumbaBackend(Backend):
             f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)      # noqa: E731 (the cache's values)
             return attend_rows(f32(q), f32(k), f32(v), f32(mask), np.float32(scale),
                                np.ascontiguousarray(kv_head, dtype=np.int64), half)
-        ops.attention = attention
+
+        def swiglu(xp, x, w_gate, w_up, w_down):
+            f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)      # noqa: E731
+            h = G.silu_mul_rows(f32(ops.linear(xp, x, w_gate)), f32(ops.linear(xp, x, w_up)), ggml_ops.lanes)
+            return ops.linear(xp, h, w_down), h
+        ops.attention, ops.swiglu = attention, swiglu
         return ops
 
     def make_ops(self, base_ops):

@@ -100,6 +100,13 @@ def quantize_q8(x, q, d, s):
 
 
 @nb.njit(cache=True)
+def quantize_rows(x, q, d, s):
+    """x: [T, B*32] f32 -> q: [T, B*32] int8, d, s: [T, B] f32: quantize_q8 row by row (a prompt's activations)."""
+    for t in range(x.shape[0]):
+        quantize_q8(x[t], q[t], d[t], s[t])
+
+
+@nb.njit(cache=True)
 def product(code, rows, n_blocks, x):
     """x: [K] f32 -> [N] f32: the Q8 activations, then ggml_rows on the rows' blocks."""
     n_b = x.shape[0] // 32
@@ -293,6 +300,17 @@ def swiglu_hidden(gu, nf, lanes):
     for j in range(nf):
         x = gu[j]
         out[j] = (x / (F32(1) + v_expf(F32(0) - x, lanes))) * gu[nf + j]
+    return out
+
+
+@nb.njit(cache=True)
+def silu_mul_rows(g, u, lanes):
+    """g, u: [T, F] -> silu(g) * u (swiglu_hidden for several tokens; ggml_cpu.make_ops's swiglu)."""
+    out = np.empty_like(g)
+    for t in range(g.shape[0]):
+        for j in range(g.shape[1]):
+            x = g[t, j]
+            out[t, j] = (x / (F32(1) + v_expf(F32(0) - x, lanes))) * u[t, j]
     return out
 
 

@@ -79,10 +79,16 @@ def ggml_rows(code, rows, n_blocks, qa, da, sa, out):
     b = da.shape[1]
     ra, qa_a, da_a, sa_a, oa = rows.ctypes.data, qa.ctypes.data, da.ctypes.data, sa.ctypes.data, out.ctypes.data
     quads = n // 4
+    full = t_n - t_n % 4
     for q in nb.prange(quads):
         r = 4 * q
         ahead = ra + 8 * (r + 8 if q + 2 < quads else r)
-        for t in range(t_n):
+        for t in range(0, full, 4):          # 2 rows x 4 tokens: each block's codes decoded once for 4 tokens
+            S.ggml_tile(code, 2, 4, ra + 8 * r, ahead, qa_a + 32 * b * t, 32 * b, da_a + 4 * b * t, sa_a + 4 * b * t, b,
+                        oa + 4 * (t * n + r), n, n_blocks)
+            S.ggml_tile(code, 2, 4, ra + 8 * (r + 2), ahead + 16, qa_a + 32 * b * t, 32 * b, da_a + 4 * b * t,
+                        sa_a + 4 * b * t, b, oa + 4 * (t * n + r + 2), n, n_blocks)
+        for t in range(full, t_n):
             S.ggml_tile(code, 4, 1, ra + 8 * r, ahead, qa_a + 32 * b * t, 32 * b, da_a + 4 * b * t, sa_a + 4 * b * t, b,
                         oa + 4 * (t * n + r), n, n_blocks)
     for r in range(4 * quads, n):
