@@ -7,11 +7,12 @@ import re
 
 def installed_build_features() -> list[str] | None:
     """The CPU features the installed llama-cpp-python's build uses, read from llama_print_system_info ("CPU : SSE3
-    = 1 | AVX2 = 1 | ... |"), or None when it cannot be imported. A portable wheel is built for one level (the
-    shared wheel: AVX2), a native build for its CPU (AVX-512 where the CPU has it), whatever CPU runs it."""
+    = 1 | AVX2 = 1 | ... |"), or None when it cannot be imported (missing, or its shared library fails to load).
+    A portable wheel is built for one level (the shared wheel: AVX2), a native build for its CPU (AVX-512 where the
+    CPU has it), whatever CPU runs it."""
     try:
         import llama_cpp
-    except (ImportError, OSError):
+    except Exception:         # not installed, or its library fails to load (llama_cpp raises RuntimeError then)
         return None
     info = llama_cpp.llama_print_system_info().decode()
     cpu = info.split("CPU :", 1)[1] if "CPU :" in info else info
