@@ -407,3 +407,23 @@ def test_ggml_simd_is_applied_or_refused(tiny, monkeypatch):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "--ggml-simd avx2" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not path.with_suffix(".never.safetensors").exists()
+
+
+def test_a_llamacpp_that_fails_to_load_counts_as_none_installed(monkeypatch):
+    """llama_cpp raises RuntimeError when its shared library does not load: numerics ggml's auto then reproduces the
+    AVX2 build (the default) instead of failing the load with a traceback."""
+    import builtins
+    import sys
+
+    from llorch_ref.numerics import ggml_build
+
+    real = builtins.__import__
+
+    def broken(name, *a, **k):
+        if name == "llama_cpp":
+            raise RuntimeError("Failed to load shared library 'libllama.so'")
+        return real(name, *a, **k)
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    monkeypatch.setattr(builtins, "__import__", broken)
+    assert ggml_build.installed_build_features() is None and ggml_build.installed_simd() is None
+    assert llorch_ref.resolve_ggml_simd("ggml") == "avx2"
