@@ -377,6 +377,11 @@ def attend_rows(q, k, v, mask, scale, kv_head, half, lanes):
     kq = np.empty((nh, t_n, s_n), F32)
     probs = np.empty((nh, t_n, s_n), F32)
     out = np.empty((t_n, nh, hd), F32)
+    vt = np.zeros((v.shape[1], hd, s8), F32)         # V by KV head as [Hd, S], zero-padded: P.V reads it in order
+    for s in range(s_n):
+        for g in range(v.shape[1]):
+            for d in range(hd):
+                vt[g, d, s] = v[s, g, d]
     for ht in nb.prange(nh * t_n):
         h, t = ht // t_n, ht % t_n
         g = kv_head[h]
@@ -397,16 +402,15 @@ def attend_rows(q, k, v, mask, scale, kv_head, half, lanes):
         for s in range(s_n):
             z[s] = kq[h, t, s] * scale + mask[t, s]
         _softmax(z, s8, lanes)
+        zp = np.zeros(s8, F32)                       # the padding's products: fma(0, 0, acc), as ggml's tile has them
         for s in range(s_n):
             probs[h, t, s] = z[s]
-            if half:
-                z[s] = _f16(z[s])
+            zp[s] = _f16(z[s]) if half else z[s]
         for d in range(hd):
             acc[:lanes] = 0
             for c in range(0, s8, lanes):
                 for lane in range(lanes):
-                    s = c + lane
-                    acc[lane] = _fma(z[s], v[s, g, d], acc[lane]) if s < s_n else _fma(F32(0), F32(0), acc[lane])
+                    acc[lane] = _fma(zp[c + lane], vt[g, d, c + lane], acc[lane])
             out[t, h, d] = _hsum(acc, 0, lanes)
     return out.reshape(t_n, nh * hd), kq, probs
 
