@@ -61,16 +61,28 @@ def test_default_f32_logits_match_llamacpp(engine_f32, default_f32, llamacpp):
 
 
 def test_default_greedy_64_equals_llamacpp(engine_q41, default_model, llamacpp):
-    """The Q4_1 default model, greedy, 64 tokens, against llama-cpp-python's high-level API at temperature 0."""
+    """The Q4_1 default model, greedy, 64 tokens, against llama-cpp-python's high-level API at temperature 0: equal
+    text and ids (the shared AVX2 wheel), or equal until a near tie flips. Exact mode does not quantize activations,
+    so where llama.cpp's top candidates lie within its error the pick may differ: a native AVX-512 build flips at
+    token 13, where this engine's logits for the two picks differ by 0.053 (docs/validation.md). A flip is allowed
+    only after 8 equal tokens and where the two picks' logits here lie within 0.25 (a quarter of exact mode's largest
+    logit error against llama.cpp on this model, 1.0 on an f16 cache)."""
     llm = llamacpp.Llama(str(default_model), n_ctx=512, n_threads=2, verbose=False, seed=0)
     ref = llm.create_completion(PROMPT, max_tokens=64, temperature=0.0)["choices"][0]["text"]
-    ids = list(engine_q41.generate_ids(engine_q41.tokenizer.encode(PROMPT), max_tokens=64))
+    prompt_ids = engine_q41.tokenizer.encode(PROMPT)
+    ids = list(engine_q41.generate_ids(prompt_ids, max_tokens=64))
     ref_ids = llm.tokenize(ref.encode(), add_bos=False, special=True)
     ours = engine_q41.tokenizer.decode(ids)
     print(f"ours: {ours!r}\nllama.cpp: {ref!r}")
     assert len(ids) == 64
-    assert ours == ref
-    assert ids == ref_ids
+    flip = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), None)
+    if flip is None:
+        assert ours == ref and ids == ref_ids
+        return
+    lg = engine_q41.logits(prompt_ids + ids[:flip])[-1]
+    gap = float(lg[ids[flip]] - lg[ref_ids[flip]])
+    print(f"first difference at token {flip + 1}: ours {ids[flip]}, llama.cpp's {ref_ids[flip]}, logits apart {gap}")
+    assert flip >= 8 and 0.0 <= gap < 0.25, (flip, gap)
 
 
 def test_f32_greedy_128_equals_llamacpp(engine_f32, default_f32, llamacpp):

@@ -13,6 +13,7 @@ from ..dump import load_dump, parse_rows
 from ..errors import ParameterError
 from ..harness import run as harness_run
 from ..harness.bundle import check_bundle_target, write_bundle
+from ..harness.bundle_md import simd_phrase
 from ..harness.compare import compare_dumps
 from ..harness.run import DEFAULT_PROMPT
 from ..references.engines import dump_transformers
@@ -57,10 +58,6 @@ def band_class_for(args, eng):
     return args.band_class or ("ggml" if eng.numerics == "ggml" else engine_band_class(eng))
 
 
-def _simd_text(decl):
-    return f" ({decl['ggml_simd']} build)" if decl.get("ggml_simd") else ""
-
-
 def run_subject_dump(args):
     """--subject DUMP: the dump is under test; llorch-ref on --model is the reference."""
     if args.reference != "llamacpp" or args.reference_model:
@@ -74,7 +71,7 @@ def run_subject_dump(args):
         if args.numerics == "ggml" and args.ggml_simd == "auto" and decl.get("ggml_simd"):
             args.ggml_simd = decl["ggml_simd"]          # the build the dump came from, not the one installed here
         simd = f" ({args.ggml_simd} build)" if args.numerics == "ggml" else ""
-        log(f"llorch-ref: the dump declares {decl['numerics']} arithmetic{_simd_text(decl)}, K/V {decl['kv_dtype']}; "
+        log(f"llorch-ref: the dump declares {decl['numerics']} arithmetic{simd_phrase(decl)}, K/V {decl['kv_dtype']}; "
              f"the reference runs numerics {args.numerics}{simd}, K/V {args.kv_dtype} (local errors are measured in "
              f"that arithmetic)")
     else:

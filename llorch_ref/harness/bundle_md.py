@@ -15,9 +15,10 @@ def row_json(r) -> dict:
                if r.local is not None else {})}
 
 
-def _simd(man):
-    """' (avx512 build)' where numerics ggml reproduced a named llama.cpp build, else ''."""
-    return f" ({man['ggml_simd']} build)" if man.get("ggml_simd") else ""
+def simd_phrase(d):
+    """' (avx512 build)' where a manifest or a dump's arithmetic names the llama.cpp build numerics ggml
+    reproduces (key ggml_simd), else ''."""
+    return f" ({d['ggml_simd']} build)" if d.get("ggml_simd") else ""
 
 
 def _settings_of(side) -> str:
@@ -47,7 +48,7 @@ def checkpoint(spec, rows, man, passed, missing=(), plot=None, tensors=True) -> 
              f"- reference: {man['reference']} on `{man['reference_model']}` (sha256 `{man['reference_model_sha256']}`)",
              f"- prompt: {json.dumps(man['prompt']) if man['prompt'] else '(none: token ids given)'} -> "
              f"{len(man['token_ids'])} tokens",
-             f"- llorch-ref: numerics {man['numerics']}{_simd(man)}, K/V cache {man['kv_dtype']}, backend {man['backend']} "
+             f"- llorch-ref: numerics {man['numerics']}{simd_phrase(man)}, K/V cache {man['kv_dtype']}, backend {man['backend']} "
              f"({man['device']}); version {man['llorch_ref_version']} at {man['git_commit']}", "",
              "Raw figures beside each band; inside the band is not 'identical'. The similarity column holds a cosine "
              "for tensors, the agreement fraction for token ids and argmax, the equal prefix for the greedy text.", "",
@@ -93,7 +94,7 @@ def summary(result, man, run_id, specs, links=True) -> str:
              f"- band class `{result.band_class}`",
              f"- prompt {json.dumps(result.prompt) if result.prompt else '(none: token ids given)'}: "
              f"{len(result.token_ids)} tokens; llorch-ref {man['llorch_ref_version']} at {man['git_commit']}, "
-             f"backend {man['backend']}, numerics {man['numerics']}{_simd(man)}, K/V {man['kv_dtype']}; CPU "
+             f"backend {man['backend']}, numerics {man['numerics']}{simd_phrase(man)}, K/V {man['kv_dtype']}; CPU "
              f"{man['cpu_model']}", "",
              "| checkpoint | name | comparisons | failed | worst NMSE | worst max abs | min cosine / tokens | worst at | "
              "band | local failed | verdict |",
