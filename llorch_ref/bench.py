@@ -26,6 +26,7 @@ import numpy as np
 from llorch_ref.backends import blas_info, cpu_flags, cpu_model
 from llorch_ref.engine import GenerationResult
 from llorch_ref.loaders.gguf_file import open_reader, read_metadata
+from llorch_ref.numerics.ggml_build import simd_of
 from llorch_ref.references.llamacpp import LlamaCpp
 from llorch_ref.tokenizer import from_gguf_metadata
 
@@ -428,7 +429,7 @@ def markdown(report) -> str:
 
 def _unused_simd(build, cpu_flags) -> str:
     """What the CPU has that llama.cpp's build does not use (a portable wheel's one level), said beside its figures."""
-    if "avx512f" in cpu_flags.split() and not any(f.startswith("AVX512") for f in build):
+    if "avx512f" in cpu_flags.split() and simd_of(build) != "avx512":
         return ("; this CPU has AVX-512, which this build does not use (a native build, CMAKE_ARGS=-DGGML_NATIVE=ON, "
                 "would): the ratios above are against this build")
     return ""

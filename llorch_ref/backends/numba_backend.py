@@ -256,6 +256,7 @@ class GgmlFusedDecoder(_OneCallStep):
 
     def __init__(self, engine, cache, plan):
         super().__init__(engine, cache, plan)
+        self.step = G.decode_step16 if engine.ops.lanes == 16 else G.decode_step8      # the build's lanes
         lw = engine.weights.layers[0]
         self.paths = Counter({(w.qtype, f"numba ggml kernel (in place){f', {n} matrices stacked' if n > 1 else ''}, "
                                "fused layer step", "1 row"): len(engine.weights.layers)
@@ -289,10 +290,9 @@ class GgmlFusedDecoder(_OneCallStep):
     def _layers(self, x, cos, sin):
         c, p, cfg = self.cache, self.plan_args, self.engine.config
         kc, vc = (c.k, c.v) if c.k.dtype == np.float32 else (c.k.view(np.uint16), c.v.view(np.uint16))   # f16 bits
-        step = G.decode_step16 if self.engine.ops.lanes == 16 else G.decode_step8
-        return step(np.ascontiguousarray(x[0]), p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"],
-                    p["n_blocks"], p["rows"], *p["shapes"], cos, sin, cfg.rope_style == "neox", kc, vc,
-                    c.pos, cfg.scale, self.kv_head)
+        return self.step(np.ascontiguousarray(x[0]), p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"],
+                         p["n_blocks"], p["rows"], *p["shapes"], cos, sin, cfg.rope_style == "neox", kc, vc,
+                         c.pos, cfg.scale, self.kv_head)
 
 
 class GgmlKernelMatrix:
@@ -483,16 +483,15 @@ class NumbaBackend(Backend):
         ops = types.SimpleNamespace(**vars(ggml_ops))
         emulated, half = ggml_ops.attention, ggml_ops.kv_dtype == "float16"
         attend_rows = G.attend_rows16 if ggml_ops.lanes == 16 else G.attend_rows8
+        f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)          # noqa: E731
 
         def attention(xp, q, k, v, mask, scale, kv_head):
             if q.shape[0] == 1 or q.shape[2] % ggml_ops.lanes:
                 return emulated(xp, q, k, v, mask, scale, kv_head)
-            f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)      # noqa: E731 (the cache's values)
             return attend_rows(f32(q), f32(k), f32(v), f32(mask), np.float32(scale),
                                np.ascontiguousarray(kv_head, dtype=np.int64), half)
 
         def swiglu(xp, x, w_gate, w_up, w_down):
-            f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)      # noqa: E731
             h = G.silu_mul_rows(f32(ops.linear(xp, x, w_gate)), f32(ops.linear(xp, x, w_up)), ggml_ops.lanes)
             return ops.linear(xp, h, w_down), h
         ops.attention, ops.swiglu = attention, swiglu
