@@ -5,7 +5,8 @@ llorch-ref backends (numpy, numba, cupy), llama.cpp (llama-cpp-python, low-level
 on the CPU when asked. Prefill: one forward over a PREFILL-token prompt (logits of the last row).
 Decode: DECODE greedy tokens after an 8-token prompt, EOS ignored, timed from the end of the prompt's
 forward (every engine: the prompt's prefill is not in the decode figure). Medians of REPEATS runs after one
-warm-up, each run asked of the engine's process by this one (bench.serve); GPU work is synchronized before each
+warm-up, each run asked of the engine's process by this one (bench.serve); the warm-ups' time beyond a warm run
+is what the load left to the first request (after_load_s, beside load_s); GPU work is synchronized before each
 clock read. Output: a JSON file and a Markdown table with ratios to llama.cpp. The engines run one after another,
 or with --interleave all loaded at once and timed in rounds back to back (run_interleaved), each ratio then the
 median of the rounds' ratios.
@@ -96,6 +97,9 @@ def open_llorch(path, backend, prefill, decode, threads, dtype="float32", numeri
         wi = eng.weights_info()
         paths = {f"{t}: {how}, {rows}": n for (t, how, rows), n in sorted(counted.items())}
         peak = _peak_mb()                # before vector_registers' fresh compile, which is not the engine's memory
+        if backend == "numba":           # kernels compiled on first use (a cold cache): in after_load_s
+            from llorch_ref.backends.numba_backend import kernels_compiled
+            eng.backend.info["kernels_compiled_after_load"] = kernels_compiled() - eng.backend.info["kernels_compiled"]
         if backend == "numba" and os.environ.get("LLORCH_BENCH_VECTOR_REGISTERS", "1") != "0":
             from llorch_ref.backends.numba_backend import vector_registers
             eng.backend.info["vector_registers"] = vector_registers()      # after the timed runs
@@ -255,6 +259,7 @@ class _Served:
         self.proc = subprocess.Popen(cmd + ["serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                      text=True, env=_env(threads))
         self.runs = {"prefill": [], "decode": []}
+        self.first = {}                  # kind -> the warm-up run's tokens/s: the first run after the load
         self.error = None if self._read("READY") is not None else self._failed()
 
     def _read(self, tag):
@@ -333,9 +338,12 @@ def _served_runs(path, engines, prefill, decode, repeats, threads, timeout, prob
                             tps = s.ask(kind)
                             if r >= 0 and tps is not None:
                                 s.runs[kind].append(tps)
+                            elif tps is not None:
+                                s.first[kind] = tps
             if probes is not None:
                 probes.append(host_probe(threads))
-            return [{"engine": s.name, "error": s.error} if s.error else _served_result(s) for s in served]
+            tokens = {"prefill": prefill, "decode": decode}
+            return [{"engine": s.name, "error": s.error} if s.error else _served_result(s, tokens) for s in served]
         finally:
             killer.cancel()
             for s in served:
@@ -344,13 +352,25 @@ def _served_runs(path, engines, prefill, decode, repeats, threads, timeout, prob
                 s.err.close()
 
 
-def _served_result(s) -> dict:
+def _served_result(s, tokens) -> dict:
     out = s.finish()
     if "error" in out:
         return out
     for kind, runs in s.runs.items():
         out[f"{kind}_tok_s"], out[f"{kind}_runs"] = statistics.median(runs), [round(r, 3) for r in runs]
+    out["first_runs_tok_s"] = {k: round(v, 3) for k, v in s.first.items()}
+    out["after_load_s"] = after_load_s(out, tokens)
     return out
+
+
+def after_load_s(result, tokens) -> float | None:
+    """The one-time work a load leaves to the first request, in seconds: the first prefill's and the first decode's
+    time beyond their warm medians' (kernels loaded on first use, the mapped weights' first touch, thread pools
+    started), the same for every engine. A warm run's spread (a few percent of it) is in it, either sign."""
+    first = result.get("first_runs_tok_s") or {}
+    if set(first) != set(tokens) or not all(result.get(f"{k}_tok_s") for k in tokens):
+        return None
+    return round(sum(n / first[k] - n / result[f"{k}_tok_s"] for k, n in tokens.items()), 3)
 
 
 def _round_ratios(results):
@@ -368,6 +388,11 @@ def _tps(x) -> str:
     return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
 
 
+def _load(r) -> str:
+    extra = r.get("after_load_s")
+    return f"{r['load_s']:.2f}" + (f" ({extra:+.2f})" if extra is not None else "")
+
+
 def _times(x, of) -> str:
     return f"{x / of:.2f}x" if of else "-"
 
@@ -377,7 +402,7 @@ def markdown(report) -> str:
     lines = [f"model `{os.path.basename(report['model'])}`, {report['threads']} threads, prefill "
              f"{report['prefill_tokens']} tokens, decode {report['decode_tokens']} tokens (EOS ignored), "
              f"medians of {report['repeats']}; CPU {report.get('cpu_model')} ({report.get('cpu_flags')})", "",
-             "| engine | device | load s | prefill tok/s | decode tok/s | peak MB | peak vs model | prefill vs "
+             "| engine | device | load s (+ left to the first runs) | prefill tok/s | decode tok/s | peak MB | peak vs model | prefill vs "
              "llama.cpp | decode vs llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
     model_mb = report.get("model_mb")
     for r in report["results"]:
@@ -385,7 +410,7 @@ def markdown(report) -> str:
             lines.append(f"| {r['engine']} | - | - | - | - | - | - | error: {r['error']} | |")
             continue
         rp, rd = (_ratio(r, base, kind) for kind in ("prefill", "decode"))
-        lines.append(f"| {r['engine']} | {r['device']} | {r['load_s']:.2f} | {_tps(r['prefill_tok_s'])} | "
+        lines.append(f"| {r['engine']} | {r['device']} | {_load(r)} | {_tps(r['prefill_tok_s'])} | "
                      f"{_tps(r['decode_tok_s'])} | {r['peak_mb']:.0f} | {_times(r['peak_mb'], model_mb)} | {rp} | "
                      f"{rd} |")
     spread = [f"{r['engine']} prefill {_tps(min(r['prefill_runs']))}-{_tps(max(r['prefill_runs']))}, decode "
@@ -393,6 +418,9 @@ def markdown(report) -> str:
               for r in report["results"] if r.get("prefill_runs") and r.get("decode_runs")]
     if spread:
         lines += ["", "run-to-run spread (tok/s, every timed run): " + "; ".join(spread)]
+    if any(r.get("after_load_s") is not None for r in report["results"]):
+        lines += ["", "load s (+ left to the first runs): the load, and the seconds its first prefill and first decode "
+                  "took beyond warm ones (kernels loaded on first use, the weights' first touch: after_load_s)"]
     if report.get("interleaved"):
         paired = [f"{r['engine']} prefill {min(r['prefill_vs_llamacpp_runs']):.2f}-{max(r['prefill_vs_llamacpp_runs']):.2f}x"
                   f", decode {min(r['decode_vs_llamacpp_runs']):.2f}-{max(r['decode_vs_llamacpp_runs']):.2f}x"
@@ -409,6 +437,10 @@ def markdown(report) -> str:
             lines += ["", f"warning: {r['engine']} compiled {info['kernels_compiled']} kernel signatures while loading "
                       f"(numba's cache was cold or stale): its load of {r['load_s']:.2f} s is mostly compile "
                       f"({info.get('compile_or_cache_load_s', 0):.1f} s); run again for a cached load"]
+        if info.get("kernels_compiled_after_load"):
+            lines += ["", f"warning: {r['engine']} compiled {info['kernels_compiled_after_load']} kernel signatures on "
+                      f"first use (numba's cache was cold or stale): the {r.get('after_load_s') or 0:.1f} s left to its "
+                      "first runs are mostly compile; run again for cached kernels"]
         if info.get("blas_kernels"):
             lines += ["", f"{r['engine']}: BLAS {info['blas_kernels']}"]
         build = (info.get("settings") or {}).get("build")

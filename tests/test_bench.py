@@ -39,6 +39,10 @@ def test_bench_runs_every_engine_on_a_file_without_a_vocabulary(tiny, tmp_path, 
     assert rep["model_mb"] == os.path.getsize(model) / 1e6
     numba = next(x for x in rep["results"] if x["engine"].startswith("llorch-ref numba"))
     assert f"| {numba['peak_mb']:.0f} | {numba['peak_mb'] / rep['model_mb']:.2f}x |" in r.stdout
+    for x in rep["results"]:                       # every engine's first runs timed: what its load left to them
+        assert set(x["first_runs_tok_s"]) == {"prefill", "decode"} and isinstance(x["after_load_s"], float)
+        assert f"| {x['load_s']:.2f} ({x['after_load_s']:+.2f}) |" in r.stdout
+    assert numba["info"]["kernels_compiled_after_load"] >= 0
 
 
 def test_bench_names_the_blas_kernels_and_who_chose_them():
@@ -145,6 +149,26 @@ def test_a_load_that_compiled_kernels_is_counted_and_warned_of(tmp_path):
     assert "warning: llorch-ref numba lazy compiled 7 kernel signatures while loading" in markdown(report)
     row["info"]["kernels_compiled"] = 0
     assert "compiled" not in markdown(report)
+    row["info"]["kernels_compiled_after_load"], row["after_load_s"] = 3, 9.5
+    assert "warning: llorch-ref numba lazy compiled 3 kernel signatures on first use" in markdown(report)
+    assert "the 9.5 s left to its first runs are mostly compile" in markdown(report)
+
+
+def test_after_load_is_the_first_runs_time_beyond_warm_ones():
+    """A load that leaves work to the first request (kernels loaded on first use, weights first touched) shows it:
+    the first prefill's and first decode's seconds over their warm medians', in the table beside the load."""
+    from llorch_ref.bench import after_load_s, markdown
+
+    row = {"engine": "e", "device": "cpu", "load_s": 0.25, "prefill_tok_s": 8.0, "decode_tok_s": 4.0, "peak_mb": 1.0,
+           "first_runs_tok_s": {"prefill": 4.0, "decode": 2.0}}
+    tokens = {"prefill": 8, "decode": 4}
+    assert after_load_s(row, tokens) == pytest.approx((8 / 4 - 8 / 8) + (4 / 2 - 4 / 4))
+    row["after_load_s"] = after_load_s(row, tokens)
+    report = {"model": "m.gguf", "threads": 2, "prefill_tokens": 8, "decode_tokens": 4, "repeats": 1, "results": [row]}
+    assert "| e | cpu | 0.25 (+2.00) |" in markdown(report)
+    row["first_runs_tok_s"] = {"prefill": 16.0, "decode": 4.0}          # a first run faster than the median: negative
+    assert after_load_s(row, tokens) == pytest.approx(8 / 16 - 8 / 8)
+    assert after_load_s({**row, "first_runs_tok_s": {"prefill": 4.0}}, tokens) is None     # a first run missing
 
 
 def test_bench_weight_cache_reaches_numba_and_puts_its_prompts_on_blas(tiny, tmp_path):
