@@ -52,6 +52,83 @@ def test_numba_ggml_products_equal_the_numpy_emulation(qt):
         gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt]), gguf.GGMLQuantizationType[qt]).T)
 
 
+BUILD_PROBE = """
+import json, sys
+import numpy as np
+import numba
+sys.path.insert(0, sys.argv[1])
+from llorch_ref.backends import numba_kernels as K, numba_simd as S
+from llorch_ref.backends.numba_backend import GgmlKernelMatrix
+f = K.ggml_rows
+fresh = numba.njit(**{k: v for k, v in f.targetoptions.items() if k not in ("cache", "nopython")})(f.py_func)
+K.ggml_rows = fresh                             # compiled now, for this build: its assembly can be read
+data = np.load(sys.argv[2])
+out = {}
+for qt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+    from llorch_ref.model.qtensor import QTensor
+    m = GgmlKernelMatrix(QTensor(qt, tuple(data[qt + "_shape"]), data[qt]))
+    out[qt] = m.matmul(data["x"])
+asm = "\\n".join(fresh.inspect_asm().values())
+np.savez(sys.argv[3], **out)
+print(json.dumps({"pairs": S.PAIRS, "vnni": S.VNNI, "vpdpbusd": "vpdpbusd" in asm, "vpmaddubsw": "vpmaddubsw" in asm}))
+"""
+
+
+def test_numba_ggml_products_are_bit_equal_in_each_instruction_set_build(tmp_path):
+    """The integer sums of ggml's legacy products come from bytes: vpdpbusd where the CPU has VNNI (AVX-VNNI or
+    AVX-512 VNNI), vpmaddubsw and vpmaddwd on AVX2 without it, 32-bit products below AVX2. Each build numba can
+    make here (the host's, without VNNI, without AVX2: NUMBA_CPU_FEATURES) compiles ggml_rows afresh, and its
+    products of the five types equal the NumPy emulation's bit for bit; the instruction each uses is read from its
+    assembly."""
+    need_backend("numba")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import gguf
+    import llvmlite.binding as ll
+
+    from llorch_ref.model.qtensor import QTensor
+
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((37, 128)).astype(np.float32)
+    x = (rng.standard_normal((5, 128)) * np.array([[1e-3], [1], [40], [7e2], [0]])).astype(np.float32)
+    data, want = {"x": x}, {}
+    for qt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt])
+        data[qt], data[qt + "_shape"] = blocks, np.array(w.shape)
+        want[qt] = ggml_cpu.LegacyQuantMatrix(QTensor(qt, w.shape, blocks)).matmul(x)
+    np.savez(tmp_path / "in.npz", **data)
+    ll.initialize_native_target()
+    feats = ll.get_host_cpu_features()
+
+    def without(drop):
+        return ",".join(f"{'-' if drop(k) or not v else '+'}{k}" for k, v in feats.items())
+    builds = {"host": None, "no VNNI": without(lambda k: "vnni" in k)}
+    if feats.get("avx2"):
+        builds["no AVX2"] = without(lambda k: k.startswith(("avx2", "avx512", "avxvnni", "amx")))
+    seen = {}
+    for name, features in builds.items():
+        env = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_FEATURES"}
+        if features:
+            env.update(NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+        r = subprocess.run([sys.executable, "-c", BUILD_PROBE, os.path.dirname(os.path.dirname(llorch_ref.__file__)),
+                            str(tmp_path / "in.npz"), str(tmp_path / f"{len(seen)}.npz")],
+                           env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        seen[name] = json.loads(r.stdout.strip().splitlines()[-1])
+        got = np.load(tmp_path / f"{len(seen) - 1}.npz")
+        for qt, v in want.items():
+            assert np.array_equal(got[qt], v), (name, qt)
+        info = seen[name]
+        assert info["vpdpbusd"] == info["vnni"] and info["vpmaddubsw"] == (info["pairs"] and not info["vnni"]), (name, info)
+    assert not seen["no VNNI"]["vnni"] and seen["host"]["vnni"] == bool(feats.get("avxvnni") or (
+        feats.get("avx512vnni") and feats.get("avx512vl")))
+    if "no AVX2" in seen:
+        assert not seen["no AVX2"]["pairs"]
+
+
 def test_v_expf_is_within_two_ulp_of_exp():
     x = np.linspace(-87, 88, 100001, dtype=np.float32)
     got, want = ggml_cpu.v_expf(x), np.exp(x.astype(np.float64))

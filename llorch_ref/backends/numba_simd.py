@@ -556,45 +556,94 @@ def _legacy_codes(qtype, k):
     return lo, hi, k.f16(0), (k.f16(2) if qtype in ("Q4_1", "Q5_1") else None)
 
 
-PAIRS = _compiles_for("avx2")      # ggml's integer products as pair sums (vpmaddwd) or as 32-bit products
+PAIRS = _compiles_for("avx2")      # ggml's integer products from bytes (vpmaddubsw, vpmaddwd) or as 32-bit products
+VNNI = _compiles_for("avxvnni") or (_compiles_for("avx512vnni") and _compiles_for("avx512vl"))    # vpdpbusd
+V32I8, V8I32, V16I16 = ir.VectorType(I8, 32), ir.VectorType(I32, 8), ir.VectorType(I16, 16)
+# A legacy type's codes as unsigned bytes and the offset ggml subtracts (Q8_0: signed bytes, None)
+LEGACY_BYTES = {"Q4_0": (2, None, 8), "Q4_1": (4, None, 0), "Q5_0": (6, 2, 16), "Q5_1": (8, 4, 0)}
 
 
-def _pair_sums(b, codes, acts):
-    """<16 x i32> codes (each within 16 bits) and <16 x i16> activations -> <8 x i32>: lane j the sum of the
-    products of elements 2j and 2j+1 (vpmaddwd: exact, as every sum here is)."""
-    name, V16 = "llvm.x86.avx2.pmadd.wd", ir.VectorType(I16, L)
-    fn = b.module.globals.get(name) or ir.Function(
-        b.module, ir.FunctionType(ir.VectorType(I32, 8), [V16, V16]), name=name)
-    return b.call(fn, [b.trunc(codes, V16), acts])
+def _call(b, name, ret, args):
+    """A call of the LLVM intrinsic `name` (declared once per module)."""
+    fn = b.module.globals.get(name) or ir.Function(b.module, ir.FunctionType(ret, [a.type for a in args]), name=name)
+    return b.call(fn, args)
+
+
+def _bytes(v):
+    return ir.Constant(V32I8, [v] * 32)
+
+
+def _dot_bytes(b, u, s, base):
+    """<32 x i8> u (unsigned), s (signed) -> base + <8 x i32>: lane l the sum of u[j] * s[j] over j = 4l..4l+3,
+    exact: one vpdpbusd (VNNI), or vpmaddubsw then vpmaddwd (its 16-bit pair sums stay below 2^15 for every caller:
+    codes below 32 times activations within +-127, or |Q8_0 codes| <= 128 times them)."""
+    if VNNI:
+        return _call(b, "llvm.x86.avx512.vpdpbusd.256", V8I32, [base, b.bitcast(u, V8I32), b.bitcast(s, V8I32)])
+    pairs = _call(b, "llvm.x86.avx2.pmadd.ub.sw", V16I16, [u, s])
+    return b.add(base, _call(b, "llvm.x86.avx2.pmadd.wd", V8I32, [pairs, ir.Constant(V16I16, [1] * 16)]))
+
+
+def _legacy_bytes(qtype, k):
+    """One legacy block at k -> (<32 x i8> codes, d, m or None): Q4_*/Q5_* codes unsigned (element j's value
+    code - LEGACY_BYTES' offset), Q8_0's signed, as the file holds them."""
+    b = k.b
+    if qtype == "Q8_0":
+        return b.load(k.at(2, V32I8), align=1), k.f16(0), None
+    q_at, h_at, _ = LEGACY_BYTES[qtype]
+    q = b.load(k.at(q_at, VI8), align=1)
+    codes = b.shuffle_vector(b.and_(q, ir.Constant(VI8, [15] * 16)), b.lshr(q, ir.Constant(VI8, [4] * 16)),
+                             ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+    if h_at is not None:                    # element j's fifth bit: bit j of the 32-bit qh
+        bits = b.zext(b.bitcast(k.u32(h_at), ir.VectorType(ir.IntType(1), 32)), V32I8)
+        codes = b.or_(codes, b.shl(bits, _bytes(4)))
+    return codes, k.f16(0), (k.f16(2) if qtype in ("Q4_1", "Q5_1") else None)
 
 
 def _quad_sums(b, lo, hi, alo, ahi):
-    """Codes and activations of elements 0-15 and 16-31 -> <8 x i32>: lane l the sum of the products of elements
-    4l..4l+3 (exact), by pair sums where AVX2 has them."""
-    if not PAIRS:
-        return _lane_sums(b, b.mul(lo, alo), b.mul(hi, ahi))
-    p_lo, p_hi = _pair_sums(b, lo, alo), _pair_sums(b, hi, ahi)
-    pick = lambda first: ir.Constant(ir.VectorType(I32, 8), list(range(first, 16, 2)))     # noqa: E731
-    return b.add(b.shuffle_vector(p_lo, p_hi, pick(0)), b.shuffle_vector(p_lo, p_hi, pick(1)))
-
-
-def _lane_sums(b, p_lo, p_hi):
-    """Products of elements 0-15 and 16-31 -> <8 x i32>: lane l the sum of elements 4l..4l+3 (exact)."""
-    s = None
+    """Codes and activations of elements 0-15 and 16-31 as <16 x i32> -> <8 x i32>: lane l the sum of the
+    products of elements 4l..4l+3 (exact): the path of CPUs without AVX2."""
+    p_lo, p_hi, s = b.mul(lo, alo), b.mul(hi, ahi), None
     for j in range(4):
         v = b.shuffle_vector(p_lo, p_hi, ir.Constant(ir.VectorType(I32, 8), [4 * lane + j for lane in range(8)]))
         s = v if s is None else b.add(s, v)
     return s
 
 
+def _ggml_block(b, qtype, k, acts):
+    """One block of a row by each token's Q8 activations -> (per token <8 x i32> exact lane sums, d, m). acts:
+    _ggml_acts' per token tuples."""
+    if not PAIRS:
+        lo, hi, d, m = _legacy_codes(qtype, k)
+        return [_quad_sums(b, lo, hi, a[0], a[1]) for a in acts], d, m
+    codes, d, m = _legacy_bytes(qtype, k)
+    if qtype == "Q8_0":                     # ggml's sign trick: |w| * (a signed as w), exact
+        u = _call(b, "llvm.abs.v32i8", V32I8, [codes, ir.Constant(ir.IntType(1), 0)])
+        return [_dot_bytes(b, u, _call(b, "llvm.x86.avx2.psign.b", V32I8, [a[0], codes]), ir.Constant(V8I32, [0] * 8))
+                for a in acts], d, m
+    return [_dot_bytes(b, codes, a[0], a[1]) for a in acts], d, m
+
+
+def _ggml_acts(b, qtype, qa):
+    """One token's 32 Q8 activations at qa -> PAIRS: (<32 x i8>, -offset * their quad sums: the start of a dot
+    with codes stored offset); else their two halves as <16 x i32>."""
+    if not PAIRS:
+        return (b.sext(b.load(b.bitcast(qa, VI8.as_pointer()), align=1), VI32),
+                b.sext(b.load(b.bitcast(b.gep(qa, [ir.Constant(I64, 16)]), VI8.as_pointer()), align=1), VI32))
+    a = b.load(b.bitcast(qa, V32I8.as_pointer()), align=1)
+    off = LEGACY_BYTES.get(qtype, (0, 0, 0))[2]
+    zero = ir.Constant(V8I32, [0] * 8)
+    return a, (b.sub(zero, _dot_bytes(b, _bytes(off), a, zero)) if off else zero)
+
+
 def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa, d_stride, outa, out_stride,
                n_blocks):
     """ggml's vec_dot of n_rows legacy-quant rows with `tokens` Q8 activation rows (qa int8 [T, B*32], da, sa f32
-    [T, B]): per block, lane l = sum of elements 4l..4l+3 (integers), acc_l = fma(d * da, lane, acc_l), the
-    float32 fused multiply-add of ggml's x86 code (numerics.ggml_cpu emulates it in float64, where the product
-    is exact and the sum rounds once to float64 before float32: the same float unless that lands on a float32
-    tie, some 2^-29 of sums); summs += m * sa in float32; out = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) (+ summs)."""
-    V8, VI8_16 = ir.VectorType(F32, 8), ir.VectorType(I8, L)
+    [T, B]): per block, lane l = sum of elements 4l..4l+3 (integers: _ggml_block), acc_l = fma(d * da, lane,
+    acc_l), the float32 fused multiply-add of ggml's x86 code (numerics.ggml_cpu emulates it in float64, where the
+    product is exact and the sum rounds once to float64 before float32: the same float unless that lands on a
+    float32 tie, some 2^-29 of sums); summs += m * sa in float32; out = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))
+    (+ summs)."""
+    V8 = ir.VectorType(F32, 8)
     block_bytes = BLOCKS[qtype][1]
     rows, ahead = _pointers(b, rowsa, n_rows), _pointers(b, aheada, n_rows)
     qap = _strided(b, qaa, qa_stride, tokens, I8)
@@ -604,17 +653,12 @@ def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa
     init.update({("summs", r, t): ir.Constant(F32, 0.0) for r, t in keys})
 
     def body(i, st):
-        acts = []
-        for t in range(tokens):
-            qa = b.gep(qap[t], [b.mul(i, ir.Constant(I64, 32))])
-            wide = ir.VectorType(I16, L) if PAIRS else VI32
-            lo = b.sext(b.load(b.bitcast(qa, VI8_16.as_pointer()), align=1), wide)
-            hi = b.sext(b.load(b.bitcast(b.gep(qa, [ir.Constant(I64, 16)]), VI8_16.as_pointer()), align=1), wide)
-            acts.append((lo, hi, b.load(b.gep(dap[t], [i])), b.load(b.gep(sap[t], [i]))))
+        acts = [_ggml_acts(b, qtype, b.gep(qap[t], [b.mul(i, ir.Constant(I64, 32))])) for t in range(tokens)]
+        scales = [(b.load(b.gep(dap[t], [i])), b.load(b.gep(sap[t], [i]))) for t in range(tokens)]
         for r in range(n_rows):
-            lo, hi, d, m = _legacy_codes(qtype, _block_at(b, rows[r], ahead[r], i, block_bytes))
-            for t, (alo, ahi, da, sa) in enumerate(acts):
-                lanes = b.sitofp(_quad_sums(b, lo, hi, alo, ahi), V8)      # exact (< 2^17)
+            sums, d, m = _ggml_block(b, qtype, _block_at(b, rows[r], ahead[r], i, block_bytes), acts)
+            for t, (da, sa) in enumerate(scales):
+                lanes = b.sitofp(sums[t], V8)      # exact (< 2^17)
                 st["acc", r, t] = _fma(b, _splat(b, b.fmul(d, da), 8), lanes, st["acc", r, t])
                 if m is not None:
                     st["summs", r, t] = b.fadd(st["summs", r, t], b.fmul(m, sa))
