@@ -315,8 +315,9 @@ def test_numba_one_token_attention_equals_the_emulation(n_pos, kv_dtype, lanes):
 def test_numba_several_token_attention_equals_the_emulation(t, s, hd, kv_dtype, lanes):
     """numba_ggml.attend_rows (a prefill's attention, tinyBLAS's lanes) against ggml_cpu's emulation, its output, kq
     and probabilities bit for bit: T new tokens after S - T cached ones, causal mask, 6 query heads on 2 KV heads,
-    Hd with and without a remainder past 32 lanes, S not a multiple of 8. Planted: P not rounded to float16 on a
-    float16 cache (the output differs), the KV heads swapped (all differ)."""
+    Hd with and without a remainder past 32 lanes, S not a multiple of 8; with masked positions skipped (causal and
+    windowed masks), the same output. Planted: P not rounded to float16 on a float16 cache (the output differs), the
+    KV heads swapped (all differ)."""
     g = _g()
     rng = np.random.default_rng(t * s)
     h, kv = 6, 2
@@ -329,10 +330,19 @@ def test_numba_several_token_attention_equals_the_emulation(t, s, hd, kv_dtype, 
     attention = ggml_cpu.make_attention(kv_dtype, lanes)
     want = attention(np, q, k.astype(np.float32), v.astype(np.float32), mask, 0.125, kv_head)
     half, k32, v32 = kv_dtype == "float16", k.astype(np.float32), v.astype(np.float32)
-    got = g.attend_rows(q, k32, v32, mask, np.float32(0.125), kv_head, half, lanes)
+    got = g.attend_rows(q, k32, v32, mask, np.float32(0.125), kv_head, half, lanes, False)
     for a, b in zip(got, want):
         assert a.shape == b.shape and np.array_equal(a, b)
-    bad = g.attend_rows(q, k32[:, ::-1].copy(), v32, mask, np.float32(0.125), kv_head, half, lanes)
+    assert g.can_skip_masked(q, k32, v32, half)          # nobody sees kq or probs: masked positions left out, same out
+    window = mask.copy()
+    window[np.arange(s)[None, :] < pos - 3] = -np.inf     # a sliding window's masked start as well
+    for m in (mask, window):
+        full = attention(np, q, k32, v32, m, 0.125, kv_head)[0]
+        assert np.array_equal(g.attend_rows(q, k32, v32, m, np.float32(0.125), kv_head, half, lanes, True)[0], full)
+    v_inf = v32.copy()
+    v_inf[-1, 0, 0] = np.inf                              # ggml's 0 * inf = NaN must come out: no skipping
+    assert not g.can_skip_masked(q, k32, v_inf, half) and not g.can_skip_masked(q * np.float32(1e19), k32, v32, half)
+    bad = g.attend_rows(q, k32[:, ::-1].copy(), v32, mask, np.float32(0.125), kv_head, half, lanes, False)
     assert not any(np.array_equal(a, b) for a, b in zip(bad, want))
     other = ggml_cpu.make_attention(kv_dtype, 24 - lanes)(np, q, k32, v32, mask, 0.125, kv_head)
     assert not all(np.array_equal(a, b) for a, b in zip(other, got))     # the other build's lanes: other bits

@@ -487,16 +487,20 @@ class NumbaBackend(Backend):
         attend_rows = G.attend_rows16 if ggml_ops.lanes == 16 else G.attend_rows8
         f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)          # noqa: E731
 
-        def attention(xp, q, k, v, mask, scale, kv_head):
+        def attention(xp, q, k, v, mask, scale, kv_head, skip=False):
             if q.shape[0] == 1 or q.shape[2] % ggml_ops.lanes:
                 return emulated(xp, q, k, v, mask, scale, kv_head)
-            return attend_rows(f32(q), f32(k), f32(v), f32(mask), np.float32(scale),
-                               np.ascontiguousarray(kv_head, dtype=np.int64), half)
+            q, k, v = f32(q), f32(k), f32(v)
+            return attend_rows(q, k, v, f32(mask), np.float32(scale), np.ascontiguousarray(kv_head, dtype=np.int64),
+                               half, skip and G.can_skip_masked(q, k, v, half))
+
+        def attention_out(xp, q, k, v, mask, scale, kv_head):      # nobody sees kq or probs: masked positions skipped
+            return attention(xp, q, k, v, mask, scale, kv_head, skip=True)[0]
 
         def swiglu(xp, x, w_gate, w_up, w_down):
             h = G.silu_mul_rows(f32(ops.linear(xp, x, w_gate)), f32(ops.linear(xp, x, w_up)), ggml_ops.lanes)
             return ops.linear(xp, h, w_down), h
-        ops.attention, ops.swiglu = attention, swiglu
+        ops.attention, ops.attention_out, ops.swiglu = attention, attention_out, swiglu
         return ops
 
     def make_ops(self, base_ops):

@@ -363,14 +363,29 @@ def decode_step16(x, attn_norms, ffn_norms, eps, codes, n_blocks, rows, nq, nk, 
                        scale, kv_head, 16)
 
 
+@nb.njit(inline="always")
+def _seen_until(mask, t, skip):
+    """The positions row t of a prefill's attention computes: all (mask's width), or with `skip` up to its last
+    unmasked one (the rest add fma(0, v, acc) = acc)."""
+    if not skip:
+        return mask.shape[1]
+    for s in range(mask.shape[1] - 1, -1, -1):
+        if mask[t, s] != -np.inf:
+            return s + 1
+    return mask.shape[1]                              # every position masked: computed as they are
+
+
 @nb.njit(parallel=True, cache=True)
-def attend_rows(q, k, v, mask, scale, kv_head, half, lanes):
+def attend_rows(q, k, v, mask, scale, kv_head, half, lanes, skip):
     """Several new tokens (ggml_cpu.make_attention(kv_dtype) for T > 1, llama.cpp's tinyBLAS products): q: [T, H, Hd]
     f32 (Hd % lanes == 0), k, v: [S, KV, Hd] f32 (the cache's values), mask: [T, S] f32, half: a float16 cache ->
     (out [T, H*Hd], kq, probs [H, T, S]). Q.K by ggml_vec_dot_f32 on a float32 cache, by `lanes` FMA lanes with Q
     rounded to float16 on a float16 one; the softmax of kq * scale + mask; P.V by `lanes` FMA lanes over the
     positions padded to a multiple of lanes (P rounded to float16 on a float16 cache). One (head, token) pair a
-    thread."""
+    thread. skip (attention_out: nobody sees kq or probs): positions whose mask is -inf are left out, their score
+    -inf as it would be, and P.V stops at the lanes chunk of the last position seen; the same bits wherever Q and K
+    are finite and small enough that no score overflows and V is finite (the caller checks: otherwise ggml's NaNs
+    must come out), and kq, probs then hold nothing at the positions left out."""
     t_n, nh, hd = q.shape
     s_n = k.shape[0]
     s8 = -(-s_n // lanes) * lanes
@@ -389,7 +404,10 @@ def attend_rows(q, k, v, mask, scale, kv_head, half, lanes):
         for d in range(hd):
             qh[d] = _f16(q[t, h, d]) if half else q[t, h, d]
         acc = np.empty(4 * lanes, F32)
+        seen = _seen_until(mask, t, skip)
         for s in range(s_n):
+            if skip and (s >= seen or mask[t, s] == -np.inf):
+                continue
             if half:                                         # tinyBLAS f16: `lanes` lanes over Hd, hsum
                 acc[:lanes] = 0
                 for c in range(0, hd, lanes):
@@ -400,15 +418,16 @@ def attend_rows(q, k, v, mask, scale, kv_head, half, lanes):
                 kq[h, t, s] = _vec_dot(qh, k, s, g, acc, False, lanes)
         z = np.empty(s_n, F32)
         for s in range(s_n):
-            z[s] = kq[h, t, s] * scale + mask[t, s]
+            z[s] = -np.inf if skip and (s >= seen or mask[t, s] == -np.inf) else kq[h, t, s] * scale + mask[t, s]
         _softmax(z, s8, lanes)
         zp = np.zeros(s8, F32)                       # the padding's products: fma(0, 0, acc), as ggml's tile has them
         for s in range(s_n):
             probs[h, t, s] = z[s]
             zp[s] = _f16(z[s]) if half else z[s]
+        chunks = -(-seen // lanes) * lanes
         for d in range(hd):
             acc[:lanes] = 0
-            for c in range(0, s8, lanes):
+            for c in range(0, chunks, lanes):
                 for lane in range(lanes):
                     acc[lane] = _fma(zp[c + lane], vt[g, d, c + lane], acc[lane])
             out[t, h, d] = _hsum(acc, 0, lanes)
@@ -416,12 +435,20 @@ def attend_rows(q, k, v, mask, scale, kv_head, half, lanes):
 
 
 @nb.njit(cache=True)
-def attend_rows8(q, k, v, mask, scale, kv_head, half):
+def attend_rows8(q, k, v, mask, scale, kv_head, half, skip):
     """attend_rows for an AVX2 build, lanes a constant where numba compiles (a variable made prompts 18% slower)."""
-    return attend_rows(q, k, v, mask, scale, kv_head, half, 8)
+    return attend_rows(q, k, v, mask, scale, kv_head, half, 8, skip)
 
 
 @nb.njit(cache=True)
-def attend_rows16(q, k, v, mask, scale, kv_head, half):
+def attend_rows16(q, k, v, mask, scale, kv_head, half, skip):
     """attend_rows for an AVX-512 build."""
-    return attend_rows(q, k, v, mask, scale, kv_head, half, 16)
+    return attend_rows(q, k, v, mask, scale, kv_head, half, 16, skip)
+
+
+def can_skip_masked(q, k, v, half) -> bool:
+    """Whether attend_rows may leave masked positions out without changing a bit: every |Q| and |K| below 1e18
+    (no score overflows: 256 products of 1e36 stay under float32's 3.4e38; on a float16 cache Q below 65504, where
+    its rounding to float16 stays finite) and V finite (0 * V adds nothing). NaNs fail the comparisons."""
+    bound = 65504.0 if half else 1e18
+    return bool(q.shape[2] <= 256 and np.abs(q).max() < bound and np.abs(k).max() < bound and np.isfinite(v).all())
