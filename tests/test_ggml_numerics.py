@@ -398,6 +398,9 @@ def test_numba_rope_norm_and_swiglu_equal_the_emulation(neox, lanes):
     assert np.array_equal(g.rope(x, cos[39], sin[39], neox), want)
     h, w = (rng.standard_normal(576) * 4).astype(np.float32), rng.standard_normal(576).astype(np.float32)
     assert np.array_equal(g.rms_norm(h, w, 1e-5), ggml_cpu.make_ops().rms_norm(np, h[None], w, 1e-5)[0])
+    hs = (rng.standard_normal((7, 576)) * rng.uniform(1e-3, 30, (7, 1))).astype(np.float32)     # a prompt's rows
+    assert np.array_equal(g.rms_norm_rows(hs, w, np.float32(1e-5)), ggml_cpu.make_ops().rms_norm(np, hs, w, 1e-5))
+    assert not np.array_equal(g.rms_norm_rows(hs, w, np.float32(1e-6)), ggml_cpu.make_ops().rms_norm(np, hs, w, 1e-5))
     gu = (rng.standard_normal(2 * 96) * 6).astype(np.float32)
     want = (ggml_cpu.silu(np, gu[None, :96], lanes) * gu[None, 96:]).astype(np.float32)[0]
     assert np.array_equal(g.swiglu_hidden(gu, 96, lanes), want)

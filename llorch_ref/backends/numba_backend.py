@@ -479,9 +479,9 @@ class NumbaBackend(Backend):
         return fused(engine, cache, plans)
 
     def make_ggml_ops(self, ggml_ops):
-        """numerics "ggml": several new tokens' attention by numba_ggml.attend_rows and SwiGLU's silu(gate) * up by
-        numba_ggml.silu_mul_rows (ggml_cpu's bit for bit, tests/test_ggml_numerics.py); one token's attention, and
-        everything else, as ggml_cpu computes it."""
+        """numerics "ggml": several new tokens' attention by numba_ggml.attend_rows, SwiGLU's silu(gate) * up by
+        numba_ggml.silu_mul_rows and RMSNorm by numba_ggml.rms_norm_rows (ggml_cpu's bit for bit,
+        tests/test_ggml_numerics.py); one token's attention, and everything else, as ggml_cpu computes it."""
         ops = types.SimpleNamespace(**vars(ggml_ops))
         emulated, half = ggml_ops.attention, ggml_ops.kv_dtype == "float16"
         attend_rows = G.attend_rows16 if ggml_ops.lanes == 16 else G.attend_rows8
@@ -500,7 +500,11 @@ class NumbaBackend(Backend):
         def swiglu(xp, x, w_gate, w_up, w_down):
             h = G.silu_mul_rows(f32(ops.linear(xp, x, w_gate)), f32(ops.linear(xp, x, w_up)), ggml_ops.lanes)
             return ops.linear(xp, h, w_down), h
-        ops.attention, ops.attention_out, ops.swiglu = attention, attention_out, swiglu
+
+        def rms_norm(xp, x, w, eps):                 # [..., D]: every row by G.rms_norm_rows
+            rows = f32(x).reshape(-1, x.shape[-1])
+            return G.rms_norm_rows(rows, f32(w), np.float32(eps)).reshape(x.shape)
+        ops.attention, ops.attention_out, ops.swiglu, ops.rms_norm = attention, attention_out, swiglu, rms_norm
         return ops
 
     def make_ops(self, base_ops):

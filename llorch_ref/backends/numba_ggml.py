@@ -99,10 +99,10 @@ def quantize_q8(x, q, d, s):
         d[blk], s[blk] = _f16(dd), _f16(dd * total)
 
 
-@nb.njit(cache=True)
+@nb.njit(parallel=True, cache=True)
 def quantize_rows(x, q, d, s):
     """x: [T, B*32] f32 -> q: [T, B*32] int8, d, s: [T, B] f32: quantize_q8 row by row (a prompt's activations)."""
-    for t in range(x.shape[0]):
+    for t in nb.prange(x.shape[0]):
         quantize_q8(x[t], q[t], d[t], s[t])
 
 
@@ -285,6 +285,15 @@ def attend(q, k, v, n, scale, kv_head, lanes):
     return out.reshape(nh * hd)
 
 
+@nb.njit(parallel=True, cache=True)
+def rms_norm_rows(x, w, eps):
+    """x: [T, D] -> [T, D]: rms_norm of each row, a row a thread (ggml_cpu.rms_norm's bits: K.rms_norm_rows)."""
+    out = np.empty_like(x)
+    for t in nb.prange(x.shape[0]):
+        K.rms_norm_rows(x[t:t + 1], w, eps, out[t:t + 1])
+    return out
+
+
 @nb.njit(cache=True)
 def rms_norm(x, w, eps):
     """x: [D] -> x * (1/sqrtf(mean(x^2) + eps)) * w, the squares summed in float64 in order (ggml's rms_norm)."""
@@ -303,11 +312,11 @@ def swiglu_hidden(gu, nf, lanes):
     return out
 
 
-@nb.njit(cache=True)
+@nb.njit(parallel=True, cache=True)
 def silu_mul_rows(g, u, lanes):
-    """g, u: [T, F] -> silu(g) * u (swiglu_hidden for several tokens; ggml_cpu.make_ops's swiglu)."""
+    """g, u: [T, F] -> silu(g) * u (swiglu_hidden for several tokens; ggml_cpu.make_ops's swiglu), a token a thread."""
     out = np.empty_like(g)
-    for t in range(g.shape[0]):
+    for t in nb.prange(g.shape[0]):
         for j in range(g.shape[1]):
             x = g[t, j]
             out[t, j] = (x / (F32(1) + v_expf(F32(0) - x, lanes))) * u[t, j]
