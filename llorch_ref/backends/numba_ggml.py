@@ -23,6 +23,7 @@ from numba import types  # noqa: E402
 from numba.extending import overload  # noqa: E402
 
 from . import numba_kernels as K  # noqa: E402
+from . import numba_simd as S  # noqa: E402
 from .numba_simd import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
 
 F32 = np.float32
@@ -246,8 +247,8 @@ def _softmax(z, n8, lanes):
     for s in range(1, n):
         top = max(top, z[s])
     e = np.zeros(n8, F32)
-    for s in range(n):
-        e[s] = v_expf(z[s] - top, lanes)
+    for s in range(n):                 # a masked score's exp is 0 (v_expf(-inf) = 0) where the top is finite
+        e[s] = F32(0) if z[s] == -np.inf and top != -np.inf else v_expf(z[s] - top, lanes)
     total = 0.0
     for c in range(0, n8, lanes):
         total += np.float64(_hsum(e, c, lanes))
@@ -373,6 +374,22 @@ def decode_step16(x, attn_norms, ffn_norms, eps, codes, n_blocks, rows, nq, nk, 
 
 
 @nb.njit(inline="always")
+def _lanes_dot(a, b, n, lanes):
+    """numba_simd.lanes_dot at the build's width (a constant there): one `lanes` accumulator, hsum."""
+    if lanes == 16:
+        return S.lanes_dot(a, b, n, 16)
+    return S.lanes_dot(a, b, n, 8)
+
+
+@nb.njit(inline="always")
+def _dot_f32(a, b, n, lanes):
+    """numba_simd.vec_dot_f32 at the build's width: ggml_vec_dot_f32 (_vec_dot's arithmetic on float32s)."""
+    if lanes == 16:
+        return S.vec_dot_f32(a, b, n, 16)
+    return S.vec_dot_f32(a, b, n, 8)
+
+
+@nb.njit(inline="always")
 def _seen_until(mask, t, skip):
     """The positions row t of a prefill's attention computes: all (mask's width), or with `skip` up to its last
     unmasked one (the rest add fma(0, v, acc) = acc)."""
@@ -412,19 +429,14 @@ def attend_rows(q, k, v, mask, scale, kv_head, half, lanes, skip):
         qh = np.empty(hd, F32)
         for d in range(hd):
             qh[d] = _f16(q[t, h, d]) if half else q[t, h, d]
-        acc = np.empty(4 * lanes, F32)
         seen = _seen_until(mask, t, skip)
+        qa, ka = qh.ctypes.data, k.ctypes.data
         for s in range(s_n):
             if skip and (s >= seen or mask[t, s] == -np.inf):
                 continue
-            if half:                                         # tinyBLAS f16: `lanes` lanes over Hd, hsum
-                acc[:lanes] = 0
-                for c in range(0, hd, lanes):
-                    for lane in range(lanes):
-                        acc[lane] = _fma(qh[c + lane], k[s, g, c + lane], acc[lane])
-                kq[h, t, s] = _hsum(acc, 0, lanes)
-            else:
-                kq[h, t, s] = _vec_dot(qh, k, s, g, acc, False, lanes)
+            row = ka + 4 * (s * k.shape[1] + g) * hd
+            # tinyBLAS f16: `lanes` lanes over Hd, hsum; f32: ggml_vec_dot_f32
+            kq[h, t, s] = _lanes_dot(qa, row, hd, lanes) if half else _dot_f32(qa, row, hd, lanes)
         z = np.empty(s_n, F32)
         for s in range(s_n):
             z[s] = -np.inf if skip and (s >= seen or mask[t, s] == -np.inf) else kq[h, t, s] * scale + mask[t, s]
@@ -435,11 +447,7 @@ def attend_rows(q, k, v, mask, scale, kv_head, half, lanes, skip):
             zp[s] = _f16(z[s]) if half else z[s]
         chunks = -(-seen // lanes) * lanes
         for d in range(hd):
-            acc[:lanes] = 0
-            for c in range(0, chunks, lanes):
-                for lane in range(lanes):
-                    acc[lane] = _fma(zp[c + lane], vt[g, d, c + lane], acc[lane])
-            out[t, h, d] = _hsum(acc, 0, lanes)
+            out[t, h, d] = _lanes_dot(zp.ctypes.data, vt.ctypes.data + 4 * (g * hd + d) * s8, chunks, lanes)
     return out.reshape(t_n, nh * hd), kq, probs
 
 

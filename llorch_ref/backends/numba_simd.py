@@ -683,6 +683,90 @@ def ggml_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, qaa, qa_stride, 
     return _tile(code, n_rows, n_tokens, 10, LEGACY, _emit_ggml)
 
 
+# -- ggml's float32 dot products as ggml_cpu emulates them (numerics "ggml" attention) ---------------------------
+F64 = ir.DoubleType()
+
+
+def _fma_f64(b, a, x, c):
+    """a * x + c for float32 vectors as ggml_cpu.fma emulates ggml's fused multiply-add: the product exact in float64,
+    the sum in float64, rounded to float32 (no contraction: numba's code is not fast-math)."""
+    vd = ir.VectorType(F64, a.type.count)
+    return b.fptrunc(b.fadd(b.fmul(b.fpext(a, vd), b.fpext(x, vd)), b.fpext(c, vd)), a.type)
+
+
+def _f32_vector(b, addr, at, lanes):
+    """<lanes x float> at float index `at` (an i64 value) of the float32s at address addr."""
+    p = b.gep(b.inttoptr(addr, F32.as_pointer()), [at])
+    return b.load(b.bitcast(p, ir.VectorType(F32, lanes).as_pointer()), align=4)
+
+
+def _counted_loop(b, n, step, init, body):
+    """for i in range(0, n, step) (n a multiple of step): state = body(i, state) -> the final state."""
+    count = b.sdiv(n, ir.Constant(I64, step))
+    return _block_loop(b, count, init, lambda j, st: body(b.mul(j, ir.Constant(I64, step)), st))
+
+
+def _literal_lanes(lanes):
+    return lanes.literal_value if isinstance(lanes, types.IntegerLiteral) and lanes.literal_value in (8, 16) else None
+
+
+@intrinsic
+def lanes_dot(typingctx, aa, ba, n, lanes):
+    """lanes_dot(a, b, n, LANES) -> float32: one accumulator of LANES (8 or 16, a constant) lanes over n floats (a
+    multiple of LANES) at addresses a and b, each step acc = fma(a, b, acc) as ggml_cpu emulates it, then the lanes
+    summed halves first (ggml_cpu.hsum): tinyBLAS's f32/f16 tile sums, numba_ggml's `_lanes_dot`."""
+    w = _literal_lanes(lanes)
+    if w is None:
+        return None
+
+    def codegen(context, builder, signature, args):
+        a, x, n_ = args[:3]
+        v = ir.VectorType(F32, w)
+        end = _counted_loop(builder, n_, w, {"acc": ir.Constant(v, [0.0] * w)}, lambda i, st: {
+            "acc": _fma_f64(builder, _f32_vector(builder, a, i, w), _f32_vector(builder, x, i, w), st["acc"])})
+        return _hsum(builder, end["acc"])
+    return types.float32(types.intp, types.intp, types.intp, lanes), codegen
+
+
+def _hadds(b, t):
+    """AVX2's sum of 8 lanes by two hadds after adding the halves: (u0 + u1) + (u2 + u3), u = t[:4] + t[4:]."""
+    pick = lambda idx: b.shuffle_vector(t, t, ir.Constant(ir.VectorType(I32, len(idx)), idx))    # noqa: E731
+    u = b.fadd(pick([0, 1, 2, 3]), pick([4, 5, 6, 7]))
+    p = b.fadd(b.shuffle_vector(u, u, ir.Constant(ir.VectorType(I32, 2), [0, 2])),
+               b.shuffle_vector(u, u, ir.Constant(ir.VectorType(I32, 2), [1, 3])))
+    return b.fadd(b.extract_element(p, ir.Constant(I32, 0)), b.extract_element(p, ir.Constant(I32, 1)))
+
+
+@intrinsic
+def vec_dot_f32(typingctx, aa, ba, n, lanes):
+    """vec_dot_f32(a, b, n, LANES) -> float32: ggml_vec_dot_f32 as numba_ggml._vec_dot emulates it on float32s: 4
+    accumulators of LANES lanes over steps of 4 LANES, folded (0+2)+(1+3) lane by lane then summed as AVX2's two
+    hadds do (_hadds) or AVX-512's reduce_add (halves first) (numba_ggml._fold), the leftover products added in
+    order in float32."""
+    w = _literal_lanes(lanes)
+    if w is None:
+        return None
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        a, x, n_ = args[:3]
+        v, step = ir.VectorType(F32, w), 4 * w
+        body = b.sub(n_, b.srem(n_, ir.Constant(I64, step)))
+        init = {j: ir.Constant(v, [0.0] * w) for j in range(4)}
+
+        def one(i, st):
+            return {j: _fma_f64(b, _f32_vector(b, a, b.add(i, ir.Constant(I64, j * w)), w),
+                                _f32_vector(b, x, b.add(i, ir.Constant(I64, j * w)), w), st[j]) for j in range(4)}
+        end = _counted_loop(b, body, step, init, one)
+        t = b.fadd(b.fadd(end[0], end[2]), b.fadd(end[1], end[3]))
+        r = _hsum(b, t) if w == 16 else _hadds(b, t)
+        pa, px = b.inttoptr(a, F32.as_pointer()), b.inttoptr(x, F32.as_pointer())
+        rest = _block_loop(b, b.sub(n_, body), {"r": r}, lambda j, st: {"r": b.fadd(st["r"], b.fmul(
+            b.load(b.gep(pa, [b.add(body, j)])), b.load(b.gep(px, [b.add(body, j)]))))})
+        return rest["r"]
+    return types.float32(types.intp, types.intp, types.intp, lanes), codegen
+
+
 # -- scalar bit helpers for numba code that reproduces ggml's elementwise arithmetic (numba_ggml) -------------
 def _scalar(name, arg, res, emit, doc):
     """An intrinsic of one scalar of numba type `arg` -> `res`, its IR emit(builder, value)."""
