@@ -30,6 +30,26 @@ def test_q8_1_sum_field():
     np.testing.assert_allclose(s, (d * q.sum(-1)).astype(np.float16).astype(np.float32), rtol=1e-3)
 
 
+@pytest.mark.parametrize("qt", ["Q4_K", "Q5_K", "Q6_K"])
+def test_numba_k_quant_products_equal_the_numpy_emulation(qt):
+    """numba_ggml.kquant_rows against ggml_cpu.KQuantMatrix, bit for bit: random super-blocks (every code and
+    scale bit pattern drawn), one token and several, activations of very different scales, a row of zeros.
+    Planted: the activations' first block negated (differs)."""
+    need_backend("numba")
+    from llorch_ref.backends.numba_backend import GgmlKQuantMatrix
+    from llorch_ref.testing.blocks import random_qtensor
+
+    qtensor = random_qtensor(qt, 37, 768, 5)                           # 37 rows, 3 super-blocks
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((6, 768)) * np.array([[1e-4], [1], [50], [1], [3e3], [0]])).astype(np.float32)
+    want, fast = ggml_cpu.KQuantMatrix(qtensor).matmul(x), GgmlKQuantMatrix(qtensor)
+    for t in (1, 6):
+        assert np.array_equal(fast.matmul(x[:t]), want[:t])
+    bad = x.copy()
+    bad[:, :256] *= -1
+    assert not np.array_equal(fast.matmul(bad), want)
+
+
 @pytest.mark.parametrize("qt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_numba_ggml_products_equal_the_numpy_emulation(qt):
     """The numba kernel against ggml_cpu.LegacyQuantMatrix, bit for bit: one row and several, activations of very
@@ -64,10 +84,12 @@ fresh = numba.njit(**{k: v for k, v in f.targetoptions.items() if k not in ("cac
 K.ggml_rows = fresh                             # compiled now, for this build: its assembly can be read
 data = np.load(sys.argv[2])
 out = {}
-for qt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
-    from llorch_ref.model.qtensor import QTensor
-    m = GgmlKernelMatrix(QTensor(qt, tuple(data[qt + "_shape"]), data[qt]))
-    out[qt] = m.matmul(data["x"])
+from llorch_ref.backends.numba_backend import GgmlKQuantMatrix
+from llorch_ref.model.qtensor import QTensor
+for qt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
+    cls = GgmlKQuantMatrix if qt.endswith("_K") else GgmlKernelMatrix
+    x = data["xk"] if qt.endswith("_K") else data["x"]
+    out[qt] = cls(QTensor(qt, tuple(data[qt + "_shape"]), data[qt])).matmul(x)
 asm = "\\n".join(fresh.inspect_asm().values())
 np.savez(sys.argv[3], **out)
 print(json.dumps({"pairs": S.PAIRS, "vnni": S.VNNI, "vpdpbusd": "vpdpbusd" in asm, "vpmaddubsw": "vpmaddubsw" in asm}))
@@ -75,11 +97,11 @@ print(json.dumps({"pairs": S.PAIRS, "vnni": S.VNNI, "vpdpbusd": "vpdpbusd" in as
 
 
 def test_numba_ggml_products_are_bit_equal_in_each_instruction_set_build(tmp_path):
-    """The integer sums of ggml's legacy products come from bytes: vpdpbusd where the CPU has VNNI (AVX-VNNI or
-    AVX-512 VNNI), vpmaddubsw and vpmaddwd on AVX2 without it, 32-bit products below AVX2. Each build numba can
-    make here (the host's, without VNNI, without AVX2: NUMBA_CPU_FEATURES) compiles ggml_rows afresh, and its
-    products of the five types equal the NumPy emulation's bit for bit; the instruction each uses is read from its
-    assembly."""
+    """The integer sums of ggml's legacy and K-quant products come from bytes: vpdpbusd where the CPU has VNNI
+    (AVX-VNNI or AVX-512 VNNI), vpmaddubsw and vpmaddwd on AVX2 without it, 32-bit products below AVX2. Each build
+    numba can make here (the host's, without VNNI, without AVX2: NUMBA_CPU_FEATURES) compiles ggml_rows afresh (and
+    kquant_rows), and its products of the five legacy types and Q4_K, Q5_K, Q6_K equal the NumPy emulation's bit for
+    bit; the instruction ggml_rows uses is read from its assembly."""
     need_backend("numba")
     import json
     import os
@@ -90,6 +112,7 @@ def test_numba_ggml_products_are_bit_equal_in_each_instruction_set_build(tmp_pat
     import llvmlite.binding as ll
 
     from llorch_ref.model.qtensor import QTensor
+    from llorch_ref.testing.blocks import random_qtensor
 
     rng = np.random.default_rng(11)
     w = rng.standard_normal((37, 128)).astype(np.float32)
@@ -99,6 +122,11 @@ def test_numba_ggml_products_are_bit_equal_in_each_instruction_set_build(tmp_pat
         blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt])
         data[qt], data[qt + "_shape"] = blocks, np.array(w.shape)
         want[qt] = ggml_cpu.LegacyQuantMatrix(QTensor(qt, w.shape, blocks)).matmul(x)
+    data["xk"] = np.concatenate([x, x[:, ::-1]], axis=1)                   # 256 wide: one super-block
+    for qt in ("Q4_K", "Q5_K", "Q6_K"):
+        qtensor = random_qtensor(qt, 21, 256, 4)
+        data[qt], data[qt + "_shape"] = qtensor.blocks, np.array(qtensor.shape)
+        want[qt] = ggml_cpu.KQuantMatrix(qtensor).matmul(data["xk"])
     np.savez(tmp_path / "in.npz", **data)
     ll.initialize_native_target()
     feats = ll.get_host_cpu_features()
@@ -238,6 +266,31 @@ def test_k_quant_copies_bit_identical(tmp_path_factory, default_f32, llamacpp, k
     exact = compare(llorch_ref.load(path).logits(ids), ref.eval(ids)) if kv == "float32" else None
     if exact:
         print(f"{ftype} copy: exact-mode NMSE {exact['nmse']:.3e}, ggml mode 0")
+    n = 16 if kv == "float32" else 8
+    assert list(eng.generate_ids(ids, max_tokens=n, ignore_eos=True)) == ref.greedy(ids, n)
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M"])
+def test_k_quant_copies_bit_identical_on_numba(tmp_path_factory, default_f32, llamacpp, kv, ftype):
+    """numba's K-quant kernel (numba_ggml.kquant_rows: Q4_K, Q5_K, Q6_K on the file's blocks) on llama.cpp's own
+    Q4_K_M and Q5_K_M copies of the default model: logits bit-identical to llama.cpp's, greedy equal."""
+    need_backend("numba")
+    from llorch_ref.backends.numba_backend import GgmlKQuantMatrix
+    from llorch_ref.references.llamacpp import LlamaCpp
+
+    d = tmp_path_factory.getbasetemp() / "kquants"
+    d.mkdir(exist_ok=True)
+    path = d / f"{ftype}.gguf"
+    if not path.exists():
+        _llamacpp_quantize(llamacpp, default_f32, path, getattr(llamacpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"))
+    eng = llorch_ref.load(path, backend="numba", numerics="ggml", kv_dtype=kv)
+    kinds = {m.qtype for lw in eng.weights.layers for m in vars(lw).values() if isinstance(m, GgmlKQuantMatrix)}
+    assert kinds == {ftype[:4], "Q6_K"}, kinds
+    ref = LlamaCpp(path, n_ctx=256, kv_dtype=kv)
+    ids = eng.tokenizer.encode(PROMPT)
+    m = compare(eng.logits(ids), ref.eval(ids))
+    assert m["max_abs"] == 0.0, m
     n = 16 if kv == "float32" else 8
     assert list(eng.generate_ids(ids, max_tokens=n, ignore_eos=True)) == ref.greedy(ids, n)
 

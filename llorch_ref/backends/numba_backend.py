@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..numerics.ggml_cpu import ACT_TYPE, LegacyQuantMatrix
+from ..numerics.ggml_cpu import ACT_TYPE, KQuantMatrix, LegacyQuantMatrix
 from . import Backend, cpu_threads, l2_bytes, limit_blas
 from . import numba_ggml as G
 from . import numba_kernels as K
@@ -321,6 +321,32 @@ class GgmlKernelMatrix:
         return out
 
 
+class GgmlKQuantMatrix:
+    """numerics="ggml": a Q4_K/Q5_K/Q6_K weight whose product runs numba_ggml.kquant_rows on its QTensor's blocks
+    where they lie, bit for bit the NumPy emulation's (numerics.ggml_cpu.KQuantMatrix, and so llama.cpp's), without
+    its unpacked copy (4x the blocks)."""
+
+    def __init__(self, qt):
+        self.qtype, self.shape = qt.qtype, tuple(qt.shape)
+        self.blocks = qt.blocks if qt.blocks.strides[1] == 1 else np.ascontiguousarray(qt.blocks)
+        self.blocks = self.blocks.reshape(self.shape[0], -1)
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32)
+
+    def matmul(self, x):
+        PATHS[(self.qtype, "numba ggml kernel (in place)", "1 row" if x.shape[0] == 1 else "several rows")] += 1
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        t, k = x.shape
+        qa, da = np.empty((t, k), np.int8), np.empty((t, k // 256), np.float32)
+        bsums = np.empty((t, k // 256, 16), np.int32)
+        G.quantize_q8k_rows(x, qa, da, bsums)
+        out = np.empty((t, self.shape[0]), np.float32)
+        G.kquant_rows(S.TYPE_CODE[self.qtype], self.blocks, qa, da, bsums, out)
+        return out
+
+
 def vector_registers(names=None) -> dict:
     """{kernel: the widest vector registers its machine code uses (zmm: AVX-512, ymm: AVX2/AVX, xmm: SSE), with
     counts}, read from code numba compiles for this CPU now (a fresh, uncached copy: cached code keeps no
@@ -414,11 +440,16 @@ class NumbaBackend(Backend):
                    0.5, np.zeros(1, np.int64), o, np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
 
     def _prepare_ggml(self, weights):
-        """numerics="ggml": the legacy-quant matrices (ggml_cpu.LegacyQuantMatrix) get the numba kernel on the
-        blocks of the QTensor each carries; K-quant and float matrices keep their NumPy emulation."""
-        swap = lambda a: GgmlKernelMatrix(a.qt) if isinstance(a, LegacyQuantMatrix) else a      # noqa: E731
+        """numerics="ggml": the legacy-quant matrices (ggml_cpu.LegacyQuantMatrix) get the numba kernel ggml_rows on
+        the blocks of the QTensor each carries, Q4_K/Q5_K/Q6_K ones (ggml_cpu.KQuantMatrix) kquant_rows; Q2_K, Q3_K
+        and float matrices keep their NumPy emulation."""
+        def swap(a):
+            if isinstance(a, LegacyQuantMatrix):
+                return GgmlKernelMatrix(a.qt)
+            return GgmlKQuantMatrix(a.qt) if isinstance(a, KQuantMatrix) and a.qtype in G.KQUANT_TYPES else a
         layers = [type(lw)(**{k: swap(v) for k, v in vars(lw).items()}) for lw in weights.layers]
-        self.n_matrices = sum(isinstance(a, GgmlKernelMatrix) for lw in layers for a in vars(lw).values())
+        self.n_matrices = sum(isinstance(a, (GgmlKernelMatrix, GgmlKQuantMatrix)) for lw in layers
+                              for a in vars(lw).values())
         self.prompts_in_place = self.n_matrices > 0
         self.info["prompts"] = "ggml kernels on the blocks" if self.prompts_in_place else "ggml_cpu's NumPy emulation"
         return type(weights)(tok_embd=weights.tok_embd, layers=layers, out_norm=weights.out_norm,

@@ -24,7 +24,10 @@ from numba.extending import overload  # noqa: E402
 
 from . import numba_kernels as K  # noqa: E402
 from . import numba_simd as S  # noqa: E402
-from .numba_simd import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
+from .numba_simd import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits  # noqa: E402
+
+Q4_K, Q5_K, Q6_K = (S.TYPE_CODE[name] for name in ("Q4_K", "Q5_K", "Q6_K"))
+KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")        # the K-quants kquant_rows multiplies (Q2_K, Q3_K: ggml_cpu's NumPy)
 
 F32 = np.float32
 _R, _LOG2E = F32(float.fromhex("0x1.8p23")), F32(float.fromhex("0x1.715476p+0"))
@@ -105,6 +108,97 @@ def quantize_rows(x, q, d, s):
     """x: [T, B*32] f32 -> q: [T, B*32] int8, d, s: [T, B] f32: quantize_q8 row by row (a prompt's activations)."""
     for t in nb.prange(x.shape[0]):
         quantize_q8(x[t], q[t], d[t], s[t])
+
+
+@nb.njit(parallel=True, cache=True)
+def quantize_q8k_rows(x, q, d, bsums):
+    """x: [T, NB*256] f32 -> q: int8 [T, NB*256], d: f32 [T, NB], bsums: int32 [T, NB, 16] (ggml_cpu.quantize_q8_k,
+    quantize_row_q8_K_ref: iscale = -127 / the first value of largest magnitude, sign kept; q = rint(x * iscale)
+    capped at 127; d = 1 / iscale; bsums: sums of 16), a token a thread."""
+    for t in nb.prange(x.shape[0]):
+        for b in range(d.shape[1]):
+            o, mx, amax = 256 * b, F32(0), F32(0)
+            for j in range(256):
+                if abs(x[t, o + j]) > amax:
+                    amax, mx = abs(x[t, o + j]), x[t, o + j]
+            iscale = F32(-127) / mx if mx != F32(0) else F32(0)
+            for g in range(16):
+                total = 0
+                for j in range(16 * g, 16 * g + 16):
+                    v = np.int32(min(np.rint(x[t, o + j] * iscale), F32(127))) if mx != F32(0) else np.int32(0)
+                    q[t, o + j] = np.int8(v)
+                    total += v
+                bsums[t, b, g] = total
+            d[t, b] = F32(1) / iscale if mx != F32(0) else F32(0)
+
+
+@nb.njit(inline="always")
+def _f16_at(blk, at):
+    return f16_bits_to_f32(np.uint16(np.uint16(blk[at]) | (np.uint16(blk[at + 1]) << np.uint16(8))))
+
+
+@nb.njit(inline="always")
+def _k_scales(code, blk, sc, mins):
+    """One K-quant super-block's scales (Q4_K, Q5_K: 8 of 6 bits and their mins, get_scale_min_k4; Q6_K: 16 signed)
+    into sc and mins -> (d, dmin) as float32 (its codes: numba_simd.group_dots reads them)."""
+    if code == Q6_K:
+        for i in range(16):
+            sc[i] = np.int32(np.int8(blk[192 + i]))
+        return _f16_at(blk, 208), F32(0)
+    for i in range(4):
+        a, m, c = np.int32(blk[4 + i]), np.int32(blk[8 + i]), np.int32(blk[12 + i])
+        sc[i], mins[i] = a & 63, m & 63
+        sc[4 + i], mins[4 + i] = (c & 15) | ((a >> 6) << 4), (c >> 4) | ((m >> 6) << 4)
+    return _f16_at(blk, 0), _f16_at(blk, 2)
+
+
+@nb.njit(parallel=True, cache=True)
+def kquant_rows(code, blocks, qa, da, bsums, out):
+    """numerics "ggml": Q4_K, Q5_K or Q6_K rows (code: numba_simd.TYPE_CODE; blocks: uint8 [N, NB * block bytes],
+    the file's where they lie) times Q8_K activations (quantize_q8k_rows) -> out [T, N] f32: ggml_cpu.KQuantMatrix's
+    products bit for bit (ggml_vec_dot_qN_K_q8_K, AVX2: per super-block 8 integer lanes, lane l = elements 4l..4l+3 of
+    each 32-group times its scale, one FMA of d; Q4_K's mins through 4 lanes, Q5_K's one sum), a row a thread."""
+    t_n, n, nb_ = qa.shape[0], blocks.shape[0], da.shape[1]
+    size = blocks.shape[1] // nb_
+    for r in nb.prange(n):
+        acc, acc_m, summs = np.zeros((t_n, 8), F32), np.zeros((t_n, 4), F32), np.zeros(t_n, F32)
+        sc, mins = np.empty(16, np.int32), np.empty(8, np.int32)
+        sumi = np.empty(8, np.int32)                   # the integer lanes (group_dots), within int32: |sumi| < 2^26
+        for b in range(nb_):
+            blk = blocks[r, b * size:(b + 1) * size]
+            d, dmin = _k_scales(code, blk, sc, mins)
+            for t in range(t_n):
+                o = 256 * b
+                S.group_dots(code, blocks.ctypes.data + r * blocks.strides[0] + b * size,
+                             qa.ctypes.data + t * qa.shape[1] + o, sc.ctypes.data, sumi.ctypes.data)
+                if code == Q6_K:
+                    for lane in range(8):
+                        sumi[lane] -= 32 * (bsums[t, b, 2 * lane] * sc[2 * lane] + bsums[t, b, 2 * lane + 1]
+                                            * sc[2 * lane + 1])
+                dt = da[t, b] * d
+                for lane in range(8):
+                    acc[t, lane] = _fma(dt, F32(sumi[lane]), acc[t, lane])
+                if code != Q6_K:
+                    dm = -da[t, b] * dmin
+                    q8s = np.empty(8, np.int64)
+                    for g in range(8):
+                        q8s[g] = bsums[t, b, 2 * g] + bsums[t, b, 2 * g + 1]
+                    if code == Q4_K:
+                        for j in range(4):
+                            acc_m[t, j] = _fma(dm, F32(mins[2 * j] * q8s[2 * j] + mins[2 * j + 1] * q8s[2 * j + 1]),
+                                               acc_m[t, j])
+                    else:
+                        total = 0
+                        for g in range(8):
+                            total += mins[g] * q8s[g]
+                        summs[t] = _fma(dm, F32(total), summs[t])
+        for t in range(t_n):
+            y = _fold8(acc[t], 0)
+            if code == Q4_K:
+                y = y + ((acc_m[t, 0] + acc_m[t, 2]) + (acc_m[t, 1] + acc_m[t, 3]))
+            elif code == Q5_K:
+                y = y + summs[t]
+            out[t, r] = y
 
 
 @nb.njit(cache=True)

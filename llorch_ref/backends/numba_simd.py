@@ -635,6 +635,69 @@ def _ggml_acts(b, qtype, qa):
     return a, (b.sub(zero, _dot_bytes(b, _bytes(off), a, zero)) if off else zero)
 
 
+def _kquant_codes(b, qtype, blk, g):
+    """Group g (elements 32g..32g+31) of a Q4_K, Q5_K or Q6_K super-block at i8* blk -> its 32 codes as unsigned
+    bytes (ggml_cpu.k_codes' values: Q5_K 0..31, Q6_K 0..63 with its -32 left to the block sums)."""
+    load = lambda at: b.load(b.bitcast(b.gep(blk, [ir.Constant(I64, at)]), V32I8.as_pointer()), align=1)  # noqa
+    shr = lambda v, n: b.lshr(v, _bytes(n)) if n else v                                                 # noqa
+    low = lambda v: b.and_(v, _bytes(15))                                                                # noqa
+    if qtype == "Q6_K":
+        j, part = divmod(g, 4)
+        ql, h = load(64 * j + 32 * (part & 1)), load(128 + 32 * j)
+        return b.or_(low(ql) if part < 2 else shr(ql, 4), b.shl(b.and_(shr(h, 2 * part), _bytes(3)), _bytes(4)))
+    q = load((16 if qtype == "Q4_K" else 48) + 32 * (g // 2))
+    codes = shr(q, 4) if g % 2 else low(q)
+    if qtype == "Q5_K":                       # the fifth bit: bit g of qh[i]
+        codes = b.or_(codes, b.shl(b.and_(shr(load(16), g), _bytes(1)), _bytes(4)))
+    return codes
+
+
+KQUANT = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _group_scales(b, qtype, scp, g):
+    """<8 x i32>: group g's scale in each integer lane (Q6_K: scale 2g in lanes 0-3, 2g+1 in lanes 4-7, the two
+    16-element halves) from the int32 scales at scp."""
+    one = lambda i: b.load(b.gep(scp, [ir.Constant(I64, i)]))                     # noqa: E731
+    if qtype == "Q6_K":
+        v = b.insert_element(b.insert_element(ir.Constant(V8I32, ir.Undefined), one(2 * g), ir.Constant(I32, 0)),
+                             one(2 * g + 1), ir.Constant(I32, 1))
+        return b.shuffle_vector(v, v, ir.Constant(V8I32, [0, 0, 0, 0, 1, 1, 1, 1]))
+    v = b.insert_element(ir.Constant(V8I32, ir.Undefined), one(g), ir.Constant(I32, 0))
+    return b.shuffle_vector(v, v, ir.Constant(V8I32, [0] * 8))
+
+
+@intrinsic
+def group_dots(typingctx, code, blk_a, qa_a, sc_a, out_a):
+    """group_dots(code, blk, qa, sc, out): a K-quant super-block's integer lanes, numba_ggml.kquant_rows': its codes
+    read from the block at address blk (code: TYPE_CODE of Q4_K, Q5_K or Q6_K), and out[l] (8 int32) = the sum over
+    the 8 groups g of 32 of (the sum over k < 4 of codes[32g + 4l + k] * qa[32g + 4l + k]) times g's scale (sc: int32
+    scales, _group_scales), qa 256 signed bytes; exact (|out| < 2^26), the products by _dot_bytes (VNNI, AVX2) or
+    32-bit products."""
+    def codegen(context, builder, signature, args):
+        b = builder
+        blk, ap = b.inttoptr(args[1], I8.as_pointer()), b.inttoptr(args[2], V32I8.as_pointer())
+        scp, op = b.inttoptr(args[3], I32.as_pointer()), b.inttoptr(args[4], V8I32.as_pointer())
+        zero, half = ir.Constant(V8I32, [0] * 8), [ir.Constant(ir.VectorType(I32, 16), list(range(h, h + 16)))
+                                                  for h in (0, 16)]
+
+        def emit(qtype):
+            acc = zero
+            for g in range(8):
+                c, a = _kquant_codes(b, qtype, blk, g), b.load(b.gep(ap, [ir.Constant(I64, g)]), align=1)
+                if PAIRS:
+                    r = _dot_bytes(b, c, a, zero)
+                else:
+                    cs = [b.zext(b.shuffle_vector(c, c, h), VI32) for h in half]
+                    xs = [b.sext(b.shuffle_vector(a, a, h), VI32) for h in half]
+                    r = _quad_sums(b, cs[0], cs[1], xs[0], xs[1])
+                acc = b.add(acc, b.mul(r, _group_scales(b, qtype, scp, g)))
+            b.store(acc, op, align=4)
+        _per_type(b, args[0], KQUANT, emit)
+        return context.get_dummy_value()
+    return types.void(code, types.intp, types.intp, types.intp, types.intp), codegen
+
+
 def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa, d_stride, outa, out_stride,
                n_blocks):
     """ggml's vec_dot of n_rows legacy-quant rows with `tokens` Q8 activation rows (qa int8 [T, B*32], da, sa f32

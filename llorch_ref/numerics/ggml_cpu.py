@@ -536,8 +536,14 @@ class KQuantMatrix:
     scale), one FMA per super-block, hsum; Q4_K adds its mins through 4 FMA lanes on Q8_K's block sums."""
 
     def __init__(self, qt):
-        qtype, raw = qt.qtype, qt.blocks
-        self.qtype, self.shape = qtype, tuple(qt.shape)
+        self.qtype, self.shape, self.qt = qt.qtype, tuple(qt.shape), qt
+        self.nb = None                   # unpacked on the first product: a backend with its own kernel never does
+        if qt.qtype not in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+            raise NotImplementedError(qt.qtype)
+
+    def _unpack(self):
+        """The codes as float32 lanes for batched integer products, the scales and mins (4x the blocks' bytes)."""
+        qtype, raw = self.qtype, self.qt.blocks
         n = raw.shape[0]
         if qtype == "Q4_K":
             blk = np.asarray(raw).reshape(n, -1, 144)
@@ -598,6 +604,8 @@ class KQuantMatrix:
         return out
 
     def _matmul(self, x):
+        if self.nb is None:
+            self._unpack()
         qa, da, bsums = quantize_q8_k(x)
         t, n = x.shape[0], self.shape[0]
         qa_l = qa.reshape(t, self.nb, 8, 8, 4)
