@@ -160,13 +160,17 @@ def kquant_rows(code, blocks, qa, da, bsums, out):
     each 32-group times its scale, one FMA of d; Q4_K's mins through 4 lanes, Q5_K's one sum), a row a thread."""
     t_n, n, nb_ = qa.shape[0], blocks.shape[0], da.shape[1]
     size = blocks.shape[1] // nb_
+    q8s = np.empty((t_n, nb_, 8), np.int64)            # Q8_K's sums per 32-group (the mins' partners), once
+    for t in range(t_n):
+        for b in range(nb_):
+            for g in range(8):
+                q8s[t, b, g] = bsums[t, b, 2 * g] + bsums[t, b, 2 * g + 1]
     for r in nb.prange(n):
         acc, acc_m, summs = np.zeros((t_n, 8), F32), np.zeros((t_n, 4), F32), np.zeros(t_n, F32)
         sc, mins = np.empty(16, np.int32), np.empty(8, np.int32)
         sumi = np.empty(8, np.int32)                   # the integer lanes (group_dots), within int32: |sumi| < 2^26
         for b in range(nb_):
-            blk = blocks[r, b * size:(b + 1) * size]
-            d, dmin = _k_scales(code, blk, sc, mins)
+            d, dmin = _k_scales(code, blocks[r, b * size:(b + 1) * size], sc, mins)
             for t in range(t_n):
                 o = 256 * b
                 S.group_dots(code, blocks.ctypes.data + r * blocks.strides[0] + b * size,
@@ -180,17 +184,14 @@ def kquant_rows(code, blocks, qa, da, bsums, out):
                     acc[t, lane] = _fma(dt, F32(sumi[lane]), acc[t, lane])
                 if code != Q6_K:
                     dm = -da[t, b] * dmin
-                    q8s = np.empty(8, np.int64)
-                    for g in range(8):
-                        q8s[g] = bsums[t, b, 2 * g] + bsums[t, b, 2 * g + 1]
                     if code == Q4_K:
                         for j in range(4):
-                            acc_m[t, j] = _fma(dm, F32(mins[2 * j] * q8s[2 * j] + mins[2 * j + 1] * q8s[2 * j + 1]),
-                                               acc_m[t, j])
+                            acc_m[t, j] = _fma(dm, F32(mins[2 * j] * q8s[t, b, 2 * j] + mins[2 * j + 1]
+                                                       * q8s[t, b, 2 * j + 1]), acc_m[t, j])
                     else:
                         total = 0
                         for g in range(8):
-                            total += mins[g] * q8s[g]
+                            total += mins[g] * q8s[t, b, g]
                         summs[t] = _fma(dm, F32(total), summs[t])
         for t in range(t_n):
             y = _fold8(acc[t], 0)
