@@ -132,73 +132,34 @@ def quantize_q8k_rows(x, q, d, bsums):
             d[t, b] = F32(1) / iscale if mx != F32(0) else F32(0)
 
 
-@nb.njit(inline="always")
-def _f16_at(blk, at):
-    return f16_bits_to_f32(np.uint16(np.uint16(blk[at]) | (np.uint16(blk[at + 1]) << np.uint16(8))))
-
-
-@nb.njit(inline="always")
-def _k_scales(code, blk, sc, mins):
-    """One K-quant super-block's scales (Q4_K, Q5_K: 8 of 6 bits and their mins, get_scale_min_k4; Q6_K: 16 signed)
-    into sc and mins -> (d, dmin) as float32 (its codes: numba_simd.group_dots reads them)."""
-    if code == Q6_K:
-        for i in range(16):
-            sc[i] = np.int32(np.int8(blk[192 + i]))
-        return _f16_at(blk, 208), F32(0)
-    for i in range(4):
-        a, m, c = np.int32(blk[4 + i]), np.int32(blk[8 + i]), np.int32(blk[12 + i])
-        sc[i], mins[i] = a & 63, m & 63
-        sc[4 + i], mins[4 + i] = (c & 15) | ((a >> 6) << 4), (c >> 4) | ((m >> 6) << 4)
-    return _f16_at(blk, 0), _f16_at(blk, 2)
-
-
 @nb.njit(parallel=True, cache=True)
 def kquant_rows(code, blocks, qa, da, bsums, out):
     """numerics "ggml": Q4_K, Q5_K or Q6_K rows (code: numba_simd.TYPE_CODE; blocks: uint8 [N, NB * block bytes],
     the file's where they lie) times Q8_K activations (quantize_q8k_rows) -> out [T, N] f32: ggml_cpu.KQuantMatrix's
     products bit for bit (ggml_vec_dot_qN_K_q8_K, AVX2: per super-block 8 integer lanes, lane l = elements 4l..4l+3 of
-    each 32-group times its scale, one FMA of d; Q4_K's mins through 4 lanes, Q5_K's one sum), a row a thread."""
+    each 32-group times its scale, one FMA of d: numba_simd.kquant_block; Q4_K's mins through 4 lanes, Q5_K's one
+    sum), then the lanes summed (hsum8), a row a thread."""
     t_n, n, nb_ = qa.shape[0], blocks.shape[0], da.shape[1]
     size = blocks.shape[1] // nb_
-    q8s = np.empty((t_n, nb_, 8), np.int64)            # Q8_K's sums per 32-group (the mins' partners), once
+    q8s = np.empty((t_n, nb_, 8), np.int32)            # Q8_K's sums per 32-group (the mins' partners), once
     for t in range(t_n):
         for b in range(nb_):
             for g in range(8):
                 q8s[t, b, g] = bsums[t, b, 2 * g] + bsums[t, b, 2 * g + 1]
     for r in nb.prange(n):
-        acc, acc_m, summs = np.zeros((t_n, 8), F32), np.zeros((t_n, 4), F32), np.zeros(t_n, F32)
-        sc, mins = np.empty(16, np.int32), np.empty(8, np.int32)
-        sumi = np.empty(8, np.int32)                   # the integer lanes (group_dots), within int32: |sumi| < 2^26
+        acc, acc_m = np.zeros((t_n, 8), F32), np.zeros((t_n, 4), F32)      # Q5_K: acc_m[t, 0] its summs
+        row = blocks.ctypes.data + r * blocks.strides[0]
         for b in range(nb_):
-            d, dmin = _k_scales(code, blocks[r, b * size:(b + 1) * size], sc, mins)
             for t in range(t_n):
-                o = 256 * b
-                S.group_dots(code, blocks.ctypes.data + r * blocks.strides[0] + b * size,
-                             qa.ctypes.data + t * qa.shape[1] + o, sc.ctypes.data, sumi.ctypes.data)
-                if code == Q6_K:
-                    for lane in range(8):
-                        sumi[lane] -= 32 * (bsums[t, b, 2 * lane] * sc[2 * lane] + bsums[t, b, 2 * lane + 1]
-                                            * sc[2 * lane + 1])
-                dt = da[t, b] * d
-                for lane in range(8):
-                    acc[t, lane] = _fma(dt, F32(sumi[lane]), acc[t, lane])
-                if code != Q6_K:
-                    dm = -da[t, b] * dmin
-                    if code == Q4_K:
-                        for j in range(4):
-                            acc_m[t, j] = _fma(dm, F32(mins[2 * j] * q8s[t, b, 2 * j] + mins[2 * j + 1]
-                                                       * q8s[t, b, 2 * j + 1]), acc_m[t, j])
-                    else:
-                        total = 0
-                        for g in range(8):
-                            total += mins[g] * q8s[t, b, g]
-                        summs[t] = _fma(dm, F32(total), summs[t])
+                S.kquant_block(code, row + b * size, qa.ctypes.data + t * qa.shape[1] + 256 * b,
+                               q8s.ctypes.data + 32 * (t * nb_ + b), bsums.ctypes.data + 64 * (t * nb_ + b), da[t, b],
+                               acc.ctypes.data + 32 * t, acc_m.ctypes.data + 16 * t)
         for t in range(t_n):
             y = _fold8(acc[t], 0)
             if code == Q4_K:
                 y = y + ((acc_m[t, 0] + acc_m[t, 2]) + (acc_m[t, 1] + acc_m[t, 3]))
             elif code == Q5_K:
-                y = y + summs[t]
+                y = y + acc_m[t, 0]
             out[t, r] = y
 
 

@@ -655,34 +655,56 @@ def _kquant_codes(b, qtype, blk, g):
 KQUANT = ("Q4_K", "Q5_K", "Q6_K")
 
 
-def _group_scales(b, qtype, scp, g):
-    """<8 x i32>: group g's scale in each integer lane (Q6_K: scale 2g in lanes 0-3, 2g+1 in lanes 4-7, the two
-    16-element halves) from the int32 scales at scp."""
-    one = lambda i: b.load(b.gep(scp, [ir.Constant(I64, i)]))                     # noqa: E731
+def _i32s(b, v8, idx):
+    """Lanes idx of an integer vector, as an <len(idx) x i32>."""
+    return b.shuffle_vector(v8, v8, ir.Constant(ir.VectorType(I32, len(idx)), list(idx)))
+
+
+def _k_scales_ir(b, qtype, blk):
+    """A super-block's scales as int32 vectors: Q4_K, Q5_K -> (<8> scales, <8> mins) (get_scale_min_k4); Q6_K ->
+    (<16> signed scales, None)."""
+    at = lambda off, n: b.load(b.bitcast(b.gep(blk, [ir.Constant(I64, off)]), ir.VectorType(I8, n).as_pointer()),
+                               align=1)                                                  # noqa: E731
     if qtype == "Q6_K":
-        v = b.insert_element(b.insert_element(ir.Constant(V8I32, ir.Undefined), one(2 * g), ir.Constant(I32, 0)),
-                             one(2 * g + 1), ir.Constant(I32, 1))
-        return b.shuffle_vector(v, v, ir.Constant(V8I32, [0, 0, 0, 0, 1, 1, 1, 1]))
-    v = b.insert_element(ir.Constant(V8I32, ir.Undefined), one(g), ir.Constant(I32, 0))
-    return b.shuffle_vector(v, v, ir.Constant(V8I32, [0] * 8))
+        return b.sext(at(192, 16), ir.VectorType(I32, 16)), None
+    v = b.zext(at(4, 16), ir.VectorType(I32, 16))      # bytes a = 0..3, m = 4..7, c = 8..11 (12..15: codes, unread)
+    c4 = lambda v_: ir.Constant(ir.VectorType(I32, 4), [v_] * 4)    # noqa: E731
+    a, m, c = _i32s(b, v, range(0, 4)), _i32s(b, v, range(4, 8)), _i32s(b, v, range(8, 12))
+    hi_s = b.or_(b.and_(c, c4(15)), b.shl(b.lshr(a, c4(6)), c4(4)))
+    hi_m = b.or_(b.lshr(c, c4(4)), b.shl(b.lshr(m, c4(6)), c4(4)))
+    join = ir.Constant(ir.VectorType(I32, 8), list(range(8)))
+    return (b.shuffle_vector(b.and_(a, c4(63)), hi_s, join), b.shuffle_vector(b.and_(m, c4(63)), hi_m, join))
+
+
+def _f16_scalar(b, blk, off):
+    return b.fpext(b.load(b.bitcast(b.gep(blk, [ir.Constant(I64, off)]), F16.as_pointer()), align=1), F32)
+
+
+def _fma_f64_scalar(b, a, x, c):
+    return b.fptrunc(b.fadd(b.fmul(b.fpext(a, F64), b.fpext(x, F64)), b.fpext(c, F64)), F32)
 
 
 @intrinsic
-def group_dots(typingctx, code, blk_a, qa_a, sc_a, out_a):
-    """group_dots(code, blk, qa, sc, out): a K-quant super-block's integer lanes, numba_ggml.kquant_rows': its codes
-    read from the block at address blk (code: TYPE_CODE of Q4_K, Q5_K or Q6_K), and out[l] (8 int32) = the sum over
-    the 8 groups g of 32 of (the sum over k < 4 of codes[32g + 4l + k] * qa[32g + 4l + k]) times g's scale (sc: int32
-    scales, _group_scales), qa 256 signed bytes; exact (|out| < 2^26), the products by _dot_bytes (VNNI, AVX2) or
-    32-bit products."""
+def kquant_block(typingctx, code, blk_a, qa_a, q8s_a, bsums_a, da, acc_a, accm_a):
+    """kquant_block(code, blk, qa, q8s, bsums, da, acc, accm): one Q4_K, Q5_K or Q6_K super-block (code: TYPE_CODE; at
+    address blk) times one token's Q8_K block (qa: 256 int8; q8s: its 8 group sums, bsums: its 16 sums, int32; da: its
+    scale), into acc (8 float32) and accm (4 float32; Q5_K: accm[0] its summs) as ggml_cpu.KQuantMatrix does: integer
+    lanes (the codes' group dots by _dot_bytes times each group's scale; Q6_K less 32 times its block sums' scaled
+    pairs), acc = fma(da * d, lanes, acc), Q4_K's mins through 4 lanes (fma(-da * dmin, ...)), Q5_K's one sum, each
+    FMA ggml_cpu's float64 emulation."""
     def codegen(context, builder, signature, args):
         b = builder
         blk, ap = b.inttoptr(args[1], I8.as_pointer()), b.inttoptr(args[2], V32I8.as_pointer())
-        scp, op = b.inttoptr(args[3], I32.as_pointer()), b.inttoptr(args[4], V8I32.as_pointer())
+        q8p, bsp = b.inttoptr(args[3], V8I32.as_pointer()), b.inttoptr(args[4], ir.VectorType(I32, 16).as_pointer())
+        da_, accp = args[5], b.inttoptr(args[6], ir.VectorType(F32, 8).as_pointer())
+        V4F = ir.VectorType(F32, 4)
+        accmp = b.inttoptr(args[7], V4F.as_pointer())
         zero, half = ir.Constant(V8I32, [0] * 8), [ir.Constant(ir.VectorType(I32, 16), list(range(h, h + 16)))
                                                   for h in (0, 16)]
 
         def emit(qtype):
-            acc = zero
+            scales, mins = _k_scales_ir(b, qtype, blk)
+            sumi = zero
             for g in range(8):
                 c, a = _kquant_codes(b, qtype, blk, g), b.load(b.gep(ap, [ir.Constant(I64, g)]), align=1)
                 if PAIRS:
@@ -691,11 +713,36 @@ def group_dots(typingctx, code, blk_a, qa_a, sc_a, out_a):
                     cs = [b.zext(b.shuffle_vector(c, c, h), VI32) for h in half]
                     xs = [b.sext(b.shuffle_vector(a, a, h), VI32) for h in half]
                     r = _quad_sums(b, cs[0], cs[1], xs[0], xs[1])
-                acc = b.add(acc, b.mul(r, _group_scales(b, qtype, scp, g)))
-            b.store(acc, op, align=4)
+                sg = _i32s(b, scales, [2 * g] * 4 + [2 * g + 1] * 4) if qtype == "Q6_K" else _i32s(b, scales, [g] * 8)
+                sumi = b.add(sumi, b.mul(r, sg))
+            if qtype == "Q6_K":                 # less 32 (bsums[2l] scales[2l] + bsums[2l+1] scales[2l+1])
+                bs = b.load(bsp, align=4)
+                even, odd = range(0, 16, 2), range(1, 16, 2)
+                pairs = b.add(b.mul(_i32s(b, bs, even), _i32s(b, scales, even)),
+                              b.mul(_i32s(b, bs, odd), _i32s(b, scales, odd)))
+                sumi = b.sub(sumi, b.shl(pairs, ir.Constant(V8I32, [5] * 8)))
+            d = _f16_scalar(b, blk, 208 if qtype == "Q6_K" else 0)
+            acc = b.load(accp, align=4)
+            b.store(_fma_f64(b, _splat(b, b.fmul(da_, d), 8), b.sitofp(sumi, ir.VectorType(F32, 8)), acc), accp,
+                    align=4)
+            if qtype == "Q6_K":
+                return
+            dm = b.fmul(b.fsub(ir.Constant(F32, -0.0), da_), _f16_scalar(b, blk, 2))
+            q8 = b.mul(mins, b.load(q8p, align=4))                          # mins[g] * q8s[g]
+            if qtype == "Q4_K":
+                prod = b.add(_i32s(b, q8, range(0, 8, 2)), _i32s(b, q8, range(1, 8, 2)))
+                accm = b.load(accmp, align=4)
+                b.store(_fma_f64(b, _splat(b, dm, 4), b.sitofp(prod, V4F), accm), accmp, align=4)
+            else:                               # Q5_K: one sum of the 8, in order (integers: exact)
+                total = b.extract_element(q8, ir.Constant(I32, 0))
+                for g in range(1, 8):
+                    total = b.add(total, b.extract_element(q8, ir.Constant(I32, g)))
+                sp = b.bitcast(accmp, F32.as_pointer())
+                b.store(_fma_f64_scalar(b, dm, b.sitofp(total, F32), b.load(sp, align=4)), sp, align=4)
         _per_type(b, args[0], KQUANT, emit)
         return context.get_dummy_value()
-    return types.void(code, types.intp, types.intp, types.intp, types.intp), codegen
+    return types.void(code, types.intp, types.intp, types.intp, types.intp, types.float32, types.intp,
+                      types.intp), codegen
 
 
 def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa, d_stride, outa, out_stride,
