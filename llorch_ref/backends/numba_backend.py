@@ -295,16 +295,14 @@ class GgmlFusedDecoder(_OneCallStep):
                          c.pos, cfg.scale, self.kv_head)
 
 
-class GgmlKernelMatrix:
-    """numerics="ggml": a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight whose product runs the numba kernel ggml_rows on its
-    QTensor's blocks where they lie, bit for bit the NumPy emulation's result (numerics.ggml_cpu.
-    LegacyQuantMatrix, and so llama.cpp's)."""
+class _GgmlMatrix:
+    """numerics="ggml": a quantized weight whose product a numba kernel computes on its QTensor's blocks where they
+    lie, bit for bit the NumPy emulation's (numerics.ggml_cpu), and so llama.cpp's: matmul counts the path, makes x a
+    contiguous float32 [T, K] and hands it to _product (a subclass's) -> [T, N]."""
 
     def __init__(self, qt):
         self.qtype, self.shape = qt.qtype, tuple(qt.shape)
         self.qt = qt if qt.blocks.strides[1] == 1 else replace(qt, blocks=np.ascontiguousarray(qt.blocks))
-        self.rows = row_addresses([self.qt])
-        self.with_sum = ACT_TYPE[qt.qtype] == "Q8_1"
 
     @property
     def dtype(self):
@@ -313,38 +311,41 @@ class GgmlKernelMatrix:
     def matmul(self, x):
         PATHS[(self.qtype, "numba ggml kernel (in place)", "1 row" if x.shape[0] == 1 else "several rows")] += 1
         x = np.ascontiguousarray(x, dtype=np.float32)
-        t, k = x.shape
-        qa, da, sa = np.empty((t, k), np.int8), np.empty((t, k // 32), np.float32), np.empty((t, k // 32), np.float32)
-        G.quantize_rows(x, qa, da, sa)              # ggml_cpu.quantize_q8's bits (sa: Q8_1's sums, unread for Q8_0)
-        out = np.empty((t, self.shape[0]), np.float32)
-        K.ggml_rows(S.TYPE_CODE[self.qtype], self.rows, k // 32, qa, da, sa, out)
+        out = np.empty((x.shape[0], self.shape[0]), np.float32)
+        self._product(x, out)
         return out
 
 
-class GgmlKQuantMatrix:
-    """numerics="ggml": a Q4_K/Q5_K/Q6_K weight whose product runs numba_ggml.kquant_rows on its QTensor's blocks
-    where they lie, bit for bit the NumPy emulation's (numerics.ggml_cpu.KQuantMatrix, and so llama.cpp's), without
-    its unpacked copy (4x the blocks)."""
+class GgmlKernelMatrix(_GgmlMatrix):
+    """A Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight: Q8 activations (numba_ggml.quantize_rows), then numba_kernels.ggml_rows
+    (numerics.ggml_cpu.LegacyQuantMatrix's bits)."""
 
     def __init__(self, qt):
-        self.qtype, self.shape = qt.qtype, tuple(qt.shape)
-        self.blocks = qt.blocks if qt.blocks.strides[1] == 1 else np.ascontiguousarray(qt.blocks)
-        self.blocks = self.blocks.reshape(self.shape[0], -1)
+        super().__init__(qt)
+        self.rows = row_addresses([self.qt])
+        self.with_sum = ACT_TYPE[qt.qtype] == "Q8_1"
 
-    @property
-    def dtype(self):
-        return np.dtype(np.float32)
+    def _product(self, x, out):
+        t, k = x.shape
+        qa, da, sa = np.empty((t, k), np.int8), np.empty((t, k // 32), np.float32), np.empty((t, k // 32), np.float32)
+        G.quantize_rows(x, qa, da, sa)              # ggml_cpu.quantize_q8's bits (sa: Q8_1's sums, unread for Q8_0)
+        K.ggml_rows(S.TYPE_CODE[self.qtype], self.rows, k // 32, qa, da, sa, out)
 
-    def matmul(self, x):
-        PATHS[(self.qtype, "numba ggml kernel (in place)", "1 row" if x.shape[0] == 1 else "several rows")] += 1
-        x = np.ascontiguousarray(x, dtype=np.float32)
+
+class GgmlKQuantMatrix(_GgmlMatrix):
+    """A Q4_K/Q5_K/Q6_K weight: Q8_K activations (numba_ggml.quantize_q8k_rows), then numba_ggml.kquant_rows
+    (numerics.ggml_cpu.KQuantMatrix's bits), without the emulation's unpacked copy (4x the blocks)."""
+
+    def __init__(self, qt):
+        super().__init__(qt)
+        self.blocks = self.qt.blocks.reshape(self.shape[0], -1)
+
+    def _product(self, x, out):
         t, k = x.shape
         qa, da = np.empty((t, k), np.int8), np.empty((t, k // 256), np.float32)
         bsums = np.empty((t, k // 256, 16), np.int32)
         G.quantize_q8k_rows(x, qa, da, bsums)
-        out = np.empty((t, self.shape[0]), np.float32)
         G.kquant_rows(S.TYPE_CODE[self.qtype], self.blocks, qa, da, bsums, out)
-        return out
 
 
 def vector_registers(names=None) -> dict:
@@ -448,8 +449,7 @@ class NumbaBackend(Backend):
                 return GgmlKernelMatrix(a.qt)
             return GgmlKQuantMatrix(a.qt) if isinstance(a, KQuantMatrix) and a.qtype in G.KQUANT_TYPES else a
         layers = [type(lw)(**{k: swap(v) for k, v in vars(lw).items()}) for lw in weights.layers]
-        self.n_matrices = sum(isinstance(a, (GgmlKernelMatrix, GgmlKQuantMatrix)) for lw in layers
-                              for a in vars(lw).values())
+        self.n_matrices = sum(isinstance(a, _GgmlMatrix) for lw in layers for a in vars(lw).values())
         self.prompts_in_place = self.n_matrices > 0
         self.info["prompts"] = "ggml kernels on the blocks" if self.prompts_in_place else "ggml_cpu's NumPy emulation"
         return type(weights)(tok_embd=weights.tok_embd, layers=layers, out_norm=weights.out_norm,
