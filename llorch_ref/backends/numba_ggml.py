@@ -149,11 +149,17 @@ def kquant_rows(code, blocks, qa, da, bsums, out):
     for r in nb.prange(n):
         acc, acc_m = np.zeros((t_n, 8), F32), np.zeros((t_n, 4), F32)      # Q5_K: acc_m[t, 0] its summs
         row = blocks.ctypes.data + r * blocks.strides[0]
-        for b in range(nb_):
-            for t in range(t_n):
-                S.kquant_block(code, row + b * size, qa.ctypes.data + t * qa.shape[1] + 256 * b,
-                               q8s.ctypes.data + 32 * (t * nb_ + b), bsums.ctypes.data + 64 * (t * nb_ + b), da[t, b],
-                               acc.ctypes.data + 32 * t, acc_m.ctypes.data + 16 * t)
+        full = t_n - t_n % 4
+        for b in range(nb_):                           # 4 tokens a call (the codes decoded once for them), then 1
+            for t in range(0, t_n):
+                qa_t, q8_t = qa.ctypes.data + t * qa.shape[1] + 256 * b, q8s.ctypes.data + 32 * (t * nb_ + b)
+                bs_t, da_t = bsums.ctypes.data + 64 * (t * nb_ + b), da.ctypes.data + 4 * (t * nb_ + b)
+                if t < full and t % 4 == 0:
+                    S.kquant_block(code, 4, row + b * size, qa_t, q8_t, bs_t, da_t, acc.ctypes.data + 32 * t,
+                                   acc_m.ctypes.data + 16 * t, nb_)
+                elif t >= full:
+                    S.kquant_block(code, 1, row + b * size, qa_t, q8_t, bs_t, da_t, acc.ctypes.data + 32 * t,
+                                   acc_m.ctypes.data + 16 * t, nb_)
         for t in range(t_n):
             y = _fold8(acc[t], 0)
             if code == Q4_K:

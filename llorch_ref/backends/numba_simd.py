@@ -685,64 +685,74 @@ def _fma_f64_scalar(b, a, x, c):
 
 
 @intrinsic
-def kquant_block(typingctx, code, blk_a, qa_a, q8s_a, bsums_a, da, acc_a, accm_a):
-    """kquant_block(code, blk, qa, q8s, bsums, da, acc, accm): one Q4_K, Q5_K or Q6_K super-block (code: TYPE_CODE; at
-    address blk) times one token's Q8_K block (qa: 256 int8; q8s: its 8 group sums, bsums: its 16 sums, int32; da: its
-    scale), into acc (8 float32) and accm (4 float32; Q5_K: accm[0] its summs) as ggml_cpu.KQuantMatrix does: integer
-    lanes (the codes' group dots by _dot_bytes times each group's scale; Q6_K less 32 times its block sums' scaled
-    pairs), acc = fma(da * d, lanes, acc), Q4_K's mins through 4 lanes (fma(-da * dmin, ...)), Q5_K's one sum, each
-    FMA ggml_cpu's float64 emulation."""
+def kquant_block(typingctx, code, n_tokens, blk_a, qa_a, q8s_a, bsums_a, da_a, acc_a, accm_a, n_blocks):
+    """kquant_block(code, T, blk, qa, q8s, bsums, da, acc, accm, NB): one Q4_K, Q5_K or Q6_K super-block (code:
+    TYPE_CODE; at address blk; its codes decoded once) times T tokens' Q8_K blocks (T a constant; token t's: qa + t *
+    256 NB (256 int8), q8s + t * 8 NB (its 8 group sums) and bsums + t * 16 NB (its 16 sums), int32, da + t * NB (its
+    scale, float32)), into token t's acc + 8 t (8 float32) and accm + 4 t (4 float32; Q5_K: accm[0] its summs) as
+    ggml_cpu.KQuantMatrix does: integer lanes (the codes' group dots by _dot_bytes times each group's scale; Q6_K less
+    32 times its block sums' scaled pairs), acc = fma(da * d, lanes, acc), Q4_K's mins through 4 lanes (fma(-da *
+    dmin, ...)), Q5_K's one sum, each FMA ggml_cpu's float64 emulation."""
+    if not isinstance(n_tokens, types.IntegerLiteral):
+        return None
+    tokens = n_tokens.literal_value
+
     def codegen(context, builder, signature, args):
         b = builder
-        blk, ap = b.inttoptr(args[1], I8.as_pointer()), b.inttoptr(args[2], V32I8.as_pointer())
-        q8p, bsp = b.inttoptr(args[3], V8I32.as_pointer()), b.inttoptr(args[4], ir.VectorType(I32, 16).as_pointer())
-        da_, accp = args[5], b.inttoptr(args[6], ir.VectorType(F32, 8).as_pointer())
-        V4F = ir.VectorType(F32, 4)
-        accmp = b.inttoptr(args[7], V4F.as_pointer())
+        blk, nb_ = b.inttoptr(args[2], I8.as_pointer()), args[9]
+        at = lambda arg, ty, per, t: b.gep(b.inttoptr(args[arg], ty.as_pointer()),      # noqa: E731
+                                           [b.mul(nb_, ir.Constant(I64, per * t))])
+        V4F, V8F = ir.VectorType(F32, 4), ir.VectorType(F32, 8)
         zero, half = ir.Constant(V8I32, [0] * 8), [ir.Constant(ir.VectorType(I32, 16), list(range(h, h + 16)))
                                                   for h in (0, 16)]
 
         def emit(qtype):
             scales, mins = _k_scales_ir(b, qtype, blk)
-            sumi = zero
+            sumi = [zero] * tokens
             for g in range(8):
-                c, a = _kquant_codes(b, qtype, blk, g), b.load(b.gep(ap, [ir.Constant(I64, g)]), align=1)
-                if PAIRS:
-                    r = _dot_bytes(b, c, a, zero)
-                else:
-                    cs = [b.zext(b.shuffle_vector(c, c, h), VI32) for h in half]
-                    xs = [b.sext(b.shuffle_vector(a, a, h), VI32) for h in half]
-                    r = _quad_sums(b, cs[0], cs[1], xs[0], xs[1])
+                c = _kquant_codes(b, qtype, blk, g)
                 sg = _i32s(b, scales, [2 * g] * 4 + [2 * g + 1] * 4) if qtype == "Q6_K" else _i32s(b, scales, [g] * 8)
-                sumi = b.add(sumi, b.mul(r, sg))
-            if qtype == "Q6_K":                 # less 32 (bsums[2l] scales[2l] + bsums[2l+1] scales[2l+1])
-                bs = b.load(bsp, align=4)
-                even, odd = range(0, 16, 2), range(1, 16, 2)
-                pairs = b.add(b.mul(_i32s(b, bs, even), _i32s(b, scales, even)),
-                              b.mul(_i32s(b, bs, odd), _i32s(b, scales, odd)))
-                sumi = b.sub(sumi, b.shl(pairs, ir.Constant(V8I32, [5] * 8)))
+                for t in range(tokens):
+                    a = b.load(b.bitcast(b.gep(at(3, I8, 256, t), [ir.Constant(I64, 32 * g)]), V32I8.as_pointer()),
+                               align=1)
+                    if PAIRS:
+                        r = _dot_bytes(b, c, a, zero)
+                    else:
+                        cs = [b.zext(b.shuffle_vector(c, c, h), VI32) for h in half]
+                        xs = [b.sext(b.shuffle_vector(a, a, h), VI32) for h in half]
+                        r = _quad_sums(b, cs[0], cs[1], xs[0], xs[1])
+                    sumi[t] = b.add(sumi[t], b.mul(r, sg))
             d = _f16_scalar(b, blk, 208 if qtype == "Q6_K" else 0)
-            acc = b.load(accp, align=4)
-            b.store(_fma_f64(b, _splat(b, b.fmul(da_, d), 8), b.sitofp(sumi, ir.VectorType(F32, 8)), acc), accp,
-                    align=4)
-            if qtype == "Q6_K":
-                return
-            dm = b.fmul(b.fsub(ir.Constant(F32, -0.0), da_), _f16_scalar(b, blk, 2))
-            q8 = b.mul(mins, b.load(q8p, align=4))                          # mins[g] * q8s[g]
-            if qtype == "Q4_K":
-                prod = b.add(_i32s(b, q8, range(0, 8, 2)), _i32s(b, q8, range(1, 8, 2)))
-                accm = b.load(accmp, align=4)
-                b.store(_fma_f64(b, _splat(b, dm, 4), b.sitofp(prod, V4F), accm), accmp, align=4)
-            else:                               # Q5_K: one sum of the 8, in order (integers: exact)
-                total = b.extract_element(q8, ir.Constant(I32, 0))
-                for g in range(1, 8):
-                    total = b.add(total, b.extract_element(q8, ir.Constant(I32, g)))
-                sp = b.bitcast(accmp, F32.as_pointer())
-                b.store(_fma_f64_scalar(b, dm, b.sitofp(total, F32), b.load(sp, align=4)), sp, align=4)
+            dmin = None if qtype == "Q6_K" else _f16_scalar(b, blk, 2)
+            for t in range(tokens):
+                da_ = b.load(at(6, F32, 1, t))
+                if qtype == "Q6_K":             # less 32 (bsums[2l] scales[2l] + bsums[2l+1] scales[2l+1])
+                    bs = b.load(b.bitcast(at(5, I32, 16, t), ir.VectorType(I32, 16).as_pointer()), align=4)
+                    even, odd = range(0, 16, 2), range(1, 16, 2)
+                    pairs = b.add(b.mul(_i32s(b, bs, even), _i32s(b, scales, even)),
+                                  b.mul(_i32s(b, bs, odd), _i32s(b, scales, odd)))
+                    sumi[t] = b.sub(sumi[t], b.shl(pairs, ir.Constant(V8I32, [5] * 8)))
+                accp = b.bitcast(b.gep(b.inttoptr(args[7], F32.as_pointer()), [ir.Constant(I64, 8 * t)]),
+                                 V8F.as_pointer())
+                b.store(_fma_f64(b, _splat(b, b.fmul(da_, d), 8), b.sitofp(sumi[t], V8F), b.load(accp, align=4)), accp,
+                        align=4)
+                if dmin is None:
+                    continue
+                dm = b.fmul(b.fsub(ir.Constant(F32, -0.0), da_), dmin)
+                q8 = b.mul(mins, b.load(b.bitcast(at(4, I32, 8, t), V8I32.as_pointer()), align=4))  # mins[g] q8s[g]
+                accm = b.gep(b.inttoptr(args[8], F32.as_pointer()), [ir.Constant(I64, 4 * t)])
+                if qtype == "Q4_K":
+                    prod = b.add(_i32s(b, q8, range(0, 8, 2)), _i32s(b, q8, range(1, 8, 2)))
+                    vp = b.bitcast(accm, V4F.as_pointer())
+                    b.store(_fma_f64(b, _splat(b, dm, 4), b.sitofp(prod, V4F), b.load(vp, align=4)), vp, align=4)
+                else:                           # Q5_K: one sum of the 8, in order (integers: exact)
+                    total = b.extract_element(q8, ir.Constant(I32, 0))
+                    for g in range(1, 8):
+                        total = b.add(total, b.extract_element(q8, ir.Constant(I32, g)))
+                    b.store(_fma_f64_scalar(b, dm, b.sitofp(total, F32), b.load(accm, align=4)), accm, align=4)
         _per_type(b, args[0], KQUANT, emit)
         return context.get_dummy_value()
-    return types.void(code, types.intp, types.intp, types.intp, types.intp, types.float32, types.intp,
-                      types.intp), codegen
+    return types.void(code, n_tokens, *([types.intp] * 8)), codegen
 
 
 def _emit_ggml(b, qtype, n_rows, tokens, rowsa, aheada, qaa, qa_stride, daa, saa, d_stride, outa, out_stride,
