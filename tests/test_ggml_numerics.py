@@ -50,6 +50,23 @@ def test_numba_k_quant_products_equal_the_numpy_emulation(qt):
     assert not np.array_equal(fast.matmul(bad), want)
 
 
+@pytest.mark.parametrize("qt", ["Q4_K", "Q6_K", "Q5_0"])
+def test_fused_step_products_equal_the_matrices(qt):
+    """numba_ggml.product, the fused decode step's product (K-quants by kquant_rows on row addresses, legacy types by
+    ggml_rows), gives the bits of the weight's own kernel matrix, one token."""
+    need_backend("numba")
+    from llorch_ref.backends import numba_ggml as G
+    from llorch_ref.backends import numba_simd as S
+    from llorch_ref.backends.numba_backend import GgmlKernelMatrix, GgmlKQuantMatrix
+    from llorch_ref.testing.blocks import random_qtensor
+
+    m = (GgmlKQuantMatrix if qt.endswith("_K") else GgmlKernelMatrix)(random_qtensor(qt, 19, 512, 2))
+    x = np.random.default_rng(4).standard_normal(512).astype(np.float32) * 3
+    got = G.product(S.TYPE_CODE[qt], m.rows, 512 // m.block, x)
+    assert np.array_equal(got, m.matmul(x[None])[0])
+    assert not np.array_equal(G.product(S.TYPE_CODE[qt], m.rows[::-1].copy(), 512 // m.block, x), got)
+
+
 @pytest.mark.parametrize("qt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_numba_ggml_products_equal_the_numpy_emulation(qt):
     """The numba kernel against ggml_cpu.LegacyQuantMatrix, bit for bit: one row and several, activations of very
@@ -274,7 +291,8 @@ def test_k_quant_copies_bit_identical(tmp_path_factory, default_f32, llamacpp, k
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M"])
 def test_k_quant_copies_bit_identical_on_numba(tmp_path_factory, default_f32, llamacpp, kv, ftype):
     """numba's K-quant kernel (numba_ggml.kquant_rows: Q4_K, Q5_K, Q6_K on the file's blocks) on llama.cpp's own
-    Q4_K_M and Q5_K_M copies of the default model: logits bit-identical to llama.cpp's, greedy equal."""
+    Q4_K_M and Q5_K_M copies of the default model: logits bit-identical to llama.cpp's, greedy equal (their Q, K and
+    V of different types, the steps op by op)."""
     need_backend("numba")
     from llorch_ref.backends.numba_backend import GgmlKQuantMatrix
     from llorch_ref.references.llamacpp import LlamaCpp

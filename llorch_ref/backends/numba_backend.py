@@ -272,7 +272,7 @@ class GgmlFusedDecoder(_OneCallStep):
         groups = []
         for lw in w.layers:
             gs = [(lw.wq, lw.wk, lw.wv), (lw.wo,), (lw.w_gate, lw.w_up), (lw.w_down,)]
-            if not all(isinstance(m, GgmlKernelMatrix) and (m.qtype, m.shape[1]) == (g[0].qtype, g[0].shape[1])
+            if not all(isinstance(m, _GgmlMatrix) and (m.qtype, m.shape[1]) == (g[0].qtype, g[0].shape[1])
                        for g in gs for m in g):
                 return None
             groups.append(gs)
@@ -283,7 +283,7 @@ class GgmlFusedDecoder(_OneCallStep):
         return dict(attn_norms=np.stack([np.asarray(lw.attn_norm, np.float32) for lw in w.layers]),
                     ffn_norms=np.stack([np.asarray(lw.ffn_norm, np.float32) for lw in w.layers]),
                     codes=np.array([[S.TYPE_CODE[g[0].qtype] for g in gs] for gs in groups], np.int64),
-                    n_blocks=np.array([[g[0].shape[1] // 32 for g in gs] for gs in groups], np.int64),
+                    n_blocks=np.array([[g[0].shape[1] // g[0].block for g in gs] for gs in groups], np.int64),
                     rows=np.stack([np.concatenate([m.rows for g in gs for m in g]) for gs in groups]),
                     shapes=(gs0[0][0].shape[0], gs0[0][1].shape[0], gs0[2][0].shape[0]))
 
@@ -300,9 +300,12 @@ class _GgmlMatrix:
     lie, bit for bit the NumPy emulation's (numerics.ggml_cpu), and so llama.cpp's: matmul counts the path, makes x a
     contiguous float32 [T, K] and hands it to _product (a subclass's) -> [T, N]."""
 
+    block = 32                         # elements a block (K-quants: 256)
+
     def __init__(self, qt):
         self.qtype, self.shape = qt.qtype, tuple(qt.shape)
         self.qt = qt if qt.blocks.strides[1] == 1 else replace(qt, blocks=np.ascontiguousarray(qt.blocks))
+        self.rows = row_addresses([self.qt])            # where each row's blocks start: the kernels read them there
 
     @property
     def dtype(self):
@@ -322,7 +325,6 @@ class GgmlKernelMatrix(_GgmlMatrix):
 
     def __init__(self, qt):
         super().__init__(qt)
-        self.rows = row_addresses([self.qt])
         self.with_sum = ACT_TYPE[qt.qtype] == "Q8_1"
 
     def _product(self, x, out):
@@ -336,16 +338,14 @@ class GgmlKQuantMatrix(_GgmlMatrix):
     """A Q4_K/Q5_K/Q6_K weight: Q8_K activations (numba_ggml.quantize_q8k_rows), then numba_ggml.kquant_rows
     (numerics.ggml_cpu.KQuantMatrix's bits), without the emulation's unpacked copy (4x the blocks)."""
 
-    def __init__(self, qt):
-        super().__init__(qt)
-        self.blocks = self.qt.blocks.reshape(self.shape[0], -1)
+    block = 256
 
     def _product(self, x, out):
         t, k = x.shape
         qa, da = np.empty((t, k), np.int8), np.empty((t, k // 256), np.float32)
         bsums = np.empty((t, k // 256, 16), np.int32)
         G.quantize_q8k_rows(x, qa, da, bsums)
-        G.kquant_rows(S.TYPE_CODE[self.qtype], self.blocks, qa, da, bsums, out)
+        G.kquant_rows(S.TYPE_CODE[self.qtype], self.rows, qa, da, bsums, out)
 
 
 def vector_registers(names=None) -> dict:

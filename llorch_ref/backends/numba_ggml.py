@@ -133,14 +133,14 @@ def quantize_q8k_rows(x, q, d, bsums):
 
 
 @nb.njit(parallel=True, cache=True)
-def kquant_rows(code, blocks, qa, da, bsums, out):
-    """numerics "ggml": Q4_K, Q5_K or Q6_K rows (code: numba_simd.TYPE_CODE; blocks: uint8 [N, NB * block bytes],
-    the file's where they lie) times Q8_K activations (quantize_q8k_rows) -> out [T, N] f32: ggml_cpu.KQuantMatrix's
-    products bit for bit (ggml_vec_dot_qN_K_q8_K, AVX2: per super-block 8 integer lanes, lane l = elements 4l..4l+3 of
-    each 32-group times its scale, one FMA of d: numba_simd.kquant_block; Q4_K's mins through 4 lanes, Q5_K's one
-    sum), then the lanes summed (hsum8), a row a thread."""
-    t_n, n, nb_ = qa.shape[0], blocks.shape[0], da.shape[1]
-    size = blocks.shape[1] // nb_
+def kquant_rows(code, rows, qa, da, bsums, out):
+    """numerics "ggml": Q4_K, Q5_K or Q6_K rows (code: numba_simd.TYPE_CODE; rows: int64 [N] addresses of each row's
+    super-blocks, the file's where they lie, as ggml_rows takes them) times Q8_K activations (quantize_q8k_rows) ->
+    out [T, N] f32: ggml_cpu.KQuantMatrix's products bit for bit (ggml_vec_dot_qN_K_q8_K, AVX2: per super-block 8
+    integer lanes, lane l = elements 4l..4l+3 of each 32-group times its scale, one FMA of d: numba_simd.kquant_block;
+    Q4_K's mins through 4 lanes, Q5_K's one sum), then the lanes summed (hsum8), a row a thread."""
+    t_n, n, nb_ = qa.shape[0], rows.shape[0], da.shape[1]
+    size = 144 if code == Q4_K else 176 if code == Q5_K else 210
     q8s = np.empty((t_n, nb_, 8), np.int32)            # Q8_K's sums per 32-group (the mins' partners), once
     for t in range(t_n):
         for b in range(nb_):
@@ -148,7 +148,7 @@ def kquant_rows(code, blocks, qa, da, bsums, out):
                 q8s[t, b, g] = bsums[t, b, 2 * g] + bsums[t, b, 2 * g + 1]
     for r in nb.prange(n):
         acc, acc_m = np.zeros((t_n, 8), F32), np.zeros((t_n, 4), F32)      # Q5_K: acc_m[t, 0] its summs
-        row = blocks.ctypes.data + r * blocks.strides[0]
+        row = rows[r]
         full = t_n - t_n % 4
         for b in range(nb_):                           # 4 tokens a call (the codes decoded once for them), then 1
             for t in range(0, t_n):
@@ -171,11 +171,18 @@ def kquant_rows(code, blocks, qa, da, bsums, out):
 
 @nb.njit(cache=True)
 def product(code, rows, n_blocks, x):
-    """x: [K] f32 -> [N] f32: the Q8 activations, then ggml_rows on the rows' blocks."""
+    """x: [K] f32 -> [N] f32: the Q8 activations, then ggml_rows on the rows' blocks; for Q4_K, Q5_K, Q6_K the Q8_K
+    activations, then kquant_rows."""
+    out = np.empty((1, rows.shape[0]), F32)
+    if code == Q4_K or code == Q5_K or code == Q6_K:
+        q, d = np.empty((1, x.shape[0]), np.int8), np.empty((1, x.shape[0] // 256), F32)
+        bsums = np.empty((1, x.shape[0] // 256, 16), np.int32)
+        quantize_q8k_rows(x.reshape(1, -1), q, d, bsums)
+        kquant_rows(code, rows, q, d, bsums, out)
+        return out[0]
     n_b = x.shape[0] // 32
     q, d, s = np.empty((1, x.shape[0]), np.int8), np.empty((1, n_b), F32), np.empty((1, n_b), F32)
     quantize_q8(x, q[0], d[0], s[0])
-    out = np.empty((1, rows.shape[0]), F32)
     K.ggml_rows(code, rows, n_blocks, q, d, s, out)
     return out[0]
 
