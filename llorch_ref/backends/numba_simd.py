@@ -576,7 +576,13 @@ def _bytes(v):
 def _dot_bytes(b, u, s, base):
     """<32 x i8> u (unsigned), s (signed) -> base + <8 x i32>: lane l the sum of u[j] * s[j] over j = 4l..4l+3,
     exact: one vpdpbusd (VNNI), or vpmaddubsw then vpmaddwd (its 16-bit pair sums stay below 2^15 for every caller:
-    codes below 32 times activations within +-127, or |Q8_0 codes| <= 128 times them)."""
+    codes below 64 times activations within +-127, or |Q8_0 codes| <= 128 times them), or below AVX2 32-bit
+    products (_quad_sums)."""
+    if not PAIRS:
+        halves = [ir.Constant(ir.VectorType(I32, 16), list(range(h, h + 16))) for h in (0, 16)]
+        us = [b.zext(b.shuffle_vector(u, u, h), VI32) for h in halves]
+        ss = [b.sext(b.shuffle_vector(s, s, h), VI32) for h in halves]
+        return b.add(base, _quad_sums(b, us[0], us[1], ss[0], ss[1]))
     if VNNI:
         return _call(b, "llvm.x86.avx512.vpdpbusd.256", V8I32, [base, b.bitcast(u, V8I32), b.bitcast(s, V8I32)])
     pairs = _call(b, "llvm.x86.avx2.pmadd.ub.sw", V16I16, [u, s])
@@ -638,7 +644,7 @@ def _ggml_acts(b, qtype, qa):
 def _kquant_codes(b, qtype, blk, g):
     """Group g (elements 32g..32g+31) of a Q4_K, Q5_K or Q6_K super-block at i8* blk -> its 32 codes as unsigned
     bytes (ggml_cpu.k_codes' values: Q5_K 0..31, Q6_K 0..63 with its -32 left to the block sums)."""
-    load = lambda at: b.load(b.bitcast(b.gep(blk, [ir.Constant(I64, at)]), V32I8.as_pointer()), align=1)  # noqa
+    load = lambda at: b.load(_Block(b, blk).at(at, V32I8), align=1)                                     # noqa
     shr = lambda v, n: b.lshr(v, _bytes(n)) if n else v                                                 # noqa
     low = lambda v: b.and_(v, _bytes(15))                                                                # noqa
     if qtype == "Q6_K":
@@ -663,8 +669,7 @@ def _i32s(b, v8, idx):
 def _k_scales_ir(b, qtype, blk):
     """A super-block's scales as int32 vectors: Q4_K, Q5_K -> (<8> scales, <8> mins) (get_scale_min_k4); Q6_K ->
     (<16> signed scales, None)."""
-    at = lambda off, n: b.load(b.bitcast(b.gep(blk, [ir.Constant(I64, off)]), ir.VectorType(I8, n).as_pointer()),
-                               align=1)                                                  # noqa: E731
+    at = lambda off, n: b.load(_Block(b, blk).at(off, ir.VectorType(I8, n)), align=1)    # noqa: E731
     if qtype == "Q6_K":
         return b.sext(at(192, 16), ir.VectorType(I32, 16)), None
     v = b.zext(at(4, 16), ir.VectorType(I32, 16))      # bytes a = 0..3, m = 4..7, c = 8..11 (12..15: codes, unread)
@@ -674,14 +679,6 @@ def _k_scales_ir(b, qtype, blk):
     hi_m = b.or_(b.lshr(c, c4(4)), b.shl(b.lshr(m, c4(6)), c4(4)))
     join = ir.Constant(ir.VectorType(I32, 8), list(range(8)))
     return (b.shuffle_vector(b.and_(a, c4(63)), hi_s, join), b.shuffle_vector(b.and_(m, c4(63)), hi_m, join))
-
-
-def _f16_scalar(b, blk, off):
-    return b.fpext(b.load(b.bitcast(b.gep(blk, [ir.Constant(I64, off)]), F16.as_pointer()), align=1), F32)
-
-
-def _fma_f64_scalar(b, a, x, c):
-    return b.fptrunc(b.fadd(b.fmul(b.fpext(a, F64), b.fpext(x, F64)), b.fpext(c, F64)), F32)
 
 
 @intrinsic
@@ -703,8 +700,7 @@ def kquant_block(typingctx, code, n_tokens, blk_a, qa_a, q8s_a, bsums_a, da_a, a
         at = lambda arg, ty, per, t: b.gep(b.inttoptr(args[arg], ty.as_pointer()),      # noqa: E731
                                            [b.mul(nb_, ir.Constant(I64, per * t))])
         V4F, V8F = ir.VectorType(F32, 4), ir.VectorType(F32, 8)
-        zero, half = ir.Constant(V8I32, [0] * 8), [ir.Constant(ir.VectorType(I32, 16), list(range(h, h + 16)))
-                                                  for h in (0, 16)]
+        zero, k = ir.Constant(V8I32, [0] * 8), _Block(b, blk)
 
         def emit(qtype):
             scales, mins = _k_scales_ir(b, qtype, blk)
@@ -715,15 +711,9 @@ def kquant_block(typingctx, code, n_tokens, blk_a, qa_a, q8s_a, bsums_a, da_a, a
                 for t in range(tokens):
                     a = b.load(b.bitcast(b.gep(at(3, I8, 256, t), [ir.Constant(I64, 32 * g)]), V32I8.as_pointer()),
                                align=1)
-                    if PAIRS:
-                        r = _dot_bytes(b, c, a, zero)
-                    else:
-                        cs = [b.zext(b.shuffle_vector(c, c, h), VI32) for h in half]
-                        xs = [b.sext(b.shuffle_vector(a, a, h), VI32) for h in half]
-                        r = _quad_sums(b, cs[0], cs[1], xs[0], xs[1])
-                    sumi[t] = b.add(sumi[t], b.mul(r, sg))
-            d = _f16_scalar(b, blk, 208 if qtype == "Q6_K" else 0)
-            dmin = None if qtype == "Q6_K" else _f16_scalar(b, blk, 2)
+                    sumi[t] = b.add(sumi[t], b.mul(_dot_bytes(b, c, a, zero), sg))
+            d = k.f16(208 if qtype == "Q6_K" else 0)
+            dmin = None if qtype == "Q6_K" else k.f16(2)
             for t in range(tokens):
                 da_ = b.load(at(6, F32, 1, t))
                 if qtype == "Q6_K":             # less 32 (bsums[2l] scales[2l] + bsums[2l+1] scales[2l+1])
@@ -749,7 +739,7 @@ def kquant_block(typingctx, code, n_tokens, blk_a, qa_a, q8s_a, bsums_a, da_a, a
                     total = b.extract_element(q8, ir.Constant(I32, 0))
                     for g in range(1, 8):
                         total = b.add(total, b.extract_element(q8, ir.Constant(I32, g)))
-                    b.store(_fma_f64_scalar(b, dm, b.sitofp(total, F32), b.load(accm, align=4)), accm, align=4)
+                    b.store(_fma_f64(b, dm, b.sitofp(total, F32), b.load(accm, align=4)), accm, align=4)
         _per_type(b, args[0], KQUANT, emit)
         return context.get_dummy_value()
     return types.void(code, n_tokens, *([types.intp] * 8)), codegen
@@ -808,9 +798,9 @@ F64 = ir.DoubleType()
 
 
 def _fma_f64(b, a, x, c):
-    """a * x + c for float32 vectors as ggml_cpu.fma emulates ggml's fused multiply-add: the product exact in float64,
-    the sum in float64, rounded to float32 (no contraction: numba's code is not fast-math)."""
-    vd = ir.VectorType(F64, a.type.count)
+    """a * x + c for float32 vectors or scalars as ggml_cpu.fma emulates ggml's fused multiply-add: the product exact
+    in float64, the sum in float64, rounded to float32 (no contraction: numba's code is not fast-math)."""
+    vd = ir.VectorType(F64, a.type.count) if isinstance(a.type, ir.VectorType) else F64
     return b.fptrunc(b.fadd(b.fmul(b.fpext(a, vd), b.fpext(x, vd)), b.fpext(c, vd)), a.type)
 
 
