@@ -501,15 +501,17 @@ def test_numba_kernels_load_from_the_cache_without_numbas_compile_registries():
     assert probe(numba_load=True)[2] == "True"
 
 
-@pytest.mark.parametrize("model", ["tiny-Q4_0", "tiny-Q4_1", "default"])
+@pytest.mark.parametrize("model", ["tiny-Q4_0", "tiny-Q4_1", "tiny-k_mixed", "default"])
 def test_numba_fused_decode_step_equals_the_op_by_op_step(tiny, default_model, model, monkeypatch):
     """The fused one-token step (each layer in one numba call) against the op-by-op forward the checkpoints
-    record: the same logits and the same K/V cache, to the bit, over several steps. The prompts' several-token
+    record: the same logits and the same K/V cache, to the bit, over several steps (k_mixed: Q4_K and Q6_K mixed in
+    Q/K/V and between layers, as in llama.cpp's Q4_K_M files: the stacked runs). The prompts' several-token
     products pinned to BLAS's threads: on a busy machine cpu_split would cut them into row panels, which some
     OpenBLAS builds multiply with other kernels (cpu_split's docstring), and the two prefills could differ."""
     need_backend("numba")
     monkeypatch.setenv("LLORCH_BLAS_SPLIT", "blas")
-    path = default_model if model == "default" else tiny(vocab="bpe", weight_type=model.split("-")[1])
+    wide = dict(d_model=256, d_ff=512, n_layers=3) if model == "tiny-k_mixed" else {}
+    path = default_model if model == "default" else tiny(vocab="bpe", weight_type=model.split("-")[1], **wide)
     eng = llorch_ref.load(path, backend="numba")
     ids = eng.tokenizer.encode("Hello world, the")
     a, b = eng.new_cache(), eng.new_cache()
@@ -517,6 +519,9 @@ def test_numba_fused_decode_step_equals_the_op_by_op_step(tiny, default_model, m
         eng.forward(ids, c, rows=[len(ids) - 1])
     fused = eng.backend.make_decoder(eng, a)
     assert eng.backend.info["fused_decode"] and type(fused).__name__ == "FusedDecoder"
+    if wide:
+        assert {k[0] for k in fused.paths} == {"Q4_K", "Q6_K"} and fused.paths[
+            ("Q4_K", "numba kernel (in place), 3 matrices stacked, fused layer step", "1 row")] == 2   # layers 0, 2
     for tok in (5, 17, 3, 99, 5):
         np.testing.assert_array_equal(fused(tok), eng.forward([tok], b, rows=[0]))
     assert a.pos == b.pos

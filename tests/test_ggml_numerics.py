@@ -292,7 +292,7 @@ def test_k_quant_copies_bit_identical(tmp_path_factory, default_f32, llamacpp, k
 def test_k_quant_copies_bit_identical_on_numba(tmp_path_factory, default_f32, llamacpp, kv, ftype):
     """numba's K-quant kernel (numba_ggml.kquant_rows: Q4_K, Q5_K, Q6_K on the file's blocks) on llama.cpp's own
     Q4_K_M and Q5_K_M copies of the default model: logits bit-identical to llama.cpp's, greedy equal (their Q, K and
-    V of different types, the steps op by op)."""
+    V of different types, Q5_0 and Q8_0, in some layers: the fused step's runs of one type)."""
     need_backend("numba")
     from llorch_ref.backends.numba_backend import GgmlKQuantMatrix
     from llorch_ref.references.llamacpp import LlamaCpp
@@ -311,6 +311,7 @@ def test_k_quant_copies_bit_identical_on_numba(tmp_path_factory, default_f32, ll
     assert m["max_abs"] == 0.0, m
     n = 16 if kv == "float32" else 8
     assert list(eng.generate_ids(ids, max_tokens=n, ignore_eos=True)) == ref.greedy(ids, n)
+    assert eng.backend.info["fused_decode"] is True
 
 
 def test_unimplemented_type_is_a_clear_error(tiny):
@@ -423,16 +424,17 @@ def test_numba_several_token_attention_equals_the_emulation(t, s, hd, kv_dtype, 
         assert not np.array_equal(loose[0], got[0])                  # the float16 roundings are seen
 
 
-@pytest.mark.parametrize("wt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("wt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "k_mixed"])
 @pytest.mark.parametrize("kv", ["float32", "float16"])
 def test_fused_numba_ggml_decode_bit_identical_to_llamacpp(tiny, llamacpp, wt, kv):
     """The decoder generation uses (one numba call a step) against llama.cpp's decode, every logit, 6 steps, on
-    either K/V cache type."""
+    either K/V cache type (k_mixed: Q4_K and Q6_K mixed in Q/K/V and between layers, as in a Q4_K_M file)."""
     from llorch_ref.backends.numba_backend import GgmlFusedDecoder
     from llorch_ref.references.llamacpp import LlamaCpp
 
     need_backend("numba")
-    path = tiny(vocab="none", weight_type=wt)
+    wide = dict(d_model=256, d_ff=512, n_layers=3) if wt == "k_mixed" else {}
+    path = tiny(vocab="none", weight_type=wt, **wide)
     eng = llorch_ref.load(path, numerics="ggml", kv_dtype=kv, backend="numba")
     ref = LlamaCpp(path, n_ctx=128, kv_dtype=kv)
     cache = eng.new_cache()

@@ -11,7 +11,8 @@ layers of the 8B shape); 'smollm2-135m' (the default model's shape and block typ
 matrices in --type, for timing on a machine that cannot fetch the default model). The quantized blocks are drawn
 directly (seeded per tensor name, so every run writes the same bytes): Q8_0 int8 codes with one f16 scale per 32
 weights, Q4_0 nibbles with one, Q4_1 nibbles with a scale and a minimum, Q4_K nibbles with random
-6-bit sub-block scales and mins, d and dmin set so the weights have the standard deviation asked for.
+6-bit sub-block scales and mins, d and dmin set so the weights have the standard deviation asked for;
+--type Q4_K_M mixes Q4_K and Q6_K as llama.cpp's quantizer does (tensor_type), so that Q, K and V differ in type.
 Norm weights are F32 near 1. The vocabulary is a small trained one (llorch_ref.testing.tiny) padded with
 unused tokens to the full size, or, with --vocab-from FILE, every tokenizer.* key of another GGUF (its vocabulary
 size must be the shape's): the default model's vocabulary travels in 2 MB where its 98 MB file cannot, and a
@@ -22,12 +23,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 from llorch_ref.model.qtensor import block_size
+from llorch_ref.testing.blocks import random_blocks, seeded_rng
 
 SHAPES = {
     "llama2-7b": dict(d=4096, f=11008, layers=32, heads=32, kv=32, vocab=32000, ctx=4096, base=10000.0, vocab_kind="spm"),
@@ -45,38 +46,24 @@ SHAPES = {
                                                          "original_max_position_embeddings": 8192}),
 }
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")        # the block types random_blocks draws (sizes: block_size)
+MIXTURES = ("Q4_K_M",)                                  # --type values that mix them as llama.cpp's quantizer does
 
 
-def _rng(name, seed):
-    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+def more_bits(i, n):
+    """llama.cpp's use_more_bits(i, n): the layers whose attn_v and ffn_down a Q4_K_M file keeps in Q6_K (the first
+    and last eighth, and every third between)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def random_blocks(name, rows, cols, qtype, std, seed) -> np.ndarray:
-    """-> uint8 [rows, cols / block * block_bytes]: random blocks of qtype with weights of about `std`."""
-    per, size = block_size(qtype)
-    nb = rows * cols // per
-    rng = _rng(name, seed)
-    out = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
-    if qtype == "Q8_0":
-        out[:, 2:] = np.clip(out[:, 2:].view(np.int8), -127, 127).view(np.uint8)
-        d = np.full(nb, std / 73.3, dtype=np.float16)               # uniform int8 in [-127, 127]: std 73.3
-        out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
-    elif qtype == "Q4_0":                                            # w = d * (q - 8), q uniform in 0..15
-        d = np.full(nb, std / 4.61, dtype=np.float16)
-        out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
-    elif qtype == "Q4_1":                                            # w = d * q + m, m = -7.5 d
-        d = np.full(nb, std / 4.61, dtype=np.float16)
-        out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
-        out[:, 2:4] = (d.astype(np.float32) * -7.5).astype(np.float16).view(np.uint8).reshape(nb, 2)
-    elif qtype == "Q6_K":                                            # w = d * sc * (q - 32), sc in -64..63
-        out[:, 192:208] = ((out[:, 192:208] // 2).astype(np.int16) - 64).astype(np.int8).view(np.uint8)
-        d = np.full(nb, std / (37.0 * 18.5), dtype=np.float16)
-        out[:, 208:210] = d.view(np.uint8).reshape(nb, 2)
-    else:                                                            # Q4_K: w = d*sc*q - dmin*m
-        d = np.full(nb, std / 259.0, dtype=np.float16)
-        out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
-        out[:, 2:4] = (d.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8).reshape(nb, 2)
-    return out.reshape(rows, -1)
+def tensor_type(qtype, kind, i, n_layers):
+    """The block type of one matrix (kind: q, k, v, o, gate, up, down, output) in a file of --type qtype: Q4_K_M as
+    llama_tensor_get_type chooses it (checked against llama.cpp's quantizer on a 32-layer model: Q6_K for the output,
+    for attn_v and ffn_down of the layers more_bits names, Q4_K elsewhere); any other type throughout."""
+    if qtype != "Q4_K_M":
+        return qtype
+    if kind == "output" or (kind in ("v", "down") and more_bits(i, n_layers)):
+        return "Q6_K"
+    return "Q4_K"
 
 
 def vocab(kind, n):
@@ -131,7 +118,7 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0, vocab_from=None):
     w.add_rope_freq_base(s["base"])
     w.add_rope_dimension_count(hd)
     w.add_vocab_size(V)
-    w.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15, "Q6_K": 18}[qtype])
+    w.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15, "Q4_K_M": 15, "Q6_K": 18}[qtype])
     tokens, types, scores, merges = vocab(s["vocab_kind"], V)
     if vocab_from:
         copy_vocab(w, vocab_from, V)
@@ -150,18 +137,18 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0, vocab_from=None):
         w.add_token_types(types)
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
-    q, norm = qtype, None                              # each entry: name, shape, std of the weights, block type
-    plan = [("token_embd.weight", (V, d), 0.02, s.get("embed_type", qtype))]
+    norm = None                                        # each entry: name, shape, std of the weights, block type
+    plan = [("token_embd.weight", (V, d), 0.02, s.get("embed_type", tensor_type(qtype, "embd", 0, L)))]
     for i in range(L):
-        p = f"blk.{i}."
-        plan += [(p + "attn_norm.weight", (d,), None, norm), (p + "attn_q.weight", (h * hd, d), 0.02, q),
-                 (p + "attn_k.weight", (kv * hd, d), 0.02, q), (p + "attn_v.weight", (kv * hd, d), 0.02, q),
-                 (p + "attn_output.weight", (d, h * hd), 0.02, q), (p + "ffn_norm.weight", (d,), None, norm),
-                 (p + "ffn_gate.weight", (f, d), 0.02, q), (p + "ffn_up.weight", (f, d), 0.02, q),
-                 (p + "ffn_down.weight", (d, f), 0.02, q)]
+        p, q = f"blk.{i}.", lambda kind, i=i: tensor_type(qtype, kind, i, L)     # noqa: E731
+        plan += [(p + "attn_norm.weight", (d,), None, norm), (p + "attn_q.weight", (h * hd, d), 0.02, q("q")),
+                 (p + "attn_k.weight", (kv * hd, d), 0.02, q("k")), (p + "attn_v.weight", (kv * hd, d), 0.02, q("v")),
+                 (p + "attn_output.weight", (d, h * hd), 0.02, q("o")), (p + "ffn_norm.weight", (d,), None, norm),
+                 (p + "ffn_gate.weight", (f, d), 0.02, q("gate")), (p + "ffn_up.weight", (f, d), 0.02, q("up")),
+                 (p + "ffn_down.weight", (d, f), 0.02, q("down"))]
     plan.append(("output_norm.weight", (d,), None, norm))
     if not s.get("tied"):                              # tied: the output reuses token_embd, as the default model
-        plan.append(("output.weight", (V, d), 0.02, q))
+        plan.append(("output.weight", (V, d), 0.02, tensor_type(qtype, "output", 0, L)))
     freqs = None
     if "rope_scaling" in s:
         from llorch_ref.loaders.hf_folder import rope_scaling_from_hf
@@ -173,6 +160,8 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0, vocab_from=None):
             w.add_tensor_info(name, shp, np.dtype(np.float32), shp[0] * 4)
         else:
             per, size = block_size(ty)
+            if shp[1] % per:
+                raise SystemExit(f"make_big_model: {name} has rows of {shp[1]}, not a multiple of {ty}'s {per}")
             w.add_tensor_info(name, (shp[0], shp[1] // per * size), np.dtype(np.uint8),
                               shp[0] * shp[1] // per * size, raw_dtype=gguf.GGMLQuantizationType[ty])
     w.write_header_to_file()
@@ -182,7 +171,7 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0, vocab_from=None):
         if std == "freqs":
             arr = freqs
         elif std is None:
-            arr = (1.0 + 0.05 * _rng(name, seed).standard_normal(shp)).astype(np.float32)
+            arr = (1.0 + 0.05 * seeded_rng(name, seed).standard_normal(shp)).astype(np.float32)
         else:
             arr = random_blocks(name, shp[0], shp[1], ty, std, seed)
         w.write_tensor_data(arr)
@@ -194,7 +183,7 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0, vocab_from=None):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="llama2-7b")
-    ap.add_argument("--type", choices=TYPES, default="Q4_K")
+    ap.add_argument("--type", choices=TYPES + MIXTURES, default="Q4_K")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-from", metavar="GGUF", help="copy every tokenizer.* key of this file")
     ap.add_argument("--out", required=True)

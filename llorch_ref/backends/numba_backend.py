@@ -170,13 +170,49 @@ class NumbaWeights:
         return sum(q.nbytes() for q in seen.values())
 
 
-def _group(ws):
-    """A stacked group's (or one matrix's) KernelBlocks as numba_kernels.decode_layer takes it, or None."""
-    b = ws[0].blocks if isinstance(ws[0], KernelMatrix) else None
-    if b is None or not all(isinstance(w, KernelMatrix) and w.blocks is b for w in ws) or ws[0].lo != 0 \
-            or ws[-1].hi != b.n:
+GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))   # a layer's products, by their input
+
+
+def stacked_paths(engine, kernel) -> Counter:
+    """What `bench` reports of a fused step's products: for every layer and group, each run of consecutive
+    matrices of one type (the fused step's kernel calls: members_times, members_product)."""
+    kinds = Counter()
+    for lw in engine.weights.layers:
+        for group in GROUPS:
+            types = [qtype_of(getattr(lw, f)) for f in group]
+            j = 0
+            while j < len(types):
+                e = j + 1
+                while e < len(types) and types[e] == types[j]:
+                    e += 1
+                stacked = f", {e - j} matrices stacked" if e - j > 1 else ""
+                kinds[(types[j], f"{kernel}{stacked}, fused layer step", "1 row")] += 1
+                j = e
+    return kinds
+
+
+def qtype_of(m) -> str:
+    return m.blocks.qtype if isinstance(m, KernelMatrix) else m.qtype
+
+
+def stack_members(engine, member):
+    """The layers' matrices as a fused step takes them: member(matrix) -> (type code, blocks a row, int64 row
+    addresses), or None where a matrix has no kernel -> dict(codes, n_blocks [L, 7], rows [L, N], shapes (nq, nk,
+    nf)), or None when a matrix has no kernel or the layers differ in shape (rows are stacked by layer)."""
+    got, shapes = [], set()
+    for lw in engine.weights.layers:
+        ms = [getattr(lw, f) for f in MATRIX_FIELDS]
+        got.append([member(m) for m in ms])
+        if any(g is None for g in got[-1]) or any(len({getattr(lw, f).shape[1] for f in g}) != 1 for g in GROUPS):
+            return None
+        shapes.add(tuple(m.shape for m in ms))
+    if len(shapes) != 1:
         return None
-    return (b.code, b.rows, b.n_blocks)
+    (q, k, v, _o, g, _u, _d), = shapes
+    return dict(codes=np.array([[c for c, _, _ in ly] for ly in got], np.int64),
+                n_blocks=np.array([[n for _, n, _ in ly] for ly in got], np.int64),
+                rows=np.stack([np.concatenate([r for _, _, r in ly]) for ly in got]).astype(np.int64),
+                shapes=(q[0], k[0], g[0]))
 
 
 class _OneCallStep:
@@ -207,16 +243,12 @@ class _OneCallStep:
 class FusedDecoder(_OneCallStep):
     """Exact numerics: decode_step (each layer by decode_layer) with the kernels and arguments of the op-by-op path
     (the same logits to the bit: tests/test_backends.py), so that a decode step pays Python once instead of once
-    per operation."""
+    per operation. Q/K/V, gate/up: each run of one type stacked (llama.cpp's Q4_K_M files mix Q4_K, Q6_K, Q5_0 and
+    Q8_0 among them)."""
 
     def __init__(self, engine, cache, plan):
         super().__init__(engine, cache, plan)
-        kinds = Counter()                                   # what `bench` reports: the products of a step
-        for lw in engine.weights.layers:
-            for w, n in ((lw.wq, 3), (lw.wo, 1), (lw.w_gate, 2), (lw.w_down, 1)):
-                stacked = f", {n} matrices stacked" if n > 1 else ""
-                kinds[(w.blocks.qtype, f"numba kernel ({w.blocks.kind}){stacked}, fused layer step", "1 row")] += 1
-        self.paths = kinds
+        self.paths = stacked_paths(engine, "numba kernel (in place)")
 
     @staticmethod
     def plan(engine, cache):
@@ -225,27 +257,19 @@ class FusedDecoder(_OneCallStep):
                 or cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.sliding_window \
                 or cfg.rope_base_local is not None or cfg.rope_style not in ("adjacent", "neox"):
             return None
-        layers = []
-        for lw in w.layers:
-            groups = [_group(g) for g in ((lw.wq, lw.wk, lw.wv), (lw.wo,), (lw.w_gate, lw.w_up), (lw.w_down,))]
-            if any(g is None for g in groups):
-                return None
-            layers.append((lw.attn_norm, lw.ffn_norm, groups, (lw.wq.shape[0], lw.wk.shape[0], lw.w_gate.shape[0])))
-        if len({(ly[3], *(g[1].shape for g in ly[2])) for ly in layers}) != 1:
-            return None                                   # layers of different shapes: not stackable
-        stack = lambda f, dtype: np.ascontiguousarray(np.stack([f(ly) for ly in layers]), dtype=dtype)   # noqa: E731
-        return dict(attn_norms=stack(lambda ly: ly[0], np.float32), ffn_norms=stack(lambda ly: ly[1], np.float32),
-                    codes=stack(lambda ly: [g[0] for g in ly[2]], np.int64),
-                    n_blocks=stack(lambda ly: [g[2] for g in ly[2]], np.int64),
-                    **{name: stack(lambda ly, j=j: ly[2][j][1], np.int64)
-                       for j, name in enumerate(("qkv_rows", "o_rows", "gu_rows", "dn_rows"))},
-                    shapes=layers[0][3])
+        member = lambda m: (m.blocks.code, m.blocks.n_blocks, m.blocks.rows[m.lo:m.hi]) \
+            if isinstance(m, KernelMatrix) else None                            # noqa: E731
+        plan = stack_members(engine, member)
+        if plan is None:
+            return None
+        stack = lambda f: np.ascontiguousarray(np.stack([f(lw) for lw in w.layers]), dtype=np.float32)  # noqa: E731
+        return dict(plan, attn_norms=stack(lambda lw: lw.attn_norm), ffn_norms=stack(lambda lw: lw.ffn_norm))
 
     def _layers(self, x, cos, sin):
         eng, c, p, cfg = self.engine, self.cache, self.plan_args, self.engine.config
-        return K.decode_step(x, p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"], p["n_blocks"], p["qkv_rows"],
-                             p["o_rows"], p["gu_rows"], p["dn_rows"], *p["shapes"], cos, sin, cfg.rope_style == "neox",
-                             c.k, c.v, c.pos, cfg.scale, self.kv_head, eng.backend.all_kernels)
+        return K.decode_step(x, p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"], p["n_blocks"], p["rows"],
+                             *p["shapes"], cos, sin, cfg.rope_style == "neox", c.k, c.v, c.pos, cfg.scale,
+                             self.kv_head, eng.backend.all_kernels)
 
 
 class GgmlFusedDecoder(_OneCallStep):
@@ -257,10 +281,7 @@ class GgmlFusedDecoder(_OneCallStep):
     def __init__(self, engine, cache, plan):
         super().__init__(engine, cache, plan)
         self.step = G.decode_step16 if engine.ops.lanes == 16 else G.decode_step8      # the build's lanes
-        lw = engine.weights.layers[0]
-        self.paths = Counter({(w.qtype, f"numba ggml kernel (in place){f', {n} matrices stacked' if n > 1 else ''}, "
-                               "fused layer step", "1 row"): len(engine.weights.layers)
-                              for w, n in ((lw.wq, 3), (lw.wo, 1), (lw.w_gate, 2), (lw.w_down, 1))})
+        self.paths = stacked_paths(engine, "numba ggml kernel (in place)")
 
     @staticmethod
     def plan(engine, cache):
@@ -269,23 +290,13 @@ class GgmlFusedDecoder(_OneCallStep):
                 or cfg.ffn_act != "silu" or cfg.sliding_window or cfg.rope_base_local is not None \
                 or cfg.rope_style not in ("adjacent", "neox"):
             return None
-        groups = []
-        for lw in w.layers:
-            gs = [(lw.wq, lw.wk, lw.wv), (lw.wo,), (lw.w_gate, lw.w_up), (lw.w_down,)]
-            if not all(isinstance(m, _GgmlMatrix) and (m.qtype, m.shape[1]) == (g[0].qtype, g[0].shape[1])
-                       for g in gs for m in g):
-                return None
-            groups.append(gs)
-        shape = lambda gs: tuple(m.shape for g in gs for m in g)           # noqa: E731
-        if len({shape(gs) for gs in groups}) != 1:
-            return None                                   # layers of different shapes: not stackable
-        gs0 = groups[0]
-        return dict(attn_norms=np.stack([np.asarray(lw.attn_norm, np.float32) for lw in w.layers]),
-                    ffn_norms=np.stack([np.asarray(lw.ffn_norm, np.float32) for lw in w.layers]),
-                    codes=np.array([[S.TYPE_CODE[g[0].qtype] for g in gs] for gs in groups], np.int64),
-                    n_blocks=np.array([[g[0].shape[1] // g[0].block for g in gs] for gs in groups], np.int64),
-                    rows=np.stack([np.concatenate([m.rows for g in gs for m in g]) for gs in groups]),
-                    shapes=(gs0[0][0].shape[0], gs0[0][1].shape[0], gs0[2][0].shape[0]))
+        member = lambda m: (S.TYPE_CODE[m.qtype], m.shape[1] // m.block, m.rows) \
+            if isinstance(m, _GgmlMatrix) else None                             # noqa: E731
+        plan = stack_members(engine, member)
+        if plan is None:
+            return None
+        return dict(plan, attn_norms=np.stack([np.asarray(lw.attn_norm, np.float32) for lw in w.layers]),
+                    ffn_norms=np.stack([np.asarray(lw.ffn_norm, np.float32) for lw in w.layers]))
 
     def _layers(self, x, cos, sin):
         c, p, cfg = self.cache, self.plan_args, self.engine.config

@@ -394,15 +394,32 @@ def silu_mul_rows(g, u, lanes):
 
 
 @nb.njit(cache=True)
+def members_product(codes, n_blocks, rows, bounds, j0, j1, x):
+    """x [K] times members j0..j1-1 of a layer's matrices (member j: type code codes[j], n_blocks[j] blocks a row,
+    its rows' addresses rows[bounds[j]:bounds[j + 1]]) -> [N]: consecutive members of one type by one product call,
+    each row as its own matrix's product computes it."""
+    out = np.empty(bounds[j1] - bounds[j0], F32)
+    j = j0
+    while j < j1:
+        e = j + 1
+        while e < j1 and codes[e] == codes[j]:
+            e += 1
+        out[bounds[j] - bounds[j0]:bounds[e] - bounds[j0]] = product(codes[j], rows[bounds[j]:bounds[e]], n_blocks[j], x)
+        j = e
+    return out
+
+
+@nb.njit(cache=True)
 def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, nq, nk, nf, cos, sin, neox, kc, vc, pos, scale,
                  kv_head, lanes):
     """One token through one llama layer as ops.block runs it with ggml's kernels: x [D] f32 -> [D]; writes K and V
-    at `pos` of kc, vc [n_ctx, KV, Hd] (float32, or float16 as uint16 bits). codes, n_blocks: [4] for the groups
-    Q/K/V, output, gate/up, down; rows: their row addresses, in that order (nq + 2 nk, D, 2 nf, D rows)."""
+    at `pos` of kc, vc [n_ctx, KV, Hd] (float32, or float16 as uint16 bits). codes, n_blocks: [7], the type code and
+    blocks a row of Q, K, V, output, gate, up, down; rows: their rows' addresses, in that order (nq, nk, nk, D, nf,
+    nf, D rows)."""
     d = x.shape[0]
     n_kv, hd = kc.shape[1], kc.shape[2]
-    o1, o2, o3 = nq + 2 * nk, nq + 2 * nk + d, nq + 2 * nk + d + 2 * nf
-    y = product(codes[0], rows[:o1], n_blocks[0], rms_norm(x, attn_norm, eps))
+    bounds = K.member_bounds(nq, nk, d, nf)
+    y = members_product(codes, n_blocks, rows, bounds, 0, 3, rms_norm(x, attn_norm, eps))
     qr = rope(y[:nq].reshape(nq // hd, hd), cos, sin, neox)
     kr = rope(y[nq:nq + nk].reshape(n_kv, hd), cos, sin, neox)
     for g in range(n_kv):
@@ -410,16 +427,16 @@ def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, nq, nk, nf,
             kv_put(kc, pos, g, d, kr[g, d])
             kv_put(vc, pos, g, d, y[nq + nk + g * hd + d])
     att = attend(qr, kc, vc, pos + 1, scale, kv_head, lanes)
-    x = x + product(codes[1], rows[o1:o2], n_blocks[1], att)
-    gu = product(codes[2], rows[o2:o3], n_blocks[2], rms_norm(x, ffn_norm, eps))
-    return x + product(codes[3], rows[o3:], n_blocks[3], swiglu_hidden(gu, nf, lanes))
+    x = x + members_product(codes, n_blocks, rows, bounds, 3, 4, att)
+    gu = members_product(codes, n_blocks, rows, bounds, 4, 6, rms_norm(x, ffn_norm, eps))
+    return x + members_product(codes, n_blocks, rows, bounds, 6, 7, swiglu_hidden(gu, nf, lanes))
 
 
 @nb.njit(cache=True)
 def decode_step(x, attn_norms, ffn_norms, eps, codes, n_blocks, rows, nq, nk, nf, cos, sin, neox, kc, vc, pos, scale,
                 kv_head, lanes):
     """Every layer of a one-token step (decode_layer for layer i: attn_norms, ffn_norms [L, D], codes, n_blocks
-    [L, 4], rows [L, N], K/V at `pos` of kc, vc [L, n_ctx, KV, Hd]): x [D] -> [D]."""
+    [L, 7], rows [L, N], K/V at `pos` of kc, vc [L, n_ctx, KV, Hd]): x [D] -> [D]."""
     for i in range(attn_norms.shape[0]):
         x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, codes[i], n_blocks[i], rows[i], nq, nk, nf, cos, sin,
                          neox, kc[i], vc[i], pos, scale, kv_head, lanes)

@@ -202,24 +202,42 @@ def attend_one_serial(q, k, v, mask, scale, kv_head, out, kq, probs):
 # -- one decode step of a layer in one call (NumbaBackend.make_decoder): the kernels above, in the order and
 # with the arguments the op-by-op path gives them, so that the logits are the same to the bit ---------------
 @nb.njit(cache=True)
-def _mv_out(g, x):
-    """g = (type code, row addresses, blocks per row): a KernelBlocks' product for x [1, K]."""
-    code, rows, n_blocks = g
-    out = np.empty((1, rows.shape[0]), np.float32)
-    matmul_rows(code, rows, n_blocks, x, out)
+def members_times(codes, n_blocks, rows, bounds, j0, j1, x):
+    """x [1, K] times members j0..j1-1 of a layer's matrices (member j: blocks of type code codes[j], n_blocks[j] of
+    them a row, its rows' addresses rows[bounds[j]:bounds[j + 1]]) -> [1, N]: consecutive members of one type by one
+    matmul_rows call (stacked, as KernelBlocks stacks a group), each row as its own matrix's product computes it."""
+    out = np.empty((1, bounds[j1] - bounds[j0]), np.float32)
+    j = j0
+    while j < j1:
+        e = j + 1
+        while e < j1 and codes[e] == codes[j]:
+            e += 1
+        part = np.empty((1, bounds[e] - bounds[j]), np.float32)
+        matmul_rows(codes[j], rows[bounds[j]:bounds[e]], n_blocks[j], x, part)
+        out[0, bounds[j] - bounds[j0]:bounds[e] - bounds[j0]] = part[0]
+        j = e
     return out
 
 
 @nb.njit(cache=True)
-def decode_layer(x, attn_norm, ffn_norm, eps, g_qkv, g_o, g_gu, g_down, nq, nk, nf, cos, sin, neox,
+def member_bounds(nq, nk, d, nf):
+    """Where each of a layer's 7 matrices (Q, K, V, output, gate, up, down) starts in its stacked rows, and the end."""
+    return np.cumsum(np.array([0, nq, nk, nk, d, nf, nf, d], np.int64))
+
+
+@nb.njit(cache=True)
+def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, nq, nk, nf, cos, sin, neox,
                  kc, vc, pos, scale, kv_head, parallel_attention):
     """One token through one llama layer: x [1, D] f32 -> [1, D]; writes K and V at `pos` of kc, vc [n_ctx, KV,
-    Hd]. Q/K/V and gate/up are stacked groups (nq, nk, nf: their row counts)."""
+    Hd]. codes, n_blocks [7]: the type code and blocks a row of Q, K, V, output, gate, up, down; rows: their rows'
+    addresses, in that order (nq, nk, nk, D, nf, nf, D rows): members_times runs Q/K/V and gate/up stacked where
+    they share a type."""
     d = x.shape[1]
     n_kv, hd = kc.shape[1], kc.shape[2]
+    bounds = member_bounds(nq, nk, d, nf)
     h = np.empty_like(x)
     rms_norm_rows(x, attn_norm, eps, h)
-    y = _mv_out(g_qkv, h)
+    y = members_times(codes, n_blocks, rows, bounds, 0, 3, h)
     q = np.ascontiguousarray(y[0, :nq]).reshape(nq // hd, hd)
     k = np.ascontiguousarray(y[0, nq:nq + nk]).reshape(n_kv, hd)
     qr, kr = np.empty_like(q), np.empty_like(k)
@@ -235,26 +253,21 @@ def decode_layer(x, attn_norm, ffn_norm, eps, g_qkv, g_o, g_gu, g_down, nq, nk, 
         attend_one(qr, kc[:s], vc[:s], mask, scale, kv_head, att, kq, probs)
     else:
         attend_one_serial(qr, kc[:s], vc[:s], mask, scale, kv_head, att, kq, probs)
-    o = _mv_out(g_o, att.reshape(1, nq))
-    x = x + o[:, :d]
+    x = x + members_times(codes, n_blocks, rows, bounds, 3, 4, att.reshape(1, nq))
     h = np.empty_like(x)
     rms_norm_rows(x, ffn_norm, eps, h)
-    gu = _mv_out(g_gu, h)
+    gu = members_times(codes, n_blocks, rows, bounds, 4, 6, h)
     hid = np.empty((1, nf), np.float32)
     silu_mul(np.ascontiguousarray(gu[0, :nf]), np.ascontiguousarray(gu[0, nf:2 * nf]), hid[0])
-    dn = _mv_out(g_down, hid)
-    return x + dn[:, :d]
+    return x + members_times(codes, n_blocks, rows, bounds, 6, 7, hid)
 
 
 @nb.njit(cache=True)
-def decode_step(x, attn_norms, ffn_norms, eps, codes, n_blocks, qkv_rows, o_rows, gu_rows, dn_rows, nq, nk, nf, cos,
-                sin, neox, kc, vc, pos, scale, kv_head, parallel_attention):
+def decode_step(x, attn_norms, ffn_norms, eps, codes, n_blocks, rows, nq, nk, nf, cos, sin, neox, kc, vc, pos,
+                scale, kv_head, parallel_attention):
     """Every layer of a one-token step: decode_layer for layer i with its norms (attn_norms, ffn_norms: [L, D]) and
-    its four groups (codes, n_blocks: [L, 4] for Q/K/V, output, gate/up, down; *_rows: [L, N] row addresses),
-    K/V at `pos` of kc, vc [L, n_ctx, KV, Hd]."""
+    its matrices (codes, n_blocks: [L, 7]; rows: [L, N] row addresses), K/V at `pos` of kc, vc [L, n_ctx, KV, Hd]."""
     for i in range(attn_norms.shape[0]):
-        x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, (codes[i, 0], qkv_rows[i], n_blocks[i, 0]),
-                         (codes[i, 1], o_rows[i], n_blocks[i, 1]), (codes[i, 2], gu_rows[i], n_blocks[i, 2]),
-                         (codes[i, 3], dn_rows[i], n_blocks[i, 3]), nq, nk, nf, cos, sin, neox, kc[i], vc[i], pos,
-                         scale, kv_head, parallel_attention)
+        x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, codes[i], n_blocks[i], rows[i], nq, nk, nf, cos, sin,
+                         neox, kc[i], vc[i], pos, scale, kv_head, parallel_attention)
     return x

@@ -1,6 +1,8 @@
 """Random quantized matrices for the kernels' tests and benchmarks: random codes with finite float16 scales."""
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 from ..model.qtensor import QTensor, block_size
@@ -18,3 +20,36 @@ def random_qtensor(qt, n, k, seed):
     for at in SCALES_AT[qt]:
         raw[..., at:at + 2] = rng.uniform(0.001, 0.02, (n, k // block, 1)).astype(np.float16).view(np.uint8)
     return QTensor(qt, (n, k), raw.reshape(n, -1), f"random {qt}")
+
+
+def seeded_rng(name, seed):
+    """A generator seeded by a tensor's name and a seed: the same draws whatever else is drawn."""
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def random_blocks(name, rows, cols, qtype, std, seed) -> np.ndarray:
+    """-> uint8 [rows, cols / block * block_bytes]: random blocks of qtype with weights of about `std`."""
+    per, size = block_size(qtype)
+    nb = rows * cols // per
+    rng = seeded_rng(name, seed)
+    out = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
+    if qtype == "Q8_0":
+        out[:, 2:] = np.clip(out[:, 2:].view(np.int8), -127, 127).view(np.uint8)
+        d = np.full(nb, std / 73.3, dtype=np.float16)               # uniform int8 in [-127, 127]: std 73.3
+        out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    elif qtype == "Q4_0":                                            # w = d * (q - 8), q uniform in 0..15
+        d = np.full(nb, std / 4.61, dtype=np.float16)
+        out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    elif qtype == "Q4_1":                                            # w = d * q + m, m = -7.5 d
+        d = np.full(nb, std / 4.61, dtype=np.float16)
+        out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+        out[:, 2:4] = (d.astype(np.float32) * -7.5).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    elif qtype == "Q6_K":                                            # w = d * sc * (q - 32), sc in -64..63
+        out[:, 192:208] = ((out[:, 192:208] // 2).astype(np.int16) - 64).astype(np.int8).view(np.uint8)
+        d = np.full(nb, std / (37.0 * 18.5), dtype=np.float16)
+        out[:, 208:210] = d.view(np.uint8).reshape(nb, 2)
+    else:                                                            # Q4_K: w = d*sc*q - dmin*m
+        d = np.full(nb, std / 259.0, dtype=np.float16)
+        out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+        out[:, 2:4] = (d.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return out.reshape(rows, -1)

@@ -13,6 +13,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from .blocks import random_blocks
+
 CORPUS = """Once upon a time, there was a little girl named Lily. She loved to play outside in the sun.
 The quick brown fox jumps over the lazy dog. I'm sure they'll say it's fine; we've done it before.
 def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * 2)
@@ -100,19 +102,25 @@ def _tiny_vocab(w, vocab, pre, add_bos, tokens, types, merges, scores):
 def _tiny_weights(w, weight_type, seed, n_vocab, d_model, d_ff, n_layers, n_heads, n_kv_heads, tied, rope_scaling):
     """Deterministic random weights of a tiny model, quantized to weight_type (mixed: Q8_0 embeddings and FFN,
     F16 attention; mixed_qkv: Q8_0 embeddings and Q/K/O, Q4_0 V, Q4_1 FFN, so that Q, K and V are of two types, as
-    in llama.cpp's Q4_K_M files)."""
+    in llama.cpp's Q4_K_M files; k_mixed: a Q4_K_M file's mix, Q4_K matrices but for Q6_K output, and Q6_K V and
+    down in odd layers, Q8_0 embeddings: rows must be multiples of 256)."""
     head_dim = d_model // n_heads
 
-    def put(name, arr, kind):
+    def put(name, arr, kind, layer=0):
         t = weight_type
-        if weight_type == "mixed":
-            t = {"embd": "Q8_0", "attn": "F16", "v": "F16", "ffn": "Q8_0", "out": "F32"}[kind]
+        if weight_type == "k_mixed":
+            t = {"embd": "Q8_0", "out": "Q6_K"}.get(kind, "Q6_K" if kind in ("v", "down") and layer % 2 else "Q4_K")
+        elif weight_type == "mixed":
+            t = {"embd": "Q8_0", "attn": "F16", "v": "F16", "ffn": "Q8_0", "down": "Q8_0", "out": "F32"}[kind]
         elif weight_type == "mixed_qkv":
-            t = {"embd": "Q8_0", "attn": "Q8_0", "v": "Q4_0", "ffn": "Q4_1", "out": "F32"}[kind]
+            t = {"embd": "Q8_0", "attn": "Q8_0", "v": "Q4_0", "ffn": "Q4_1", "down": "Q4_1", "out": "F32"}[kind]
         if arr.ndim == 1 or t == "F32":
             w.add_tensor(name, arr)
         elif t == "F16":
             w.add_tensor(name, arr.astype(np.float16))
+        elif t in ("Q4_K", "Q6_K"):             # gguf-py cannot quantize to K-quants: random blocks of arr's spread
+            w.add_tensor(name, random_blocks(name, *arr.shape, t, float(arr.std()), seed),
+                         raw_dtype=gguf.GGMLQuantizationType[t])
         else:
             qt = gguf.GGMLQuantizationType[t]
             w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
@@ -123,12 +131,12 @@ def _tiny_weights(w, weight_type, seed, n_vocab, d_model, d_ff, n_layers, n_head
         put(p + "attn_norm.weight", 1.0 + _rand(p + "attn_norm", (d_model,), seed, 0.1), "attn")
         put(p + "attn_q.weight", _rand(p + "q", (n_heads * head_dim, d_model), seed, 0.2), "attn")
         put(p + "attn_k.weight", _rand(p + "k", (n_kv_heads * head_dim, d_model), seed, 0.2), "attn")
-        put(p + "attn_v.weight", _rand(p + "v", (n_kv_heads * head_dim, d_model), seed, 0.2), "v")
+        put(p + "attn_v.weight", _rand(p + "v", (n_kv_heads * head_dim, d_model), seed, 0.2), "v", i)
         put(p + "attn_output.weight", _rand(p + "o", (d_model, n_heads * head_dim), seed, 0.1), "attn")
         put(p + "ffn_norm.weight", 1.0 + _rand(p + "ffn_norm", (d_model,), seed, 0.1), "ffn")
         put(p + "ffn_gate.weight", _rand(p + "gate", (d_ff, d_model), seed, 0.2), "ffn")
         put(p + "ffn_up.weight", _rand(p + "up", (d_ff, d_model), seed, 0.2), "ffn")
-        put(p + "ffn_down.weight", _rand(p + "down", (d_model, d_ff), seed, 0.1), "ffn")
+        put(p + "ffn_down.weight", _rand(p + "down", (d_model, d_ff), seed, 0.1), "down", i)
     put("output_norm.weight", 1.0 + _rand("output_norm", (d_model,), seed, 0.1), "out")
     if rope_scaling and rope_scaling[0] == "freqs":
         f = np.random.default_rng(rope_scaling[1]).uniform(1.0, 8.0, head_dim // 2).astype(np.float32)
@@ -143,7 +151,8 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
                      extra_specials=()) -> Path:
     """Write a tiny random llama GGUF. vocab: 'bpe' | 'spm' | 'none';
     weight_type: F32 | F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | mixed (Q8_0 embeddings and FFN, F16 attention) |
-    mixed_qkv (Q8_0 embeddings and Q/K/O, Q4_0 V, Q4_1 FFN).
+    mixed_qkv (Q8_0 embeddings and Q/K/O, Q4_0 V, Q4_1 FFN) | k_mixed (Q4_K and Q6_K as a Q4_K_M file mixes them;
+    d_model and d_ff multiples of 256).
     rope_scaling: None, ("linear", factor) or ("freqs", seed): a rope_freqs.weight tensor of per-pair factors
     in [1, 8] (llama3-style scaling as llama.cpp stores it)."""
     path = Path(path)
@@ -173,7 +182,7 @@ def write_tiny_model(path, *, vocab="bpe", pre="smollm", d_model=64, n_layers=2,
         w.add_rope_scaling_factor(float(rope_scaling[1]))
     w.add_vocab_size(n_vocab)
     w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32,
-                     "mixed": 7, "mixed_qkv": 7}[weight_type])
+                     "mixed": 7, "mixed_qkv": 7, "k_mixed": 15}[weight_type])
     _tiny_vocab(w, vocab, pre, add_bos, tokens, types, merges, scores)
 
     _tiny_weights(w, weight_type, seed, n_vocab, d_model, d_ff, n_layers, n_heads, n_kv_heads, tied, rope_scaling)
