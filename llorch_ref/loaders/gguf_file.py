@@ -428,13 +428,17 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
         return _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
     big = path.stat().st_size > (1 << 30)
 
-    def tensor(name, shape, matrix=False):
+    def checked(name, shape):
         t = by_name.get(name)
         if t is None:
             raise ModelFileError(f"{path}: tensor {name!r} is missing")
         if shapes[name] != shape:
             raise ModelFileError(f"{path}: tensor {name!r} has shape {shapes[name]} (NumPy order), "
                                  f"expected {shape} from the metadata")
+        return t
+
+    def tensor(name, shape, matrix=False):
+        t = checked(name, shape)
         if matrix and numerics == "ggml":
             return ggml_matrix(t, shape, lanes)
         try:
@@ -456,7 +460,11 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
         fields = {fld: tensor(f"blk.{i}.{suffix}", shp(cfg), matrix=len(shp(cfg)) == 2)
                   for suffix, (fld, shp) in layer_tensors(cfg).items()}
         layers.append(LayerWeights(**split_fused(cfg, fields)))
-    tok = tensor("token_embd.weight", (cfg.n_vocab, cfg.d_model), matrix=cfg.tied_output and numerics != "ggml")
+    emb = (cfg.n_vocab, cfg.d_model)
+    if numerics == "ggml":          # as llama.cpp's get_rows: a lookup dequantizes the rows it reads, nothing at load
+        tok = LazyRows(checked("token_embd.weight", emb), emb, dequantize_rows)
+    else:
+        tok = tensor("token_embd.weight", emb, matrix=cfg.tied_output)
     if cfg.tied_output:
         out = tensor("token_embd.weight", (cfg.n_vocab, cfg.d_model), matrix=True) if numerics == "ggml" else tok
     else:
