@@ -314,6 +314,18 @@ def test_k_quant_copies_bit_identical_on_numba(tmp_path_factory, default_f32, ll
     assert eng.backend.info["fused_decode"] is True
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_ggml_mode_reads_embedding_rows_on_lookup(tiny, tied):
+    """numerics='ggml' keeps the token embedding as the file's blocks (llama.cpp's get_rows: a 7B file's 500 MB
+    float32 copy was most of its load and of its peak above the file): a lookup gives the rows exact mode
+    dequantizes at load, bit for bit."""
+    path = tiny(vocab="none", weight_type="Q8_0", tied=tied)
+    g, e = llorch_ref.load(path, numerics="ggml"), llorch_ref.load(path)
+    assert not isinstance(g.weights.tok_embd, np.ndarray)
+    ids = np.array([[3, 0, 77], [127, 3, 5]])
+    assert np.array_equal(g.weights.tok_embd[ids], e.weights.tok_embd[ids])
+
+
 def test_unimplemented_type_is_a_clear_error(tiny):
     from llorch_ref.errors import UnsupportedModelError
 
