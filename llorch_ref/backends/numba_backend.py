@@ -402,6 +402,27 @@ def choose_spin_count(threads: int) -> str:
     return os.environ.get("GOMP_SPINCOUNT", "libgomp's default")
 
 
+def _warm_calls() -> dict:
+    """kernel name -> a call on tiny arguments that makes numba compile it, or load it from its cache."""
+    x, d, o = np.ones((1, 32), np.float32), np.ones((1, 1), np.float32), np.empty((1, 4), np.float32)
+    blk = np.zeros((1, 18), np.uint8)                              # one Q4_0 block, kept alive by the closures
+    row = lambda: np.array([blk.ctypes.data], np.int64)            # noqa: E731
+    kv, one = np.ones((2, 1, 4), np.float32), np.ones(4, np.float32)
+    attend = lambda f: f(o, kv, kv, np.zeros(2, np.float32), 0.5, np.zeros(1, np.int64), o,   # noqa: E731
+                         np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
+    return {"matmul_rows": lambda: K.matmul_rows(S.TYPE_CODE["Q4_0"], row(), 1, x, np.empty((1, 1), np.float32)),
+            "ggml_rows": lambda: K.ggml_rows(S.TYPE_CODE["Q4_0"], row(), 1, np.zeros((1, 32), np.int8), d, d,
+                                             np.empty((1, 1), np.float32)),
+            "rms_norm_rows": lambda: K.rms_norm_rows(o, one, 1e-5, np.empty((1, 4), np.float32)),
+            "silu_mul": lambda: K.silu_mul(one, one, np.empty(4, np.float32)),
+            "rope_one": lambda: K.rope_one(o, np.ones(2, np.float32), np.ones(2, np.float32), False,
+                                           np.empty((1, 4), np.float32)),
+            "attend_one": lambda: attend(K.attend_one), "attend_one_serial": lambda: attend(K.attend_one_serial)}
+
+
+WARM_UP = _warm_calls()
+
+
 class NumbaBackend(Backend):
     def __init__(self, threads=None):
         threads = cpu_threads(threads)
@@ -426,30 +447,20 @@ class NumbaBackend(Backend):
                                "gomp_spincount": SPIN_COUNT,
                                "blas": blas, "blas_split": SPLIT.mode})
         self.n_matrices, self.all_kernels, self.prompts_in_place = 0, False, False
-        t0 = time.perf_counter()
         self._warm_up()
-        self.info["compile_or_cache_load_s"] = round(time.perf_counter() - t0, 3)
         self.info["kernels_compiled"] = kernels_compiled()      # 0 when every kernel came from numba's cache
 
-    def _warm_up(self):
-        """Compile (or load from the on-disk cache) the op-by-op kernels once, before the first request. The fused
-        decode step (decode_step) and numerics "ggml"'s kernels load on first use, in the first request (bench's
-        after_load_s: 0.04 s of the default model's first decode on Zen 5)."""
-        x = np.ones((1, 32), np.float32)
-        d = np.ones((1, 1, 1), np.float32)
-        blk = np.zeros((1, 18), np.uint8)
-        K.matmul_rows(S.TYPE_CODE["Q4_0"], np.array([blk.ctypes.data], np.int64), 1, x, np.empty((1, 1), np.float32))
-        K.ggml_rows(S.TYPE_CODE["Q4_0"], np.array([blk.ctypes.data], np.int64), 1, np.zeros((1, 32), np.int8), d[0],
-                    d[0], np.empty((1, 1), np.float32))
-        K.rms_norm_rows(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-5, np.empty((1, 4), np.float32))
-        K.silu_mul(np.ones(4, np.float32), np.ones(4, np.float32), np.empty(4, np.float32))
-        for neox in (False, True):
-            K.rope_one(np.ones((1, 4), np.float32), np.ones(2, np.float32), np.ones(2, np.float32), neox,
-                       np.empty((1, 4), np.float32))
-        o = np.empty((1, 4), np.float32)
-        for attend in (K.attend_one, K.attend_one_serial):
-            attend(o, np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.float32), np.zeros(2, np.float32),
-                   0.5, np.zeros(1, np.int64), o, np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
+    def _warm_up(self, *names):
+        """Compile (or load from the on-disk cache) the op-by-op kernels a model will run, once, before the first
+        request (the ones every model runs at start; a matrix-product kernel of numerics ggml and the attention
+        variant when prepare_weights knows which), adding the seconds to info["compile_or_cache_load_s"]. The fused
+        decode step (decode_step) and numerics "ggml"'s other kernels load on first use, in the first request
+        (bench's after_load_s: 0.04 s of the default model's first decode on Zen 5)."""
+        t0 = time.perf_counter()
+        for name in names or ("matmul_rows", "rms_norm_rows", "silu_mul", "rope_one"):
+            WARM_UP[name]()
+        self.info["compile_or_cache_load_s"] = round(self.info.get("compile_or_cache_load_s", 0.0)
+                                                     + time.perf_counter() - t0, 3)
 
     def _prepare_ggml(self, weights):
         """numerics="ggml": the legacy-quant matrices (ggml_cpu.LegacyQuantMatrix) get the numba kernel ggml_rows on
@@ -461,6 +472,8 @@ class NumbaBackend(Backend):
             return GgmlKQuantMatrix(a.qt) if isinstance(a, KQuantMatrix) and a.qtype in G.KQUANT_TYPES else a
         layers = [type(lw)(**{k: swap(v) for k, v in vars(lw).items()}) for lw in weights.layers]
         self.n_matrices = sum(isinstance(a, _GgmlMatrix) for lw in layers for a in vars(lw).values())
+        if any(isinstance(a, GgmlKernelMatrix) for lw in layers for a in vars(lw).values()):
+            self._warm_up("ggml_rows")
         self.prompts_in_place = self.n_matrices > 0
         self.info["prompts"] = "ggml kernels on the blocks" if self.prompts_in_place else "ggml_cpu's NumPy emulation"
         return type(weights)(tok_embd=weights.tok_embd, layers=layers, out_norm=weights.out_norm,
@@ -496,6 +509,7 @@ class NumbaBackend(Backend):
         self.info["kernel_matrices"] = self.n_matrices
         # a decode step with any product left to BLAS runs numba's attention serially (attend_one_serial)
         self.all_kernels = out is not None and all(set(h) >= set(MATRIX_FIELDS) for h in handles)
+        self._warm_up("attend_one" if self.all_kernels else "attend_one_serial")
         lazy = getattr(weights, "lazy", False)
         if lazy and self.all_kernels:       # prompts too on the blocks: no float32 copy unless --weight-cache-mb
             weights.cache.shrink_default(0)
