@@ -28,6 +28,7 @@ from .numba_simd import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bit
 
 Q4_K, Q5_K, Q6_K = (S.TYPE_CODE[name] for name in ("Q4_K", "Q5_K", "Q6_K"))
 KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")        # the K-quants kquant_rows multiplies (Q2_K, Q3_K: ggml_cpu's NumPy)
+KQ_ROWS = 16                                    # rows a kquant_rows task takes (its accumulators allocated once)
 
 F32 = np.float32
 _R, _LOG2E = F32(float.fromhex("0x1.8p23")), F32(float.fromhex("0x1.715476p+0"))
@@ -146,27 +147,39 @@ def kquant_rows(code, rows, qa, da, bsums, out):
         for b in range(nb_):
             for g in range(8):
                 q8s[t, b, g] = bsums[t, b, 2 * g] + bsums[t, b, 2 * g + 1]
-    for r in nb.prange(n):
-        acc, acc_m = np.zeros((t_n, 8), F32), np.zeros((t_n, 4), F32)      # Q5_K: acc_m[t, 0] its summs
-        row = rows[r]
-        full = t_n - t_n % 4
-        for b in range(nb_):                           # 4 tokens a call (the codes decoded once for them), then 1
-            for t in range(0, t_n):
-                qa_t, q8_t = qa.ctypes.data + t * qa.shape[1] + 256 * b, q8s.ctypes.data + 32 * (t * nb_ + b)
-                bs_t, da_t = bsums.ctypes.data + 64 * (t * nb_ + b), da.ctypes.data + 4 * (t * nb_ + b)
-                if t < full and t % 4 == 0:
-                    S.kquant_block(code, 4, row + b * size, qa_t, q8_t, bs_t, da_t, acc.ctypes.data + 32 * t,
-                                   acc_m.ctypes.data + 16 * t, nb_)
-                elif t >= full:
-                    S.kquant_block(code, 1, row + b * size, qa_t, q8_t, bs_t, da_t, acc.ctypes.data + 32 * t,
-                                   acc_m.ctypes.data + 16 * t, nb_)
-        for t in range(t_n):
-            y = _fold8(acc[t], 0)
-            if code == Q4_K:
-                y = y + ((acc_m[t, 0] + acc_m[t, 2]) + (acc_m[t, 1] + acc_m[t, 3]))
-            elif code == Q5_K:
-                y = y + acc_m[t, 0]
-            out[t, r] = y
+    chunks = (n + KQ_ROWS - 1) // KQ_ROWS
+    for c in nb.prange(chunks):                        # KQ_ROWS rows a task: their accumulators allocated once
+        acc, acc_m = np.empty((t_n, 8), F32), np.empty((t_n, 4), F32)      # Q5_K: acc_m[t, 0] its summs
+        for r in range(c * KQ_ROWS, min(n, (c + 1) * KQ_ROWS)):
+            acc[:] = 0
+            acc_m[:] = 0
+            _kquant_row(code, rows[r], rows[min(r + 1, n - 1)], size, qa, q8s, bsums, da, acc, acc_m)
+            for t in range(t_n):
+                y = _fold8(acc[t], 0)
+                if code == Q4_K:
+                    y = y + ((acc_m[t, 0] + acc_m[t, 2]) + (acc_m[t, 1] + acc_m[t, 3]))
+                elif code == Q5_K:
+                    y = y + acc_m[t, 0]
+                out[t, r] = y
+
+
+@nb.njit(inline="always")
+def _kquant_row(code, row, ahead, size, qa, q8s, bsums, da, acc, acc_m):
+    """One row's super-blocks (at address row) times every token (4 a call, the codes decoded once for them, then 1),
+    into acc, acc_m; the next row's (ahead) prefetched a super-block at a time."""
+    t_n, nb_ = qa.shape[0], da.shape[1]
+    full = t_n - t_n % 4
+    for b in range(nb_):
+        S.prefetch(ahead + b * size, 192)
+        for t in range(0, t_n):
+            qa_t, q8_t = qa.ctypes.data + t * qa.shape[1] + 256 * b, q8s.ctypes.data + 32 * (t * nb_ + b)
+            bs_t, da_t = bsums.ctypes.data + 64 * (t * nb_ + b), da.ctypes.data + 4 * (t * nb_ + b)
+            if t < full and t % 4 == 0:
+                S.kquant_block(code, 4, row + b * size, qa_t, q8_t, bs_t, da_t, acc.ctypes.data + 32 * t,
+                               acc_m.ctypes.data + 16 * t, nb_)
+            elif t >= full:
+                S.kquant_block(code, 1, row + b * size, qa_t, q8_t, bs_t, da_t, acc.ctypes.data + 32 * t,
+                               acc_m.ctypes.data + 16 * t, nb_)
 
 
 @nb.njit(cache=True)

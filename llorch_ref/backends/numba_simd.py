@@ -821,6 +821,22 @@ def _literal_lanes(lanes):
 
 
 @intrinsic
+def prefetch(typingctx, addr, n_bytes):
+    """prefetch(addr, N): hints to bring the cache lines of N bytes at address addr in (N a constant); no effect on
+    any value (kquant_rows: the next row's super-block while this row's is multiplied)."""
+    if not isinstance(n_bytes, types.IntegerLiteral):
+        return None
+    size = n_bytes.literal_value
+
+    def codegen(context, builder, signature, args):
+        p = builder.inttoptr(args[0], I8.as_pointer())
+        for line in range(0, size, 64):
+            _prefetch(builder, builder.gep(p, [ir.Constant(I64, line)]))
+        return context.get_dummy_value()
+    return types.void(addr, n_bytes), codegen
+
+
+@intrinsic
 def lanes_dot(typingctx, aa, ba, n, lanes):
     """lanes_dot(a, b, n, LANES) -> float32: one accumulator of LANES (8 or 16, a constant) lanes over n floats (a
     multiple of LANES) at addresses a and b, each step acc = fma(a, b, acc) as ggml_cpu emulates it, then the lanes
