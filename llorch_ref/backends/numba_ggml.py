@@ -411,6 +411,11 @@ def members_product(codes, n_blocks, rows, bounds, j0, j1, x):
     """x [K] times members j0..j1-1 of a layer's matrices (member j: type code codes[j], n_blocks[j] blocks a row,
     its rows' addresses rows[bounds[j]:bounds[j + 1]]) -> [N]: consecutive members of one type by one product call,
     each row as its own matrix's product computes it."""
+    e = j0 + 1
+    while e < j1 and codes[e] == codes[j0]:
+        e += 1
+    if e == j1:                                        # one type: one product, nothing to copy
+        return product(codes[j0], rows[bounds[j0]:bounds[j1]], n_blocks[j0], x)
     out = np.empty(bounds[j1] - bounds[j0], F32)
     j = j0
     while j < j1:
@@ -423,15 +428,13 @@ def members_product(codes, n_blocks, rows, bounds, j0, j1, x):
 
 
 @nb.njit(cache=True)
-def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, nq, nk, nf, cos, sin, neox, kc, vc, pos, scale,
-                 kv_head, lanes):
+def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, bounds, nq, nk, nf, cos, sin, neox, kc, vc, pos,
+                 scale, kv_head, lanes):
     """One token through one llama layer as ops.block runs it with ggml's kernels: x [D] f32 -> [D]; writes K and V
     at `pos` of kc, vc [n_ctx, KV, Hd] (float32, or float16 as uint16 bits). codes, n_blocks: [7], the type code and
     blocks a row of Q, K, V, output, gate, up, down; rows: their rows' addresses, in that order (nq, nk, nk, D, nf,
-    nf, D rows)."""
-    d = x.shape[0]
+    nf, D rows; bounds: numba_kernels.member_bounds, where each starts)."""
     n_kv, hd = kc.shape[1], kc.shape[2]
-    bounds = K.member_bounds(nq, nk, d, nf)
     y = members_product(codes, n_blocks, rows, bounds, 0, 3, rms_norm(x, attn_norm, eps))
     qr = rope(y[:nq].reshape(nq // hd, hd), cos, sin, neox)
     kr = rope(y[nq:nq + nk].reshape(n_kv, hd), cos, sin, neox)
@@ -450,9 +453,10 @@ def decode_step(x, attn_norms, ffn_norms, eps, codes, n_blocks, rows, nq, nk, nf
                 kv_head, lanes):
     """Every layer of a one-token step (decode_layer for layer i: attn_norms, ffn_norms [L, D], codes, n_blocks
     [L, 7], rows [L, N], K/V at `pos` of kc, vc [L, n_ctx, KV, Hd]): x [D] -> [D]."""
+    bounds = K.member_bounds(nq, nk, x.shape[0], nf)
     for i in range(attn_norms.shape[0]):
-        x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, codes[i], n_blocks[i], rows[i], nq, nk, nf, cos, sin,
-                         neox, kc[i], vc[i], pos, scale, kv_head, lanes)
+        x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, codes[i], n_blocks[i], rows[i], bounds, nq, nk, nf, cos,
+                         sin, neox, kc[i], vc[i], pos, scale, kv_head, lanes)
     return x
 
 

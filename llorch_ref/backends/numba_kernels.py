@@ -207,6 +207,12 @@ def members_times(codes, n_blocks, rows, bounds, j0, j1, x):
     them a row, its rows' addresses rows[bounds[j]:bounds[j + 1]]) -> [1, N]: consecutive members of one type by one
     matmul_rows call (stacked, as KernelBlocks stacks a group), each row as its own matrix's product computes it."""
     out = np.empty((1, bounds[j1] - bounds[j0]), np.float32)
+    e = j0 + 1
+    while e < j1 and codes[e] == codes[j0]:
+        e += 1
+    if e == j1:                                        # one type: one call, straight into out
+        matmul_rows(codes[j0], rows[bounds[j0]:bounds[j1]], n_blocks[j0], x, out)
+        return out
     j = j0
     while j < j1:
         e = j + 1
@@ -226,15 +232,13 @@ def member_bounds(nq, nk, d, nf):
 
 
 @nb.njit(cache=True)
-def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, nq, nk, nf, cos, sin, neox,
+def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, bounds, nq, nk, nf, cos, sin, neox,
                  kc, vc, pos, scale, kv_head, parallel_attention):
     """One token through one llama layer: x [1, D] f32 -> [1, D]; writes K and V at `pos` of kc, vc [n_ctx, KV,
     Hd]. codes, n_blocks [7]: the type code and blocks a row of Q, K, V, output, gate, up, down; rows: their rows'
     addresses, in that order (nq, nk, nk, D, nf, nf, D rows): members_times runs Q/K/V and gate/up stacked where
-    they share a type."""
-    d = x.shape[1]
+    they share a type (bounds: member_bounds, where each starts)."""
     n_kv, hd = kc.shape[1], kc.shape[2]
-    bounds = member_bounds(nq, nk, d, nf)
     h = np.empty_like(x)
     rms_norm_rows(x, attn_norm, eps, h)
     y = members_times(codes, n_blocks, rows, bounds, 0, 3, h)
@@ -267,7 +271,8 @@ def decode_step(x, attn_norms, ffn_norms, eps, codes, n_blocks, rows, nq, nk, nf
                 scale, kv_head, parallel_attention):
     """Every layer of a one-token step: decode_layer for layer i with its norms (attn_norms, ffn_norms: [L, D]) and
     its matrices (codes, n_blocks: [L, 7]; rows: [L, N] row addresses), K/V at `pos` of kc, vc [L, n_ctx, KV, Hd]."""
+    bounds = member_bounds(nq, nk, x.shape[1], nf)
     for i in range(attn_norms.shape[0]):
-        x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, codes[i], n_blocks[i], rows[i], nq, nk, nf, cos, sin,
-                         neox, kc[i], vc[i], pos, scale, kv_head, parallel_attention)
+        x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, codes[i], n_blocks[i], rows[i], bounds, nq, nk, nf, cos,
+                         sin, neox, kc[i], vc[i], pos, scale, kv_head, parallel_attention)
     return x

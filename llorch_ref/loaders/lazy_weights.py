@@ -94,10 +94,8 @@ class LazyRows:
         self.ndim = 2
 
     def __getitem__(self, idx):
-        idx = np.asarray(idx)
-        uniq, inv = np.unique(idx.ravel(), return_inverse=True)
-        rows = self._rows(self.t, uniq)                                    # [U, D]
-        return rows[inv].reshape(idx.shape + (self.shape[1],))
+        idx = np.asarray(idx)                   # each id's row dequantized (a repeated id again: np.unique took longer)
+        return self._rows(self.t, idx.ravel()).reshape(idx.shape + (self.shape[1],))
 
 
 class StreamingLayer:
@@ -179,5 +177,9 @@ def dequantize_rows(t, rows) -> np.ndarray:
         return np.asarray(data[rows], dtype=np.float32)
     if t.tensor_type == Q.F16:
         return np.asarray(data[rows]).astype(np.float32)
+    if t.tensor_type == Q.Q8_0:         # as gguf-py's (d * q, 32 a block) in fewer calls: one token's row in a decode
+        blocks = np.asarray(data[rows]).reshape(len(rows), -1, 34)          # step, where gguf-py's took 0.15 ms
+        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16).astype(np.float32)
+        return (d * blocks[..., 2:].view(np.int8)).reshape(len(rows), -1)
     out = quants.dequantize(np.asarray(data[rows]), t.tensor_type)
     return np.ascontiguousarray(out.reshape(len(rows), -1), dtype=np.float32)
