@@ -314,6 +314,31 @@ def test_k_quant_copies_bit_identical_on_numba(tmp_path_factory, default_f32, ll
     assert eng.backend.info["fused_decode"] is True
 
 
+@pytest.mark.parametrize("ftype, kind", [("Q2_K", "Q3_K"), ("Q2_K-pure", "Q2_K")])
+def test_q2_k_and_q3_k_copies_on_numba_kernels(tmp_path_factory, default_f32, llamacpp, ftype, kind):
+    """llama.cpp's own Q2_K copies of the default model (Q3_K in ffn_down; "pure": Q2_K there) in exact numerics on
+    numba: every matrix on a kernel that reads the blocks in place (no float32 copy, no BLAS), the fused decode step,
+    logits the NumPy oracle's up to summation order, greedy tokens equal."""
+    need_backend("numba")
+    from llorch_ref.backends import numba_backend
+
+    d = tmp_path_factory.getbasetemp() / "kquants"
+    d.mkdir(exist_ok=True)
+    path = d / f"{ftype}.gguf"
+    if not path.exists():
+        _llamacpp_quantize(llamacpp, default_f32, path, llamacpp.LLAMA_FTYPE_MOSTLY_Q2_K, pure=ftype.endswith("pure"))
+    eng, ref = llorch_ref.load(path, backend="numba"), llorch_ref.load(path)
+    assert kind in set(eng.tensor_types.values())
+    numba_backend.PATHS.clear()
+    ids = eng.tokenizer.encode(PROMPT)
+    m = compare(eng.logits(ids), ref.logits(ids))
+    assert m["nmse"] < 1e-9 and m["max_abs"] < 1e-3, m
+    assert list(eng.generate_ids(ids, max_tokens=16, ignore_eos=True)) == list(
+        ref.generate_ids(ids, max_tokens=16, ignore_eos=True))
+    assert eng.backend.info["fused_decode"] is True
+    assert any(k[0] == kind for k in numba_backend.PATHS) and all("numba kernel" in k[1] for k in numba_backend.PATHS)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_ggml_mode_reads_embedding_rows_on_lookup(tiny, tied):
     """numerics='ggml' keeps the token embedding as the file's blocks (llama.cpp's get_rows: a 7B file's 500 MB

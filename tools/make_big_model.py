@@ -11,7 +11,8 @@ layers of the 8B shape); 'smollm2-135m' (the default model's shape and block typ
 matrices in --type, for timing on a machine that cannot fetch the default model). The quantized blocks are drawn
 directly (seeded per tensor name, so every run writes the same bytes): Q8_0 int8 codes with one f16 scale per 32
 weights, Q4_0 nibbles with one, Q4_1 nibbles with a scale and a minimum, Q4_K nibbles with random
-6-bit sub-block scales and mins, d and dmin set so the weights have the standard deviation asked for;
+6-bit sub-block scales and mins (Q2_K, Q3_K, Q6_K likewise with theirs), d and dmin set so the weights have the
+standard deviation asked for;
 --type Q4_K_M mixes Q4_K and Q6_K as llama.cpp's quantizer does (tensor_type), so that Q, K and V differ in type.
 Norm weights are F32 near 1. The vocabulary is a small trained one (llorch_ref.testing.tiny) padded with
 unused tokens to the full size, or, with --vocab-from FILE, every tokenizer.* key of another GGUF (its vocabulary
@@ -45,7 +46,7 @@ SHAPES = {
                                                          "high_freq_factor": 4.0,
                                                          "original_max_position_embeddings": 8192}),
 }
-TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")        # the block types random_blocks draws (sizes: block_size)
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q6_K")   # the block types random_blocks draws
 MIXTURES = ("Q4_K_M",)                                  # --type values that mix them as llama.cpp's quantizer does
 
 
@@ -118,7 +119,8 @@ def write(path, shape="llama2-7b", qtype="Q4_K", seed=0, vocab_from=None):
     w.add_rope_freq_base(s["base"])
     w.add_rope_dimension_count(hd)
     w.add_vocab_size(V)
-    w.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15, "Q4_K_M": 15, "Q6_K": 18}[qtype])
+    w.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q2_K": 10, "Q3_K": 12, "Q4_K": 15, "Q4_K_M": 15,
+                     "Q6_K": 18}[qtype])
     tokens, types, scores, merges = vocab(s["vocab_kind"], V)
     if vocab_from:
         copy_vocab(w, vocab_from, V)

@@ -21,7 +21,7 @@ from . import numba_kernels as K
 from . import numba_simd as S
 from .cpu_split import SPLIT, blas_controller, spare_cores
 
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 PATHS: Counter = Counter()        # (weight type, path, rows) -> products: what `bench` reports
 SPIN_COUNT = None                 # GOMP_SPINCOUNT as the first NumbaBackend left it for numba's OpenMP threads
 MATRIX_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")

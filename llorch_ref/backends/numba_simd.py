@@ -44,7 +44,7 @@ VF, VI32, VI8 = ir.VectorType(F32, L), ir.VectorType(I32, L), ir.VectorType(I8, 
 
 # ggml type -> (weights per block, bytes per block); each a type _weights decodes
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q2_K": (256, 84), "Q3_K": (256, 110)}
 ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token) has, by block length
 # For one token, super-block types: rows a loop takes (more rows at once spill registers; Q4_K's two rows decode
 # their 6-bit scales together, _k4_scales), and whether the broadcast loads that splat a block's scales are volatile
@@ -52,9 +52,9 @@ ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token)
 # (results/cpu/2026-11-28-s16.md). With the scales decoded an iteration ahead, on Zen 5 against the code before it:
 # these 1.08-1.14x, Q4_K four rows 1.00-1.02x, Q5_K two rows 0.96x, Q6_K two rows 1.05-1.07x
 # (results/cpu/2026-11-28-s21.md).
-SUPER_ROWS = {"Q4_K": 2, "Q5_K": 1, "Q6_K": 1}
-SPLAT_LOADS = ("Q5_K", "Q6_K")
-SCALE_VECTORS = ("Q4_K", "Q5_K", "Q6_K")      # super-block types whose scales are decoded to a vector first
+SUPER_ROWS = {"Q4_K": 2, "Q5_K": 1, "Q6_K": 1, "Q2_K": 1, "Q3_K": 1}
+SPLAT_LOADS = ("Q5_K", "Q6_K", "Q2_K", "Q3_K")
+SCALE_VECTORS = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")   # super-block types whose scales are decoded to a vector
 
 
 def _compiles_for(feature: str) -> bool:
@@ -233,13 +233,30 @@ def _scale_vector(qtype, blocks):
     if qtype == "Q6_K":
         (k,) = blocks
         return _scaled(k.b, k.f16(208), k.bytes16(192, True))
+    if qtype == "Q2_K":                                 # d (sc & 15) in lanes 0-15, -(dmin (sc >> 4)) in 16-31
+        (k,) = blocks
+        b, sc = k.b, k.bytes16(0)
+        dl, ml = _scaled(b, k.f16(80), b.and_(sc, _vi(15))), _scaled(b, k.f16(82), b.lshr(sc, _vi(4)))
+        return b.shuffle_vector(dl, b.fsub(ir.Constant(VF, [-0.0] * L), ml), ir.Constant(ir.VectorType(I32, 32),
+                                                                                        list(range(32))))
+    if qtype == "Q3_K":     # d (sc - 32) in lanes 0-15, -4 d (sc - 32) in 16-31; sc j: byte j % 8's low (j < 8) or
+        (k,) = blocks       # high four bits, and bits 2 (j // 4).. of byte 8 + j % 4 above them
+        b = k.b
+        v = b.bitcast(b.load(k.at(96, ir.VectorType(I32, 3)), align=1), ir.VectorType(I8, 12))     # the 12 bytes
+        lo = b.zext(_lanes(b, v, [j % 8 for j in range(L)]), VI32)
+        hi = b.zext(_lanes(b, v, [8 + j % 4 for j in range(L)]), VI32)
+        sc = b.or_(b.and_(b.lshr(lo, _vi([4 * (j // 8) for j in range(L)])), _vi(15)),
+                   b.shl(b.and_(b.lshr(hi, _vi([2 * (j // 4) for j in range(L)])), _vi(3)), _vi(4)))
+        dl = _scaled(b, k.f16(108), b.sub(sc, _vi(32)))
+        return b.shuffle_vector(dl, b.fmul(dl, ir.Constant(VF, [-4.0] * L)),
+                                ir.Constant(ir.VectorType(I32, 32), list(range(32))))
     both = ir.Constant(ir.VectorType(I32, 16 * len(blocks)), list(range(16 * len(blocks))))     # scales, then mins
     return blocks[0].b.shuffle_vector(*_k4_scales(blocks), both)
 
 
 def _scale_lane(qtype, r, n, j):
     """Where _scale_vector puts row r's (of n) scale j: Q4_K and Q5_K's j < 8 the group's d sc, 8 + g its min."""
-    return j if qtype == "Q6_K" else 8 * r + j if j < 8 else 8 * n + 8 * r + j - 8
+    return j if qtype in ("Q6_K", "Q2_K", "Q3_K") else 8 * r + j if j < 8 else 8 * n + 8 * r + j - 8
 
 
 def _weights(qtype, k, splat=None):
@@ -296,6 +313,23 @@ def _weights(qtype, k, splat=None):
                     code = b.sub(b.or_(ql, qh), _vi(32))
                     s = splat(8 * n + h + 2 * which)
                     out.append((b.fmul(s, k.fl(code)), 128 * n + 32 * which + 16 * h))
+        return out
+    if qtype in ("Q2_K", "Q3_K"):       # 2-bit codes: byte l of 32-byte half h, bits 2j..2j+1 -> weight 128h + 32j + l
+        out = []
+        q_at = 16 if qtype == "Q2_K" else 32
+        for h in range(2):
+            for j in range(4):
+                for half in range(2):
+                    g, off = 8 * h + 2 * j + half, 128 * h + 32 * j + 16 * half
+                    q = b.lshr(k.bytes16(q_at + 32 * h + 16 * half), _vi(2 * j))
+                    q = b.and_(q, _vi(3)) if j < 3 else q                  # the top two bits need no mask
+                    if qtype == "Q2_K":                  # dl q - ml, dl q exact: one rounding, as the oracle's
+                        out.append((_fma(b, k.fl(q), splat(g), splat(16 + g)), off))
+                        continue
+                    s, hm = 4 * h + j, k.bytes16(16 * half)       # hmask bit s: 1 keeps the code, 0 takes 4 off
+                    hb = b.lshr(hm, _vi(s - 2)) if s > 2 else b.shl(hm, _vi(2 - s)) if s < 2 else hm
+                    c = b.or_(q, b.and_(hb, _vi(4)))                    # code + 4 hb, in 0..7: w = dl c - 4 dl,
+                    out.append((_fma(b, k.fl(c), splat(g), splat(16 + g)), off))    # dl (c - 4) exact: the oracle's
         return out
     raise ValueError(f"no in-place kernel for {qtype}")
 

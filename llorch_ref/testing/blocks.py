@@ -8,7 +8,7 @@ import numpy as np
 from ..model.qtensor import QTensor, block_size
 
 SCALES_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-             "Q5_K": (0, 2), "Q6_K": (208,)}           # byte offsets of each block's float16 scales (and mins)
+             "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}           # byte offsets of each block's float16 scales (and mins)
 
 
 def random_qtensor(qt, n, k, seed):
@@ -48,6 +48,13 @@ def random_blocks(name, rows, cols, qtype, std, seed) -> np.ndarray:
         out[:, 192:208] = ((out[:, 192:208] // 2).astype(np.int16) - 64).astype(np.int8).view(np.uint8)
         d = np.full(nb, std / (37.0 * 18.5), dtype=np.float16)
         out[:, 208:210] = d.view(np.uint8).reshape(nb, 2)
+    elif qtype == "Q3_K":                                            # w = d * (sc - 32) * q, q in -4..3
+        d = np.full(nb, std / 43.3, dtype=np.float16)
+        out[:, 108:110] = d.view(np.uint8).reshape(nb, 2)
+    elif qtype == "Q2_K":                                            # w = d*a*q - dmin*m, a, m 0..15, q 0..3
+        d = np.full(nb, std / 14.8, dtype=np.float16)
+        out[:, 80:82] = d.view(np.uint8).reshape(nb, 2)
+        out[:, 82:84] = (d.astype(np.float32) * 1.5).astype(np.float16).view(np.uint8).reshape(nb, 2)
     else:                                                            # Q4_K: w = d*sc*q - dmin*m
         d = np.full(nb, std / 259.0, dtype=np.float16)
         out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
