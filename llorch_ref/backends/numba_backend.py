@@ -5,6 +5,7 @@ the backend's threads by cpu_split with BLAS itself on one thread), and Numba RM
 for one-token steps."""
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import time
@@ -175,19 +176,13 @@ GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))   # a la
 
 def stacked_paths(engine, kernel) -> Counter:
     """What `bench` reports of a fused step's products: for every layer and group, each run of consecutive
-    matrices of one type (the fused step's kernel calls: members_times, members_product)."""
+    matrices of one type (the fused step's kernel calls: numba_kernels.run_end's runs)."""
     kinds = Counter()
     for lw in engine.weights.layers:
         for group in GROUPS:
-            types = [qtype_of(getattr(lw, f)) for f in group]
-            j = 0
-            while j < len(types):
-                e = j + 1
-                while e < len(types) and types[e] == types[j]:
-                    e += 1
-                stacked = f", {e - j} matrices stacked" if e - j > 1 else ""
-                kinds[(types[j], f"{kernel}{stacked}, fused layer step", "1 row")] += 1
-                j = e
+            for qtype, run in itertools.groupby(qtype_of(getattr(lw, f)) for f in group):
+                n = len(list(run))
+                kinds[(qtype, f"{kernel}{f', {n} matrices stacked' if n > 1 else ''}, fused layer step", "1 row")] += 1
     return kinds
 
 
@@ -196,9 +191,9 @@ def qtype_of(m) -> str:
 
 
 def stack_members(engine, member):
-    """The layers' matrices as a fused step takes them: member(matrix) -> (type code, blocks a row, int64 row
-    addresses), or None where a matrix has no kernel -> dict(codes, n_blocks [L, 7], rows [L, N], shapes (nq, nk,
-    nf)), or None when a matrix has no kernel or the layers differ in shape (rows are stacked by layer)."""
+    """The layers' matrices as a fused step takes them -> dict(codes, n_blocks [L, 7], rows [L, N], shapes (nq, nk,
+    nf)), or None where a matrix has no kernel (member(matrix): (type code, blocks a row, int64 row addresses), or
+    None) or the layers differ in shape (their rows are stacked by layer)."""
     got, shapes = [], set()
     for lw in engine.weights.layers:
         ms = [getattr(lw, f) for f in MATRIX_FIELDS]

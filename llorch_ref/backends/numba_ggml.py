@@ -411,17 +411,12 @@ def members_product(codes, n_blocks, rows, bounds, j0, j1, x):
     """x [K] times members j0..j1-1 of a layer's matrices (member j: type code codes[j], n_blocks[j] blocks a row,
     its rows' addresses rows[bounds[j]:bounds[j + 1]]) -> [N]: consecutive members of one type by one product call,
     each row as its own matrix's product computes it."""
-    e = j0 + 1
-    while e < j1 and codes[e] == codes[j0]:
-        e += 1
-    if e == j1:                                        # one type: one product, nothing to copy
+    if K.run_end(codes, j0, j1) == j1:                 # one type: one product, nothing to copy
         return product(codes[j0], rows[bounds[j0]:bounds[j1]], n_blocks[j0], x)
     out = np.empty(bounds[j1] - bounds[j0], F32)
     j = j0
     while j < j1:
-        e = j + 1
-        while e < j1 and codes[e] == codes[j]:
-            e += 1
+        e = K.run_end(codes, j, j1)
         out[bounds[j] - bounds[j0]:bounds[e] - bounds[j0]] = product(codes[j], rows[bounds[j]:bounds[e]], n_blocks[j], x)
         j = e
     return out

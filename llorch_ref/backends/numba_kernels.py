@@ -201,23 +201,27 @@ def attend_one_serial(q, k, v, mask, scale, kv_head, out, kq, probs):
 
 # -- one decode step of a layer in one call (NumbaBackend.make_decoder): the kernels above, in the order and
 # with the arguments the op-by-op path gives them, so that the logits are the same to the bit ---------------
+@nb.njit(inline="always")
+def run_end(codes, j, j1):
+    """Where the run of members of codes[j]'s type that starts at j ends (j1 at most)."""
+    e = j + 1
+    while e < j1 and codes[e] == codes[j]:
+        e += 1
+    return e
+
+
 @nb.njit(cache=True)
 def members_times(codes, n_blocks, rows, bounds, j0, j1, x):
     """x [1, K] times members j0..j1-1 of a layer's matrices (member j: blocks of type code codes[j], n_blocks[j] of
     them a row, its rows' addresses rows[bounds[j]:bounds[j + 1]]) -> [1, N]: consecutive members of one type by one
     matmul_rows call (stacked, as KernelBlocks stacks a group), each row as its own matrix's product computes it."""
     out = np.empty((1, bounds[j1] - bounds[j0]), np.float32)
-    e = j0 + 1
-    while e < j1 and codes[e] == codes[j0]:
-        e += 1
-    if e == j1:                                        # one type: one call, straight into out
+    if run_end(codes, j0, j1) == j1:                   # one type: one call, straight into out
         matmul_rows(codes[j0], rows[bounds[j0]:bounds[j1]], n_blocks[j0], x, out)
         return out
     j = j0
     while j < j1:
-        e = j + 1
-        while e < j1 and codes[e] == codes[j]:
-            e += 1
+        e = run_end(codes, j, j1)
         part = np.empty((1, bounds[e] - bounds[j]), np.float32)
         matmul_rows(codes[j], rows[bounds[j]:bounds[e]], n_blocks[j], x, part)
         out[0, bounds[j] - bounds[j0]:bounds[e] - bounds[j0]] = part[0]
