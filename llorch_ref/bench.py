@@ -104,7 +104,7 @@ def open_llorch(path, backend, prefill, decode, threads, dtype="float32", numeri
             from llorch_ref.backends.numba_backend import vector_registers
             eng.backend.info["vector_registers"] = vector_registers()      # after the timed runs
         return {"engine": f"llorch-ref {backend}" + (f" {dtype}" if dtype != "float32" else "")
-                + (f" ggml ({eng.ggml_simd})" if numerics == "ggml" else "") + (" lazy" if wi.get("lazy") else " eager"),
+                + (f" ggml ({eng.ggml_simd}) blocks" if numerics == "ggml" else " lazy" if wi.get("lazy") else " eager"),
                 "peak_mb": peak, "info": {**eng.backend.info, "weights": wi, "matrix_paths": paths,
                                           "blas_kernels": blas_info() + held}}
     return {"device": eng.backend.device, "load_s": load_s}, one_prefill, one_decode, tail
