@@ -411,26 +411,27 @@ def members_product(codes, n_blocks, rows, bounds, j0, j1, x):
     """x [K] times members j0..j1-1 of a layer's matrices (member j: type code codes[j], n_blocks[j] blocks a row,
     its rows' addresses rows[bounds[j]:bounds[j + 1]]) -> [N]: consecutive members of one type by one product call,
     each row as its own matrix's product computes it."""
-    if K.run_end(codes, j0, j1) == j1:                 # one type: one product, nothing to copy
-        return product(codes[j0], rows[bounds[j0]:bounds[j1]], n_blocks[j0], x)
     out = np.empty(bounds[j1] - bounds[j0], F32)
     j = j0
-    while j < j1:
+    while j < j1:                                      # one call site: product compiled into this code once
         e = K.run_end(codes, j, j1)
-        out[bounds[j] - bounds[j0]:bounds[e] - bounds[j0]] = product(codes[j], rows[bounds[j]:bounds[e]], n_blocks[j], x)
+        part = product(codes[j], rows[bounds[j]:bounds[e]], n_blocks[j], x)
+        if j == j0 and e == j1:
+            return part                                # one type: nothing to copy
+        out[bounds[j] - bounds[j0]:bounds[e] - bounds[j0]] = part
         j = e
     return out
 
 
 @nb.njit(cache=True)
-def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, bounds, nq, nk, nf, cos, sin, neox, kc, vc, pos,
-                 scale, kv_head, lanes):
+def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, bounds, edges, nq, nk, nf, cos, sin, neox, kc,
+                 vc, pos, scale, kv_head, lanes):
     """One token through one llama layer as ops.block runs it with ggml's kernels: x [D] f32 -> [D]; writes K and V
     at `pos` of kc, vc [n_ctx, KV, Hd] (float32, or float16 as uint16 bits). codes, n_blocks: [7], the type code and
     blocks a row of Q, K, V, output, gate, up, down; rows: their rows' addresses, in that order (nq, nk, nk, D, nf,
-    nf, D rows; bounds: numba_kernels.member_bounds, where each starts)."""
+    nf, D rows; bounds: numba_kernels.member_bounds, where each starts; edges: numba_kernels.group_edges)."""
     n_kv, hd = kc.shape[1], kc.shape[2]
-    y = members_product(codes, n_blocks, rows, bounds, 0, 3, rms_norm(x, attn_norm, eps))
+    y = members_product(codes, n_blocks, rows, bounds, edges[0], edges[1], rms_norm(x, attn_norm, eps))
     qr = rope(y[:nq].reshape(nq // hd, hd), cos, sin, neox)
     kr = rope(y[nq:nq + nk].reshape(n_kv, hd), cos, sin, neox)
     for g in range(n_kv):
@@ -438,9 +439,9 @@ def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, bounds, nq,
             kv_put(kc, pos, g, d, kr[g, d])
             kv_put(vc, pos, g, d, y[nq + nk + g * hd + d])
     att = attend(qr, kc, vc, pos + 1, scale, kv_head, lanes)
-    x = x + members_product(codes, n_blocks, rows, bounds, 3, 4, att)
-    gu = members_product(codes, n_blocks, rows, bounds, 4, 6, rms_norm(x, ffn_norm, eps))
-    return x + members_product(codes, n_blocks, rows, bounds, 6, 7, swiglu_hidden(gu, nf, lanes))
+    x = x + members_product(codes, n_blocks, rows, bounds, edges[1], edges[2], att)
+    gu = members_product(codes, n_blocks, rows, bounds, edges[2], edges[3], rms_norm(x, ffn_norm, eps))
+    return x + members_product(codes, n_blocks, rows, bounds, edges[3], edges[4], swiglu_hidden(gu, nf, lanes))
 
 
 @nb.njit(cache=True)
@@ -448,10 +449,10 @@ def decode_step(x, attn_norms, ffn_norms, eps, codes, n_blocks, rows, nq, nk, nf
                 kv_head, lanes):
     """Every layer of a one-token step (decode_layer for layer i: attn_norms, ffn_norms [L, D], codes, n_blocks
     [L, 7], rows [L, N], K/V at `pos` of kc, vc [L, n_ctx, KV, Hd]): x [D] -> [D]."""
-    bounds = K.member_bounds(nq, nk, x.shape[0], nf)
+    bounds, groups = K.member_bounds(nq, nk, x.shape[0], nf), K.group_edges()
     for i in range(attn_norms.shape[0]):
-        x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, codes[i], n_blocks[i], rows[i], bounds, nq, nk, nf, cos,
-                         sin, neox, kc[i], vc[i], pos, scale, kv_head, lanes)
+        x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, codes[i], n_blocks[i], rows[i], bounds, groups, nq, nk,
+                         nf, cos, sin, neox, kc[i], vc[i], pos, scale, kv_head, lanes)
     return x
 
 

@@ -216,15 +216,14 @@ def members_times(codes, n_blocks, rows, bounds, j0, j1, x):
     them a row, its rows' addresses rows[bounds[j]:bounds[j + 1]]) -> [1, N]: consecutive members of one type by one
     matmul_rows call (stacked, as KernelBlocks stacks a group), each row as its own matrix's product computes it."""
     out = np.empty((1, bounds[j1] - bounds[j0]), np.float32)
-    if run_end(codes, j0, j1) == j1:                   # one type: one call, straight into out
-        matmul_rows(codes[j0], rows[bounds[j0]:bounds[j1]], n_blocks[j0], x, out)
-        return out
+    single = run_end(codes, j0, j1) == j1              # one type: one call, straight into out
     j = j0
-    while j < j1:
+    while j < j1:                                      # one call site: matmul_rows compiled into this code once
         e = run_end(codes, j, j1)
-        part = np.empty((1, bounds[e] - bounds[j]), np.float32)
+        part = out if single else np.empty((1, bounds[e] - bounds[j]), np.float32)
         matmul_rows(codes[j], rows[bounds[j]:bounds[e]], n_blocks[j], x, part)
-        out[0, bounds[j] - bounds[j0]:bounds[e] - bounds[j0]] = part[0]
+        if not single:
+            out[0, bounds[j] - bounds[j0]:bounds[e] - bounds[j0]] = part[0]
         j = e
     return out
 
@@ -236,16 +235,23 @@ def member_bounds(nq, nk, d, nf):
 
 
 @nb.njit(cache=True)
-def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, bounds, nq, nk, nf, cos, sin, neox,
+def group_edges():
+    """Where a layer's four products start among its 7 matrices (Q/K/V, output, gate/up, down), and the end: an
+    array, not constants, so that members_times is compiled once and not for each pair of literal members."""
+    return np.array([0, 3, 4, 6, 7], np.int64)
+
+
+@nb.njit(cache=True)
+def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, bounds, edges, nq, nk, nf, cos, sin, neox,
                  kc, vc, pos, scale, kv_head, parallel_attention):
     """One token through one llama layer: x [1, D] f32 -> [1, D]; writes K and V at `pos` of kc, vc [n_ctx, KV,
     Hd]. codes, n_blocks [7]: the type code and blocks a row of Q, K, V, output, gate, up, down; rows: their rows'
     addresses, in that order (nq, nk, nk, D, nf, nf, D rows): members_times runs Q/K/V and gate/up stacked where
-    they share a type (bounds: member_bounds, where each starts)."""
+    they share a type (bounds: member_bounds, where each starts; edges: group_edges)."""
     n_kv, hd = kc.shape[1], kc.shape[2]
     h = np.empty_like(x)
     rms_norm_rows(x, attn_norm, eps, h)
-    y = members_times(codes, n_blocks, rows, bounds, 0, 3, h)
+    y = members_times(codes, n_blocks, rows, bounds, edges[0], edges[1], h)
     q = np.ascontiguousarray(y[0, :nq]).reshape(nq // hd, hd)
     k = np.ascontiguousarray(y[0, nq:nq + nk]).reshape(n_kv, hd)
     qr, kr = np.empty_like(q), np.empty_like(k)
@@ -261,13 +267,13 @@ def decode_layer(x, attn_norm, ffn_norm, eps, codes, n_blocks, rows, bounds, nq,
         attend_one(qr, kc[:s], vc[:s], mask, scale, kv_head, att, kq, probs)
     else:
         attend_one_serial(qr, kc[:s], vc[:s], mask, scale, kv_head, att, kq, probs)
-    x = x + members_times(codes, n_blocks, rows, bounds, 3, 4, att.reshape(1, nq))
+    x = x + members_times(codes, n_blocks, rows, bounds, edges[1], edges[2], att.reshape(1, nq))
     h = np.empty_like(x)
     rms_norm_rows(x, ffn_norm, eps, h)
-    gu = members_times(codes, n_blocks, rows, bounds, 4, 6, h)
+    gu = members_times(codes, n_blocks, rows, bounds, edges[2], edges[3], h)
     hid = np.empty((1, nf), np.float32)
     silu_mul(np.ascontiguousarray(gu[0, :nf]), np.ascontiguousarray(gu[0, nf:2 * nf]), hid[0])
-    return x + members_times(codes, n_blocks, rows, bounds, 6, 7, hid)
+    return x + members_times(codes, n_blocks, rows, bounds, edges[3], edges[4], hid)
 
 
 @nb.njit(cache=True)
@@ -275,8 +281,8 @@ def decode_step(x, attn_norms, ffn_norms, eps, codes, n_blocks, rows, nq, nk, nf
                 scale, kv_head, parallel_attention):
     """Every layer of a one-token step: decode_layer for layer i with its norms (attn_norms, ffn_norms: [L, D]) and
     its matrices (codes, n_blocks: [L, 7]; rows: [L, N] row addresses), K/V at `pos` of kc, vc [L, n_ctx, KV, Hd]."""
-    bounds = member_bounds(nq, nk, x.shape[1], nf)
+    bounds, groups = member_bounds(nq, nk, x.shape[1], nf), group_edges()
     for i in range(attn_norms.shape[0]):
-        x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, codes[i], n_blocks[i], rows[i], bounds, nq, nk, nf, cos,
-                         sin, neox, kc[i], vc[i], pos, scale, kv_head, parallel_attention)
+        x = decode_layer(x, attn_norms[i], ffn_norms[i], eps, codes[i], n_blocks[i], rows[i], bounds, groups, nq, nk,
+                         nf, cos, sin, neox, kc[i], vc[i], pos, scale, kv_head, parallel_attention)
     return x
