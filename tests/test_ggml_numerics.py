@@ -30,7 +30,7 @@ def test_q8_1_sum_field():
     np.testing.assert_allclose(s, (d * q.sum(-1)).astype(np.float16).astype(np.float32), rtol=1e-3)
 
 
-@pytest.mark.parametrize("qt", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_numba_k_quant_products_equal_the_numpy_emulation(qt):
     """numba_ggml.kquant_rows against ggml_cpu.KQuantMatrix, bit for bit: random super-blocks (every code and
     scale bit pattern drawn), one token and several, activations of very different scales, a row of zeros.
@@ -288,11 +288,13 @@ def test_k_quant_copies_bit_identical(tmp_path_factory, default_f32, llamacpp, k
 
 
 @pytest.mark.parametrize("kv", ["float32", "float16"])
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M"])
-def test_k_quant_copies_bit_identical_on_numba(tmp_path_factory, default_f32, llamacpp, kv, ftype):
-    """numba's K-quant kernel (numba_ggml.kquant_rows: Q4_K, Q5_K, Q6_K on the file's blocks) on llama.cpp's own
-    Q4_K_M and Q5_K_M copies of the default model: logits bit-identical to llama.cpp's, greedy equal (their Q, K and
-    V of different types, Q5_0 and Q8_0, in some layers: the fused step's runs of one type)."""
+@pytest.mark.parametrize("ftype, kinds", [("Q4_K_M", {"Q4_K", "Q6_K"}), ("Q5_K_M", {"Q5_K", "Q6_K"}),
+                                          ("Q2_K", {"Q3_K"}), ("Q2_K-pure", {"Q2_K"})])
+def test_k_quant_copies_bit_identical_on_numba(tmp_path_factory, default_f32, llamacpp, kv, ftype, kinds):
+    """numba's K-quant kernel (numba_ggml.kquant_rows: Q2_K..Q6_K on the file's blocks) on llama.cpp's own Q4_K_M,
+    Q5_K_M and Q2_K copies of the default model (K-quants where rows are multiples of 256: ffn_down here): logits
+    bit-identical to llama.cpp's, greedy equal (their Q, K and V of different types, Q5_0 and Q8_0, in some layers:
+    the fused step's runs of one type)."""
     need_backend("numba")
     from llorch_ref.backends.numba_backend import GgmlKQuantMatrix
     from llorch_ref.references.llamacpp import LlamaCpp
@@ -301,10 +303,11 @@ def test_k_quant_copies_bit_identical_on_numba(tmp_path_factory, default_f32, ll
     d.mkdir(exist_ok=True)
     path = d / f"{ftype}.gguf"
     if not path.exists():
-        _llamacpp_quantize(llamacpp, default_f32, path, getattr(llamacpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"))
+        _llamacpp_quantize(llamacpp, default_f32, path, getattr(llamacpp, f"LLAMA_FTYPE_MOSTLY_{ftype.split('-')[0]}"),
+                           pure=ftype.endswith("pure"))
     eng = llorch_ref.load(path, backend="numba", numerics="ggml", kv_dtype=kv)
-    kinds = {m.qtype for lw in eng.weights.layers for m in vars(lw).values() if isinstance(m, GgmlKQuantMatrix)}
-    assert kinds == {ftype[:4], "Q6_K"}, kinds
+    got = {m.qtype for lw in eng.weights.layers for m in vars(lw).values() if isinstance(m, GgmlKQuantMatrix)}
+    assert got == kinds, got
     ref = LlamaCpp(path, n_ctx=256, kv_dtype=kv)
     ids = eng.tokenizer.encode(PROMPT)
     m = compare(eng.logits(ids), ref.eval(ids))

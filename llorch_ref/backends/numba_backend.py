@@ -341,7 +341,7 @@ class GgmlKernelMatrix(_GgmlMatrix):
 
 
 class GgmlKQuantMatrix(_GgmlMatrix):
-    """A Q4_K/Q5_K/Q6_K weight: Q8_K activations (numba_ggml.quantize_q8k_rows), then numba_ggml.kquant_rows
+    """A Q2_K..Q6_K weight: Q8_K activations (numba_ggml.quantize_q8k_rows), then numba_ggml.kquant_rows
     (numerics.ggml_cpu.KQuantMatrix's bits), without the emulation's unpacked copy (4x the blocks)."""
 
     block = 256
@@ -459,8 +459,8 @@ class NumbaBackend(Backend):
 
     def _prepare_ggml(self, weights):
         """numerics="ggml": the legacy-quant matrices (ggml_cpu.LegacyQuantMatrix) get the numba kernel ggml_rows on
-        the blocks of the QTensor each carries, Q4_K/Q5_K/Q6_K ones (ggml_cpu.KQuantMatrix) kquant_rows; Q2_K, Q3_K
-        and float matrices keep their NumPy emulation."""
+        the blocks of the QTensor each carries, Q2_K..Q6_K ones (ggml_cpu.KQuantMatrix) kquant_rows; float matrices
+        keep their NumPy emulation."""
         def swap(a):
             if isinstance(a, LegacyQuantMatrix):
                 return GgmlKernelMatrix(a.qt)

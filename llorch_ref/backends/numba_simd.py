@@ -677,7 +677,8 @@ def _ggml_acts(b, qtype, qa):
 
 def _kquant_codes(b, qtype, blk, g):
     """Group g (elements 32g..32g+31) of a Q4_K, Q5_K or Q6_K super-block at i8* blk -> its 32 codes as unsigned
-    bytes (ggml_cpu.k_codes' values: Q5_K 0..31, Q6_K 0..63 with its -32 left to the block sums)."""
+    bytes (ggml_cpu.k_codes' values: Q5_K 0..31, Q6_K 0..63 with its -32 left to the block sums; Q2_K 0..3, Q3_K
+    0..7, its code + 4)."""
     load = lambda at: b.load(_Block(b, blk).at(at, V32I8), align=1)                                     # noqa
     shr = lambda v, n: b.lshr(v, _bytes(n)) if n else v                                                 # noqa
     low = lambda v: b.and_(v, _bytes(15))                                                                # noqa
@@ -685,6 +686,10 @@ def _kquant_codes(b, qtype, blk, g):
         j, part = divmod(g, 4)
         ql, h = load(64 * j + 32 * (part & 1)), load(128 + 32 * j)
         return b.or_(low(ql) if part < 2 else shr(ql, 4), b.shl(b.and_(shr(h, 2 * part), _bytes(3)), _bytes(4)))
+    if qtype in ("Q2_K", "Q3_K"):             # bits 2k.. of the 32 bytes of half j; Q3_K: + 4 (hmask bit g)
+        j, part = divmod(g, 4)
+        q = b.and_(shr(load((16 if qtype == "Q2_K" else 32) + 32 * j), 2 * part), _bytes(3))
+        return q if qtype == "Q2_K" else b.or_(q, b.shl(b.and_(shr(load(0), g), _bytes(1)), _bytes(2)))
     q = load((16 if qtype == "Q4_K" else 48) + 32 * (g // 2))
     codes = shr(q, 4) if g % 2 else low(q)
     if qtype == "Q5_K":                       # the fifth bit: bit g of qh[i]
@@ -692,7 +697,7 @@ def _kquant_codes(b, qtype, blk, g):
     return codes
 
 
-KQUANT = ("Q4_K", "Q5_K", "Q6_K")
+KQUANT = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 
 
 def _i32s(b, v8, idx):
@@ -706,6 +711,16 @@ def _k_scales_ir(b, qtype, blk):
     at = lambda off, n: b.load(_Block(b, blk).at(off, ir.VectorType(I8, n)), align=1)    # noqa: E731
     if qtype == "Q6_K":
         return b.sext(at(192, 16), ir.VectorType(I32, 16)), None
+    if qtype == "Q2_K":                                 # (<16> sc & 15, <16> sc >> 4)
+        sc = b.zext(at(0, 16), VI32)
+        return b.and_(sc, _vi(15)), b.lshr(sc, _vi(4))
+    if qtype == "Q3_K":                                 # <16> 6-bit scales less 32, as _scale_vector decodes them
+        v = b.bitcast(b.load(_Block(b, blk).at(96, ir.VectorType(I32, 3)), align=1), ir.VectorType(I8, 12))
+        lo = b.zext(_lanes(b, v, [j % 8 for j in range(L)]), VI32)
+        hi = b.zext(_lanes(b, v, [8 + j % 4 for j in range(L)]), VI32)
+        sc = b.or_(b.and_(b.lshr(lo, _vi([4 * (j // 8) for j in range(L)])), _vi(15)),
+                   b.shl(b.and_(b.lshr(hi, _vi([2 * (j // 4) for j in range(L)])), _vi(3)), _vi(4)))
+        return b.sub(sc, _vi(32)), None
     v = b.zext(at(4, 16), ir.VectorType(I32, 16))      # bytes a = 0..3, m = 4..7, c = 8..11 (12..15: codes, unread)
     c4 = lambda v_: ir.Constant(ir.VectorType(I32, 4), [v_] * 4)    # noqa: E731
     a, m, c = _i32s(b, v, range(0, 4)), _i32s(b, v, range(4, 8)), _i32s(b, v, range(8, 12))
@@ -717,13 +732,14 @@ def _k_scales_ir(b, qtype, blk):
 
 @intrinsic
 def kquant_block(typingctx, code, n_tokens, blk_a, qa_a, q8s_a, bsums_a, da_a, acc_a, accm_a, n_blocks):
-    """kquant_block(code, T, blk, qa, q8s, bsums, da, acc, accm, NB): one Q4_K, Q5_K or Q6_K super-block (code:
+    """kquant_block(code, T, blk, qa, q8s, bsums, da, acc, accm, NB): one Q2_K..Q6_K super-block (code:
     TYPE_CODE; at address blk; its codes decoded once) times T tokens' Q8_K blocks (T a constant; token t's: qa + t *
     256 NB (256 int8), q8s + t * 8 NB (its 8 group sums) and bsums + t * 16 NB (its 16 sums), int32, da + t * NB (its
     scale, float32)), into token t's acc + 8 t (8 float32) and accm + 4 t (4 float32; Q5_K: accm[0] its summs) as
     ggml_cpu.KQuantMatrix does: integer lanes (the codes' group dots by _dot_bytes times each group's scale; Q6_K less
-    32 times its block sums' scaled pairs), acc = fma(da * d, lanes, acc), Q4_K's mins through 4 lanes (fma(-da *
-    dmin, ...)), Q5_K's one sum, each FMA ggml_cpu's float64 emulation."""
+    32 times its block sums' scaled pairs; Q3_K's codes + 4 less 4 times the activations), acc = fma(da * d, lanes,
+    acc), Q4_K's mins through 4 lanes (fma(-da * dmin, ...)), Q5_K's one sum, Q2_K's mins into acc first, each FMA
+    ggml_cpu's float64 emulation."""
     if not isinstance(n_tokens, types.IntegerLiteral):
         return None
     tokens = n_tokens.literal_value
@@ -739,17 +755,28 @@ def kquant_block(typingctx, code, n_tokens, blk_a, qa_a, q8s_a, bsums_a, da_a, a
         def emit(qtype):
             scales, mins = _k_scales_ir(b, qtype, blk)
             sumi = [zero] * tokens
+            halves = qtype in ("Q6_K", "Q2_K", "Q3_K")        # a scale per 16 elements: lanes 0-3, 4-7
             for g in range(8):
                 c = _kquant_codes(b, qtype, blk, g)
-                sg = _i32s(b, scales, [2 * g] * 4 + [2 * g + 1] * 4) if qtype == "Q6_K" else _i32s(b, scales, [g] * 8)
+                sg = _i32s(b, scales, [2 * g] * 4 + [2 * g + 1] * 4) if halves else _i32s(b, scales, [g] * 8)
                 for t in range(tokens):
                     a = b.load(b.bitcast(b.gep(at(3, I8, 256, t), [ir.Constant(I64, 32 * g)]), V32I8.as_pointer()),
                                align=1)
-                    sumi[t] = b.add(sumi[t], b.mul(_dot_bytes(b, c, a, zero), sg))
-            d = k.f16(208 if qtype == "Q6_K" else 0)
-            dmin = None if qtype == "Q6_K" else k.f16(2)
+                    base = b.sub(zero, _dot_bytes(b, _bytes(4), a, zero)) if qtype == "Q3_K" else zero   # code - 4
+                    sumi[t] = b.add(sumi[t], b.mul(_dot_bytes(b, c, a, base), sg))
+            d = k.f16({"Q6_K": 208, "Q2_K": 80, "Q3_K": 108}.get(qtype, 0))
+            dmin = k.f16(2) if qtype in ("Q4_K", "Q5_K") else None
             for t in range(tokens):
                 da_ = b.load(at(6, F32, 1, t))
+                if qtype == "Q2_K":             # its mins first, into acc: lane l m[2l] bsums[2l] + m[2l+1] bsums[2l+1]
+                    bs = b.load(b.bitcast(at(5, I32, 16, t), ir.VectorType(I32, 16).as_pointer()), align=4)
+                    even, odd = range(0, 16, 2), range(1, 16, 2)
+                    pairs = b.add(b.mul(_i32s(b, bs, even), _i32s(b, mins, even)),
+                                  b.mul(_i32s(b, bs, odd), _i32s(b, mins, odd)))
+                    accp = b.bitcast(b.gep(b.inttoptr(args[7], F32.as_pointer()), [ir.Constant(I64, 8 * t)]),
+                                     V8F.as_pointer())
+                    dm = b.fmul(b.fsub(ir.Constant(F32, -0.0), da_), k.f16(82))
+                    b.store(_fma_f64(b, _splat(b, dm, 8), b.sitofp(pairs, V8F), b.load(accp, align=4)), accp, align=4)
                 if qtype == "Q6_K":             # less 32 (bsums[2l] scales[2l] + bsums[2l+1] scales[2l+1])
                     bs = b.load(b.bitcast(at(5, I32, 16, t), ir.VectorType(I32, 16).as_pointer()), align=4)
                     even, odd = range(0, 16, 2), range(1, 16, 2)
