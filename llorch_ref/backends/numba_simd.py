@@ -226,6 +226,18 @@ def _codes_centred(k, codes, d):
     return b.fmul(d, k.fl(b.sub(b.and_(codes, _vi(15)), _vi(8))))
 
 
+def _q3k_scales(k):
+    """A Q3_K super-block's 16 scales less 32 (<16 x i32>, exact): scale j is byte j % 8's low (j < 8) or high four
+    bits of the 12 bytes at 96, and bits 2 (j // 4).. of byte 8 + j % 4 above them (a 12-byte load, two shuffles)."""
+    b = k.b
+    v = b.bitcast(b.load(k.at(96, ir.VectorType(I32, 3)), align=1), ir.VectorType(I8, 12))
+    lo = b.zext(_lanes(b, v, [j % 8 for j in range(L)]), VI32)
+    hi = b.zext(_lanes(b, v, [8 + j % 4 for j in range(L)]), VI32)
+    sc = b.or_(b.and_(b.lshr(lo, _vi([4 * (j // 8) for j in range(L)])), _vi(15)),
+               b.shl(b.and_(b.lshr(hi, _vi([2 * (j // 4) for j in range(L)])), _vi(3)), _vi(4)))
+    return b.sub(sc, _vi(32))
+
+
 def _scale_vector(qtype, blocks):
     """The super-blocks' float scales, exact, for one to two blocks of a super-block type (`blocks`: one a row):
     Q4_K, Q5_K: <16n x float>, block r's d sc of group j in lane 8r + j, its -(dmin m) in lane 8n + 8r + j;
@@ -239,15 +251,10 @@ def _scale_vector(qtype, blocks):
         dl, ml = _scaled(b, k.f16(80), b.and_(sc, _vi(15))), _scaled(b, k.f16(82), b.lshr(sc, _vi(4)))
         return b.shuffle_vector(dl, b.fsub(ir.Constant(VF, [-0.0] * L), ml), ir.Constant(ir.VectorType(I32, 32),
                                                                                         list(range(32))))
-    if qtype == "Q3_K":     # d (sc - 32) in lanes 0-15, -4 d (sc - 32) in 16-31; sc j: byte j % 8's low (j < 8) or
-        (k,) = blocks       # high four bits, and bits 2 (j // 4).. of byte 8 + j % 4 above them
+    if qtype == "Q3_K":                                 # d (sc - 32) in lanes 0-15, -4 d (sc - 32) in 16-31
+        (k,) = blocks
         b = k.b
-        v = b.bitcast(b.load(k.at(96, ir.VectorType(I32, 3)), align=1), ir.VectorType(I8, 12))     # the 12 bytes
-        lo = b.zext(_lanes(b, v, [j % 8 for j in range(L)]), VI32)
-        hi = b.zext(_lanes(b, v, [8 + j % 4 for j in range(L)]), VI32)
-        sc = b.or_(b.and_(b.lshr(lo, _vi([4 * (j // 8) for j in range(L)])), _vi(15)),
-                   b.shl(b.and_(b.lshr(hi, _vi([2 * (j // 4) for j in range(L)])), _vi(3)), _vi(4)))
-        dl = _scaled(b, k.f16(108), b.sub(sc, _vi(32)))
+        dl = _scaled(b, k.f16(108), _q3k_scales(k))
         return b.shuffle_vector(dl, b.fmul(dl, ir.Constant(VF, [-4.0] * L)),
                                 ir.Constant(ir.VectorType(I32, 32), list(range(32))))
     both = ir.Constant(ir.VectorType(I32, 16 * len(blocks)), list(range(16 * len(blocks))))     # scales, then mins
@@ -714,13 +721,8 @@ def _k_scales_ir(b, qtype, blk):
     if qtype == "Q2_K":                                 # (<16> sc & 15, <16> sc >> 4)
         sc = b.zext(at(0, 16), VI32)
         return b.and_(sc, _vi(15)), b.lshr(sc, _vi(4))
-    if qtype == "Q3_K":                                 # <16> 6-bit scales less 32, as _scale_vector decodes them
-        v = b.bitcast(b.load(_Block(b, blk).at(96, ir.VectorType(I32, 3)), align=1), ir.VectorType(I8, 12))
-        lo = b.zext(_lanes(b, v, [j % 8 for j in range(L)]), VI32)
-        hi = b.zext(_lanes(b, v, [8 + j % 4 for j in range(L)]), VI32)
-        sc = b.or_(b.and_(b.lshr(lo, _vi([4 * (j // 8) for j in range(L)])), _vi(15)),
-                   b.shl(b.and_(b.lshr(hi, _vi([2 * (j // 4) for j in range(L)])), _vi(3)), _vi(4)))
-        return b.sub(sc, _vi(32)), None
+    if qtype == "Q3_K":
+        return _q3k_scales(_Block(b, blk)), None
     v = b.zext(at(4, 16), ir.VectorType(I32, 16))      # bytes a = 0..3, m = 4..7, c = 8..11 (12..15: codes, unread)
     c4 = lambda v_: ir.Constant(ir.VectorType(I32, 4), [v_] * 4)    # noqa: E731
     a, m, c = _i32s(b, v, range(0, 4)), _i32s(b, v, range(4, 8)), _i32s(b, v, range(8, 12))
@@ -752,6 +754,13 @@ def kquant_block(typingctx, code, n_tokens, blk_a, qa_a, q8s_a, bsums_a, da_a, a
         V4F, V8F = ir.VectorType(F32, 4), ir.VectorType(F32, 8)
         zero, k = ir.Constant(V8I32, [0] * 8), _Block(b, blk)
 
+        def pairs(t, per16):
+            """<8 x i32>: lane l bsums[2l] per16[2l] + bsums[2l+1] per16[2l+1], token t's block sums (exact)."""
+            bs = b.load(b.bitcast(at(5, I32, 16, t), ir.VectorType(I32, 16).as_pointer()), align=4)
+            even, odd = range(0, 16, 2), range(1, 16, 2)
+            return b.add(b.mul(_i32s(b, bs, even), _i32s(b, per16, even)),
+                         b.mul(_i32s(b, bs, odd), _i32s(b, per16, odd)))
+
         def emit(qtype):
             scales, mins = _k_scales_ir(b, qtype, blk)
             sumi = [zero] * tokens
@@ -769,20 +778,13 @@ def kquant_block(typingctx, code, n_tokens, blk_a, qa_a, q8s_a, bsums_a, da_a, a
             for t in range(tokens):
                 da_ = b.load(at(6, F32, 1, t))
                 if qtype == "Q2_K":             # its mins first, into acc: lane l m[2l] bsums[2l] + m[2l+1] bsums[2l+1]
-                    bs = b.load(b.bitcast(at(5, I32, 16, t), ir.VectorType(I32, 16).as_pointer()), align=4)
-                    even, odd = range(0, 16, 2), range(1, 16, 2)
-                    pairs = b.add(b.mul(_i32s(b, bs, even), _i32s(b, mins, even)),
-                                  b.mul(_i32s(b, bs, odd), _i32s(b, mins, odd)))
                     accp = b.bitcast(b.gep(b.inttoptr(args[7], F32.as_pointer()), [ir.Constant(I64, 8 * t)]),
                                      V8F.as_pointer())
                     dm = b.fmul(b.fsub(ir.Constant(F32, -0.0), da_), k.f16(82))
-                    b.store(_fma_f64(b, _splat(b, dm, 8), b.sitofp(pairs, V8F), b.load(accp, align=4)), accp, align=4)
+                    b.store(_fma_f64(b, _splat(b, dm, 8), b.sitofp(pairs(t, mins), V8F), b.load(accp, align=4)),
+                            accp, align=4)
                 if qtype == "Q6_K":             # less 32 (bsums[2l] scales[2l] + bsums[2l+1] scales[2l+1])
-                    bs = b.load(b.bitcast(at(5, I32, 16, t), ir.VectorType(I32, 16).as_pointer()), align=4)
-                    even, odd = range(0, 16, 2), range(1, 16, 2)
-                    pairs = b.add(b.mul(_i32s(b, bs, even), _i32s(b, scales, even)),
-                                  b.mul(_i32s(b, bs, odd), _i32s(b, scales, odd)))
-                    sumi[t] = b.sub(sumi[t], b.shl(pairs, ir.Constant(V8I32, [5] * 8)))
+                    sumi[t] = b.sub(sumi[t], b.shl(pairs(t, scales), ir.Constant(V8I32, [5] * 8)))
                 accp = b.bitcast(b.gep(b.inttoptr(args[7], F32.as_pointer()), [ir.Constant(I64, 8 * t)]),
                                  V8F.as_pointer())
                 b.store(_fma_f64(b, _splat(b, b.fmul(da_, d), 8), b.sitofp(sumi[t], V8F), b.load(accp, align=4)), accp,
