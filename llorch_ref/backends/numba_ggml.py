@@ -26,8 +26,10 @@ from . import numba_kernels as K  # noqa: E402
 from . import numba_simd as S  # noqa: E402
 from .numba_simd import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits  # noqa: E402
 
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (S.TYPE_CODE[name] for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
-KQUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")        # the K-quants kquant_rows multiplies
+Q4_K, Q5_K = S.TYPE_CODE["Q4_K"], S.TYPE_CODE["Q5_K"]
+KQUANT_TYPES = S.KQUANT                         # the K-quants kquant_rows multiplies (numba_simd.kquant_block's)
+IS_KQUANT = np.array([name in S.KQUANT for name in S.NAMES])          # by type code
+BLOCK_BYTES = np.array([S.BLOCKS[name][1] for name in S.NAMES], np.int64)   # by type code
 KQ_ROWS = 16                                    # rows a kquant_rows task takes (its accumulators allocated once)
 
 F32 = np.float32
@@ -141,7 +143,7 @@ def kquant_rows(code, rows, qa, da, bsums, out):
     integer lanes, lane l = elements 4l..4l+3 of each 32-group times its scale, one FMA of d: numba_simd.kquant_block;
     Q4_K's mins through 4 lanes, Q5_K's one sum), then the lanes summed (hsum8), a row a thread."""
     t_n, n, nb_ = qa.shape[0], rows.shape[0], da.shape[1]
-    size = 144 if code == Q4_K else 176 if code == Q5_K else 210 if code == Q6_K else 84 if code == Q2_K else 110
+    size = BLOCK_BYTES[code]
     q8s = np.empty((t_n, nb_, 8), np.int32)            # Q8_K's sums per 32-group (the mins' partners), once
     for t in range(t_n):
         for b in range(nb_):
@@ -187,7 +189,7 @@ def product(code, rows, n_blocks, x):
     """x: [K] f32 -> [N] f32: the Q8 activations, then ggml_rows on the rows' blocks; for Q2_K..Q6_K the Q8_K
     activations, then kquant_rows."""
     out = np.empty((1, rows.shape[0]), F32)
-    if code == Q4_K or code == Q5_K or code == Q6_K or code == Q2_K or code == Q3_K:
+    if IS_KQUANT[code]:
         q, d = np.empty((1, x.shape[0]), np.int8), np.empty((1, x.shape[0] // 256), F32)
         bsums = np.empty((1, x.shape[0] // 256, 16), np.int32)
         quantize_q8k_rows(x.reshape(1, -1), q, d, bsums)
