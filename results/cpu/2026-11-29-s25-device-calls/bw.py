@@ -14,10 +14,8 @@ for qt in QTS:
     qts = [random_qtensor(qt, 11008, 4096, i) for i in range(n)]
     gb = sum(q.blocks.nbytes for q in qts) / 1e9
     res = []
-    kinds = [("exact", lambda q: NB.KernelBlocks([q]))]
-    if qt not in ("Q2_K", "Q3_K"):                   # numba-ggml: no kernel for those (the NumPy emulation)
-        kinds.append(("ggml", lambda q: (NB.GgmlKQuantMatrix if qt.endswith("_K") else NB.GgmlKernelMatrix)(q)))
-    for kind, make in kinds:
+    for kind, make in (("exact", lambda q: NB.KernelBlocks([q])),
+                       ("ggml", lambda q: (NB.GgmlKQuantMatrix if qt.endswith("_K") else NB.GgmlKernelMatrix)(q))):
         ms = [make(q) for q in qts]
         ms[0].matmul(x)
         best = 1e9
