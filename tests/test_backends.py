@@ -318,8 +318,10 @@ def test_numba_checkpoints_against_numpy_default_model(default_model):
 @pytest.mark.parametrize("qt", list(SCALES_AT))
 def test_numba_kernels_match_the_dequantized_product(qt):
     """Every kernel type, two QTensors stacked by rows (72 + 40 rows: padding in the last chunk), one token and
-    three, against gguf-py's dequantized weights times x in float64: equal up to summation order."""
+    three, against gguf-py's dequantized weights times x in float64: equal up to summation order; the kernel made
+    for the one type (matmul_rows_for, KernelBlocks') equal to the bit to the all-type one (the fused steps')."""
     need_backend("numba")
+    from llorch_ref.backends import numba_kernels as K
     from llorch_ref.backends.numba_backend import KernelBlocks
 
     a, b = random_qtensor(qt, 72, 512, 1), random_qtensor(qt, 40, 512, 2)
@@ -332,6 +334,10 @@ def test_numba_kernels_match_the_dequantized_product(qt):
     assert (np.abs(got - want) <= 1e-6 * scale + 1e-30).all(), float((np.abs(got - want) / scale).max())
     np.testing.assert_array_equal(blocks.matvec(x[1]), got[1])            # each row exactly as alone
     np.testing.assert_array_equal(_one_hot_products(blocks, 512), deq.astype(np.float32))
+    for t in (x[1:2], x):                # the one-type kernel KernelBlocks runs, bit for bit the all-type one
+        every = np.empty((t.shape[0], 112), np.float32)
+        K.matmul_rows(blocks.code, blocks.rows, blocks.n_blocks, t, every)
+        np.testing.assert_array_equal(blocks.matmul(t), every)
 
 
 def _one_hot_products(blocks, k, tokens_at_once=(512, 1)):

@@ -42,7 +42,7 @@ def tokens_per_chunk(k: int) -> int:
 class KernelBlocks:
     """One or several QTensors of one type and input size, stacked by rows ([sum N_i, K]: one kernel launch
     computes them all, each row exactly as its own matrix would), read where they lie: the kernel
-    (numba_kernels.matmul_rows, numba_simd's vector loops) takes the address of every row's blocks in the
+    (numba_kernels.matmul_rows_for the type, numba_simd's vector loops) takes the address of every row's blocks in the
     mapped file, so nothing is copied, unpacked or laid out at load, and the weights' memory is the file's
     pages. The QTensors are kept: their arrays keep the mapping alive."""
 
@@ -53,6 +53,7 @@ class KernelBlocks:
         self.qts = [q if q.blocks.strides[1] == 1 else replace(q, blocks=np.ascontiguousarray(q.blocks)) for q in qts]
         self.n = sum(q.shape[0] for q in qts)
         self.code, self.n_blocks = S.TYPE_CODE[self.qtype], self.k // S.BLOCKS[self.qtype][0]
+        self.kernel = K.matmul_rows_for(self.code)
         self.kind = "in place"
         self.rows = row_addresses(self.qts)
 
@@ -67,7 +68,7 @@ class KernelBlocks:
         out = np.empty((x.shape[0], self.n), dtype=np.float32)
         step = tokens_per_chunk(self.k)
         for t in range(0, x.shape[0], step):
-            K.matmul_rows(self.code, self.rows, self.n_blocks, x[t:t + step], out[t:t + step])
+            self.kernel(self.rows, self.n_blocks, x[t:t + step], out[t:t + step])
         return out
 
     def matvec(self, x):
@@ -385,8 +386,8 @@ def kernels_compiled() -> int:
     a kernel source) rather than loaded from its on-disk cache: a load that compiled is not a load's time."""
     import numba
 
-    return sum(sum(f.stats.cache_misses.values()) for mod in (K, G) for f in vars(mod).values()
-               if isinstance(f, numba.core.registry.CPUDispatcher))
+    kernels = [*vars(K).values(), *vars(G).values(), *K.FOR_TYPE.values()]
+    return sum(sum(f.stats.cache_misses.values()) for f in kernels if isinstance(f, numba.core.registry.CPUDispatcher))
 
 
 def choose_spin_count(threads: int) -> str:
@@ -399,14 +400,13 @@ def choose_spin_count(threads: int) -> str:
 
 def _warm_calls() -> dict:
     """kernel name -> a call on tiny arguments that makes numba compile it, or load it from its cache."""
-    x, d, o = np.ones((1, 32), np.float32), np.ones((1, 1), np.float32), np.empty((1, 4), np.float32)
+    d, o = np.ones((1, 1), np.float32), np.empty((1, 4), np.float32)
     blk = np.zeros((1, 18), np.uint8)                              # one Q4_0 block, kept alive by the closures
     row = lambda: np.array([blk.ctypes.data], np.int64)            # noqa: E731
     kv, one = np.ones((2, 1, 4), np.float32), np.ones(4, np.float32)
     attend = lambda f: f(o, kv, kv, np.zeros(2, np.float32), 0.5, np.zeros(1, np.int64), o,   # noqa: E731
                          np.empty((1, 2), np.float32), np.empty((1, 2), np.float32))
-    return {"matmul_rows": lambda: K.matmul_rows(S.TYPE_CODE["Q4_0"], row(), 1, x, np.empty((1, 1), np.float32)),
-            "ggml_rows": lambda: K.ggml_rows(S.TYPE_CODE["Q4_0"], row(), 1, np.zeros((1, 32), np.int8), d, d,
+    return {"ggml_rows": lambda: K.ggml_rows(S.TYPE_CODE["Q4_0"], row(), 1, np.zeros((1, 32), np.int8), d, d,
                                              np.empty((1, 1), np.float32)),
             "rms_norm_rows": lambda: K.rms_norm_rows(o, one, 1e-5, np.empty((1, 4), np.float32)),
             "silu_mul": lambda: K.silu_mul(one, one, np.empty(4, np.float32)),
@@ -416,6 +416,14 @@ def _warm_calls() -> dict:
 
 
 WARM_UP = _warm_calls()
+
+
+def _warm_type(code):
+    """matmul_rows_for(code)'s kernel called on one all-zero block of its type."""
+    per, size = S.BLOCKS[S.NAMES[code]]
+    blk = np.zeros((1, size), np.uint8)
+    K.matmul_rows_for(code)(np.array([blk.ctypes.data], np.int64), 1, np.ones((1, per), np.float32),
+                            np.empty((1, 1), np.float32))
 
 
 class NumbaBackend(Backend):
@@ -447,13 +455,17 @@ class NumbaBackend(Backend):
 
     def _warm_up(self, *names):
         """Compile (or load from the on-disk cache) the op-by-op kernels a model will run, once, before the first
-        request (the ones every model runs at start; a matrix-product kernel of numerics ggml and the attention
-        variant when prepare_weights knows which), adding the seconds to info["compile_or_cache_load_s"]. The fused
-        decode step (decode_step) and numerics "ggml"'s other kernels load on first use, in the first request
-        (bench's after_load_s: 0.04 s of the default model's first decode on Zen 5)."""
+        request (the ones every model runs at start; when prepare_weights knows them, the matrix products of the
+        model's types (a type code: matmul_rows_for's kernel), a matrix-product kernel of numerics ggml and the
+        attention variant), adding the seconds to info["compile_or_cache_load_s"]. The fused decode step
+        (decode_step) and numerics "ggml"'s other kernels load on first use, in the first request (bench's
+        after_load_s: 0.04 s of the default model's first decode on Zen 5)."""
         t0 = time.perf_counter()
-        for name in names or ("matmul_rows", "rms_norm_rows", "silu_mul", "rope_one"):
-            WARM_UP[name]()
+        for name in names or ("rms_norm_rows", "silu_mul", "rope_one"):
+            if isinstance(name, str):
+                WARM_UP[name]()
+            else:
+                _warm_type(name)
         self.info["compile_or_cache_load_s"] = round(self.info.get("compile_or_cache_load_s", 0.0)
                                                      + time.perf_counter() - t0, 3)
 
@@ -504,7 +516,8 @@ class NumbaBackend(Backend):
         self.info["kernel_matrices"] = self.n_matrices
         # a decode step with any product left to BLAS runs numba's attention serially (attend_one_serial)
         self.all_kernels = out is not None and all(set(h) >= set(MATRIX_FIELDS) for h in handles)
-        self._warm_up("attend_one" if self.all_kernels else "attend_one_serial")
+        codes = sorted({blocks.code for h in handles for blocks, _, _ in h.values()} | ({out[0].code} if out else set()))
+        self._warm_up(*codes, "attend_one" if self.all_kernels else "attend_one_serial")
         lazy = getattr(weights, "lazy", False)
         if lazy and self.all_kernels:       # prompts too on the blocks: no float32 copy unless --weight-cache-mb
             weights.cache.shrink_default(0)

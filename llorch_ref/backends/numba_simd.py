@@ -555,13 +555,21 @@ def _per_type(b, code, names, emit):
 def _tile(code, n_rows, n_tokens, n_addr, names, emit):
     """A tile intrinsic's typing: R and T literal integers, then n_addr integer arguments (addresses, strides,
     counts) -> (signature, codegen): a switch on the runtime type code over `names`, each emit(builder, name, R, T,
-    *the n_addr values)."""
+    *the n_addr values); a literal type code (a kernel made for one type: numba_kernels.for_type) emits that
+    type's loop alone."""
     if not all(isinstance(a, types.IntegerLiteral) for a in (n_rows, n_tokens)):
         return None
     r, t = n_rows.literal_value, n_tokens.literal_value
+    if isinstance(code, types.IntegerLiteral):
+        names = tuple(n for n in names if TYPE_CODE[n] == code.literal_value)
+        if not names:
+            return None
 
     def codegen(context, builder, signature, args):
-        _per_type(builder, args[0], names, lambda name: emit(builder, name, r, t, *args[3:]))
+        if isinstance(signature.args[0], types.IntegerLiteral):
+            emit(builder, names[0], r, t, *args[3:])
+        else:
+            _per_type(builder, args[0], names, lambda name: emit(builder, name, r, t, *args[3:]))
         return context.get_dummy_value()
     return types.void(code, n_rows, n_tokens, *([types.intp] * n_addr)), codegen
 
