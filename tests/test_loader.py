@@ -88,3 +88,40 @@ def test_unsupported_architecture(tiny, tmp_path):
     p.write_bytes(data.replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00gptjx", 1))
     with pytest.raises(UnsupportedModelError, match="architecture 'gptjx' is not supported"):
         llorch_ref.load(p)
+
+
+def test_ggml_type_table_is_gguf_pys():
+    """model.ggml_types restates gguf-py's types (so that a load need not import the gguf package): every type
+    gguf-py knows has its number, name and block sizes there, and a number the table lacks is gguf-py's type.
+    Planted: Q8_1's bytes per block (36 in older ggml, 40 in gguf-py 0.19) in the table -> fails."""
+    import gguf
+
+    from llorch_ref.model import ggml_types as T
+
+    for t in gguf.GGMLQuantizationType:
+        mine, sizes = T.ggml_type(int(t))
+        assert (mine.name, int(mine), sizes) == (t.name, int(t), gguf.GGML_QUANT_SIZES[t]), t.name
+        assert T.block_size(t.name) == gguf.GGML_QUANT_SIZES[t] and mine == t and hash(mine) == hash(t)
+    assert set(T.GGMLType.__members__) == set(gguf.GGMLQuantizationType.__members__)
+    with pytest.raises(ValueError):
+        T.ggml_type(250)
+
+
+LOAD_IMPORTS = """
+import sys
+import llorch_ref
+e = llorch_ref.load(sys.argv[1])
+print("gguf" in sys.modules)
+"""
+
+
+def test_loading_a_gguf_file_does_not_import_the_gguf_package(tiny):
+    """gguf-py's import (its writer, vocabulary and YAML modules: 26 ms of the default model's load on Zen 5) is
+    left to what needs its dequantization: a fresh process loading a model reads the header and the float tensors
+    without it."""
+    import subprocess
+    import sys
+
+    got = subprocess.run([sys.executable, "-c", LOAD_IMPORTS, str(tiny())], check=True, timeout=300,
+                         capture_output=True, text=True)
+    assert got.stdout.split()[0] == "False", got.stdout + got.stderr

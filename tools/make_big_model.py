@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llorch_ref.model.qtensor import block_size
+from llorch_ref.model.ggml_types import block_size
 from llorch_ref.testing.blocks import random_blocks, seeded_rng
 
 SHAPES = {

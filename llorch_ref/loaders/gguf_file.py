@@ -219,20 +219,20 @@ def dequantize(t, reader=None) -> np.ndarray:
     all cores (bit-identical to one call: dequantization is per block). With `reader`, the tensor's mapped
     pages are released afterwards (madvise DONTNEED): they leave this process's resident set and stay in
     the page cache, so a later read costs a page-cache hit, not a disk read."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf import quants
-
     shape = tuple(int(n) for n in reversed([int(x) for x in t.shape]))
-    if t.tensor_type.name not in ("F32", "F16") and not hasattr(t.data, "shape"):
+    kind = t.tensor_type.name
+    if kind not in ("F32", "F16") and not hasattr(t.data, "shape"):
         raise ModelFileError(f"tensor {t.name!r}: no data")
     try:
-        if t.tensor_type == Q.F32:
+        if kind == "F32":
             arr = np.array(t.data, dtype=np.float32)
-        elif t.tensor_type == Q.F16:
+        elif kind == "F16":
             arr = np.asarray(t.data).astype(np.float32)
         elif len(shape) == 2 and shape[0] * shape[1] > CHUNK_ELEMS and np.ndim(t.data) == 2:
             arr = _dequantize_rows_parallel(t.data, t.tensor_type, shape)
         else:
+            from gguf import quants
+
             arr = quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError:
         raise UnsupportedModelError(

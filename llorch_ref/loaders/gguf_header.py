@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelFileError
+from ..model.ggml_types import block_size, ggml_type
 
 # GGUF value types -> struct format of a scalar
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -38,7 +39,7 @@ class _Truncated(Exception):
 class TensorInfo:
     """One tensor, with the attributes of gguf.ReaderTensor that llorch-ref reads."""
     name: str
-    tensor_type: object          # gguf.GGMLQuantizationType
+    tensor_type: object          # model.ggml_types.GGMLType (gguf-py's GGMLQuantizationType for a type it lacks)
     shape: np.ndarray            # ggml order (ne0 first), as GGUFReader reports it
     n_elements: int
     n_bytes: int
@@ -54,8 +55,7 @@ class TensorInfo:
         dtype = ELEMENT_TYPES.get(self.tensor_type.name)
         if dtype is not None:
             return raw.view(dtype).reshape(dims)
-        from gguf import GGML_QUANT_SIZES
-        block, size = GGML_QUANT_SIZES[self.tensor_type]
+        block, size = block_size(self.tensor_type.name)
         return raw.reshape(dims[:-1] + (dims[-1] // block * size,))
 
 
@@ -174,13 +174,10 @@ def read_gguf(path) -> GGUFFile:
 
 
 def _tensor(path, file, name, dims, raw_type, offset):
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     try:
-        qtype = GGMLQuantizationType(raw_type)
+        qtype, (block, size) = ggml_type(raw_type)
     except ValueError:
         raise ModelFileError(f"{path}: tensor {name!r} has unknown ggml type {raw_type}") from None
-    block, size = GGML_QUANT_SIZES[qtype]
     n = 1
     for d in dims:
         n *= d

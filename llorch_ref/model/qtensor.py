@@ -13,12 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-
-def block_size(qtype: str) -> tuple[int, int]:
-    """ggml type name -> (weights per block, bytes per block), as gguf-py knows them (every type it can read)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+from .ggml_types import block_size
 
 
 @dataclass(frozen=True)

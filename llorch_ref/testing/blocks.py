@@ -5,7 +5,8 @@ import zlib
 
 import numpy as np
 
-from ..model.qtensor import QTensor, block_size
+from ..model.ggml_types import block_size
+from ..model.qtensor import QTensor
 
 SCALES_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
              "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}           # byte offsets of each block's float16 scales (and mins)
