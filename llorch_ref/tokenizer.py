@@ -168,11 +168,16 @@ class StreamDecoder:
         return self.dec.decode(b"", final=True)
 
 
+def _ids_of_types(types, kinds) -> list:
+    """The ids whose token type is one of `kinds` (a vocabulary's few special ones among tens of thousands)."""
+    return np.flatnonzero(np.isin(np.asarray(types), kinds)).tolist()
+
+
 def _special_added_tokens(tokens, types):
     from tokenizers import AddedToken
 
     return [AddedToken(tokens[i], special=True, normalized=False)
-            for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)]
+            for i in _ids_of_types(types, (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN))]
 
 
 def _first_ids(tokens) -> dict:
@@ -195,8 +200,8 @@ def build_gpt2(tokens, types, merges, pre):
     regexes, ignore_merges = PRE_TOKENIZERS.get(pre, PRE_TOKENIZERS["default"])
     vocab = _first_ids(tokens)
     merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
-    bad = next((m for m, pair in zip(merges, merge_pairs) if len(pair) != 2), None)
-    if bad is not None:
+    if min(map(len, merge_pairs), default=2) < 2:
+        bad = next(m for m, pair in zip(merges, merge_pairs) if len(pair) < 2)
         raise TokenizerError(f"malformed merge {bad!r} in tokenizer.ggml.merges")
     model = models.BPE(vocab=vocab, merges=merge_pairs, ignore_merges=ignore_merges)
     hf = HFTokenizer(model)
@@ -290,6 +295,6 @@ def _from_gguf_metadata(meta: dict, source="") -> Tokenizer | None:
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     eog = {i for i in (eos, opt_id("tokenizer.ggml.eot_token_id"), opt_id("tokenizer.ggml.eom_token_id"))
            if i is not None}
-    eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS and types[i] in (TOKEN_CONTROL, TOKEN_USER_DEFINED)}
+    eog |= {i for i in _ids_of_types(types, (TOKEN_CONTROL, TOKEN_USER_DEFINED)) if tokens[i] in EOG_TEXTS}
     return Tokenizer(hf, kind, tokens, types, bos, eos, add_bos, add_eos, eog,
                      meta.get("tokenizer.chat_template"), add_space_prefix=add_space_prefix, pre=pre)
