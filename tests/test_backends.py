@@ -507,6 +507,45 @@ def test_numba_kernels_load_from_the_cache_without_numbas_compile_registries():
     assert probe(numba_load=True)[2] == "True"
 
 
+RUNTIME_PROBE = """
+import numpy as np
+from numba.core import codegen
+compiled = []
+finalize = codegen.CPUCodeLibrary.finalize
+codegen.CPUCodeLibrary.finalize = lambda self: compiled.append(self.name) or finalize(self)
+from llorch_ref.backends import numba_kernels as K
+g = np.linspace(-3, 3, 64).astype(np.float32)
+out = np.empty_like(g)
+K.silu_mul(g, g, out)
+print(sum(K.silu_mul.stats.cache_hits.values()), len(compiled), float(np.abs(out - g / (1 + np.exp(-g)) * g).max()))
+"""
+
+
+def test_numba_runtime_helpers_come_from_the_cache_at_a_cached_start(tmp_path):
+    """numba compiles its runtime's helpers (NRT) with LLVM at every start; numba_cache.start_runtime keeps their
+    machine code beside the kernels'. Fresh processes on an empty cache folder: the first compiles the kernel, a
+    later one the helpers once, and then a start compiles nothing at all (no library finalized) and computes as
+    before; a corrupted helpers file is compiled afresh. Planted: the helpers compiled at each start -> fails."""
+    need_backend("numba")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+
+    def probe():
+        got = subprocess.run([sys.executable, "-c", RUNTIME_PROBE], check=True, timeout=300, capture_output=True,
+                             text=True, env=env)
+        hits, compiled, err = got.stdout.split()
+        assert float(err) < 1e-6
+        return int(hits), int(compiled)
+    runs = [probe() for _ in range(3)]
+    assert runs[0][0] == 0 and runs[0][1] > 0 and runs[2] == (1, 0), runs
+    for f in tmp_path.rglob("numba-runtime-*.pkl"):
+        f.write_bytes(b"not a pickle")
+    assert probe() == (1, 1)
+
+
 @pytest.mark.parametrize("model", ["tiny-Q4_0", "tiny-Q4_1", "tiny-k_mixed", "default"])
 def test_numba_fused_decode_step_equals_the_op_by_op_step(tiny, default_model, model, monkeypatch):
     """The fused one-token step (each layer in one numba call) against the op-by-op forward the checkpoints

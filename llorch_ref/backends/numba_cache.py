@@ -10,12 +10,15 @@ recompiles every cached kernel. Call it before the kernel modules' functions are
 Loading a cached kernel: numba refreshes its target context first, which imports and installs every lowering
 registry it has (linalg, random, typed containers, ...: 0.2-0.3 s, a fifth of the default model's load). Those are
 needed to compile, and numba's compiler refreshes before it compiles; loaded machine code needs numba's runtime
-(NRT) only. The stamped kernels' cache loads therefore start the runtime and skip the refresh (`install`);
+(NRT) only. The stamped kernels' cache loads therefore start the runtime (its helpers' machine code cached too:
+`start_runtime`) and skip the refresh (`install`);
 every other function's cache loads as numba's does.
 """
 from __future__ import annotations
 
 import hashlib
+import os
+import pickle
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -47,16 +50,58 @@ _DIGEST = sources_digest()
 
 
 def _loader(numba_load):
-    """Cache.load_overload for the stamped kernels: the runtime started, the context's registries left unloaded."""
-    from numba.core.runtime import rtsys
+    """Cache.load_overload for the stamped kernels: the runtime started (its helpers' machine code cached beside
+    the kernels': start_runtime), the context's registries left unloaded."""
 
     def load_overload(self, sig, target_context):
         if not isinstance(self._impl.locator, _KernelStamp):
             return numba_load(self, sig, target_context)
-        rtsys.initialize(target_context)
+        start_runtime(target_context, Path(self._impl.locator.get_cache_path()))
         return self._load_overload(sig, target_context)
     load_overload.numba_load = numba_load
     return load_overload
+
+
+def start_runtime(target_context, folder: Path):
+    """Start numba's runtime (NRT), its helper functions' machine code read from `folder` where an earlier process
+    left it, else compiled as numba compiles it and left there. numba compiles them with LLVM at every start:
+    17-20 ms of the default model's 0.25 s load on Zen 5, the one LLVM optimization a cached start ran. The file
+    is keyed by the helpers' IR and numba's codegen (target, CPU, features): any change compiles them afresh, and so
+    does an unreadable file. -> whether they came from the file."""
+    from numba.core.runtime import nrtdynmod, rtsys
+
+    if rtsys._init:
+        return False
+    compile_nrt, loaded = nrtdynmod.compile_nrt_functions, []
+
+    def cached(ctx):
+        ir_mod, library = nrtdynmod.create_nrt_module(ctx)
+        codegen = ctx.codegen()
+        key = hashlib.sha256(f"{ir_mod}\0{codegen.magic_tuple()}".encode()).hexdigest()[:24]
+        path = folder / f"numba-runtime-{key}.pkl"
+        try:
+            lib = codegen.unserialize_library(pickle.loads(path.read_bytes()))
+            loaded.append(lib)
+            return lib
+        except Exception:                   # absent, unreadable or not numba's: compiled below
+            pass
+        library.enable_object_caching()
+        library.add_ir_module(ir_mod)
+        library.finalize()
+        try:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(pickle.dumps(library.serialize_using_object_code()))
+            os.replace(tmp, path)
+        except OSError:                     # a read-only cache folder: compiled at each start, as numba does
+            pass
+        return library
+
+    nrtdynmod.compile_nrt_functions = cached
+    try:
+        rtsys.initialize(target_context)
+    finally:
+        nrtdynmod.compile_nrt_functions = compile_nrt
+    return bool(loaded)
 
 
 def install() -> bool:
