@@ -5,10 +5,11 @@ llorch-ref backends (numpy, numba, cupy), llama.cpp (llama-cpp-python, low-level
 on the CPU when asked. Prefill: one forward over a PREFILL-token prompt (logits of the last row).
 Decode: DECODE greedy tokens after an 8-token prompt, EOS ignored, timed from the end of the prompt's
 forward (every engine: the prompt's prefill is not in the decode figure). Medians of REPEATS runs after one
-warm-up, each run asked of the engine's process by this one (bench.serve); the warm-ups' time beyond a warm run
+warm-up, each run asked of the engine's process by this one (bench.serve); the load, one sample a process, the
+median of REPEATS loads (REPEATS - 1 more fresh processes that only load); the warm-ups' time beyond a warm run
 is what the load left to the first request (after_load_s, beside load_s); GPU work is synchronized before each
 clock read. Output: a JSON file and a Markdown table with ratios to llama.cpp. The engines run one after another,
-or with --interleave all loaded at once and timed in rounds back to back (run_interleaved), each ratio then the
+or with --interleave all loaded (one after another) and kept loaded, timed in rounds back to back (run_interleaved), each ratio then the
 median of the rounds' ratios.
 """
 from __future__ import annotations
@@ -200,10 +201,15 @@ def serve(subject, stdin=sys.stdin, stdout=sys.stdout):
 
 
 def worker_main(argv):
-    """python -m llorch_ref.bench ENGINE PATH PREFILL DECODE THREADS: one engine loaded, served (see serve)."""
+    """python -m llorch_ref.bench ENGINE PATH PREFILL DECODE THREADS serve|load: one engine loaded, then served (see
+    serve), or only its load's seconds printed ("LOAD <s>": one more sample of the load, in a fresh process)."""
     engine, path, prefill, decode, threads = argv[0], argv[1], *map(int, argv[2:5])
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    serve(open_engine(engine, path, prefill, decode, threads))
+    subject = open_engine(engine, path, prefill, decode, threads)
+    if argv[5:] == ["load"]:
+        print(f"LOAD {subject[0]['load_s']!r}", flush=True)
+        return
+    serve(subject)
 
 
 def host_probe(threads, rounds=9) -> float:
@@ -236,7 +242,7 @@ def _command(e, path, prefill, decode, threads):
 
 
 def run_bench(path, engines, prefill=128, decode=128, repeats=3, threads=None, timeout=1800, interleave=False):
-    """Each engine in its own process, one after another (interleave: all loaded at once, their timed runs taking
+    """Each engine in its own process, one after another (interleave: all kept loaded at once, their timed runs taking
     turns: see run_interleaved) -> the report."""
     threads = threads or os.cpu_count() or 1
     report = {"model": str(path), "model_mb": _model_mb(path), "prefill_tokens": prefill, "decode_tokens": decode,
@@ -343,7 +349,9 @@ def _served_runs(path, engines, prefill, decode, repeats, threads, timeout, prob
             if probes is not None:
                 probes.append(host_probe(threads))
             tokens = {"prefill": prefill, "decode": decode}
-            return [{"engine": s.name, "error": s.error} if s.error else _served_result(s, tokens) for s in served]
+            results = [{"engine": s.name, "error": s.error} if s.error else _served_result(s, tokens) for s in served]
+            _more_loads(results, path, prefill, decode, repeats, threads, timeout)
+            return results
         finally:
             killer.cancel()
             for s in served:
@@ -352,10 +360,28 @@ def _served_runs(path, engines, prefill, decode, repeats, threads, timeout, prob
                 s.err.close()
 
 
+def _more_loads(results, path, prefill, decode, repeats, threads, timeout):
+    """A load is one sample per process: repeats - 1 more fresh processes per engine only load it (in rounds over
+    the engines, after the served ones have exited), and load_s becomes the median of all (load_runs)."""
+    ok = [r for r in results if "error" not in r]
+    for r in ok:
+        r["load_runs"] = [round(r["load_s"], 4)]
+    for _ in range(repeats - 1):
+        for r in ok:
+            cmd = _command(r["bench_engine"], path, prefill, decode, threads) + ["load"]
+            got = subprocess.run(cmd, capture_output=True, text=True, env=_env(threads), timeout=timeout)
+            line = next((x for x in got.stdout.splitlines() if x.startswith("LOAD ")), None)
+            if got.returncode == 0 and line is not None:
+                r["load_runs"].append(round(float(line[5:]), 4))
+    for r in ok:
+        r["load_s"] = statistics.median(r["load_runs"])
+
+
 def _served_result(s, tokens) -> dict:
     out = s.finish()
     if "error" in out:
         return out
+    out["bench_engine"] = s.name             # the --engines name it was asked by
     for kind, runs in s.runs.items():
         out[f"{kind}_tok_s"], out[f"{kind}_runs"] = statistics.median(runs), [round(r, 3) for r in runs]
     out["first_runs_tok_s"] = {k: round(v, 3) for k, v in s.first.items()}
@@ -415,9 +441,12 @@ def markdown(report) -> str:
                      f"{rd} |")
     spread = [f"{r['engine']} prefill {_tps(min(r['prefill_runs']))}-{_tps(max(r['prefill_runs']))}, decode "
               f"{_tps(min(r['decode_runs']))}-{_tps(max(r['decode_runs']))}"
+              + (f", load {min(r['load_runs']):.2f}-{max(r['load_runs']):.2f} s" if len(r.get("load_runs", ())) > 1
+                 else "")
               for r in report["results"] if r.get("prefill_runs") and r.get("decode_runs")]
     if spread:
-        lines += ["", "run-to-run spread (tok/s, every timed run): " + "; ".join(spread)]
+        lines += ["", "run-to-run spread (tok/s of every timed run; the loads' seconds, each in a fresh process): "
+                  + "; ".join(spread)]
     if any(r.get("after_load_s") is not None for r in report["results"]):
         lines += ["", "load s (+ left to the first runs): the load, and the seconds its first prefill and first decode "
                   "took beyond warm ones (kernels loaded on first use, the weights' first touch: after_load_s)"]
@@ -425,7 +454,8 @@ def markdown(report) -> str:
         paired = [f"{r['engine']} prefill {min(r['prefill_vs_llamacpp_runs']):.2f}-{max(r['prefill_vs_llamacpp_runs']):.2f}x"
                   f", decode {min(r['decode_vs_llamacpp_runs']):.2f}-{max(r['decode_vs_llamacpp_runs']):.2f}x"
                   for r in report["results"] if r.get("decode_vs_llamacpp_runs") and r["engine"] != "llama.cpp"]
-        lines += ["", "interleaved: the engines loaded at once, each round running every engine back to back; the "
+        lines += ["", "interleaved: the engines loaded one after another and kept loaded, each round running every "
+                  "engine back to back; the "
                   "ratios are medians of each round's ratio to llama.cpp"
                   + (" (per round: " + "; ".join(paired) + ")" if paired else "")]
         lines += _probe_lines(report.get("host_probe_gflops"), ["the loads", "the rounds"], paired=True)

@@ -90,7 +90,7 @@ def test_vector_registers_are_read_from_the_compiled_code():
 
 
 def test_bench_interleaved_pairs_each_round_and_reports_an_engine_that_fails(tiny, tmp_path, llamacpp):
-    """--interleave: the engines loaded at once, timed in rounds; each ratio is the median of the rounds' ratios to
+    """--interleave: the engines loaded one after another (and each again in two fresh processes), timed in rounds; each ratio is the median of the rounds' ratios to
     llama.cpp (each round's runs back to back); an engine that cannot load is reported and the others still run."""
     pytest.importorskip("numba")
     import importlib.util
@@ -114,7 +114,8 @@ def test_bench_interleaved_pairs_each_round_and_reports_an_engine_that_fails(tin
     import statistics
     row = next(ln for ln in r.stdout.splitlines() if ln.startswith("| llorch-ref numba"))
     assert row.rstrip(" |").endswith(f"{statistics.median(numba['decode_vs_llamacpp_runs']):.2f}x")
-    assert "interleaved: the engines loaded at once" in r.stdout
+    assert "interleaved: the engines loaded one after another" in r.stdout
+    assert len(numba["load_runs"]) == len(llama["load_runs"]) == 3 and numba["load_s"] in numba["load_runs"]
     if "cupy" in engines:                          # no cupy here: its process fails to load, reported in one line
         assert rep["results"][2]["error"] and r.returncode == 1
         assert "| cupy | - |" in r.stdout
@@ -230,3 +231,19 @@ def test_blas_line_names_numpys_own_library_when_another_is_loaded_first(monkeyp
     assert b.blas_info().startswith("openblas 0.3.31, Mine kernels") and b.blas_info().endswith(", 2 threads")
     monkeypatch.setattr(threadpoolctl, "threadpool_info", lambda: [other])
     assert b.blas_info().startswith("openblas 0.3.34, Other kernels")
+
+
+def test_bench_load_is_the_median_of_a_load_in_each_of_repeats_processes(tiny, tmp_path):
+    """A load is one sample a process: with --repeats 3 each engine is loaded in two more fresh processes, the
+    report keeps the three (load_runs) and prints their median and spread."""
+    import statistics
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "llorch_ref.cli", "bench", "--model", str(tiny()), "--engines", "numpy",
+                        "--prefill", "4", "--decode", "2", "--repeats", "3", "--threads", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (x,) = json.loads(out.read_text())["results"]
+    assert len(x["load_runs"]) == 3 and all(v > 0 for v in x["load_runs"])
+    assert x["load_s"] == statistics.median(x["load_runs"])
+    assert f"load {min(x['load_runs']):.2f}-{max(x['load_runs']):.2f} s" in r.stdout
