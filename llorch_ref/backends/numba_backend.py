@@ -245,6 +245,8 @@ class FusedDecoder(_OneCallStep):
     def __init__(self, engine, cache, plan):
         super().__init__(engine, cache, plan)
         self.paths = stacked_paths(engine, "numba kernel (in place)")
+        codes = plan["codes"]
+        self.step = K.decode_step_for(codes.flat[0] if (codes == codes.flat[0]).all() else -1)
 
     @staticmethod
     def plan(engine, cache):
@@ -263,9 +265,9 @@ class FusedDecoder(_OneCallStep):
 
     def _layers(self, x, cos, sin):
         eng, c, p, cfg = self.engine, self.cache, self.plan_args, self.engine.config
-        return K.decode_step(x, p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"], p["n_blocks"], p["rows"],
-                             *p["shapes"], cos, sin, cfg.rope_style == "neox", c.k, c.v, c.pos, cfg.scale,
-                             self.kv_head, eng.backend.all_kernels)
+        return self.step(x, p["attn_norms"], p["ffn_norms"], cfg.rms_eps, p["codes"], p["n_blocks"], p["rows"],
+                         *p["shapes"], cos, sin, cfg.rope_style == "neox", c.k, c.v, c.pos, cfg.scale, self.kv_head,
+                         eng.backend.all_kernels)
 
 
 class GgmlFusedDecoder(_OneCallStep):
@@ -386,7 +388,7 @@ def kernels_compiled() -> int:
     a kernel source) rather than loaded from its on-disk cache: a load that compiled is not a load's time."""
     import numba
 
-    kernels = [*vars(K).values(), *vars(G).values(), *K.FOR_TYPE.values()]
+    kernels = [*vars(K).values(), *vars(G).values(), *K.FOR_TYPE.values(), *K.STEP_FOR.values()]
     return sum(sum(f.stats.cache_misses.values()) for f in kernels if isinstance(f, numba.core.registry.CPUDispatcher))
 
 
