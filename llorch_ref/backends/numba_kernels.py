@@ -12,6 +12,8 @@ decode steps call matmul_rows itself.
 """
 from __future__ import annotations
 
+from functools import partial
+
 from . import numba_wide_vectors
 
 numba_wide_vectors()            # before numba reads its configuration: 512-bit vectors on AVX-512 CPUs
@@ -75,6 +77,10 @@ def _rows_times(code, rows, n_blocks, x, out):
 
 
 FOR_TYPE = {}          # type code -> matmul_rows_for(code)'s kernel, made on first use
+# Types whose several-token products run slower made for their one type: Q4_K's 0.86-0.93x at 8 and 64 tokens on
+# Zen 5 (the tile's loop is the same machine code; what differs is around it), every other type within 0.95-1.09x
+# (/tmp-only A/B of 4096 x 4096 products from DRAM, results/cpu/2026-11-29-s26.md); these keep matmul_rows itself.
+ALL_TYPE_KERNEL = ("Q4_K",)
 
 
 def matmul_rows_for(code):
@@ -82,10 +88,10 @@ def matmul_rows_for(code):
     that numba compiles, and caches, with the code a constant: its tiles hold that type's loops alone, not the
     switch over every type (numba_simd._tile), the same operations in the same order. What numba loads from its
     cache at a model's start is then its types' code alone (the default model's Q4_1 and Q8_0: 155 kB of machine
-    code and bitcode against the all-type kernel's 566 kB)."""
+    code and bitcode against the all-type kernel's 566 kB). ALL_TYPE_KERNEL's types: matmul_rows with the code."""
     code = int(code)
     if code not in FOR_TYPE:
-        FOR_TYPE[code] = _one_type(code)
+        FOR_TYPE[code] = (partial(matmul_rows, code) if S.NAMES[code] in ALL_TYPE_KERNEL else _one_type(code))
     return FOR_TYPE[code]
 
 
