@@ -70,11 +70,17 @@ def start_runtime(target_context, folder: Path):
     does an unreadable file. -> whether they came from the file."""
     from numba.core.runtime import nrtdynmod, rtsys
 
-    if rtsys._init:
+    if getattr(rtsys, "_init", False):
         return False
     compile_nrt, loaded = nrtdynmod.compile_nrt_functions, []
 
     def cached(ctx):
+        try:
+            return from_file(ctx)
+        except Exception:                   # a numba whose runtime module or library API differs: as numba does
+            return compile_nrt(ctx)
+
+    def from_file(ctx):
         ir_mod, library = nrtdynmod.create_nrt_module(ctx)
         codegen = ctx.codegen()
         key = hashlib.sha256(f"{ir_mod}\0{codegen.magic_tuple()}".encode()).hexdigest()[:24]
@@ -88,12 +94,12 @@ def start_runtime(target_context, folder: Path):
         library.enable_object_caching()
         library.add_ir_module(ir_mod)
         library.finalize()
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_bytes(pickle.dumps(library.serialize_using_object_code()))
             os.replace(tmp, path)
-        except OSError:                     # a read-only cache folder: compiled at each start, as numba does
-            pass
+        except OSError:                     # a read-only or full cache folder: compiled at each start, as numba does
+            tmp.unlink(missing_ok=True)
         return library
 
     nrtdynmod.compile_nrt_functions = cached

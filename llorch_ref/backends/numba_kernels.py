@@ -7,8 +7,8 @@ the addresses of their blocks in the mapped file, and each row's dot products ru
 lane accumulators with fused multiply-adds, a fixed-order tree sum at the row's end). Each row is computed
 by one thread, in one order, so results do not depend on the thread count or on how many tokens a call
 carries; fastmath is off; every kernel is compiled once and cached on disk. matmul_rows_for(code) is matmul_rows
-made for one type (the numba backend's matrices run it: a model's start loads its types' code alone); the fused
-decode steps call matmul_rows itself.
+made for one type (the numba backend's matrices run it: a model's start loads its types' code alone), and
+decode_step_for(code) the fused decode step made for a model whose layer matrices all have one type.
 """
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def _rows_times(code, rows, n_blocks, x, out):
 FOR_TYPE = {}          # type code -> matmul_rows_for(code)'s kernel, made on first use
 # Types whose several-token products run slower made for their one type: Q4_K's 0.86-0.93x at 8 and 64 tokens on
 # Zen 5 (the tile's loop is the same machine code; what differs is around it), every other type within 0.95-1.09x
-# (/tmp-only A/B of 4096 x 4096 products from DRAM, results/cpu/2026-11-29-s26.md); these keep matmul_rows itself.
+# (results/cpu/2026-11-29-s26-scripts/one_type_products.py: 4096 x 4096 products from DRAM, results/cpu/2026-11-29-s26.md);
+# these keep matmul_rows itself. The fused decode step's one-token tiles are as fast either way (0.99-1.05x).
 ALL_TYPE_KERNEL = ("Q4_K",)
 
 
