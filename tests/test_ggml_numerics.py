@@ -630,3 +630,22 @@ def test_a_llamacpp_that_fails_to_load_counts_as_none_installed(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", broken)
     assert ggml_build.installed_build_features() is None and ggml_build.installed_simd() is None
     assert llorch_ref.resolve_ggml_simd("ggml") == "avx2"
+
+
+def test_numba_rope_tables_are_the_c_librarys_cosf_and_sinf_to_the_bit():
+    """The numba backend builds ggml's RoPE tables with the C library's cosf/sinf called from machine code
+    (numba_ggml.map_c_float) where the NumPy emulation calls them through ctypes one value at a time: the same
+    tables, bit for bit, for plain, scaled and per-dimension-factored angles; and each value is cosf's own (ctypes
+    on the first values). Planted: sinf for cosf -> fails."""
+    need_backend("numba")
+    from llorch_ref.backends import numba_ggml as G
+
+    factors = tuple(np.linspace(1, 8, 24).astype(np.float32).tolist())
+    for args in ((512, 64, 10000.0, 1.0, None), (300, 48, 500000.0, 0.25, factors)):
+        want = ggml_cpu._rope_tables_uncached(*args)
+        got = ggml_cpu._rope_tables_uncached(*args, map_c=G.map_c_float)
+        assert all(np.array_equal(w, g) for w, g in zip(want, got)), args
+    cosf, sinf = ggml_cpu.libm_cosf_sinf()
+    xs = np.linspace(-40, 900, 257).astype(np.float32)
+    assert G.map_c_float(cosf, xs).tolist() == [np.float32(cosf(float(v))) for v in xs]
+    assert not np.array_equal(G.map_c_float(sinf, xs), G.map_c_float(cosf, xs))

@@ -547,7 +547,8 @@ class NumbaBackend(Backend):
     def make_ggml_ops(self, ggml_ops):
         """numerics "ggml": several new tokens' attention by numba_ggml.attend_rows, SwiGLU's silu(gate) * up by
         numba_ggml.silu_mul_rows and RMSNorm by numba_ggml.rms_norm_rows (ggml_cpu's bit for bit,
-        tests/test_ggml_numerics.py); one token's attention, and everything else, as ggml_cpu computes it."""
+        tests/test_ggml_numerics.py), RoPE's tables by the same C calls from numba; one token's attention, and
+        everything else, as ggml_cpu computes it."""
         ops = types.SimpleNamespace(**vars(ggml_ops))
         emulated, half = ggml_ops.attention, ggml_ops.kv_dtype == "float16"
         attend_rows = G.attend_rows16 if ggml_ops.lanes == 16 else G.attend_rows8
@@ -571,6 +572,8 @@ class NumbaBackend(Backend):
             rows = f32(x).reshape(-1, x.shape[-1])
             return G.rms_norm_rows(rows, f32(w), np.float32(eps)).reshape(x.shape)
         ops.attention, ops.attention_out, ops.swiglu, ops.rms_norm = attention, attention_out, swiglu, rms_norm
+        # RoPE tables: the C library's cosf/sinf called from machine code (numba_ggml.map_c_float), the same values
+        ops.rope_angles = lambda xp, *a, **k: ggml_ops.rope_angles(xp, *a, map_c=G.map_c_float, **k)   # noqa: E731
         return ops
 
     def make_ops(self, base_ops):

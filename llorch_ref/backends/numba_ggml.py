@@ -19,8 +19,9 @@ numba_wide_vectors()            # before numba reads its configuration: 512-bit 
 
 import numba as nb  # noqa: E402
 import numpy as np  # noqa: E402
+from llvmlite import ir  # noqa: E402
 from numba import types  # noqa: E402
-from numba.extending import overload  # noqa: E402
+from numba.extending import intrinsic, overload  # noqa: E402
 
 from . import numba_kernels as K  # noqa: E402
 from . import numba_simd as S  # noqa: E402
@@ -570,3 +571,32 @@ def can_skip_masked(q, k, v, half) -> bool:
     its rounding to float16 stays finite) and V finite (0 * V adds nothing). NaNs fail the comparisons."""
     bound = 65504.0 if half else 1e18
     return bool(q.shape[2] <= 256 and np.abs(q).max() < bound and np.abs(k).max() < bound and np.isfinite(v).all())
+
+
+# -- a C function of the process over an array: ggml's RoPE tables (ggml_cpu.rope_angles' map_c) -----------
+@intrinsic
+def _call_c_float(typingctx, address, x):
+    """The C function float f(float) at `address` (an integer: a run-time value, so that the cached machine code
+    holds no address of this process) called on x."""
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()])
+        return builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [args[1]])
+    return types.float32(types.int64, types.float32), codegen
+
+
+@nb.njit(cache=True)
+def _map_c_float(address, xs, out):
+    for i in range(xs.shape[0]):
+        out[i] = _call_c_float(address, xs[i])
+
+
+def map_c_float(fn, xs):
+    """fn (a ctypes function float -> float, e.g. the C library's cosf) applied to float32 xs -> float32 [n]: the
+    same calls as one ctypes call a value, in a loop of machine code (ggml's 8192-position RoPE tables: 251,094
+    distinct angles, two calls each)."""
+    import ctypes
+
+    xs = np.ascontiguousarray(xs, dtype=np.float32)
+    out = np.empty_like(xs)
+    _map_c_float(ctypes.cast(fn, ctypes.c_void_p).value, xs, out)
+    return out

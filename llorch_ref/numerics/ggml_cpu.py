@@ -295,22 +295,25 @@ def softmax(xp, s, lanes: int = 8):
     return (e[..., :n] * (1.0 / total).astype(F32)[..., None]).astype(F32)
 
 
-def rope_angles(xp, n_pos: int, rope_dim: int, base: float, freq_scale: float = 1.0, factors=None):
+def rope_angles(xp, n_pos: int, rope_dim: int, base: float, freq_scale: float = 1.0, factors=None, map_c=None):
     """ggml_rope_cache_init: theta *= theta_scale in float32, theta / freq_factor, * freq_scale, cos/sin from
-    the C library's cosf/sinf. Built once per set of arguments (a million cosf calls for an 8192-position
-    table): every cache, and every layer of a local check, shares the read-only tables."""
+    the C library's cosf/sinf. Built once per set of arguments (a quarter of a million distinct angles in an
+    8192-position table): every cache, and every layer of a local check, shares the read-only tables. map_c(f, xs):
+    the C function f (float -> float) applied to float32 xs, where a caller has a faster way to call it than one
+    ctypes call a value (the numba backend's numba_ggml.map_c_float); the same calls, the same values."""
     key = None if factors is None else tuple(float(f) for f in np.asarray(factors, dtype=F32))
-    return _rope_tables(int(n_pos), int(rope_dim), float(base), float(freq_scale), key)
+    return _rope_tables(int(n_pos), int(rope_dim), float(base), float(freq_scale), key, map_c)
 
 
 @functools.lru_cache(maxsize=8)
-def _rope_tables(n_pos: int, rope_dim: int, base: float, freq_scale: float, factors):
-    c, s = _rope_tables_uncached(n_pos, rope_dim, base, freq_scale, factors)
+def _rope_tables(n_pos: int, rope_dim: int, base: float, freq_scale: float, factors, map_c=None):
+    c, s = _rope_tables_uncached(n_pos, rope_dim, base, freq_scale, factors, map_c)
     c.flags.writeable = s.flags.writeable = False
     return c, s
 
 
-def _rope_tables_uncached(n_pos, rope_dim, base, freq_scale, factors):
+def libm_cosf_sinf():
+    """The C library's cosf and sinf (ctypes functions, float -> float): ggml's RoPE calls these."""
     import ctypes
     import ctypes.util
 
@@ -318,6 +321,11 @@ def _rope_tables_uncached(n_pos, rope_dim, base, freq_scale, factors):
     cosf, sinf = libm.cosf, libm.sinf
     for f in (cosf, sinf):
         f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]
+    return cosf, sinf
+
+
+def _rope_tables_uncached(n_pos, rope_dim, base, freq_scale, factors, map_c=None):
+    cosf, sinf = libm_cosf_sinf()
     theta_scale = F32(base ** (-2.0 / rope_dim))
     theta = np.arange(n_pos, dtype=F32)
     cols = []
@@ -330,10 +338,10 @@ def _rope_tables_uncached(n_pos, rope_dim, base, freq_scale, factors):
     if freq_scale != 1.0:
         ang = (ang * F32(freq_scale)).astype(F32)
     uniq, inv = np.unique(ang, return_inverse=True)
-    at = uniq.tolist()                  # one C call a distinct angle, mapped over a list (1.7x the loop of before)
-    c = np.fromiter(map(cosf, at), F32, len(at))[inv].reshape(ang.shape)
-    s = np.fromiter(map(sinf, at), F32, len(at))[inv].reshape(ang.shape)
-    return c, s
+    if map_c is None:                   # one ctypes call a distinct angle, mapped over a list
+        at = uniq.tolist()
+        map_c = lambda f, xs: np.fromiter(map(f, at), F32, len(at))          # noqa: E731
+    return map_c(cosf, uniq)[inv].reshape(ang.shape), map_c(sinf, uniq)[inv].reshape(ang.shape)
 
 
 def rope(xp, x, cos, sin, style: str):
