@@ -612,14 +612,21 @@ def test_ggml_simd_is_applied_or_refused(tiny, monkeypatch):
     assert not path.with_suffix(".never.safetensors").exists()
 
 
-def test_a_llamacpp_that_fails_to_load_counts_as_none_installed(monkeypatch):
-    """llama_cpp raises RuntimeError when its shared library does not load: numerics ggml's auto then reproduces the
-    AVX2 build (the default) instead of failing the load with a traceback."""
+def test_a_llamacpp_that_fails_to_load_counts_as_none_installed(monkeypatch, tmp_path):
+    """A libllama that does not load (read directly on Linux), or llama_cpp raising RuntimeError when its shared
+    library does not load (elsewhere): numerics ggml's auto then reproduces the AVX2 build (the default) instead of
+    failing the load with a traceback."""
     import builtins
     import sys
 
     from llorch_ref.numerics import ggml_build
 
+    if ggml_build._library_path() is not None:
+        (tmp_path / "libllama.so").write_bytes(b"not a shared library")
+        monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(tmp_path))
+        assert ggml_build._library_path() == tmp_path / "libllama.so"
+        assert ggml_build.installed_build_features() is None and ggml_build.installed_simd() is None
+        assert llorch_ref.resolve_ggml_simd("ggml") == "avx2"
     real = builtins.__import__
 
     def broken(name, *a, **k):
@@ -628,8 +635,29 @@ def test_a_llamacpp_that_fails_to_load_counts_as_none_installed(monkeypatch):
         return real(name, *a, **k)
     monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
     monkeypatch.setattr(builtins, "__import__", broken)
+    monkeypatch.setattr(ggml_build, "_library_path", lambda: None)
     assert ggml_build.installed_build_features() is None and ggml_build.installed_simd() is None
     assert llorch_ref.resolve_ggml_simd("ggml") == "avx2"
+
+
+def test_the_builds_features_are_read_from_its_library_without_importing_llama_cpp(llamacpp, tiny):
+    """numerics ggml's auto reads the installed build's features from the libllama llama_cpp loads, without
+    importing llama_cpp (its chat formats and jinja2: 30-60 ms of the load): the same features llama_cpp itself
+    reports, and a fresh process loading a model with numerics ggml leaves llama_cpp unimported. Planted: the
+    features through llama_cpp's import -> the second part fails."""
+    import subprocess
+    import sys
+
+    from llorch_ref.numerics import ggml_build
+
+    if ggml_build._library_path() is None:
+        pytest.skip("llama_cpp's libllama is not where it keeps it on Linux: read through llama_cpp's import")
+    assert ggml_build.installed_build_features() == ggml_build._features_through_llama_cpp()
+    code = ("import sys, llorch_ref; e = llorch_ref.load(sys.argv[1], numerics='ggml'); "
+            "print(e.ggml_simd, 'llama_cpp' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, str(tiny(vocab="none", weight_type="F32"))],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == [ggml_build.installed_simd(), "False"], (r.stdout, r.stderr)
 
 
 def test_numba_rope_tables_are_the_c_librarys_cosf_and_sinf_to_the_bit():
