@@ -279,6 +279,63 @@ def test_numpy_backend_gives_blas_one_thread_for_a_step_while_the_machine_is_bus
     assert SPLIT.split is False and blas_threads() == 2
 
 
+def test_numba_steps_run_on_the_threads_asked_for_in_any_thread_and_on_fewer_while_cores_are_busy(tiny, monkeypatch):
+    """numba keeps a thread count per calling thread: a step run in another thread (the server's worker) runs on
+    --threads (1 here), not on NUMBA_NUM_THREADS. While other processes hold the cores (the look simulated: the
+    machine's busy time rising by 2 cores a second beside this process's own, on 2 usable cores) a 2-thread engine's
+    steps and prompts run on one thread, and on 2 again once they stop; the logits equal to the bit either way.
+    Planted: the count left as numba has it -> fails."""
+    need_backend("numba")
+    import os
+    import threading
+    import time
+
+    import numba
+
+    from llorch_ref.backends import cpu_split
+    from llorch_ref.backends.cpu_split import SPLIT
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread on this machine")
+    path = tiny(vocab="bpe", weight_type="Q4_1", n_heads=4, n_kv_heads=2, d_model=128)
+    ids = [(5 * i + 2) % 200 + 1 for i in range(12)]
+
+    def run(eng):
+        cache = eng.new_cache()
+        prompt = eng.forward(ids, cache)
+        step = eng.backend.make_decoder(eng, cache)(7)
+        return prompt, step, numba.get_num_threads()
+
+    one = llorch_ref.load(path, backend="numba", threads=1)
+    seen = {}
+    worker = threading.Thread(target=lambda: seen.update(before=numba.get_num_threads(), run=run(one)))
+    worker.start()
+    worker.join()
+    assert seen["before"] == numba.config.NUMBA_NUM_THREADS and seen["run"][2] == 1
+
+    two = llorch_ref.load(path, backend="numba", threads=2)
+    idle = run(two)
+    assert idle[2] == 2
+    monkeypatch.setattr(cpu_split, "usable_cores", lambda: 2)
+    others = {"cores": 2.0}
+    monkeypatch.setattr(cpu_split, "machine_busy_s",
+                        lambda: sum(os.times()[:2]) + others["cores"] * time.monotonic())
+
+    def look_again():
+        SPLIT._last = None
+        SPLIT.look()                                  # where the machine stands; the next look, 1 s later, decides
+        SPLIT._last = (SPLIT._last[0] - 1.0, SPLIT._last[1] - others["cores"], SPLIT._last[2])
+    look_again()
+    busy = run(two)
+    assert busy[2] == 1 and SPLIT.others >= 1.5
+    others["cores"] = 0.0
+    look_again()
+    assert run(two)[2] == 2
+    for a, b in zip(idle[:2], busy[:2]):
+        assert np.array_equal(a, b)
+    assert np.array_equal(idle[1], seen["run"][1])
+
+
 @pytest.mark.parametrize("kernel,first", [("rope_one", ("1B", "q@step1")), ("attend_one", ("4", "kq@step1")),
                                           ("rms_norm_rows", ("1", "attn_norm@step1"))])
 def test_a_planted_bug_in_a_one_token_kernel_is_caught_at_its_checkpoint(tiny, monkeypatch, kernel, first):

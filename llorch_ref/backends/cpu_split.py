@@ -72,7 +72,7 @@ class CpuSplit:
 
     def __init__(self, threads: int = 1, mode: str = "auto"):
         self.threads, self.pool, self.mode, self.split = 1, None, mode, False
-        self.blas, self._last = None, None
+        self.blas, self._last, self.others = None, None, 0.0
         self.configure(threads, mode=mode)
 
     def configure(self, threads: int, blas=None, mode=None):
@@ -88,7 +88,7 @@ class CpuSplit:
                 self.pool.shutdown(wait=True)
             self.threads = threads
             self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="llorch-split") if threads > 1 else None
-        self.blas, self._last, self.split = blas, None, None         # None: BLAS's thread count not set yet
+        self.blas, self._last, self.split, self.others = blas, None, None, 0.0   # split None: BLAS's not set yet
         self._set(self.mode == "split")
 
     def _set(self, split: bool):
@@ -98,8 +98,9 @@ class CpuSplit:
         self.split = split
 
     def look(self):
-        """Decide split or not from the machine's busy time since the last look (at most every LOOK_EVERY_S)."""
-        if self.mode != "auto" or self.threads == 1:
+        """The cores other processes used since the last look (at most every LOOK_EVERY_S) -> self.others; in mode
+        auto, split while they reach BUSY_CORES."""
+        if self.threads == 1:
             return
         now = time.monotonic()
         if self._last is not None and now - self._last[0] < LOOK_EVERY_S:
@@ -108,9 +109,17 @@ class CpuSplit:
         if busy is None:
             return
         if self._last is not None:
-            others = (busy - self._last[1] - (own - self._last[2])) / (now - self._last[0])
-            self._set(others >= BUSY_CORES)
+            self.others = max(0.0, (busy - self._last[1] - (own - self._last[2])) / (now - self._last[0]))
+            if self.mode == "auto":
+                self._set(self.others >= BUSY_CORES)
         self._last = (now, busy, own)
+
+    def spare_threads(self, threads: int) -> int:
+        """Of `threads`, those worth running now: all while other processes used less than BUSY_CORES at the last
+        look, else no more than the cores they leave (at least one)."""
+        if self.others < BUSY_CORES:
+            return threads
+        return max(1, min(threads, int(usable_cores() - self.others + 0.5)))
 
     def prefer_split(self):
         """Split this forward's work, BLAS on one thread, unless mode "blas" forbids it: for a caller whose own

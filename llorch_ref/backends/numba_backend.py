@@ -224,6 +224,7 @@ class _OneCallStep:
     def __call__(self, token):
         eng, c = self.engine, self.cache
         cfg, w = eng.config, eng.weights
+        eng.backend.before_forward(1)
         c.check_room(1)
         x = w.tok_embd[np.asarray([token])].astype(np.float32, copy=False)
         if cfg.embed_scale is not None:
@@ -444,7 +445,8 @@ class NumbaBackend(Backend):
             SPIN_COUNT = choose_spin_count(threads)
         import numba
 
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        self.threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(self.threads)
         blas = limit_blas(threads)
         SPLIT.configure(threads, blas_controller())   # several-token BLAS work split over our threads when busy
         super().__init__(name="numba", xp=np, asarray=lambda a: a, to_numpy=lambda a: a, device="cpu",
@@ -528,11 +530,21 @@ class NumbaBackend(Backend):
         return NumbaWeights(weights, handles, out)
 
     def before_forward(self, n_tokens):
-        """A prompt on the kernels runs with BLAS on one thread (SPLIT.prefer_split); otherwise cpu_split's look."""
+        """Before every forward and fused step, in the thread that runs it: cpu_split's look; a prompt on the kernels
+        runs with BLAS on one thread (SPLIT.prefer_split); numba's threads set to --threads, fewer while other
+        processes hold cores (SPLIT.spare_threads). numba keeps a thread count per calling thread (a new thread,
+        the server's worker, starts at NUMBA_NUM_THREADS), and each parallel region of a step waits for its
+        slowest thread: with one of 2 cores busy at 2 threads the default model decoded 3.8x slower, 1.6x slower
+        than at one thread (results/cpu/2026-11-29-s27.md). Every product and attention head is one thread's work:
+        the results do not depend on the count."""
+        import numba
+
+        SPLIT.look()
         if n_tokens > 1 and self.prompts_in_place:
             SPLIT.prefer_split()
-        else:
-            SPLIT.look()
+        n = SPLIT.spare_threads(self.threads)
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(n)
 
     def make_decoder(self, engine, cache):
         """One-token steps by FusedDecoder where the model allows it (LLORCH_NUMBA_FUSED=0: never), else the
