@@ -38,10 +38,25 @@ def test_numba_says_when_no_matrix_has_a_kernel(tiny):
     r = run("generate", "Once upon", "--model", tiny(vocab="bpe"), "--backend", "numba", "--max-tokens", "2")
     assert r.returncode == 0, r.stderr
     assert "note: no matrix of this model has a numba kernel" in r.stderr and "--backend numpy" in r.stderr
+    assert "Q5_K" in r.stderr and "Q2_K" in r.stderr             # every type with a kernel named
     r = run("generate", "Once upon", "--model", tiny(vocab="bpe", weight_type="Q8_0"), "--backend", "numba",
             "--max-tokens", "2")
     assert r.returncode == 0, r.stderr
     assert "note: no matrix" not in r.stderr and "kernel blocks" in r.stderr
+
+
+def test_numba_says_when_it_compiles_its_kernels(tiny, tmp_path):
+    """A first run (numba's cache empty: NUMBA_CACHE_DIR a fresh folder) compiles the kernels, seconds that a user
+    would otherwise take for a hang: the load says so, once; the next run loads them from the cache and says
+    nothing."""
+    pytest.importorskip("numba", reason="numba is not installed")
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
+    model = tiny(vocab="bpe", weight_type="Q8_0")
+    runs = [run("generate", "Once upon", "--model", model, "--backend", "numba", "--max-tokens", "0", env=env)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert "note: numba compiled" in runs[0].stderr and "the first request compiles the rest" in runs[0].stderr
+    assert "compiled" not in runs[1].stderr, runs[1].stderr
 
 
 def test_generate_default_model_matches_api(default_model, engine_q41):
