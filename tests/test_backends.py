@@ -283,8 +283,9 @@ def test_numba_steps_run_on_the_threads_asked_for_in_any_thread_and_on_fewer_whi
     """numba keeps a thread count per calling thread: a step run in another thread (the server's worker) runs on
     --threads (1 here), not on NUMBA_NUM_THREADS. While other processes hold the cores (the look simulated: the
     machine's busy time rising by 2 cores a second beside this process's own, on 2 usable cores) a 2-thread engine's
-    steps and prompts run on one thread, and on 2 again once they stop; the logits equal to the bit either way.
-    Planted: the count left as numba has it -> fails."""
+    steps and prompts run on one thread, and on 2 again once they stop, or where this process sat idle through the
+    look's window (what the others did then is not now); the logits equal to the bit either way. Planted: the count
+    left as numba has it -> fails."""
     need_backend("numba")
     import os
     import threading
@@ -321,13 +322,16 @@ def test_numba_steps_run_on_the_threads_asked_for_in_any_thread_and_on_fewer_whi
     monkeypatch.setattr(cpu_split, "machine_busy_s",
                         lambda: sum(os.times()[:2]) + others["cores"] * time.monotonic())
 
-    def look_again():
+    def look_again(own_used=1.0):
         SPLIT._last = None
-        SPLIT.look()                                  # where the machine stands; the next look, 1 s later, decides
-        SPLIT._last = (SPLIT._last[0] - 1.0, SPLIT._last[1] - others["cores"], SPLIT._last[2])
+        SPLIT.look()          # where the machine stands; the next look, as if 1 s later with own_used s of CPU, decides
+        t, busy_s, own = SPLIT._last
+        SPLIT._last = (t - 1.0, busy_s - others["cores"] - own_used, own - own_used)
     look_again()
     busy = run(two)
     assert busy[2] == 1 and SPLIT.others >= 1.5
+    look_again(own_used=0.0)          # this process idle through the window: the others' use then is not taken
+    assert run(two)[2] == 2 and SPLIT.others == 0.0
     others["cores"] = 0.0
     look_again()
     assert run(two)[2] == 2
@@ -554,7 +558,8 @@ def test_numba_kernels_load_from_the_cache_without_numbas_compile_registries():
     import sys
 
     def probe(numba_load=False):
-        back = "from numba.core import caching\ncaching.Cache.load_overload = caching.Cache.load_overload.numba_load\n"
+        back = ("from numba.core import caching\ncaching.Cache.load_overload = caching.Cache.load_overload.numba_load\n"
+                "numba_cache.start_threads()\n")         # numba's loader on a cache of any history (the test below)
         code = LOAD_PROBE.replace("K.matmul_rows(", back + "K.matmul_rows(", 1) if numba_load else LOAD_PROBE
         got = subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True, text=True)
         return got.stdout.split()
@@ -562,6 +567,48 @@ def test_numba_kernels_load_from_the_cache_without_numbas_compile_registries():
     installed, hits, registries, err, median = probe()
     assert (installed, hits, registries, median) == ("True", "1", "False", "2.0") and float(err) < 1e-6
     assert probe(numba_load=True)[2] == "True"
+
+
+MIXED_PROBE = """
+import sys
+import numpy as np
+from gguf import GGMLQuantizationType as Q, dequantize, quantize
+from llorch_ref.backends import numba_kernels as K, numba_simd as S
+rng = np.random.default_rng(0)
+q = quantize(rng.standard_normal((8, 64)).astype(np.float32), Q.Q4_0)
+x, out = rng.standard_normal((1, 64)).astype(np.float32), np.empty((1, 8), np.float32)
+rows, code = np.array([q[r].ctypes.data for r in range(8)], np.int64), S.TYPE_CODE["Q4_0"]
+if sys.argv[1] == "inner":
+    K._rows_times(code, rows, 2, K._in_lane_order(code, x), out)
+else:
+    K.matmul_rows(code, rows, 2, x, out)
+want = x.astype(np.float64) @ dequantize(q, Q.Q4_0).astype(np.float64).T
+print(sum(K.matmul_rows.stats.cache_hits.values()), float(np.abs(out - want).max() / np.abs(want).max()))
+"""
+
+
+def test_a_kernel_compiled_over_a_cached_parallel_callee_runs_from_the_cache(tmp_path):
+    """numba issue 8578: a kernel compiled in a process where its parallel callee came from the cache (matmul_rows
+    over _rows_times, the callee compiled alone by an earlier process) is cached without the hook that starts
+    numba's threads; loaded from the cache into a fresh process that had not started them, it segfaulted (a tree
+    whose cache held such a pair after an edit was reverted). numba_cache starts them at every kernel's cache load.
+    Fresh processes on an empty cache folder: the callee alone, then the caller twice (compiled, then loaded): the
+    right products every time. Planted: start_threads a no-op -> the last process dies with SIGSEGV."""
+    need_backend("numba")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+
+    def probe(part):
+        got = subprocess.run([sys.executable, "-c", MIXED_PROBE, part], timeout=300, capture_output=True, text=True,
+                             env=env)
+        assert got.returncode == 0, (part, got.returncode, got.stderr[-500:])
+        hits, err = got.stdout.split()
+        assert float(err) < 1e-6
+        return int(hits)
+    assert [probe("inner"), probe("caller"), probe("caller")] == [0, 0, 1]
 
 
 RUNTIME_PROBE = """

@@ -10,7 +10,9 @@ of the default model's prefill), so the split is taken only while the machine is
 cores other processes used since the last look are read from /proc/stat (the machine's busy time less this
 process's own), and at 0.5 cores or more the split is on and BLAS runs on one thread, else BLAS gets the threads.
 The numpy backend (the oracle) takes only the look: BLAS on one thread for its one-token steps while the cores are
-busy, never a split, so that its results do not follow the load (backends/__init__.NumpyBackend).
+busy, never a split, so that its results do not follow the load (backends/__init__.NumpyBackend). The numba backend
+also runs its own threads on no more cores than the others leave (spare_threads). A look after a window in which this
+process sat idle (between requests, between a bench's rounds) does not count what the others did then.
 A product is cut into row panels of the weight and attention into groups of KV heads, one part a thread (the
 calling thread takes the first). Each output element comes from a BLAS call of the same operands either way, but
 not always from the same kernel: OpenBLAS picks its kernel by the call's shape, and a panel can fall under its
@@ -33,6 +35,7 @@ from ..errors import ParameterError
 
 BUSY_CORES = 0.5        # other processes' use of the cores at which the split goes on
 LOOK_EVERY_S = 0.2
+STALE_S, IDLE_CORES = 0.5, 0.25  # a window longer than STALE_S in which this process used under IDLE_CORES: stale
 SPLIT_SCORES = 4096     # attention split from this many scores a head (T x positions); fewer cost less than the pool
 
 
@@ -109,7 +112,11 @@ class CpuSplit:
         if busy is None:
             return
         if self._last is not None:
-            self.others = max(0.0, (busy - self._last[1] - (own - self._last[2])) / (now - self._last[0]))
+            gap, own_used = now - self._last[0], own - self._last[2]
+            # a process that sat idle through the window (between requests, between a bench's rounds) would learn
+            # what the others did then, not now: free cores until the next look
+            idle = gap > STALE_S and own_used < IDLE_CORES * gap
+            self.others = 0.0 if idle else max(0.0, (busy - self._last[1] - own_used) / gap)
             if self.mode == "auto":
                 self._set(self.others >= BUSY_CORES)
         self._last = (now, busy, own)

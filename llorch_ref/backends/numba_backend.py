@@ -452,7 +452,7 @@ class NumbaBackend(Backend):
         super().__init__(name="numba", xp=np, asarray=lambda a: a, to_numpy=lambda a: a, device="cpu",
                          info={"numba": numba.__version__, "threads": numba.get_num_threads(), "fastmath": False,
                                "gomp_spincount": SPIN_COUNT,
-                               "blas": blas, "blas_split": SPLIT.mode})
+                               "blas": blas, "blas_split": SPLIT.mode, "kernel_types": list(S.NAMES)})
         self.n_matrices, self.all_kernels, self.prompts_in_place = 0, False, False
         self._warm_up()
         self.info["kernels_compiled"] = kernels_compiled()      # 0 when every kernel came from numba's cache

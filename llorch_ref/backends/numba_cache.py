@@ -57,9 +57,20 @@ def _loader(numba_load):
         if not isinstance(self._impl.locator, _KernelStamp):
             return numba_load(self, sig, target_context)
         start_runtime(target_context, Path(self._impl.locator.get_cache_path()))
+        start_threads()
         return self._load_overload(sig, target_context)
     load_overload.numba_load = numba_load
     return load_overload
+
+
+def start_threads():
+    """Start numba's threading layer, as numba does when it loads a parallel function from its cache (its parfors'
+    reload hook). A kernel compiled over a parallel callee that came from the cache (matmul_rows over _rows_times,
+    compiled in another process) does not carry that hook (numba issue 8578): loaded from the cache into a process
+    whose threads nothing had started, its first parallel region segfaulted. Idempotent."""
+    from numba.np.ufunc.parallel import _launch_threads
+
+    _launch_threads()
 
 
 def start_runtime(target_context, folder: Path):

@@ -34,9 +34,9 @@ def load_engine(args):
          f"{f' ({eng.ggml_simd} build)' if eng.ggml_simd else ''}, "
          f"K/V cache {eng.kv_dtype}, {how}")
     if eng.backend.name == "numba" and eng.numerics == "exact" and not eng.backend.info.get("kernel_matrices"):
-        from ..backends.numba_simd import NAMES
-        log(f"llorch-ref: note: no matrix of this model has a numba kernel (kernels: {', '.join(NAMES)} GGUF "
-            "blocks); every product goes to BLAS, as on --backend numpy")
+        log("llorch-ref: note: no matrix of this model has a numba kernel (kernels: "
+            f"{', '.join(eng.backend.info['kernel_types'])} GGUF blocks); every product goes to BLAS, as on "
+            "--backend numpy")
     if eng.backend.info.get("kernels_compiled"):
         log(f"llorch-ref: note: numba compiled {eng.backend.info['kernels_compiled']} kernels for this CPU while "
             "loading (its cache was empty or stale: a first run, or the first after an upgrade); the first request "
