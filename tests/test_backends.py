@@ -280,11 +280,12 @@ def test_numpy_backend_gives_blas_one_thread_for_a_step_while_the_machine_is_bus
 
 
 def test_numba_steps_run_on_the_threads_asked_for_in_any_thread_and_on_fewer_while_cores_are_busy(tiny, monkeypatch):
-    """numba keeps a thread count per calling thread: a step run in another thread (the server's worker) runs on
-    --threads (1 here), not on NUMBA_NUM_THREADS. While other processes hold the cores (the look simulated: the
-    machine's busy time rising by 2 cores a second beside this process's own, on 2 usable cores) a 2-thread engine's
-    steps and prompts run on one thread, and on 2 again once they stop, or where this process sat idle through the
-    look's window (what the others did then is not now); the logits equal to the bit either way. Planted: the count
+    """numba keeps a thread count per calling thread: a prompt and a step run in another thread (the server's worker)
+    run on --threads (1 here), not on NUMBA_NUM_THREADS. While other processes hold the cores (the measure simulated:
+    the machine's busy time rising by 2 cores a second beside this process's own, on 2 usable cores) for two
+    measures running, a 2-thread engine's one-token steps run on one thread and its prompts on 2; on 2 again once
+    the others stop, after a single busy measure (a moment's spinning), or where this process sat idle through the
+    window (what the others did then is not now); the logits equal to the bit at every count. Planted: the count
     left as numba has it -> fails."""
     need_backend("numba")
     import os
@@ -304,37 +305,43 @@ def test_numba_steps_run_on_the_threads_asked_for_in_any_thread_and_on_fewer_whi
     def run(eng):
         cache = eng.new_cache()
         prompt = eng.forward(ids, cache)
+        after_prompt = numba.get_num_threads()
         step = eng.backend.make_decoder(eng, cache)(7)
-        return prompt, step, numba.get_num_threads()
+        return prompt, step, (after_prompt, numba.get_num_threads())
 
     one = llorch_ref.load(path, backend="numba", threads=1)
     seen = {}
     worker = threading.Thread(target=lambda: seen.update(before=numba.get_num_threads(), run=run(one)))
     worker.start()
     worker.join()
-    assert seen["before"] == numba.config.NUMBA_NUM_THREADS and seen["run"][2] == 1
+    assert seen["before"] == numba.config.NUMBA_NUM_THREADS and seen["run"][2] == (1, 1)
 
     two = llorch_ref.load(path, backend="numba", threads=2)
     idle = run(two)
-    assert idle[2] == 2
+    assert idle[2] == (2, 2)
     monkeypatch.setattr(cpu_split, "usable_cores", lambda: 2)
     others = {"cores": 2.0}
     monkeypatch.setattr(cpu_split, "machine_busy_s",
                         lambda: sum(os.times()[:2]) + others["cores"] * time.monotonic())
 
-    def look_again(own_used=1.0):
+    def measure(looks=2, own_used=1.0):
+        """`looks` measures, each as if 1 s after the one before with own_used s of this process's CPU."""
         SPLIT._last = None
-        SPLIT.look()          # where the machine stands; the next look, as if 1 s later with own_used s of CPU, decides
-        t, busy_s, own = SPLIT._last
-        SPLIT._last = (t - 1.0, busy_s - others["cores"] - own_used, own - own_used)
-    look_again()
+        SPLIT.measure()
+        for _ in range(looks):
+            t, busy_s, own = SPLIT._last
+            SPLIT._last = (t - 1.0, busy_s - others["cores"] - own_used, own - own_used)
+            SPLIT.measure()
+    measure()
     busy = run(two)
-    assert busy[2] == 1 and SPLIT.others >= 1.5
-    look_again(own_used=0.0)          # this process idle through the window: the others' use then is not taken
-    assert run(two)[2] == 2 and SPLIT.others == 0.0
+    assert busy[2] == (2, 1) and SPLIT.others >= 1.5
+    for kw, want in ((dict(looks=1), (2, 2)), (dict(own_used=0.0), (2, 2))):
+        SPLIT.busy_looks = 0
+        measure(**kw)
+        assert run(two)[2] == want, kw
     others["cores"] = 0.0
-    look_again()
-    assert run(two)[2] == 2
+    measure()
+    assert run(two)[2] == (2, 2)
     for a, b in zip(idle[:2], busy[:2]):
         assert np.array_equal(a, b)
     assert np.array_equal(idle[1], seen["run"][1])

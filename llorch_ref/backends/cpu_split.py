@@ -75,7 +75,7 @@ class CpuSplit:
 
     def __init__(self, threads: int = 1, mode: str = "auto"):
         self.threads, self.pool, self.mode, self.split = 1, None, mode, False
-        self.blas, self._last, self.others = None, None, 0.0
+        self.blas, self._last, self.others, self.busy_looks = None, None, 0.0, 0
         self.configure(threads, mode=mode)
 
     def configure(self, threads: int, blas=None, mode=None):
@@ -91,7 +91,8 @@ class CpuSplit:
                 self.pool.shutdown(wait=True)
             self.threads = threads
             self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="llorch-split") if threads > 1 else None
-        self.blas, self._last, self.split, self.others = blas, None, None, 0.0   # split None: BLAS's not set yet
+        self.blas, self._last, self.split = blas, None, None         # None: BLAS's thread count not set yet
+        self.others, self.busy_looks = 0.0, 0
         self._set(self.mode == "split")
 
     def _set(self, split: bool):
@@ -101,30 +102,37 @@ class CpuSplit:
         self.split = split
 
     def look(self):
-        """The cores other processes used since the last look (at most every LOOK_EVERY_S) -> self.others; in mode
-        auto, split while they reach BUSY_CORES."""
+        """measure(); in mode auto, split while the others use BUSY_CORES or more."""
+        if self.measure() and self.mode == "auto":
+            self._set(self.others >= BUSY_CORES)
+
+    def measure(self) -> bool:
+        """The cores other processes used since the last measure (at most every LOOK_EVERY_S) -> self.others;
+        -> whether it measured."""
         if self.threads == 1:
-            return
+            return False
         now = time.monotonic()
         if self._last is not None and now - self._last[0] < LOOK_EVERY_S:
-            return
+            return False
         busy, own = machine_busy_s(), sum(os.times()[:2])
         if busy is None:
-            return
-        if self._last is not None:
-            gap, own_used = now - self._last[0], own - self._last[2]
-            # a process that sat idle through the window (between requests, between a bench's rounds) would learn
-            # what the others did then, not now: free cores until the next look
-            idle = gap > STALE_S and own_used < IDLE_CORES * gap
-            self.others = 0.0 if idle else max(0.0, (busy - self._last[1] - own_used) / gap)
-            if self.mode == "auto":
-                self._set(self.others >= BUSY_CORES)
-        self._last = (now, busy, own)
+            return False
+        last, self._last = self._last, (now, busy, own)
+        if last is None:
+            return False
+        gap, own_used = now - last[0], own - last[2]
+        # a process that sat idle through the window (between requests, between a bench's rounds) would learn what
+        # the others did then, not now: free cores until the next measure
+        idle = gap > STALE_S and own_used < IDLE_CORES * gap
+        self.others = 0.0 if idle else max(0.0, (busy - last[1] - own_used) / gap)
+        self.busy_looks = self.busy_looks + 1 if self.others >= BUSY_CORES else 0
+        return True
 
     def spare_threads(self, threads: int) -> int:
-        """Of `threads`, those worth running now: all while other processes used less than BUSY_CORES at the last
-        look, else no more than the cores they leave (at least one)."""
-        if self.others < BUSY_CORES:
+        """Of `threads`, those worth running now: all unless other processes used BUSY_CORES or more at the last two
+        measures (a process that holds a core; threads that spin a moment after their own work, as another engine's
+        after its turn in bench --interleave, do not last), else no more than the cores they leave (at least one)."""
+        if self.busy_looks < 2:
             return threads
         return max(1, min(threads, int(usable_cores() - self.others + 0.5)))
 

@@ -224,7 +224,7 @@ class _OneCallStep:
     def __call__(self, token):
         eng, c = self.engine, self.cache
         cfg, w = eng.config, eng.weights
-        eng.backend.before_forward(1)
+        eng.backend.before_step()
         c.check_room(1)
         x = w.tok_embd[np.asarray([token])].astype(np.float32, copy=False)
         if cfg.embed_scale is not None:
@@ -530,19 +530,32 @@ class NumbaBackend(Backend):
         return NumbaWeights(weights, handles, out)
 
     def before_forward(self, n_tokens):
-        """Before every forward and fused step, in the thread that runs it: cpu_split's look; a prompt on the kernels
-        runs with BLAS on one thread (SPLIT.prefer_split); numba's threads set to --threads, fewer while other
-        processes hold cores (SPLIT.spare_threads). numba keeps a thread count per calling thread (a new thread,
-        the server's worker, starts at NUMBA_NUM_THREADS), and each parallel region of a step waits for its
-        slowest thread: with one of 2 cores busy at 2 threads the default model decoded 3.8x slower, 1.6x slower
-        than at one thread (results/cpu/2026-11-29-s27.md). Every product and attention head is one thread's work:
-        the results do not depend on the count."""
+        """Before every forward, in the thread that runs it: a prompt on the kernels runs with BLAS on one thread
+        (SPLIT.prefer_split), other forwards take cpu_split's look; then _fit_threads."""
+        if n_tokens > 1 and self.prompts_in_place:
+            SPLIT.measure()
+            SPLIT.prefer_split()
+        else:
+            SPLIT.look()
+        self._fit_threads(n_tokens == 1)
+
+    def before_step(self):
+        """Before every fused one-token step (its products all on the kernels): cpu_split's measure only, BLAS's
+        thread count left as the prompt set it (set back and forth at each request, OpenBLAS's woken threads spun
+        beside numba's); then _fit_threads."""
+        SPLIT.measure()
+        self._fit_threads(True)
+
+    def _fit_threads(self, one_token):
+        """numba's threads for the calling thread: --threads; for one-token steps fewer while other processes hold
+        cores (SPLIT.spare_threads). numba keeps a thread count per calling thread (a new thread, the server's
+        worker, starts at NUMBA_NUM_THREADS). Each of a step's ~200 parallel regions waits for its slowest thread:
+        with one of 2 cores held by another process a 2-thread step ran 3.8x slower than idle, 1.6x slower than
+        one thread (results/cpu/2026-11-29-s27.md); a prompt's few long regions lose less than its second thread
+        gains. Every product and attention head is one thread's work: the results do not depend on the count."""
         import numba
 
-        SPLIT.look()
-        if n_tokens > 1 and self.prompts_in_place:
-            SPLIT.prefer_split()
-        n = SPLIT.spare_threads(self.threads)
+        n = SPLIT.spare_threads(self.threads) if one_token else self.threads
         if numba.get_num_threads() != n:
             numba.set_num_threads(n)
 
