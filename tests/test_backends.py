@@ -347,6 +347,44 @@ def test_numba_steps_run_on_the_threads_asked_for_in_any_thread_and_on_fewer_whi
     assert np.array_equal(idle[1], seen["run"][1])
 
 
+def test_numpy_backend_says_once_that_one_thread_avoids_a_busy_machines_collapse(tiny, monkeypatch, capsys):
+    """The oracle's prompts keep their BLAS threads on a busy machine (its results do not follow the load), where
+    OpenBLAS's threads waiting on each other ran a prompt 55-65x slower: while other processes hold cores (simulated:
+    2 cores' use beside this process's own, at two measures running) a prompt at 2 threads says once that
+    --threads 1 avoids it; not at one thread, not on free cores, not twice."""
+    import os
+    import time
+
+    from llorch_ref.backends import cpu_split
+    from llorch_ref.backends.cpu_split import SPLIT
+
+    path = tiny(vocab="bpe", weight_type="Q4_1", n_heads=4, n_kv_heads=2, d_model=128)
+    ids = list(range(1, 13))
+    monkeypatch.setenv("LLORCH_BLAS_SPLIT", "auto")
+    monkeypatch.setattr(cpu_split, "usable_cores", lambda: 2)
+    others = {"cores": 2.0}
+    monkeypatch.setattr(cpu_split, "machine_busy_s",
+                        lambda: sum(os.times()[:2]) + others["cores"] * time.monotonic())
+
+    def busy_then_prompts(threads, n=2):
+        eng = llorch_ref.load(path, backend="numpy", threads=threads)
+        SPLIT._last = None
+        SPLIT.measure()                                  # one thread: nothing measured (no threads to fit)
+        for _ in range(2 if SPLIT._last else 0):
+            t, busy_s, own = SPLIT._last
+            SPLIT._last = (t - 1.0, busy_s - others["cores"] - 1.0, own - 1.0)
+            SPLIT.measure()
+        capsys.readouterr()
+        for _ in range(n):
+            eng.forward(ids, eng.new_cache())
+        return capsys.readouterr().err
+    err = busy_then_prompts(2)
+    assert err.count("warning: other processes hold") == 1 and "--threads 1 avoids it" in err
+    assert "warning" not in busy_then_prompts(1)
+    others["cores"] = 0.0
+    assert "warning" not in busy_then_prompts(2)
+
+
 @pytest.mark.parametrize("kernel,first", [("rope_one", ("1B", "q@step1")), ("attend_one", ("4", "kq@step1")),
                                           ("rms_norm_rows", ("1", "attn_norm@step1"))])
 def test_a_planted_bug_in_a_one_token_kernel_is_caught_at_its_checkpoint(tiny, monkeypatch, kernel, first):

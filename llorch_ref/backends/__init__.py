@@ -211,14 +211,17 @@ class NumpyBackend(Backend):
     look) and runs BLAS on one thread while other processes hold the cores. One row's product has the same bits on
     one BLAS thread and on two (OpenBLAS's Haswell and SkylakeX kernels; tests/test_backends.py checks it on the
     machine's); eight rows' do not under the Haswell kernels, so a prompt keeps the threads asked for: the oracle's
-    results do not follow the load. `LLORCH_BLAS_SPLIT=blas` keeps BLAS's threads for every step. The last backend
+    results do not follow the load; with both cores of 2 busy its 64-token prompt ran 55-65x slower in two of three
+    runs of session 27 (OpenBLAS's threads waiting on each other), so while other processes hold cores at two
+    measures running it says once, on stderr, that --threads 1 avoids it. `LLORCH_BLAS_SPLIT=blas` keeps BLAS's
+    threads for every step. The last backend
     configured in a process governs cpu_split (a numba engine loaded after a numpy one splits its own products)."""
 
     def __init__(self, threads=None):
         n = cpu_threads(threads)
         blas = limit_blas(n)
         SPLIT.configure(n)                    # its look only: this backend sets BLAS's threads itself
-        self._blas, self._one = blas_controller(), False
+        self._blas, self._one, self._warned = blas_controller(), False, False
         super().__init__("numpy", np, lambda a: a, lambda a: a, "cpu",
                          info={"threads": n, "blas": blas, "blas_split": SPLIT.mode})
 
@@ -228,6 +231,12 @@ class NumpyBackend(Backend):
         if one != self._one:
             self._blas.limit(limits=1 if one else self.info["threads"])
             self._one = one
+        if n_tokens > 1 and not one and SPLIT.busy_looks >= 2 and self.info["threads"] > 1 and not self._warned:
+            self._warned = True
+            print(f"llorch-ref: warning: other processes hold this machine's cores; the numpy backend's prompts keep "
+                  f"their {self.info['threads']} BLAS threads (its results do not follow the load), which can run "
+                  "them 50x slower here (OpenBLAS's threads wait on each other); --threads 1 avoids it",
+                  file=sys.stderr)
 
 
 def get_backend(name=None, dtype: str = "float32", threads: int | None = None) -> Backend:
