@@ -11,8 +11,9 @@ cores other processes used since the last look are read from /proc/stat (the mac
 process's own), and at 0.5 cores or more the split is on and BLAS runs on one thread, else BLAS gets the threads.
 The numpy backend (the oracle) takes only the look: BLAS on one thread for its one-token steps while the cores are
 busy, never a split, so that its results do not follow the load (backends/__init__.NumpyBackend). The numba backend
-also runs its own threads on no more cores than the others leave (spare_threads). A look after a window in which this
-process sat idle (between requests, between a bench's rounds) does not count what the others did then.
+also runs its one-token steps on no more of its own threads than the cores the others leave, once they have held
+them at two measures running (spare_threads). A measure after a window in which this process sat idle (between
+requests, between a bench's rounds) does not count what the others did then.
 A product is cut into row panels of the weight and attention into groups of KV heads, one part a thread (the
 calling thread takes the first). Each output element comes from a BLAS call of the same operands either way, but
 not always from the same kernel: OpenBLAS picks its kernel by the call's shape, and a panel can fall under its

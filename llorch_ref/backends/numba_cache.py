@@ -11,7 +11,7 @@ Loading a cached kernel: numba refreshes its target context first, which imports
 registry it has (linalg, random, typed containers, ...: 0.2-0.3 s, a fifth of the default model's load). Those are
 needed to compile, and numba's compiler refreshes before it compiles; loaded machine code needs numba's runtime
 (NRT) only. The stamped kernels' cache loads therefore start the runtime (its helpers' machine code cached too:
-`start_runtime`) and skip the refresh (`install`);
+`start_runtime`) and numba's threads (`start_threads`), and skip the refresh (`install`);
 every other function's cache loads as numba's does.
 """
 from __future__ import annotations
