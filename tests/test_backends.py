@@ -279,6 +279,33 @@ def test_numpy_backend_gives_blas_one_thread_for_a_step_while_the_machine_is_bus
     assert SPLIT.split is False and blas_threads() == 2
 
 
+class OtherProcesses:
+    """cpu_split's measures on a simulated machine of 2 usable cores whose busy time rises by `cores` a second
+    beside this process's own; measure() takes `looks` measures, each as if 1 s after the one before with
+    own_used s of this process's CPU (a process at one thread takes none: it has no threads to fit)."""
+
+    def __init__(self, monkeypatch, cores=2.0):
+        import os
+        import time
+
+        from llorch_ref.backends import cpu_split
+
+        self.cores = cores
+        monkeypatch.setattr(cpu_split, "usable_cores", lambda: 2)
+        monkeypatch.setattr(cpu_split, "machine_busy_s",
+                            lambda: sum(os.times()[:2]) + self.cores * time.monotonic())
+
+    def measure(self, looks=2, own_used=1.0):
+        from llorch_ref.backends.cpu_split import SPLIT
+
+        SPLIT._last = None
+        SPLIT.measure()
+        for _ in range(looks if SPLIT._last else 0):
+            t, busy_s, own = SPLIT._last
+            SPLIT._last = (t - 1.0, busy_s - self.cores - own_used, own - own_used)
+            SPLIT.measure()
+
+
 def test_numba_steps_run_on_the_threads_asked_for_in_any_thread_and_on_fewer_while_cores_are_busy(tiny, monkeypatch):
     """numba keeps a thread count per calling thread: a prompt and a step run in another thread (the server's worker)
     run on --threads (1 here), not on NUMBA_NUM_THREADS. While other processes hold the cores (the measure simulated:
@@ -288,13 +315,10 @@ def test_numba_steps_run_on_the_threads_asked_for_in_any_thread_and_on_fewer_whi
     window (what the others did then is not now); the logits equal to the bit at every count. Planted: the count
     left as numba has it -> fails."""
     need_backend("numba")
-    import os
     import threading
-    import time
 
     import numba
 
-    from llorch_ref.backends import cpu_split
     from llorch_ref.backends.cpu_split import SPLIT
 
     if numba.config.NUMBA_NUM_THREADS < 2:
@@ -319,28 +343,16 @@ def test_numba_steps_run_on_the_threads_asked_for_in_any_thread_and_on_fewer_whi
     two = llorch_ref.load(path, backend="numba", threads=2)
     idle = run(two)
     assert idle[2] == (2, 2)
-    monkeypatch.setattr(cpu_split, "usable_cores", lambda: 2)
-    others = {"cores": 2.0}
-    monkeypatch.setattr(cpu_split, "machine_busy_s",
-                        lambda: sum(os.times()[:2]) + others["cores"] * time.monotonic())
-
-    def measure(looks=2, own_used=1.0):
-        """`looks` measures, each as if 1 s after the one before with own_used s of this process's CPU."""
-        SPLIT._last = None
-        SPLIT.measure()
-        for _ in range(looks):
-            t, busy_s, own = SPLIT._last
-            SPLIT._last = (t - 1.0, busy_s - others["cores"] - own_used, own - own_used)
-            SPLIT.measure()
-    measure()
+    others = OtherProcesses(monkeypatch)
+    others.measure()
     busy = run(two)
     assert busy[2] == (2, 1) and SPLIT.others >= 1.5
     for kw, want in ((dict(looks=1), (2, 2)), (dict(own_used=0.0), (2, 2))):
         SPLIT.busy_looks = 0
-        measure(**kw)
+        others.measure(**kw)
         assert run(two)[2] == want, kw
-    others["cores"] = 0.0
-    measure()
+    others.cores = 0.0
+    others.measure()
     assert run(two)[2] == (2, 2)
     for a, b in zip(idle[:2], busy[:2]):
         assert np.array_equal(a, b)
@@ -352,28 +364,16 @@ def test_numpy_backend_says_once_that_one_thread_avoids_a_busy_machines_collapse
     OpenBLAS's threads waiting on each other ran a prompt 55-65x slower: while other processes hold cores (simulated:
     2 cores' use beside this process's own, at two measures running) a prompt at 2 threads says once that
     --threads 1 avoids it; not at one thread, not on free cores, not twice."""
-    import os
-    import time
 
-    from llorch_ref.backends import cpu_split
-    from llorch_ref.backends.cpu_split import SPLIT
 
     path = tiny(vocab="bpe", weight_type="Q4_1", n_heads=4, n_kv_heads=2, d_model=128)
     ids = list(range(1, 13))
     monkeypatch.setenv("LLORCH_BLAS_SPLIT", "auto")
-    monkeypatch.setattr(cpu_split, "usable_cores", lambda: 2)
-    others = {"cores": 2.0}
-    monkeypatch.setattr(cpu_split, "machine_busy_s",
-                        lambda: sum(os.times()[:2]) + others["cores"] * time.monotonic())
+    others = OtherProcesses(monkeypatch)
 
     def busy_then_prompts(threads, n=2):
         eng = llorch_ref.load(path, backend="numpy", threads=threads)
-        SPLIT._last = None
-        SPLIT.measure()                                  # one thread: nothing measured (no threads to fit)
-        for _ in range(2 if SPLIT._last else 0):
-            t, busy_s, own = SPLIT._last
-            SPLIT._last = (t - 1.0, busy_s - others["cores"] - 1.0, own - 1.0)
-            SPLIT.measure()
+        others.measure()
         capsys.readouterr()
         for _ in range(n):
             eng.forward(ids, eng.new_cache())
@@ -381,7 +381,7 @@ def test_numpy_backend_says_once_that_one_thread_avoids_a_busy_machines_collapse
     err = busy_then_prompts(2)
     assert err.count("warning: other processes hold") == 1 and "--threads 1 avoids it" in err
     assert "warning" not in busy_then_prompts(1)
-    others["cores"] = 0.0
+    others.cores = 0.0
     assert "warning" not in busy_then_prompts(2)
 
 

@@ -446,6 +446,7 @@ class NumbaBackend(Backend):
         import numba
 
         self.threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+        self._numba = numba                   # for _fit_threads, at every step
         numba.set_num_threads(self.threads)
         blas = limit_blas(threads)
         SPLIT.configure(threads, blas_controller())   # several-token BLAS work split over our threads when busy
@@ -553,11 +554,9 @@ class NumbaBackend(Backend):
         with one of 2 cores held by another process a 2-thread step ran 3.8x slower than idle, 1.6x slower than
         one thread (results/cpu/2026-11-29-s27.md); a prompt's few long regions lose less than its second thread
         gains. Every product and attention head is one thread's work: the results do not depend on the count."""
-        import numba
-
         n = SPLIT.spare_threads(self.threads) if one_token else self.threads
-        if numba.get_num_threads() != n:
-            numba.set_num_threads(n)
+        if self._numba.get_num_threads() != n:
+            self._numba.set_num_threads(n)
 
     def make_decoder(self, engine, cache):
         """One-token steps by FusedDecoder where the model allows it (LLORCH_NUMBA_FUSED=0: never), else the

@@ -24,8 +24,6 @@ build's ggml_v_expf rounds differently from the AVX2 one (v_expf). The integer p
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from ..errors import UnsupportedModelError
@@ -301,15 +299,18 @@ def rope_angles(xp, n_pos: int, rope_dim: int, base: float, freq_scale: float = 
     8192-position table): every cache, and every layer of a local check, shares the read-only tables. map_c(f, xs):
     the C function f (float -> float) applied to float32 xs, where a caller has a faster way to call it than one
     ctypes call a value (the numba backend's numba_ggml.map_c_float); the same calls, the same values."""
-    key = None if factors is None else tuple(float(f) for f in np.asarray(factors, dtype=F32))
-    return _rope_tables(int(n_pos), int(rope_dim), float(base), float(freq_scale), key, map_c)
+    key = (int(n_pos), int(rope_dim), float(base), float(freq_scale),
+           None if factors is None else tuple(float(f) for f in np.asarray(factors, dtype=F32)))
+    if key not in _ROPE_TABLES:             # keyed without map_c: its tables are the same, whoever builds them
+        c, s = _rope_tables_uncached(*key, map_c)
+        c.flags.writeable = s.flags.writeable = False
+        while len(_ROPE_TABLES) >= 8:
+            _ROPE_TABLES.pop(next(iter(_ROPE_TABLES)))
+        _ROPE_TABLES[key] = c, s
+    return _ROPE_TABLES[key]
 
 
-@functools.lru_cache(maxsize=8)
-def _rope_tables(n_pos: int, rope_dim: int, base: float, freq_scale: float, factors, map_c=None):
-    c, s = _rope_tables_uncached(n_pos, rope_dim, base, freq_scale, factors, map_c)
-    c.flags.writeable = s.flags.writeable = False
-    return c, s
+_ROPE_TABLES: dict = {}                     # the last 8 sets of rope_angles' arguments -> read-only (cos, sin)
 
 
 def libm_cosf_sinf():
