@@ -446,6 +446,29 @@ def test_numba_kernels_match_the_dequantized_product(qt):
         np.testing.assert_array_equal(blocks.matmul(t), every)
 
 
+@pytest.mark.parametrize("qt", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K"])
+def test_numba_panel_products_of_many_tokens_equal_each_token_alone_to_the_bit(qt):
+    """Enough tokens for the panels (numba_simd.PANEL_TOKENS: weights decoded once into a float32 panel, then float
+    tiles over the tokens), with tokens and rows left over past the tiles and panels: every token's products the
+    same to the bit as that token's one-token products (the blocks decoded in the tile itself) and as the tiles of
+    a few tokens, and equal to the dequantized product up to summation order."""
+    need_backend("numba")
+    from llorch_ref.backends import numba_simd as S
+    from llorch_ref.backends.numba_backend import KernelBlocks
+
+    n, k = 70, 512                                     # 70 rows: 2 past the last panel of 4
+    t_n = S.PANEL_TOKENS[1] + 9                        # 41: past every tile's token count (3, 2) and threshold
+    blocks = KernelBlocks([random_qtensor(qt, n, k, 4)])
+    x = np.random.default_rng(5).standard_normal((t_n, k)).astype(np.float32)
+    got = blocks.matmul(x)
+    for t in range(t_n):
+        np.testing.assert_array_equal(got[t], blocks.matvec(x[t]), err_msg=f"token {t}")
+    np.testing.assert_array_equal(got[:8], blocks.matmul(x[:8]))       # 8 tokens: the blocks' own tiles
+    deq = blocks.qts[0].dequantize().astype(np.float64)
+    want, scale = x @ deq.T, np.abs(x) @ np.abs(deq).T
+    assert (np.abs(got - want) <= 1e-6 * scale + 1e-30).all()
+
+
 def _one_hot_products(blocks, k, tokens_at_once=(512, 1)):
     """The kernels' weights themselves, whatever the order of their sums: x = e_j gives row r's w[r, j] exactly
     (every other product is a zero) -> [N, K]; all K one-hot tokens in one call, and the first 8 one token a call

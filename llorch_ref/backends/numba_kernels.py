@@ -53,12 +53,17 @@ def matmul_rows(code, rows, n_blocks, x, out):
 
 @nb.njit(parallel=True, cache=True, fastmath=False)
 def _rows_times(code, rows, n_blocks, x, out):
-    """matmul_rows with x in the blocks' lane order. Tiles of 4 rows for one token, of 2 rows by 4 tokens for
-    several; every product the same in any tile (and so whatever T or the thread count)."""
+    """matmul_rows with x in the blocks' lane order. Tiles of 4 rows for one token, of 2 rows by 4 tokens for a
+    few, panels (_panels_times) for PANEL_TOKENS or more; every product the same in any tile (and so whatever T or
+    the thread count)."""
     t_n, k = x.shape
     n = rows.shape[0]
     ra, xa, oa = rows.ctypes.data, x.ctypes.data, out.ctypes.data
     full, quads = t_n - t_n % 4, n // 4
+    big = S.SUPER[code]
+    if t_n >= S.PANEL_TOKENS[big] and k <= S.PANEL_MAX_K[big] and quads > 0:
+        _panels_times(code, rows, n_blocks, x, out)
+        return
     for q in nb.prange(quads):
         r = 4 * q
         ahead = ra + 8 * (r + 8 if q + 2 < quads else r)       # the rows two tiles on, this thread's next but one
@@ -74,6 +79,25 @@ def _rows_times(code, rows, n_blocks, x, out):
         for t in range(t_n):
             S.dot_tile(code, 1, 1, ra + 8 * r, ra + 8 * r, xa + 4 * t * k, k, oa + 4 * (t * n + r),
                        n, n_blocks)
+
+
+@nb.njit(parallel=True, cache=True, fastmath=False)
+def _panels_times(code, rows, n_blocks, x, out):
+    """_rows_times for many tokens: each thread decodes a panel of PANEL_ROWS rows' weights once into its own
+    float32 buffer (weights_rows) and multiplies every token by it (panel_times: the same fused multiply-adds in
+    the same order as dot_tile's, so the same products to the bit), instead of decoding each block again for every
+    few tokens; rows past the last panel by dot_tile."""
+    t_n, k = x.shape
+    n, p = rows.shape[0], 4                # rows a panel: the literal 4 below
+    ra, xa, oa = rows.ctypes.data, x.ctypes.data, out.ctypes.data
+    panels = n // p
+    for q in nb.prange(panels):
+        r, w = p * q, np.empty((p, k), np.float32)          # w: an argument to both calls, alive through them
+        S.weights_rows(code, 4, ra + 8 * r, ra + 8 * (r + p if q + 1 < panels else r), w, k, n_blocks)
+        S.panel_times(code, 4, w, k, xa, k, t_n, oa + 4 * r, n, n_blocks)
+    for r in range(p * panels, n):
+        for t in range(t_n):
+            S.dot_tile(code, 1, 1, ra + 8 * r, ra + 8 * r, xa + 4 * t * k, k, oa + 4 * (t * n + r), n, n_blocks)
 
 
 FOR_TYPE = {}          # type code -> matmul_rows_for(code)'s kernel, made on first use

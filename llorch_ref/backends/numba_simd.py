@@ -46,6 +46,13 @@ VF, VI32, VI8 = ir.VectorType(F32, L), ir.VectorType(I32, L), ir.VectorType(I8, 
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q2_K": (256, 84), "Q3_K": (256, 110)}
 ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token) has, by block length
+# Several tokens' products from a panel of 4 rows' weights decoded once (numba_kernels._panels_times): the float
+# tile (rows, tokens) by ACCUMULATORS (24 and 16 vector accumulators); panels serve PANEL_TOKENS tokens or more
+# for rows of PANEL_MAX_K weights or fewer (by SUPER: 32-weight blocks, 256), where a panel stays in L1 and the
+# tokens' decode work saved is the larger part (tools/kernel_ab.py, results/cpu/2026-11-29-s28.md)
+PANEL_TILE = {2: (4, 3), 4: (2, 2)}
+PANEL_TOKENS = (16, 32)
+PANEL_MAX_K = (1536, 4096)
 # For one token, super-block types: rows a loop takes (more rows at once spill registers; Q4_K's two rows decode
 # their 6-bit scales together, _k4_scales), and whether the broadcast loads that splat a block's scales are volatile
 # (SPLAT_LOADS) or plain behind a barrier (_splats_from_memory). Chosen by tools/kernel_ab.py
@@ -511,7 +518,11 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
                     st[key] = _fma(b, w, x_at(t, off), st[key])
         return st
 
-    end = _block_loop(b, n_blocks, init, body)
+    _store_sums(b, _block_loop(b, n_blocks, init, body), keys, n_acc, outa, out_stride)
+
+
+def _store_sums(b, end, keys, n_acc, outa, out_stride):
+    """out[t * out_stride + r] = the sum of (row r, token t)'s n_acc lane accumulators in end: a fixed tree."""
     outp = b.inttoptr(outa, F32.as_pointer())
     for r, t in keys:
         acc = [end["acc", r, t, a] for a in range(n_acc)]
@@ -519,6 +530,65 @@ def _emit_tile(b, qtype, n_rows, tokens, rowsa, aheada, xa, x_stride, outa, out_
             acc = [b.fadd(acc[j], acc[j + 1]) for j in range(0, len(acc), 2)]
         at = b.add(b.mul(out_stride, ir.Constant(I64, t)), ir.Constant(I64, r))
         b.store(_hsum(b, acc[0]), b.gep(outp, [at]))
+
+
+def _emit_weights(b, qtype, n_rows, rowsa, aheada, wa, w_stride, n_blocks):
+    """The weights of n_rows rows (their blocks' addresses: int64s at rowsa) as float32, each _weights' value, into
+    w[r * w_stride:], in x's lane order (_weights' offsets), prefetching the rows at aheada as _emit_tile does."""
+    block_len, block_bytes = BLOCKS[qtype]
+    rows, later = _pointers(b, rowsa, n_rows), _pointers(b, aheada, n_rows)
+    wp = _strided(b, wa, w_stride, n_rows, F32)
+
+    def body(i, st):
+        x0 = b.mul(i, ir.Constant(I64, block_len))
+        for r in range(n_rows):
+            for w, off in _weights(qtype, _block_at(b, rows[r], later[r], i, block_bytes)):
+                ptr = b.gep(wp[r], [b.add(x0, ir.Constant(I64, off))])
+                b.store(w, b.bitcast(ptr, VF.as_pointer()), align=4)
+        return st
+    _block_loop(b, n_blocks, {}, body)
+
+
+def _emit_float_tile(b, qtype, n_rows, tokens, wa, w_stride, xa, x_stride, outa, out_stride, n_blocks):
+    """_emit_tile's products from weights made already (_emit_weights: float32 rows at wa, w_stride apart): the
+    same fused multiply-adds into the same accumulators in the same order (_weights gives every type's 16-weight
+    segments in the order of their offsets, segment s to accumulator s % ACCUMULATORS), so the same products to the
+    bit; the weights' decoding is paid once for every token a call carries instead of once per tile."""
+    block_len = BLOCKS[qtype][0]
+    n_acc = ACCUMULATORS[block_len]
+    wp, xp = _strided(b, wa, w_stride, n_rows, F32), _strided(b, xa, x_stride, tokens, F32)
+    keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
+    init = {("acc", r, t, a): ir.Constant(VF, [0.0] * L) for r, t in keys for a in range(n_acc)}
+    load = lambda p, at: b.load(b.bitcast(b.gep(p, [at]), VF.as_pointer()), align=4)     # noqa: E731
+
+    def body(i, st):
+        for a in range(n_acc):
+            at = b.add(b.mul(i, ir.Constant(I64, L * n_acc)), ir.Constant(I64, L * a))
+            ws, xs = [load(p, at) for p in wp], [load(p, at) for p in xp]
+            for r, t in keys:
+                st["acc", r, t, a] = _fma(b, ws[r], xs[t], st["acc", r, t, a])
+        return st
+    n_groups = b.mul(n_blocks, ir.Constant(I64, block_len // (L * n_acc)))
+    _store_sums(b, _block_loop(b, n_groups, init, body), keys, n_acc, outa, out_stride)
+
+
+def _emit_panel(b, qtype, n_rows, wa, w_stride, xa, x_stride, n_tokens, outa, out_stride, n_blocks):
+    """Every token's products with the n_rows rows of weights at wa: PANEL_TILE's float tiles over the tokens in
+    groups, one row's tiles for the tokens left over."""
+    rows, tokens = PANEL_TILE[ACCUMULATORS[BLOCKS[qtype][0]]]
+    at = lambda base, elems: b.add(base, b.mul(elems, ir.Constant(I64, 4)))        # noqa: E731
+    i64 = lambda v: ir.Constant(I64, v)                                              # noqa: E731
+
+    def group(t, st, tokens=tokens, rows=rows):
+        for r in range(0, n_rows, rows):
+            _emit_float_tile(b, qtype, rows, tokens, at(wa, b.mul(w_stride, i64(r))), w_stride,
+                             at(xa, b.mul(t, x_stride)), x_stride, at(outa, b.add(b.mul(t, out_stride), i64(r))),
+                             out_stride, n_blocks)
+        return st
+    full = b.sub(n_tokens, b.srem(n_tokens, i64(tokens)))
+    _counted_loop(b, full, tokens, {}, group)
+    rest = b.sub(n_tokens, full)
+    _block_loop(b, rest, {}, lambda j, st: group(b.add(full, j), st, tokens=1, rows=n_rows))
 
 
 NAMES = tuple(BLOCKS)
@@ -537,6 +607,7 @@ def _lane_order(qtype) -> list:
 
 LANE_ORDER = np.array([_lane_order(name) for name in NAMES], np.int64)   # [type code, 32]: x read in this order
 REORDERED = np.array([_lane_order(name) != list(range(32)) for name in NAMES])
+SUPER = np.array([BLOCKS[name][0] == 256 for name in NAMES], np.int64)          # 1 for the super-block types
 
 
 def _per_type(b, code, names, emit):
@@ -557,21 +628,32 @@ def _tile(code, n_rows, n_tokens, n_addr, names, emit):
     counts) -> (signature, codegen): a switch on the runtime type code over `names`, each emit(builder, name, R, T,
     *the n_addr values); a literal type code (a kernel made for one type: numba_kernels.for_type) emits that
     type's loop alone."""
-    if not all(isinstance(a, types.IntegerLiteral) for a in (n_rows, n_tokens)):
+    return _typed(code, (n_rows, n_tokens), n_addr, names, emit)
+
+
+def _typed(code, literals, n_addr, names, emit, arrays=()):
+    """_tile's typing for any number of literal integers ahead of the n_addr integers; `arrays`: the tail's
+    arguments (by their place in it) that are float32 arrays, given to emit as their data's address (an argument
+    to the call keeps the array alive through it)."""
+    if not all(isinstance(a, types.IntegerLiteral) for a in literals):
         return None
-    r, t = n_rows.literal_value, n_tokens.literal_value
+    consts = [a.literal_value for a in literals]
     if isinstance(code, types.IntegerLiteral):
         names = tuple(n for n in names if TYPE_CODE[n] == code.literal_value)
         if not names:
             return None
+    skip = 1 + len(literals)
+    tail = [types.Array(types.float32, 2, "C") if i in arrays else types.intp for i in range(n_addr)]
 
     def codegen(context, builder, signature, args):
+        vals = [builder.ptrtoint(context.make_array(ty)(context, builder, v).data, I64) if i in arrays else v
+                for i, (ty, v) in enumerate(zip(tail, args[skip:]))]
         if isinstance(signature.args[0], types.IntegerLiteral):
-            emit(builder, names[0], r, t, *args[3:])
+            emit(builder, names[0], *consts, *vals)
         else:
-            _per_type(builder, args[0], names, lambda name: emit(builder, name, r, t, *args[3:]))
+            _per_type(builder, args[0], names, lambda name: emit(builder, name, *consts, *vals))
         return context.get_dummy_value()
-    return types.void(code, n_rows, n_tokens, *([types.intp] * n_addr)), codegen
+    return types.void(code, *literals, *tail), codegen
 
 
 @intrinsic
@@ -581,6 +663,22 @@ def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, xa, x_stride, out
     x[t * x_stride:] for r < R, t < T (addresses as integers, strides in elements; rows: the address of R int64
     row addresses; ahead: R more, the rows to prefetch)."""
     return _tile(code, n_rows, n_tokens, 7, NAMES, _emit_tile)
+
+
+@intrinsic
+def weights_rows(typingctx, code, n_rows, rowsa, aheada, w, w_stride, n_blocks):
+    """weights_rows(code, R, rows, ahead, w, w_stride, n_blocks): rows r < R's weights (their blocks' addresses at
+    rows, the rows to prefetch at ahead) as float32 into w (a float32 [R, K] array) at r * w_stride
+    (_emit_weights), for panel_times."""
+    return _typed(code, (n_rows,), 5, NAMES, _emit_weights, arrays=(2,))
+
+
+@intrinsic
+def panel_times(typingctx, code, n_rows, w, w_stride, xa, x_stride, n_tokens, outa, out_stride, n_blocks):
+    """panel_times(code, R, w, w_stride, x, x_stride, T, out, out_stride, n_blocks): out[t * out_stride + r] for
+    r < R, t < T from the R rows' weights weights_rows made in w (_emit_panel): dot_tile's products, the same to
+    the bit."""
+    return _typed(code, (n_rows,), 8, NAMES, _emit_panel, arrays=(0,))
 
 
 # -- ggml's integer products, bit for bit (numerics "ggml"): the legacy types' codes times Q8 activations -----
