@@ -447,17 +447,20 @@ def test_numba_kernels_match_the_dequantized_product(qt):
 
 
 @pytest.mark.parametrize("qt", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K"])
-def test_numba_panel_products_of_many_tokens_equal_each_token_alone_to_the_bit(qt):
+@pytest.mark.parametrize("k", [512, 2304])
+def test_numba_panel_products_of_many_tokens_equal_each_token_alone_to_the_bit(qt, k):
     """Enough tokens for the panels (numba_simd.PANEL_TOKENS: weights decoded once into a float32 panel, then float
-    tiles over the tokens), with tokens and rows left over past the tiles and panels: every token's products the
-    same to the bit as that token's one-token products (the blocks decoded in the tile itself) and as the tiles of
-    a few tokens, and equal to the dequantized product up to summation order."""
+    tiles over the tokens), with tokens and rows left over past the tiles and panels, rows in one chunk (512) and in
+    three (2304: 1024, 1024, 256, the accumulators kept between them): every token's products the same to the bit
+    as that token's one-token products (the blocks decoded in the tile itself) and as the tiles of a few tokens,
+    and equal to the dequantized product up to summation order."""
     need_backend("numba")
     from llorch_ref.backends import numba_simd as S
     from llorch_ref.backends.numba_backend import KernelBlocks
 
-    n, k = 70, 512                                     # 70 rows: 2 past the last panel of 4
-    t_n = S.PANEL_TOKENS[1] + 9                        # 41: past every tile's token count (3, 2) and threshold
+    assert (k > S.PANEL_CHUNK[0]) == (k == 2304)
+    n, t_n = 70, max(S.PANEL_TOKENS) + 25              # 70 rows: 2 past the last panel of 4; 41 tokens: 2 past the
+    #                                                    3-token tiles, 1 past the 2-token ones
     blocks = KernelBlocks([random_qtensor(qt, n, k, 4)])
     x = np.random.default_rng(5).standard_normal((t_n, k)).astype(np.float32)
     got = blocks.matmul(x)

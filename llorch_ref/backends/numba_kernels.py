@@ -60,8 +60,7 @@ def _rows_times(code, rows, n_blocks, x, out):
     n = rows.shape[0]
     ra, xa, oa = rows.ctypes.data, x.ctypes.data, out.ctypes.data
     full, quads = t_n - t_n % 4, n // 4
-    big = S.SUPER[code]
-    if t_n >= S.PANEL_TOKENS[big] and k <= S.PANEL_MAX_K[big] and quads > 0:
+    if t_n >= S.PANEL_TOKENS[S.SUPER[code]] and quads > 0:
         _panels_times(code, rows, n_blocks, x, out)
         return
     for q in nb.prange(quads):
@@ -90,11 +89,11 @@ def _panels_times(code, rows, n_blocks, x, out):
     t_n, k = x.shape
     n, p = rows.shape[0], 4                # rows a panel: the literal 4 below
     ra, xa, oa = rows.ctypes.data, x.ctypes.data, out.ctypes.data
-    panels = n // p
-    for q in nb.prange(panels):
-        r, w = p * q, np.empty((p, k), np.float32)          # w: an argument to both calls, alive through them
-        S.weights_rows(code, 4, ra + 8 * r, ra + 8 * (r + p if q + 1 < panels else r), w, k, n_blocks)
-        S.panel_times(code, 4, w, k, xa, k, t_n, oa + 4 * r, n, n_blocks)
+    panels, kc = n // p, (S.PANEL_CHUNK[1] if k > S.PANEL_CHUNK[0] else k)
+    for q in nb.prange(panels):         # w, acc: arguments to the call, alive through it
+        r, w, acc = p * q, np.empty((p, kc), np.float32), np.empty((t_n * p if k > kc else 1, 64), np.float32)
+        S.panel_times(code, 4, ra + 8 * r, ra + 8 * (r + p if q + 1 < panels else r), w, acc, xa, k, t_n,
+                      oa + 4 * r, n, n_blocks)
     for r in range(p * panels, n):
         for t in range(t_n):
             S.dot_tile(code, 1, 1, ra + 8 * r, ra + 8 * r, xa + 4 * t * k, k, oa + 4 * (t * n + r), n, n_blocks)

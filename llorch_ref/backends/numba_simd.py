@@ -51,8 +51,8 @@ ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token)
 # for rows of PANEL_MAX_K weights or fewer (by SUPER: 32-weight blocks, 256), where a panel stays in L1 and the
 # tokens' decode work saved is the larger part (tools/kernel_ab.py, results/cpu/2026-11-29-s28.md)
 PANEL_TILE = {2: (4, 3), 4: (2, 2)}
-PANEL_TOKENS = (16, 32)
-PANEL_MAX_K = (1536, 4096)
+PANEL_TOKENS = (16, 16)
+PANEL_CHUNK = (2048, 1024)     # weights a chunk: rows of up to 2048 weights in one, longer rows in 1024s
 # For one token, super-block types: rows a loop takes (more rows at once spill registers; Q4_K's two rows decode
 # their 6-bit scales together, _k4_scales), and whether the broadcast loads that splat a block's scales are volatile
 # (SPLAT_LOADS) or plain behind a barrier (_splats_from_memory). Chosen by tools/kernel_ab.py
@@ -532,9 +532,10 @@ def _store_sums(b, end, keys, n_acc, outa, out_stride):
         b.store(_hsum(b, acc[0]), b.gep(outp, [at]))
 
 
-def _emit_weights(b, qtype, n_rows, rowsa, aheada, wa, w_stride, n_blocks):
-    """The weights of n_rows rows (their blocks' addresses: int64s at rowsa) as float32, each _weights' value, into
-    w[r * w_stride:], in x's lane order (_weights' offsets), prefetching the rows at aheada as _emit_tile does."""
+def _emit_weights(b, qtype, n_rows, rowsa, aheada, wa, w_stride, first, n_blocks):
+    """The weights of blocks first.. first + n_blocks - 1 of n_rows rows (their blocks' addresses: int64s at rowsa)
+    as float32, each _weights' value, into w[r * w_stride:], in x's lane order (_weights' offsets), prefetching the
+    same blocks of the rows at aheada as _emit_tile does."""
     block_len, block_bytes = BLOCKS[qtype]
     rows, later = _pointers(b, rowsa, n_rows), _pointers(b, aheada, n_rows)
     wp = _strided(b, wa, w_stride, n_rows, F32)
@@ -542,24 +543,34 @@ def _emit_weights(b, qtype, n_rows, rowsa, aheada, wa, w_stride, n_blocks):
     def body(i, st):
         x0 = b.mul(i, ir.Constant(I64, block_len))
         for r in range(n_rows):
-            for w, off in _weights(qtype, _block_at(b, rows[r], later[r], i, block_bytes)):
+            for w, off in _weights(qtype, _block_at(b, rows[r], later[r], b.add(first, i), block_bytes)):
                 ptr = b.gep(wp[r], [b.add(x0, ir.Constant(I64, off))])
                 b.store(w, b.bitcast(ptr, VF.as_pointer()), align=4)
         return st
     _block_loop(b, n_blocks, {}, body)
 
 
-def _emit_float_tile(b, qtype, n_rows, tokens, wa, w_stride, xa, x_stride, outa, out_stride, n_blocks):
+def _emit_float_tile(b, qtype, n_rows, tokens, wa, w_stride, xa, x_stride, acca, acc_stride, first, last, outa,
+                     out_stride, n_blocks):
     """_emit_tile's products from weights made already (_emit_weights: float32 rows at wa, w_stride apart): the
     same fused multiply-adds into the same accumulators in the same order (_weights gives every type's 16-weight
     segments in the order of their offsets, segment s to accumulator s % ACCUMULATORS), so the same products to the
-    bit; the weights' decoding is paid once for every token a call carries instead of once per tile."""
+    bit; the weights' decoding is paid once for every token a call carries instead of once per tile. For a row cut
+    in chunks: the accumulators start from those stored at acca (row r, token t's at (t acc_stride + r) * 64
+    floats) unless `first`, and are stored there again unless `last` (then summed into out): stored and loaded
+    exactly, the same sums."""
     block_len = BLOCKS[qtype][0]
     n_acc = ACCUMULATORS[block_len]
     wp, xp = _strided(b, wa, w_stride, n_rows, F32), _strided(b, xa, x_stride, tokens, F32)
     keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
-    init = {("acc", r, t, a): ir.Constant(VF, [0.0] * L) for r, t in keys for a in range(n_acc)}
     load = lambda p, at: b.load(b.bitcast(b.gep(p, [at]), VF.as_pointer()), align=4)     # noqa: E731
+    accp = b.inttoptr(acca, F32.as_pointer())
+    slot = lambda r, t, a: b.bitcast(b.gep(accp, [b.add(b.mul(b.add(b.mul(acc_stride, ir.Constant(I64, t)),   # noqa
+                                     ir.Constant(I64, r)), ir.Constant(I64, 64)), ir.Constant(I64, L * a))]),
+                                     VF.as_pointer())
+    zero = ir.Constant(VF, [0.0] * L)
+    init = {("acc", r, t, a): b.select(first, zero, b.load(slot(r, t, a), align=4))
+            for r, t in keys for a in range(n_acc)}
 
     def body(i, st):
         for a in range(n_acc):
@@ -569,26 +580,50 @@ def _emit_float_tile(b, qtype, n_rows, tokens, wa, w_stride, xa, x_stride, outa,
                 st["acc", r, t, a] = _fma(b, ws[r], xs[t], st["acc", r, t, a])
         return st
     n_groups = b.mul(n_blocks, ir.Constant(I64, block_len // (L * n_acc)))
-    _store_sums(b, _block_loop(b, n_groups, init, body), keys, n_acc, outa, out_stride)
+    end = _block_loop(b, n_groups, init, body)
+    with b.if_else(last) as (summed, kept):
+        with summed:
+            _store_sums(b, end, keys, n_acc, outa, out_stride)
+        with kept:
+            for r, t in keys:
+                for a in range(n_acc):
+                    b.store(end["acc", r, t, a], slot(r, t, a), align=4)
 
 
-def _emit_panel(b, qtype, n_rows, wa, w_stride, xa, x_stride, n_tokens, outa, out_stride, n_blocks):
-    """Every token's products with the n_rows rows of weights at wa: PANEL_TILE's float tiles over the tokens in
-    groups, one row's tiles for the tokens left over."""
-    rows, tokens = PANEL_TILE[ACCUMULATORS[BLOCKS[qtype][0]]]
-    at = lambda base, elems: b.add(base, b.mul(elems, ir.Constant(I64, 4)))        # noqa: E731
+def _emit_panel(b, qtype, n_rows, rowsa, aheada, wa, acca, xa, x_stride, n_tokens, outa, out_stride, n_blocks):
+    """Every token's products with n_rows rows (their blocks' addresses at rowsa; aheada: the rows to prefetch), in
+    chunks (PANEL_CHUNK): each chunk's weights made once into w (_emit_weights), then PANEL_TILE's
+    float tiles over the tokens in groups, one row's tiles for the tokens left over; between chunks each
+    (row, token)'s accumulators wait in acc (for n_tokens tokens: [n_tokens * n_rows, 64] floats)."""
+    block_len = BLOCKS[qtype][0]
+    rows, tokens = PANEL_TILE[ACCUMULATORS[block_len]]
     i64 = lambda v: ir.Constant(I64, v)                                              # noqa: E731
-
-    def group(t, st, tokens=tokens, rows=rows):
-        for r in range(0, n_rows, rows):
-            _emit_float_tile(b, qtype, rows, tokens, at(wa, b.mul(w_stride, i64(r))), w_stride,
-                             at(xa, b.mul(t, x_stride)), x_stride, at(outa, b.add(b.mul(t, out_stride), i64(r))),
-                             out_stride, n_blocks)
-        return st
+    at = lambda base, elems: b.add(base, b.mul(elems, i64(4)))                       # noqa: E731
+    whole, part = (i64(n // block_len) for n in PANEL_CHUNK)
+    per = b.select(b.icmp_signed(">", n_blocks, whole), part, whole)                # blocks a chunk
+    w_stride = b.mul(b.select(b.icmp_signed("<", n_blocks, per), n_blocks, per), i64(block_len))
+    n_chunks = b.sdiv(b.add(n_blocks, b.sub(per, i64(1))), per)
     full = b.sub(n_tokens, b.srem(n_tokens, i64(tokens)))
-    _counted_loop(b, full, tokens, {}, group)
-    rest = b.sub(n_tokens, full)
-    _block_loop(b, rest, {}, lambda j, st: group(b.add(full, j), st, tokens=1, rows=n_rows))
+
+    def chunk(c, st):
+        first_block = b.mul(c, per)
+        count = b.sub(n_blocks, first_block)
+        count = b.select(b.icmp_signed("<", count, per), count, per)
+        _emit_weights(b, qtype, n_rows, rowsa, aheada, wa, w_stride, first_block, count)
+        first, last = b.icmp_signed("==", c, i64(0)), b.icmp_signed("==", c, b.sub(n_chunks, i64(1)))
+        x0 = b.mul(first_block, i64(block_len))
+
+        def group(t, st, tokens=tokens, rows=rows):
+            for r in range(0, n_rows, rows):
+                _emit_float_tile(b, qtype, rows, tokens, at(wa, b.mul(w_stride, i64(r))), w_stride,
+                                 at(xa, b.add(b.mul(t, x_stride), x0)), x_stride,
+                                 at(acca, b.mul(b.add(b.mul(t, i64(n_rows)), i64(r)), i64(64))), i64(n_rows),
+                                 first, last, at(outa, b.add(b.mul(t, out_stride), i64(r))), out_stride, count)
+            return st
+        _counted_loop(b, full, tokens, {}, group)
+        _block_loop(b, b.sub(n_tokens, full), {}, lambda j, st: group(b.add(full, j), st, tokens=1, rows=n_rows))
+        return st
+    _block_loop(b, n_chunks, {}, chunk)
 
 
 NAMES = tuple(BLOCKS)
@@ -666,19 +701,12 @@ def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, xa, x_stride, out
 
 
 @intrinsic
-def weights_rows(typingctx, code, n_rows, rowsa, aheada, w, w_stride, n_blocks):
-    """weights_rows(code, R, rows, ahead, w, w_stride, n_blocks): rows r < R's weights (their blocks' addresses at
-    rows, the rows to prefetch at ahead) as float32 into w (a float32 [R, K] array) at r * w_stride
-    (_emit_weights), for panel_times."""
-    return _typed(code, (n_rows,), 5, NAMES, _emit_weights, arrays=(2,))
-
-
-@intrinsic
-def panel_times(typingctx, code, n_rows, w, w_stride, xa, x_stride, n_tokens, outa, out_stride, n_blocks):
-    """panel_times(code, R, w, w_stride, x, x_stride, T, out, out_stride, n_blocks): out[t * out_stride + r] for
-    r < R, t < T from the R rows' weights weights_rows made in w (_emit_panel): dot_tile's products, the same to
-    the bit."""
-    return _typed(code, (n_rows,), 8, NAMES, _emit_panel, arrays=(0,))
+def panel_times(typingctx, code, n_rows, rowsa, aheada, w, acc, xa, x_stride, n_tokens, outa, out_stride, n_blocks):
+    """panel_times(code, R, rows, ahead, w, acc, x, x_stride, T, out, out_stride, n_blocks): out[t * out_stride + r]
+    for r < R, t < T (_emit_panel): dot_tile's products, the same to the bit. w: a float32 [R, a chunk's weights]
+    array (K up to PANEL_CHUNK[0], else PANEL_CHUNK[1]); acc: a float32 [T R, 64] one where K > PANEL_CHUNK[0]
+    (else any)."""
+    return _typed(code, (n_rows,), 10, NAMES, _emit_panel, arrays=(2, 3))
 
 
 # -- ggml's integer products, bit for bit (numerics "ggml"): the legacy types' codes times Q8 activations -----
