@@ -550,17 +550,15 @@ def _emit_weights(b, qtype, n_rows, rowsa, aheada, wa, w_stride, first, n_blocks
     _block_loop(b, n_blocks, {}, body)
 
 
-def _emit_float_tile(b, qtype, n_rows, tokens, wa, w_stride, xa, x_stride, acca, acc_stride, first, last, outa,
-                     out_stride, n_blocks):
-    """_emit_tile's products from weights made already (_emit_weights: float32 rows at wa, w_stride apart): the
-    same fused multiply-adds into the same accumulators in the same order (_weights gives every type's 16-weight
-    segments in the order of their offsets, segment s to accumulator s % ACCUMULATORS), so the same products to the
-    bit; the weights' decoding is paid once for every token a call carries instead of once per tile. For a row cut
-    in chunks: the accumulators start from those stored at acca (row r, token t's at (t acc_stride + r) * 64
-    floats) unless `first`, and are stored there again unless `last` (then summed into out): stored and loaded
-    exactly, the same sums."""
-    block_len = BLOCKS[qtype][0]
-    n_acc = ACCUMULATORS[block_len]
+def _emit_float_tile(b, n_acc, n_rows, tokens, wa, w_stride, xa, x_stride, acca, acc_stride, first, last, outa,
+                     out_stride, n_groups):
+    """_emit_tile's products from weights made already (_emit_weights: float32 rows at wa, w_stride apart), n_groups
+    groups of n_acc 16-weight segments: the same fused multiply-adds into the same accumulators in the same order
+    (_weights gives every type's segments in the order of their offsets, segment s to accumulator s % n_acc), so the
+    same products to the bit; the weights' decoding is paid once for every token a call carries instead of once per
+    tile. For a row cut in chunks: the accumulators start from those stored at acca (row r, token t's at
+    (t acc_stride + r) * 64 floats) unless `first`, and are stored there again unless `last` (then summed into out):
+    stored and loaded exactly, the same sums."""
     wp, xp = _strided(b, wa, w_stride, n_rows, F32), _strided(b, xa, x_stride, tokens, F32)
     keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
     load = lambda p, at: b.load(b.bitcast(b.gep(p, [at]), VF.as_pointer()), align=4)     # noqa: E731
@@ -579,7 +577,6 @@ def _emit_float_tile(b, qtype, n_rows, tokens, wa, w_stride, xa, x_stride, acca,
             for r, t in keys:
                 st["acc", r, t, a] = _fma(b, ws[r], xs[t], st["acc", r, t, a])
         return st
-    n_groups = b.mul(n_blocks, ir.Constant(I64, block_len // (L * n_acc)))
     end = _block_loop(b, n_groups, init, body)
     with b.if_else(last) as (summed, kept):
         with summed:
@@ -590,20 +587,51 @@ def _emit_float_tile(b, qtype, n_rows, tokens, wa, w_stride, xa, x_stride, acca,
                     b.store(end["acc", r, t, a], slot(r, t, a), align=4)
 
 
-def _emit_panel(b, qtype, n_rows, rowsa, aheada, wa, acca, xa, x_stride, n_tokens, outa, out_stride, n_blocks):
-    """Every token's products with n_rows rows (their blocks' addresses at rowsa; aheada: the rows to prefetch), in
-    chunks (PANEL_CHUNK): each chunk's weights made once into w (_emit_weights), then PANEL_TILE's
-    float tiles over the tokens in groups, one row's tiles for the tokens left over; between chunks each
-    (row, token)'s accumulators wait in acc (for n_tokens tokens: [n_tokens * n_rows, 64] floats)."""
-    block_len = BLOCKS[qtype][0]
-    rows, tokens = PANEL_TILE[ACCUMULATORS[block_len]]
+def _panel_tiles(module, n_acc, n_rows):
+    """One chunk's float tiles over every token, as a function of the module (made once, called by every type's
+    panel: the tiles depend on the accumulators a (row, token) has, not on the type): (w, w_stride, x, x_stride,
+    acc, first, last, T, out, out_stride, n_groups) -> PANEL_TILE's tiles over the tokens in groups, n_rows-row
+    tiles for the tokens left over (_emit_float_tile)."""
+    name = f"llorch_panel_tiles_{n_acc}_{n_rows}"
+    if name in module.globals:
+        return module.globals[name]
+    bit = ir.IntType(1)
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [I64] * 5 + [bit, bit] + [I64] * 4), name=name)
+    fn.linkage = "internal"
+    fn.attributes.add("noinline")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    wa, w_stride, xa, x_stride, acca, first, last, n_tokens, outa, out_stride, n_groups = fn.args
+    rows, tokens = PANEL_TILE[n_acc]
     i64 = lambda v: ir.Constant(I64, v)                                              # noqa: E731
     at = lambda base, elems: b.add(base, b.mul(elems, i64(4)))                       # noqa: E731
+
+    def group(t, st, tokens=tokens, rows=rows):
+        for r in range(0, n_rows, rows):
+            _emit_float_tile(b, n_acc, rows, tokens, at(wa, b.mul(w_stride, i64(r))), w_stride,
+                             at(xa, b.mul(t, x_stride)), x_stride,
+                             at(acca, b.mul(b.add(b.mul(t, i64(n_rows)), i64(r)), i64(64))), i64(n_rows),
+                             first, last, at(outa, b.add(b.mul(t, out_stride), i64(r))), out_stride, n_groups)
+        return st
+    full = b.sub(n_tokens, b.srem(n_tokens, i64(tokens)))
+    _counted_loop(b, full, tokens, {}, group)
+    _block_loop(b, b.sub(n_tokens, full), {}, lambda j, st: group(b.add(full, j), st, tokens=1, rows=n_rows))
+    b.ret_void()
+    return fn
+
+
+def _emit_panel(b, qtype, n_rows, rowsa, aheada, wa, acca, xa, x_stride, n_tokens, outa, out_stride, n_blocks):
+    """Every token's products with n_rows rows (their blocks' addresses at rowsa; aheada: the rows to prefetch), in
+    chunks (PANEL_CHUNK): each chunk's weights made once into w (_emit_weights), then the chunk's float tiles over
+    every token (_panel_tiles); between chunks each (row, token)'s accumulators wait in acc (for n_tokens tokens:
+    [n_tokens * n_rows, 64] floats)."""
+    block_len = BLOCKS[qtype][0]
+    n_acc = ACCUMULATORS[block_len]
+    tiles = _panel_tiles(b.module, n_acc, n_rows)
+    i64 = lambda v: ir.Constant(I64, v)                                              # noqa: E731
     whole, part = (i64(n // block_len) for n in PANEL_CHUNK)
     per = b.select(b.icmp_signed(">", n_blocks, whole), part, whole)                # blocks a chunk
     w_stride = b.mul(b.select(b.icmp_signed("<", n_blocks, per), n_blocks, per), i64(block_len))
     n_chunks = b.sdiv(b.add(n_blocks, b.sub(per, i64(1))), per)
-    full = b.sub(n_tokens, b.srem(n_tokens, i64(tokens)))
 
     def chunk(c, st):
         first_block = b.mul(c, per)
@@ -611,17 +639,9 @@ def _emit_panel(b, qtype, n_rows, rowsa, aheada, wa, acca, xa, x_stride, n_token
         count = b.select(b.icmp_signed("<", count, per), count, per)
         _emit_weights(b, qtype, n_rows, rowsa, aheada, wa, w_stride, first_block, count)
         first, last = b.icmp_signed("==", c, i64(0)), b.icmp_signed("==", c, b.sub(n_chunks, i64(1)))
-        x0 = b.mul(first_block, i64(block_len))
-
-        def group(t, st, tokens=tokens, rows=rows):
-            for r in range(0, n_rows, rows):
-                _emit_float_tile(b, qtype, rows, tokens, at(wa, b.mul(w_stride, i64(r))), w_stride,
-                                 at(xa, b.add(b.mul(t, x_stride), x0)), x_stride,
-                                 at(acca, b.mul(b.add(b.mul(t, i64(n_rows)), i64(r)), i64(64))), i64(n_rows),
-                                 first, last, at(outa, b.add(b.mul(t, out_stride), i64(r))), out_stride, count)
-            return st
-        _counted_loop(b, full, tokens, {}, group)
-        _block_loop(b, b.sub(n_tokens, full), {}, lambda j, st: group(b.add(full, j), st, tokens=1, rows=n_rows))
+        x_chunk = b.add(xa, b.mul(first_block, i64(4 * block_len)))
+        b.call(tiles, [wa, w_stride, x_chunk, x_stride, acca, first, last, n_tokens, outa, out_stride,
+                       b.mul(count, i64(block_len // (L * n_acc)))])
         return st
     _block_loop(b, n_chunks, {}, chunk)
 
