@@ -450,23 +450,24 @@ def test_numba_kernels_match_the_dequantized_product(qt):
 @pytest.mark.parametrize("k", [512, 2304])
 def test_numba_panel_products_of_many_tokens_equal_each_token_alone_to_the_bit(qt, k):
     """Enough tokens for the panels (numba_simd.PANEL_TOKENS: weights decoded once into a float32 panel, then float
-    tiles over the tokens), with tokens and rows left over past the tiles and panels, rows in one chunk (512) and in
-    three (2304: 1024, 1024, 256, the accumulators kept between them): every token's products the same to the bit
-    as that token's one-token products (the blocks decoded in the tile itself) and as the tiles of a few tokens,
-    and equal to the dequantized product up to summation order."""
+    tiles over the tokens; K-quants' one accumulator at a time), with tokens and rows left over past the tiles and
+    panels, rows in one chunk (512) and in three (2304: 1024, 1024, 256, the accumulators kept between them): every
+    token's products the same to the bit as that token's one-token products (the blocks decoded in the tile itself)
+    and as 8 tokens' (the tiles of a few tokens; K-quants' panels), and equal to the dequantized product up to
+    summation order."""
     need_backend("numba")
     from llorch_ref.backends import numba_simd as S
     from llorch_ref.backends.numba_backend import KernelBlocks
 
     assert (k > S.PANEL_CHUNK[0]) == (k == 2304)
-    n, t_n = 70, max(S.PANEL_TOKENS) + 25              # 70 rows: 2 past the last panel of 4; 41 tokens: 2 past the
-    #                                                    3-token tiles, 1 past the 2-token ones
+    n, t_n = 70, 41                                    # 70 rows: 2 past the last panel of 4; 41 tokens: 2 past the
+    assert t_n >= max(S.PANEL_TOKENS)                  # 3-token tiles, 1 past the 4-token ones (K-quants)
     blocks = KernelBlocks([random_qtensor(qt, n, k, 4)])
     x = np.random.default_rng(5).standard_normal((t_n, k)).astype(np.float32)
     got = blocks.matmul(x)
     for t in range(t_n):
         np.testing.assert_array_equal(got[t], blocks.matvec(x[t]), err_msg=f"token {t}")
-    np.testing.assert_array_equal(got[:8], blocks.matmul(x[:8]))       # 8 tokens: the blocks' own tiles
+    np.testing.assert_array_equal(got[:8], blocks.matmul(x[:8]))       # 8 tokens: tiles, or K-quants' panels
     deq = blocks.qts[0].dequantize().astype(np.float64)
     want, scale = x @ deq.T, np.abs(x) @ np.abs(deq).T
     assert (np.abs(got - want) <= 1e-6 * scale + 1e-30).all()

@@ -89,9 +89,10 @@ def _panels_times(code, rows, n_blocks, x, out):
     t_n, k = x.shape
     n, p = rows.shape[0], 4                # rows a panel: the literal 4 below
     ra, xa, oa = rows.ctypes.data, x.ctypes.data, out.ctypes.data
-    panels, kc = n // p, (S.PANEL_CHUNK[1] if k > S.PANEL_CHUNK[0] else k)
+    panels, kc, big = n // p, (S.PANEL_CHUNK[1] if k > S.PANEL_CHUNK[0] else k), S.SUPER[code]
     for q in nb.prange(panels):         # w, acc: arguments to the call, alive through it
-        r, w, acc = p * q, np.empty((p, kc), np.float32), np.empty((t_n * p if k > kc else 1, 64), np.float32)
+        r, w = p * q, np.empty((p, kc), np.float32)
+        acc = np.empty((t_n * p if k > kc or S.PANEL_PASSES[big] else 1, 64), np.float32)
         S.panel_times(code, 4, ra + 8 * r, ra + 8 * (r + p if q + 1 < panels else r), w, acc, xa, k, t_n,
                       oa + 4 * r, n, n_blocks)
     for r in range(p * panels, n):

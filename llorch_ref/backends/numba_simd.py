@@ -47,11 +47,12 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q2_K": (256, 84), "Q3_K": (256, 110)}
 ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token) has, by block length
 # Several tokens' products from a panel of 4 rows' weights decoded once (numba_kernels._panels_times): the float
-# tile (rows, tokens) by ACCUMULATORS (24 and 16 vector accumulators); panels serve PANEL_TOKENS tokens or more
-# for rows of PANEL_MAX_K weights or fewer (by SUPER: 32-weight blocks, 256), where a panel stays in L1 and the
-# tokens' decode work saved is the larger part (tools/kernel_ab.py, results/cpu/2026-11-29-s28.md)
-PANEL_TILE = {2: (4, 3), 4: (2, 2)}
-PANEL_TOKENS = (16, 16)
+# tile (rows, tokens, passes) by ACCUMULATORS: 32-weight blocks 4 x 3 with their 2 accumulators each (24 registers);
+# K-quants 4 x 4 one accumulator at a time (passes: _emit_pass_tile; 4 x 4 x 4 would spill). Panels serve
+# PANEL_TOKENS tokens or more (by SUPER: 32-weight blocks, 256): tools/kernel_ab.py, results/cpu/2026-11-29-s28.md
+PANEL_TILE = {2: (4, 3, False), 4: (4, 4, True)}
+PANEL_TOKENS = (16, 8)
+PANEL_PASSES = (PANEL_TILE[2][2], PANEL_TILE[4][2])
 PANEL_CHUNK = (2048, 1024)     # weights a chunk: rows of up to 2048 weights in one, longer rows in 1024s
 # For one token, super-block types: rows a loop takes (more rows at once spill registers; Q4_K's two rows decode
 # their 6-bit scales together, _k4_scales), and whether the broadcast loads that splat a block's scales are volatile
@@ -587,6 +588,43 @@ def _emit_float_tile(b, n_acc, n_rows, tokens, wa, w_stride, xa, x_stride, acca,
                     b.store(end["acc", r, t, a], slot(r, t, a), align=4)
 
 
+def _emit_pass_tile(b, n_acc, n_rows, tokens, wa, w_stride, xa, x_stride, acca, acc_stride, first, last, outa,
+                    out_stride, n_groups):
+    """_emit_float_tile one accumulator at a time: pass a runs accumulator a of every (row, token) over the segments
+    it takes (s % n_acc == a), in their order, and stores it at acca; the last pass of the last chunk sums the n_acc
+    of each (row, token) by _store_sums' tree. The same multiply-adds in the same order for every accumulator, so the
+    same products to the bit, with n_acc times fewer registers live: tiles of more rows and tokens."""
+    wp, xp = _strided(b, wa, w_stride, n_rows, F32), _strided(b, xa, x_stride, tokens, F32)
+    keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
+    load = lambda p, at: b.load(b.bitcast(b.gep(p, [at]), VF.as_pointer()), align=4)     # noqa: E731
+    accp = b.inttoptr(acca, F32.as_pointer())
+    slot = lambda r, t, a: b.bitcast(b.gep(accp, [b.add(b.mul(b.add(b.mul(acc_stride, ir.Constant(I64, t)),   # noqa
+                                     ir.Constant(I64, r)), ir.Constant(I64, 64)), ir.Constant(I64, L * a))]),
+                                     VF.as_pointer())
+    zero = ir.Constant(VF, [0.0] * L)
+    for a in range(n_acc):
+        init = {("acc", r, t, a): b.select(first, zero, b.load(slot(r, t, a), align=4)) for r, t in keys}
+
+        def body(i, st, a=a):
+            at = b.add(b.mul(i, ir.Constant(I64, L * n_acc)), ir.Constant(I64, L * a))
+            ws, xs = [load(p, at) for p in wp], [load(p, at) for p in xp]
+            for r, t in keys:
+                st["acc", r, t, a] = _fma(b, ws[r], xs[t], st["acc", r, t, a])
+            return st
+        end = _block_loop(b, n_groups, init, body)
+        if a < n_acc - 1:
+            for r, t in keys:
+                b.store(end["acc", r, t, a], slot(r, t, a), align=4)
+            continue
+        with b.if_else(last) as (summed, kept):
+            with summed:
+                every = {("acc", r, t, j): b.load(slot(r, t, j), align=4) for r, t in keys for j in range(a)}
+                _store_sums(b, {**every, **end}, keys, n_acc, outa, out_stride)
+            with kept:
+                for r, t in keys:
+                    b.store(end["acc", r, t, a], slot(r, t, a), align=4)
+
+
 def _panel_tiles(module, n_acc, n_rows):
     """One chunk's float tiles over every token, as a function of the module (made once, called by every type's
     panel: the tiles depend on the accumulators a (row, token) has, not on the type): (w, w_stride, x, x_stride,
@@ -601,13 +639,14 @@ def _panel_tiles(module, n_acc, n_rows):
     fn.attributes.add("noinline")
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     wa, w_stride, xa, x_stride, acca, first, last, n_tokens, outa, out_stride, n_groups = fn.args
-    rows, tokens = PANEL_TILE[n_acc]
+    rows, tokens, passes = PANEL_TILE[n_acc]
     i64 = lambda v: ir.Constant(I64, v)                                              # noqa: E731
     at = lambda base, elems: b.add(base, b.mul(elems, i64(4)))                       # noqa: E731
+    emit = _emit_pass_tile if passes else _emit_float_tile
 
     def group(t, st, tokens=tokens, rows=rows):
         for r in range(0, n_rows, rows):
-            _emit_float_tile(b, n_acc, rows, tokens, at(wa, b.mul(w_stride, i64(r))), w_stride,
+            emit(b, n_acc, rows, tokens, at(wa, b.mul(w_stride, i64(r))), w_stride,
                              at(xa, b.mul(t, x_stride)), x_stride,
                              at(acca, b.mul(b.add(b.mul(t, i64(n_rows)), i64(r)), i64(64))), i64(n_rows),
                              first, last, at(outa, b.add(b.mul(t, out_stride), i64(r))), out_stride, n_groups)
