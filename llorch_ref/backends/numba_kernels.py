@@ -82,10 +82,10 @@ def _rows_times(code, rows, n_blocks, x, out):
 
 @nb.njit(parallel=True, cache=True, fastmath=False)
 def _panels_times(code, rows, n_blocks, x, out):
-    """_rows_times for many tokens: each thread decodes a panel of PANEL_ROWS rows' weights once into its own
-    float32 buffer (weights_rows) and multiplies every token by it (panel_times: the same fused multiply-adds in
-    the same order as dot_tile's, so the same products to the bit), instead of decoding each block again for every
-    few tokens; rows past the last panel by dot_tile."""
+    """_rows_times for many tokens: each thread decodes a panel of 4 rows' weights once, chunk by chunk, into its own
+    float32 buffer w and multiplies every token by it (panel_times: the same fused multiply-adds in the same order
+    as dot_tile's, so the same products to the bit; acc holds the accumulators between chunks and K-quants'
+    passes), instead of decoding each block again for every few tokens; rows past the last panel by dot_tile."""
     t_n, k = x.shape
     n, p = rows.shape[0], 4                # rows a panel: the literal 4 below
     ra, xa, oa = rows.ctypes.data, x.ctypes.data, out.ctypes.data

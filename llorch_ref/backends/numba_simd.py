@@ -48,7 +48,7 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token) has, by block length
 # Several tokens' products from a panel of 4 rows' weights decoded once (numba_kernels._panels_times): the float
 # tile (rows, tokens, passes) by ACCUMULATORS: 32-weight blocks 4 x 3 with their 2 accumulators each (24 registers);
-# K-quants 4 x 4 one accumulator at a time (passes: _emit_pass_tile; 4 x 4 x 4 would spill). Panels serve
+# K-quants 4 x 4 one accumulator at a time (passes: _emit_float_tile; 4 x 4 x 4 would spill). Panels serve
 # PANEL_TOKENS tokens or more (by SUPER: 32-weight blocks, 256): tools/kernel_ab.py, results/cpu/2026-11-29-s28.md
 PANEL_TILE = {2: (4, 3, False), 4: (4, 4, True)}
 PANEL_TOKENS = (16, 8)
@@ -552,14 +552,16 @@ def _emit_weights(b, qtype, n_rows, rowsa, aheada, wa, w_stride, first, n_blocks
 
 
 def _emit_float_tile(b, n_acc, n_rows, tokens, wa, w_stride, xa, x_stride, acca, acc_stride, first, last, outa,
-                     out_stride, n_groups):
+                     out_stride, n_groups, passes=False):
     """_emit_tile's products from weights made already (_emit_weights: float32 rows at wa, w_stride apart), n_groups
     groups of n_acc 16-weight segments: the same fused multiply-adds into the same accumulators in the same order
     (_weights gives every type's segments in the order of their offsets, segment s to accumulator s % n_acc), so the
     same products to the bit; the weights' decoding is paid once for every token a call carries instead of once per
     tile. For a row cut in chunks: the accumulators start from those stored at acca (row r, token t's at
-    (t acc_stride + r) * 64 floats) unless `first`, and are stored there again unless `last` (then summed into out):
-    stored and loaded exactly, the same sums."""
+    (t acc_stride + r) * 64 floats) unless `first`, and are stored there again unless `last` (then summed into out
+    by _store_sums' tree): stored and loaded exactly, the same sums. With `passes`, one accumulator at a time: pass a
+    runs accumulator a of every (row, token) over its segments in their order and stores it (n_acc times fewer
+    registers live: tiles of more rows and tokens)."""
     wp, xp = _strided(b, wa, w_stride, n_rows, F32), _strided(b, xa, x_stride, tokens, F32)
     keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
     load = lambda p, at: b.load(b.bitcast(b.gep(p, [at]), VF.as_pointer()), align=4)     # noqa: E731
@@ -568,61 +570,33 @@ def _emit_float_tile(b, n_acc, n_rows, tokens, wa, w_stride, xa, x_stride, acca,
                                      ir.Constant(I64, r)), ir.Constant(I64, 64)), ir.Constant(I64, L * a))]),
                                      VF.as_pointer())
     zero = ir.Constant(VF, [0.0] * L)
-    init = {("acc", r, t, a): b.select(first, zero, b.load(slot(r, t, a), align=4))
-            for r, t in keys for a in range(n_acc)}
+    groups = [[a] for a in range(n_acc)] if passes else [list(range(n_acc))]
+    for g, accs in enumerate(groups):
+        init = {("acc", r, t, a): b.select(first, zero, b.load(slot(r, t, a), align=4)) for r, t in keys for a in accs}
 
-    def body(i, st):
-        for a in range(n_acc):
-            at = b.add(b.mul(i, ir.Constant(I64, L * n_acc)), ir.Constant(I64, L * a))
-            ws, xs = [load(p, at) for p in wp], [load(p, at) for p in xp]
-            for r, t in keys:
-                st["acc", r, t, a] = _fma(b, ws[r], xs[t], st["acc", r, t, a])
-        return st
-    end = _block_loop(b, n_groups, init, body)
-    with b.if_else(last) as (summed, kept):
-        with summed:
-            _store_sums(b, end, keys, n_acc, outa, out_stride)
-        with kept:
-            for r, t in keys:
-                for a in range(n_acc):
-                    b.store(end["acc", r, t, a], slot(r, t, a), align=4)
-
-
-def _emit_pass_tile(b, n_acc, n_rows, tokens, wa, w_stride, xa, x_stride, acca, acc_stride, first, last, outa,
-                    out_stride, n_groups):
-    """_emit_float_tile one accumulator at a time: pass a runs accumulator a of every (row, token) over the segments
-    it takes (s % n_acc == a), in their order, and stores it at acca; the last pass of the last chunk sums the n_acc
-    of each (row, token) by _store_sums' tree. The same multiply-adds in the same order for every accumulator, so the
-    same products to the bit, with n_acc times fewer registers live: tiles of more rows and tokens."""
-    wp, xp = _strided(b, wa, w_stride, n_rows, F32), _strided(b, xa, x_stride, tokens, F32)
-    keys = [(r, t) for r in range(n_rows) for t in range(tokens)]
-    load = lambda p, at: b.load(b.bitcast(b.gep(p, [at]), VF.as_pointer()), align=4)     # noqa: E731
-    accp = b.inttoptr(acca, F32.as_pointer())
-    slot = lambda r, t, a: b.bitcast(b.gep(accp, [b.add(b.mul(b.add(b.mul(acc_stride, ir.Constant(I64, t)),   # noqa
-                                     ir.Constant(I64, r)), ir.Constant(I64, 64)), ir.Constant(I64, L * a))]),
-                                     VF.as_pointer())
-    zero = ir.Constant(VF, [0.0] * L)
-    for a in range(n_acc):
-        init = {("acc", r, t, a): b.select(first, zero, b.load(slot(r, t, a), align=4)) for r, t in keys}
-
-        def body(i, st, a=a):
-            at = b.add(b.mul(i, ir.Constant(I64, L * n_acc)), ir.Constant(I64, L * a))
-            ws, xs = [load(p, at) for p in wp], [load(p, at) for p in xp]
-            for r, t in keys:
-                st["acc", r, t, a] = _fma(b, ws[r], xs[t], st["acc", r, t, a])
+        def body(i, st, accs=accs):
+            for a in accs:
+                at = b.add(b.mul(i, ir.Constant(I64, L * n_acc)), ir.Constant(I64, L * a))
+                ws, xs = [load(p, at) for p in wp], [load(p, at) for p in xp]
+                for r, t in keys:
+                    st["acc", r, t, a] = _fma(b, ws[r], xs[t], st["acc", r, t, a])
             return st
         end = _block_loop(b, n_groups, init, body)
-        if a < n_acc - 1:
+
+        def store(end=end, accs=accs):
             for r, t in keys:
-                b.store(end["acc", r, t, a], slot(r, t, a), align=4)
+                for a in accs:
+                    b.store(end["acc", r, t, a], slot(r, t, a), align=4)
+        if g < len(groups) - 1:
+            store()
             continue
         with b.if_else(last) as (summed, kept):
             with summed:
-                every = {("acc", r, t, j): b.load(slot(r, t, j), align=4) for r, t in keys for j in range(a)}
-                _store_sums(b, {**every, **end}, keys, n_acc, outa, out_stride)
+                stored = {("acc", r, t, a): b.load(slot(r, t, a), align=4) for r, t in keys
+                          for a in range(n_acc) if a not in accs}
+                _store_sums(b, {**stored, **end}, keys, n_acc, outa, out_stride)
             with kept:
-                for r, t in keys:
-                    b.store(end["acc", r, t, a], slot(r, t, a), align=4)
+                store()
 
 
 def _panel_tiles(module, n_acc, n_rows):
@@ -642,14 +616,14 @@ def _panel_tiles(module, n_acc, n_rows):
     rows, tokens, passes = PANEL_TILE[n_acc]
     i64 = lambda v: ir.Constant(I64, v)                                              # noqa: E731
     at = lambda base, elems: b.add(base, b.mul(elems, i64(4)))                       # noqa: E731
-    emit = _emit_pass_tile if passes else _emit_float_tile
 
     def group(t, st, tokens=tokens, rows=rows):
         for r in range(0, n_rows, rows):
-            emit(b, n_acc, rows, tokens, at(wa, b.mul(w_stride, i64(r))), w_stride,
+            _emit_float_tile(b, n_acc, rows, tokens, at(wa, b.mul(w_stride, i64(r))), w_stride,
                              at(xa, b.mul(t, x_stride)), x_stride,
                              at(acca, b.mul(b.add(b.mul(t, i64(n_rows)), i64(r)), i64(64))), i64(n_rows),
-                             first, last, at(outa, b.add(b.mul(t, out_stride), i64(r))), out_stride, n_groups)
+                             first, last, at(outa, b.add(b.mul(t, out_stride), i64(r))), out_stride, n_groups,
+                             passes)
         return st
     full = b.sub(n_tokens, b.srem(n_tokens, i64(tokens)))
     _counted_loop(b, full, tokens, {}, group)
