@@ -385,19 +385,37 @@ def test_numpy_backend_says_once_that_one_thread_avoids_a_busy_machines_collapse
     assert "warning" not in busy_then_prompts(2)
 
 
+@pytest.mark.parametrize("style", ["adjacent", "neox"])
+@pytest.mark.parametrize("rotated", [64, 32])
+def test_numba_rope_of_a_prompts_rows_equals_the_references_to_the_bit(style, rotated):
+    """rope_rows (a prompt's RoPE on the numba backend) against model.layers.rope: every element the same float,
+    all dims rotated and half of them (partial rotary: the rest copied)."""
+    need_backend("numba")
+    from llorch_ref.backends import numba_kernels as K
+    from llorch_ref.model import layers
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((37, 5, 64)).astype(np.float32)
+    cos, sin = (rng.standard_normal((37, rotated // 2)).astype(np.float32) for _ in range(2))
+    out = np.empty_like(x)
+    K.rope_rows(x, cos, sin, style == "neox", out)
+    np.testing.assert_array_equal(out, layers.rope(np, x, cos, sin, style))
+
+
 @pytest.mark.parametrize("kernel,first", [("rope_one", ("1B", "q@step1")), ("attend_one", ("4", "kq@step1")),
-                                          ("rms_norm_rows", ("1", "attn_norm@step1"))])
+                                          ("rope_rows", ("1B", "q")), ("rms_norm_rows", ("1", "attn_norm"))])
 def test_a_planted_bug_in_a_one_token_kernel_is_caught_at_its_checkpoint(tiny, monkeypatch, kernel, first):
-    """The numba kernels run for one-token steps only: the decode-step rows of run_backend_diff must see them.
-    Planted: RoPE pairs rotated the other way (neox for adjacent), attention scores off by one position
-    (each score read from the next key), RMSNorm with epsilon 1e-2."""
+    """The numba kernels of one-token steps are seen by the decode-step rows of run_backend_diff, those that serve a
+    prompt's rows too (RoPE's rope_rows, RMSNorm) by the prompt's. Planted: RoPE pairs rotated the other way (neox
+    for adjacent), attention scores off by one position (each score read from the next key), RMSNorm with epsilon
+    1e-2."""
     need_backend("numba")
     from llorch_ref.backends import numba_kernels as K
     from llorch_ref.harness.run import run_backend_diff
 
     path = tiny(vocab="bpe", weight_type="Q8_0")
     real = getattr(K, kernel)
-    if kernel == "rope_one":
+    if kernel in ("rope_one", "rope_rows"):
         planted = lambda x, cos, sin, neox, out: real(x, cos, sin, not neox, out)
     elif kernel == "attend_one":
         planted = lambda q, k, v, mask, *rest: real(q, np.roll(k, -1, axis=0), v, mask, *rest)

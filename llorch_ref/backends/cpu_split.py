@@ -14,7 +14,7 @@ busy, never a split, so that its results do not follow the load (backends/__init
 also runs its one-token steps on no more of its own threads than the cores the others leave, once they have held
 them at two measures running (spare_threads). A measure after a window in which this process sat idle (between
 requests, between a bench's rounds) does not count what the others did then.
-A product is cut into row panels of the weight and attention into groups of KV heads, one part a thread (the
+A product is cut into row panels of the weight and attention into groups of query heads, one part a thread (the
 calling thread takes the first). Each output element comes from a BLAS call of the same operands either way, but
 not always from the same kernel: OpenBLAS picks its kernel by the call's shape, and a panel can fall under its
 small-matrix kernels where the whole product does not. On the tests' shapes the results are equal to the bit
@@ -176,21 +176,20 @@ class CpuSplit:
 
     def attention_out(self, attention, xp, q, k, v, mask, scale, kv_head):
         """attention(xp, q, k, v, mask, scale, kv_head) (the reference's: -> out [T, H*Hd], kq, probs) on groups of
-        whole KV heads, one a thread -> out only (the scores and probabilities of each group are dropped)."""
+        query heads as even as the heads allow, one a thread (each head reads its KV head as kv_head says; a head's
+        products are the same whichever group it is in) -> out only (the scores and probabilities are dropped).
+        Groups of whole KV heads were uneven where the KV heads do not divide among the threads (the default
+        model's 3 over 2 threads: 6 query heads against 3)."""
         t, h, hd = q.shape
-        kv = k.shape[1]
-        parts = min(self.threads, kv) if self.split and t * k.shape[0] >= SPLIT_SCORES else 1
+        parts = min(self.threads, h) if self.split and t * k.shape[0] >= SPLIT_SCORES else 1
         if parts == 1:
             return attention(xp, q, k, v, mask, scale, kv_head)[0]
-        g = h // kv
-        bounds = [kv * i // parts for i in range(parts + 1)]
+        bounds = [h * i // parts for i in range(parts + 1)]
         out = np.empty((t, h, hd), dtype=np.float32)
 
         def one(i):
-            k0, k1 = bounds[i], bounds[i + 1]
-            part = attention(xp, q[:, k0 * g:k1 * g], k[:, k0:k1], v[:, k0:k1], mask, scale,
-                             kv_head[k0 * g:k1 * g] - k0)[0]
-            out[:, k0 * g:k1 * g] = part.reshape(t, (k1 - k0) * g, hd)
+            h0, h1 = bounds[i], bounds[i + 1]
+            out[:, h0:h1] = attention(xp, q[:, h0:h1], k, v, mask, scale, kv_head[h0:h1])[0].reshape(t, h1 - h0, hd)
         self.run(one, parts)
         return out.reshape(t, h * hd)
 

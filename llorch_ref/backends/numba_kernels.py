@@ -153,8 +153,8 @@ def ggml_rows(code, rows, n_blocks, qa, da, sa, out):
             S.ggml_tile(code, 1, 1, ra + 8 * r, ra + 8 * r, qa_a + 32 * b * t, 32 * b, da_a + 4 * b * t,
                         sa_a + 4 * b * t, b, oa + 4 * (t * n + r), n, n_blocks)
 
-# The elementwise kernels below serve one token (a few thousand floats): serial, since starting the
-# parallel workers costs more than the work.
+# The elementwise kernels below serve one token (a few thousand floats), and RMSNorm and RoPE a prompt's rows too:
+# serial, since starting the parallel workers costs more than the work.
 
 @nb.njit(cache=True, fastmath=False)
 def rms_norm_rows(x, w, eps, out):
@@ -192,6 +192,14 @@ def rope_one(x, cos, sin, neox, out):
             x0, x1 = x[h, i0], x[h, i1]
             out[h, i0] = x0 * cos[i] - x1 * sin[i]
             out[h, i1] = x0 * sin[i] + x1 * cos[i]
+
+
+@nb.njit(cache=True, fastmath=False)
+def rope_rows(x, cos, sin, neox, out):
+    """rope_one for several tokens: x: [T, nh, Hd] f32, cos, sin: [T, R/2] -> out: [T, nh, Hd]; the reference's
+    products and sums, each rounded as NumPy rounds them: its RoPE to the bit, without its strided copies."""
+    for t in range(x.shape[0]):
+        rope_one(x[t], cos[t], sin[t], neox, out[t])
 
 
 @nb.njit(inline="always")
