@@ -1,6 +1,7 @@
 """A/B of numba's in-place products: this tree's kernels against those of another commit, in one process.
 
     python tools/kernel_ab.py --base 6042d8f [--types Q4_K,Q5_K,Q6_K] [--tokens 1,8] [--threads 1,2]
+    python tools/kernel_ab.py --base 5400f1e --types Q4_1,Q8_0 --shapes 1536x576,576x1536 --tokens 16,128 --threads 2
 
 The host's speed moves by up to 2x within seconds (another VM's work on the same cores), and numba code placed
 differently runs up to 10% apart, so separate processes cannot resolve a 10% change. Here the base commit's
@@ -43,7 +44,10 @@ def main():
     ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K")
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--rows", type=int, default=512, help="rows a matrix (K = 4096)")
+    ap.add_argument("--rows", type=int, default=512, help="rows a matrix (K = 4096), where --shapes is not given")
+    ap.add_argument("--shapes", default=None,
+                    help="matrices as ROWSxK, comma-separated (e.g. 1536x576,576x1536: the default model's gate/up "
+                         "and down); each call batch about 1e8 weight-tokens")
     ap.add_argument("--reordered", action="store_true",
                     help="the products may differ in their last bits (another order of the sums): check both "
                          "against the float64 product instead of against each other")
@@ -58,18 +62,21 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, tmp)
         base = importlib.import_module(f"{base_package(a.base, Path(tmp))}.numba_kernels")
-        rng, k = np.random.default_rng(0), 4096
-        qts = {q: random_qtensor(q, a.rows, k, seed) for seed, q in enumerate(a.types.split(","))}
-        mats = {q: KernelBlocks([qt]) for q, qt in qts.items()}
-        for threads in map(int, a.threads.split(",")):
-            nb.set_num_threads(threads)
-            for t_n in map(int, a.tokens.split(",")):
-                x = rng.standard_normal((t_n, k)).astype(np.float32)
-                for q, kb in mats.items():
-                    exact = (x.astype(np.float64) @ qts[q].dequantize().astype(np.float64).T
-                             if a.reordered else None)
-                    print(compare(q, kb.code, kb.rows, kb.n_blocks, x, {"this": here, "base": base}, threads,
-                                  exact=exact), flush=True)
+        rng = np.random.default_rng(0)
+        shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")] if a.shapes else [(a.rows, 4096)]
+        for n, k in shapes:
+            qts = {q: random_qtensor(q, n, k, seed) for seed, q in enumerate(a.types.split(","))}
+            mats = {q: KernelBlocks([qt]) for q, qt in qts.items()}
+            for threads in map(int, a.threads.split(",")):
+                nb.set_num_threads(threads)
+                for t_n in map(int, a.tokens.split(",")):
+                    x = rng.standard_normal((t_n, k)).astype(np.float32)
+                    calls = 40 if not a.shapes else max(2, int(1e8 // (n * k * t_n)))
+                    for q, kb in mats.items():
+                        exact = (x.astype(np.float64) @ qts[q].dequantize().astype(np.float64).T
+                                 if a.reordered else None)
+                        print(f"{n}x{k}", compare(q, kb.code, kb.rows, kb.n_blocks, x, {"this": here, "base": base},
+                                                  threads, calls=calls, exact=exact), flush=True)
 
 
 def compare(qtype, code, rows, n_blocks, x, sides, threads, rounds=15, calls=40, exact=None):
