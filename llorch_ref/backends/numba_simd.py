@@ -691,18 +691,13 @@ def _per_type(b, code, names, emit):
     b.position_at_end(merge)
 
 
-def _tile(code, n_rows, n_tokens, n_addr, names, emit):
-    """A tile intrinsic's typing: R and T literal integers, then n_addr integer arguments (addresses, strides,
-    counts) -> (signature, codegen): a switch on the runtime type code over `names`, each emit(builder, name, R, T,
-    *the n_addr values); a literal type code (a kernel made for one type: numba_kernels.for_type) emits that
-    type's loop alone."""
-    return _typed(code, (n_rows, n_tokens), n_addr, names, emit)
-
-
-def _typed(code, literals, n_addr, names, emit, arrays=()):
-    """_tile's typing for any number of literal integers ahead of the n_addr integers; `arrays`: the tail's
-    arguments (by their place in it) that are float32 arrays, given to emit as their data's address (an argument
-    to the call keeps the array alive through it)."""
+def _tile(code, literals, n_addr, names, emit, arrays=()):
+    """A tile intrinsic's typing: literal integers (R, T, ...), then n_addr integer arguments (addresses, strides,
+    counts) -> (signature, codegen): a switch on the runtime type code over `names`, each emit(builder, name,
+    *the literals' values, *the n_addr values); a literal type code (a kernel made for one type:
+    numba_kernels.matmul_rows_for) emits that type's loop alone. `arrays`: the tail's arguments (by their place in
+    it) that are float32 arrays, given to emit as their data's address (an argument to the call keeps the array
+    alive through it)."""
     if not all(isinstance(a, types.IntegerLiteral) for a in literals):
         return None
     consts = [a.literal_value for a in literals]
@@ -730,7 +725,7 @@ def dot_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, xa, x_stride, out
     over every type's loop), R and T constants: out[t * out_stride + r] = row r's dot product with
     x[t * x_stride:] for r < R, t < T (addresses as integers, strides in elements; rows: the address of R int64
     row addresses; ahead: R more, the rows to prefetch)."""
-    return _tile(code, n_rows, n_tokens, 7, NAMES, _emit_tile)
+    return _tile(code, (n_rows, n_tokens), 7, NAMES, _emit_tile)
 
 
 @intrinsic
@@ -739,7 +734,7 @@ def panel_times(typingctx, code, n_rows, rowsa, aheada, w, acc, xa, x_stride, n_
     for r < R, t < T (_emit_panel): dot_tile's products, the same to the bit. w: a float32 [R, a chunk's weights]
     array (K up to PANEL_CHUNK[0], else PANEL_CHUNK[1]); acc: a float32 [T R, 64] one where K > PANEL_CHUNK[0]
     (else any)."""
-    return _typed(code, (n_rows,), 10, NAMES, _emit_panel, arrays=(2, 3))
+    return _tile(code, (n_rows,), 10, NAMES, _emit_panel, arrays=(2, 3))
 
 
 # -- ggml's integer products, bit for bit (numerics "ggml"): the legacy types' codes times Q8 activations -----
@@ -1020,7 +1015,7 @@ def ggml_tile(typingctx, code, n_rows, n_tokens, rowsa, aheada, qaa, qa_stride, 
     """ggml_tile(code, R, T, rows, ahead, qa, qa_stride, da, sa, d_stride, out, out_stride, n_blocks): _emit_ggml
     for the legacy type TYPE_CODE[...] = code (a switch over the five), R and T constants; qa_stride in bytes,
     d_stride (da's and sa's) in elements."""
-    return _tile(code, n_rows, n_tokens, 10, LEGACY, _emit_ggml)
+    return _tile(code, (n_rows, n_tokens), 10, LEGACY, _emit_ggml)
 
 
 # -- ggml's float32 dot products as ggml_cpu emulates them (numerics "ggml" attention) ---------------------------
