@@ -464,7 +464,7 @@ def test_numba_kernels_match_the_dequantized_product(qt):
         np.testing.assert_array_equal(blocks.matmul(t), every)
 
 
-@pytest.mark.parametrize("qt", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K"])
+@pytest.mark.parametrize("qt", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K", "Q2_K"])
 @pytest.mark.parametrize("k", [512, 2304])
 def test_numba_panel_products_of_many_tokens_equal_each_token_alone_to_the_bit(qt, k):
     """Enough tokens for the panels (numba_simd.PANEL_TOKENS: weights decoded once into a float32 panel, then float

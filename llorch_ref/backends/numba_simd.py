@@ -59,9 +59,10 @@ PANEL_CHUNK = (2048, 1024)     # weights a chunk: rows of up to 2048 weights in 
 # (SPLAT_LOADS) or plain behind a barrier (_splats_from_memory). Chosen by tools/kernel_ab.py
 # (results/cpu/2026-11-28-s16.md). With the scales decoded an iteration ahead, on Zen 5 against the code before it:
 # these 1.08-1.14x, Q4_K four rows 1.00-1.02x, Q5_K two rows 0.96x, Q6_K two rows 1.05-1.07x
-# (results/cpu/2026-11-28-s21.md).
-SUPER_ROWS = {"Q4_K": 2, "Q5_K": 1, "Q6_K": 1, "Q2_K": 1, "Q3_K": 1}
-SPLAT_LOADS = ("Q5_K", "Q6_K", "Q2_K", "Q3_K")
+# (results/cpu/2026-11-28-s21.md). Q2_K four rows and Q3_K two, their splats behind the barrier: 1.36-1.38x and
+# 1.07x one row with volatile loads on Zen 5 (Q2_K two rows 1.33-1.37x; Q3_K four rows 0.92-0.94x; results/cpu/2026-11-29-s29.md).
+SUPER_ROWS = {"Q4_K": 2, "Q5_K": 1, "Q6_K": 1, "Q2_K": 4, "Q3_K": 2}
+SPLAT_LOADS = ("Q5_K", "Q6_K")
 SCALE_VECTORS = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")   # super-block types whose scales are decoded to a vector
 
 
@@ -247,31 +248,45 @@ def _q3k_scales(k):
 
 
 def _scale_vector(qtype, blocks):
-    """The super-blocks' float scales, exact, for one to two blocks of a super-block type (`blocks`: one a row):
+    """The super-blocks' float scales, exact, for one or more blocks of a super-block type (`blocks`: one a row):
     Q4_K, Q5_K: <16n x float>, block r's d sc of group j in lane 8r + j, its -(dmin m) in lane 8n + 8r + j;
+    Q2_K, Q3_K: <32n x float>, block r's scale of group j in lane 16r + j, its min term in 16n + 16r + j;
     Q6_K (one block): <16 x float>, d sc of its 16 groups."""
     if qtype == "Q6_K":
         (k,) = blocks
         return _scaled(k.b, k.f16(208), k.bytes16(192, True))
-    if qtype == "Q2_K":                                 # d (sc & 15) in lanes 0-15, -(dmin (sc >> 4)) in 16-31
-        (k,) = blocks
-        b, sc = k.b, k.bytes16(0)
-        dl, ml = _scaled(b, k.f16(80), b.and_(sc, _vi(15))), _scaled(b, k.f16(82), b.lshr(sc, _vi(4)))
-        return b.shuffle_vector(dl, b.fsub(ir.Constant(VF, [-0.0] * L), ml), ir.Constant(ir.VectorType(I32, 32),
-                                                                                        list(range(32))))
-    if qtype == "Q3_K":                                 # d (sc - 32) in lanes 0-15, -4 d (sc - 32) in 16-31
-        (k,) = blocks
-        b = k.b
-        dl = _scaled(b, k.f16(108), _q3k_scales(k))
-        return b.shuffle_vector(dl, b.fmul(dl, ir.Constant(VF, [-4.0] * L)),
-                                ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+    if qtype in ("Q2_K", "Q3_K"):     # row r's d (sc & 15) (Q3_K: d (sc - 32)) in lanes 16r.., then its -(dmin
+        b, terms = blocks[0].b, []    # (sc >> 4)) (Q3_K: -4 d (sc - 32)) in lanes 16n + 16r..
+        for k in blocks:
+            if qtype == "Q2_K":
+                sc = k.bytes16(0)
+                dl, ml = _scaled(b, k.f16(80), b.and_(sc, _vi(15))), _scaled(b, k.f16(82), b.lshr(sc, _vi(4)))
+                terms.append((dl, b.fsub(ir.Constant(VF, [-0.0] * L), ml)))
+            else:
+                dl = _scaled(b, k.f16(108), _q3k_scales(k))
+                terms.append((dl, b.fmul(dl, ir.Constant(VF, [-4.0] * L))))
+        return _joined(b, [dl for dl, _ in terms] + [ml for _, ml in terms])
     both = ir.Constant(ir.VectorType(I32, 16 * len(blocks)), list(range(16 * len(blocks))))     # scales, then mins
     return blocks[0].b.shuffle_vector(*_k4_scales(blocks), both)
 
 
 def _scale_lane(qtype, r, n, j):
-    """Where _scale_vector puts row r's (of n) scale j: Q4_K and Q5_K's j < 8 the group's d sc, 8 + g its min."""
-    return j if qtype in ("Q6_K", "Q2_K", "Q3_K") else 8 * r + j if j < 8 else 8 * n + 8 * r + j - 8
+    """Where _scale_vector puts row r's (of n) scale j: Q4_K and Q5_K's j < 8 the group's d sc, 8 + g its min;
+    Q2_K and Q3_K's j < 16 the group's scale, 16 + g its min term."""
+    if qtype == "Q6_K":
+        return j
+    per = 16 if qtype in ("Q2_K", "Q3_K") else 8
+    return per * r + j if j < per else per * n + per * r + j - per
+
+
+def _joined(b, vectors):
+    """Equal-length vectors one after another in one vector (a tree of shuffles)."""
+    while len(vectors) > 1:
+        n = vectors[0].type.count
+        vectors = [b.shuffle_vector(vectors[i], vectors[i + 1], ir.Constant(ir.VectorType(I32, 2 * n),
+                                                                           list(range(2 * n))))
+                   for i in range(0, len(vectors), 2)]
+    return vectors[0]
 
 
 def _weights(qtype, k, splat=None):
