@@ -59,10 +59,11 @@ PANEL_CHUNK = (2048, 1024)     # weights a chunk: rows of up to 2048 weights in 
 # (SPLAT_LOADS) or plain behind a barrier (_splats_from_memory). Chosen by tools/kernel_ab.py
 # (results/cpu/2026-11-28-s16.md). With the scales decoded an iteration ahead, on Zen 5 against the code before it:
 # these 1.08-1.14x, Q4_K four rows 1.00-1.02x, Q5_K two rows 0.96x, Q6_K two rows 1.05-1.07x
-# (results/cpu/2026-11-28-s21.md). Q2_K four rows and Q3_K two, their splats behind the barrier: 1.36-1.38x and
-# 1.07x one row with volatile loads on Zen 5 (Q2_K two rows 1.33-1.37x; Q3_K four rows 0.92-0.94x; results/cpu/2026-11-29-s29.md).
-SUPER_ROWS = {"Q4_K": 2, "Q5_K": 1, "Q6_K": 1, "Q2_K": 4, "Q3_K": 2}
-SPLAT_LOADS = ("Q5_K", "Q6_K")
+# (results/cpu/2026-11-28-s21.md). Q2_K four rows, Q3_K and Q6_K two, their splats behind the barrier: 1.36-1.38x,
+# 1.07x and 0.99-1.17x one row with volatile loads on Zen 5 (Q2_K two rows 1.33-1.37x; Q3_K four rows 0.92-0.94x;
+# Q6_K four 0.98x; Q5_K two 0.89-0.99x; results/cpu/2026-11-29-s29.md).
+SUPER_ROWS = {"Q4_K": 2, "Q5_K": 1, "Q6_K": 2, "Q2_K": 4, "Q3_K": 2}
+SPLAT_LOADS = ("Q5_K",)
 SCALE_VECTORS = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")   # super-block types whose scales are decoded to a vector
 
 
@@ -251,10 +252,9 @@ def _scale_vector(qtype, blocks):
     """The super-blocks' float scales, exact, for one or more blocks of a super-block type (`blocks`: one a row):
     Q4_K, Q5_K: <16n x float>, block r's d sc of group j in lane 8r + j, its -(dmin m) in lane 8n + 8r + j;
     Q2_K, Q3_K: <32n x float>, block r's scale of group j in lane 16r + j, its min term in 16n + 16r + j;
-    Q6_K (one block): <16 x float>, d sc of its 16 groups."""
-    if qtype == "Q6_K":
-        (k,) = blocks
-        return _scaled(k.b, k.f16(208), k.bytes16(192, True))
+    Q6_K: <16n x float>, block r's d sc of group j in lane 16r + j."""
+    if qtype == "Q6_K":                                 # row r's d sc in lanes 16r..
+        return _joined(blocks[0].b, [_scaled(k.b, k.f16(208), k.bytes16(192, True)) for k in blocks])
     if qtype in ("Q2_K", "Q3_K"):     # row r's d (sc & 15) (Q3_K: d (sc - 32)) in lanes 16r.., then its -(dmin
         b, terms = blocks[0].b, []    # (sc >> 4)) (Q3_K: -4 d (sc - 32)) in lanes 16n + 16r..
         for k in blocks:
@@ -274,7 +274,7 @@ def _scale_lane(qtype, r, n, j):
     """Where _scale_vector puts row r's (of n) scale j: Q4_K and Q5_K's j < 8 the group's d sc, 8 + g its min;
     Q2_K and Q3_K's j < 16 the group's scale, 16 + g its min term."""
     if qtype == "Q6_K":
-        return j
+        return 16 * r + j
     per = 16 if qtype in ("Q2_K", "Q3_K") else 8
     return per * r + j if j < per else per * n + per * r + j - per
 
