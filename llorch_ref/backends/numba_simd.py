@@ -266,13 +266,12 @@ def _scale_vector(qtype, blocks):
                 dl = _scaled(b, k.f16(108), _q3k_scales(k))
                 terms.append((dl, b.fmul(dl, ir.Constant(VF, [-4.0] * L))))
         return _joined(b, [dl for dl, _ in terms] + [ml for _, ml in terms])
-    both = ir.Constant(ir.VectorType(I32, 16 * len(blocks)), list(range(16 * len(blocks))))     # scales, then mins
-    return blocks[0].b.shuffle_vector(*_k4_scales(blocks), both)
+    return _joined(blocks[0].b, list(_k4_scales(blocks)))                                   # scales, then mins
 
 
 def _scale_lane(qtype, r, n, j):
     """Where _scale_vector puts row r's (of n) scale j: Q4_K and Q5_K's j < 8 the group's d sc, 8 + g its min;
-    Q2_K and Q3_K's j < 16 the group's scale, 16 + g its min term."""
+    Q2_K and Q3_K's j < 16 the group's scale, 16 + g its min term; Q6_K's j < 16 the group's d sc."""
     if qtype == "Q6_K":
         return 16 * r + j
     per = 16 if qtype in ("Q2_K", "Q3_K") else 8
@@ -280,7 +279,9 @@ def _scale_lane(qtype, r, n, j):
 
 
 def _joined(b, vectors):
-    """Equal-length vectors one after another in one vector (a tree of shuffles)."""
+    """Equal-length vectors, a power of two of them (a tile's rows: 1, 2 or 4), one after another in one vector (a
+    tree of shuffles)."""
+    assert len(vectors) & (len(vectors) - 1) == 0, len(vectors)
     while len(vectors) > 1:
         n = vectors[0].type.count
         vectors = [b.shuffle_vector(vectors[i], vectors[i + 1], ir.Constant(ir.VectorType(I32, 2 * n),
