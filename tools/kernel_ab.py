@@ -2,6 +2,11 @@
 
     python tools/kernel_ab.py --base 6042d8f [--types Q4_K,Q5_K,Q6_K] [--tokens 1,8] [--threads 1,2]
     python tools/kernel_ab.py --base 5400f1e --types Q4_1,Q8_0 --shapes 1536x576,576x1536 --tokens 16,128 --threads 2
+    python tools/kernel_ab.py --base HEAD --base-set "PANEL_TOKENS=(16, 16)" --types Q4_K --tokens 8,12 --threads 2
+    python tools/kernel_ab.py --base kernels/ ...   (a folder holding the base's kernel files: a host without git)
+
+--base-set NAME=VALUE rewrites the base's `NAME = ...` line in numba_simd.py (a constant such as PANEL_TOKENS or
+SUPER_ROWS): this tree against a variant of itself.
 
 The host's speed moves by up to 2x within seconds (another VM's work on the same cores), and numba code placed
 differently runs up to 10% apart, so separate processes cannot resolve a 10% change. Here the base commit's
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,22 +31,49 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def base_package(commit: str, where: Path) -> str:
-    """The commit's kernel modules as package `kernels_base` under `where` -> its name."""
-    pkg = where / "kernels_base"
+KERNEL_FILES = ("numba_simd.py", "numba_kernels.py", "numba_ggml.py", "numba_cache.py")
+
+
+def base_package(base: str, where: Path, sets=()) -> str:
+    """The kernel modules of `base` (a commit of this repository, or a folder holding the files) as package
+    `kernels_base` under `where`, each NAME=VALUE of `sets` rewriting numba_simd.py's `NAME = ...` line -> its name."""
+    pkg, folder = where / "kernels_base", Path(base)
     pkg.mkdir()
     (pkg / "__init__.py").write_text("from llorch_ref.backends import numba_wide_vectors  # noqa: F401\n")
-    for name in ("numba_simd.py", "numba_kernels.py", "numba_ggml.py", "numba_cache.py"):
-        got = subprocess.run(["git", "show", f"{commit}:llorch_ref/backends/{name}"], cwd=ROOT, capture_output=True,
-                             text=True)
-        if got.returncode == 0:                         # numba_cache.py: not in commits before it came
-            (pkg / name).write_text(got.stdout)
+    for name in KERNEL_FILES:                           # numba_cache.py: not in commits before it came
+        if folder.is_dir():
+            text = (folder / name).read_text() if (folder / name).is_file() else None
+        else:
+            try:
+                got = subprocess.run(["git", "show", f"{base}:llorch_ref/backends/{name}"], cwd=ROOT,
+                                     capture_output=True, text=True)
+            except OSError:                             # no git here: a folder is the way
+                got = None
+            text = got.stdout if got is not None and got.returncode == 0 else None
+        if text is not None:
+            (pkg / name).write_text(text)
+    simd = pkg / "numba_simd.py"
+    if not simd.is_file():
+        raise SystemExit(f"kernel_ab: --base {base!r} is neither a commit of this repository nor a folder holding "
+                         f"numba_simd.py")
+    for assign in sets:
+        name, eq, value = (part.strip() for part in assign.partition("="))
+        if not (eq and name and value):
+            raise SystemExit(f"kernel_ab: --base-set {assign!r}: give NAME=VALUE, e.g. 'PANEL_TOKENS=(16, 16)'")
+        line = f"{name} = {value}"
+        text, n = re.subn(rf"^{re.escape(name)} = .*$", lambda _, line=line: line, simd.read_text(), flags=re.M)
+        if n != 1:
+            raise SystemExit(f"kernel_ab: --base-set {assign!r}: numba_simd.py needs exactly one line "
+                             f"'{name} = ...' (it has {n})")
+        simd.write_text(text)
     return "kernels_base"
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--base", required=True, help="the commit to compare against")
+    ap.add_argument("--base", required=True, help="the commit to compare against, or a folder of kernel files")
+    ap.add_argument("--base-set", action="append", default=[], metavar="NAME=VALUE",
+                    help="rewrite the base's numba_simd.py line NAME = ... (repeatable)")
     ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K")
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--threads", default="1,2")
@@ -61,7 +94,7 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, tmp)
-        base = importlib.import_module(f"{base_package(a.base, Path(tmp))}.numba_kernels")
+        base = importlib.import_module(f"{base_package(a.base, Path(tmp), a.base_set)}.numba_kernels")
         rng = np.random.default_rng(0)
         shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")] if a.shapes else [(a.rows, 4096)]
         for n, k in shapes:
