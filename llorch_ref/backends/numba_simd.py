@@ -272,9 +272,7 @@ def _scale_vector(qtype, blocks):
 def _scale_lane(qtype, r, n, j):
     """Where _scale_vector puts row r's (of n) scale j: Q4_K and Q5_K's j < 8 the group's d sc, 8 + g its min;
     Q2_K and Q3_K's j < 16 the group's scale, 16 + g its min term; Q6_K's j < 16 the group's d sc."""
-    if qtype == "Q6_K":
-        return 16 * r + j
-    per = 16 if qtype in ("Q2_K", "Q3_K") else 8
+    per = 16 if qtype in ("Q6_K", "Q2_K", "Q3_K") else 8                # groups a block (Q6_K: no min terms)
     return per * r + j if j < per else per * n + per * r + j - per
 
 
