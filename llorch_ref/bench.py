@@ -52,6 +52,28 @@ def _model_mb(path) -> float | None:
     return None
 
 
+def compiled_from_source(before, since) -> list:
+    """The modules imported since `before` (a copy of sys.modules) whose source Python compiled then, finding
+    no bytecode to read: its cached file absent (PYTHONDONTWRITEBYTECODE set over packages installed without it) or
+    written after `since` (time.time()). A normal install leaves bytecode that later starts read; an environment
+    without it compiles those modules in every process, inside whatever load imports them. -> sorted names"""
+    out, known = [], {id(m) for m in before.values()}
+    for name, module in list(sys.modules.items()):
+        if name in before or id(module) in known:          # __mp_main__: __main__ under a second name
+            continue
+        spec = getattr(module, "__spec__", None)
+        cached = getattr(spec, "cached", None)
+        if not cached or not str(getattr(spec, "origin", "")).endswith(".py"):
+            continue
+        try:
+            fresh = os.stat(cached).st_mtime >= since
+        except OSError:
+            fresh = True
+        if fresh:
+            out.append(name)
+    return sorted(out)
+
+
 def _paths():
     """The numba backend's count of matrix products by path (an empty one without numba)."""
     try:
@@ -67,11 +89,13 @@ def open_llorch(path, backend, prefill, decode, threads, dtype="float32", numeri
     import llorch_ref
 
     cache_mb = os.environ.get("LLORCH_BENCH_WEIGHT_CACHE_MB")
+    before, since = dict(sys.modules), time.time()
     t0 = time.perf_counter()
     eng = llorch_ref.load(path, backend=backend, threads=threads, dtype=dtype, numerics=numerics, weights=weights,
                           weight_cache_mb=float(cache_mb) if cache_mb and weights != "eager" else None)
     eng.backend.synchronize()
     load_s = time.perf_counter() - t0
+    compiled = compiled_from_source(before, since)
     ids = eng.tokenizer.encode(PROMPT)[:prefill] if eng.tokenizer else list(range(1, prefill + 1))
     if len(ids) < prefill:
         raise SystemExit(f"prompt too short: {len(ids)} tokens")
@@ -108,7 +132,7 @@ def open_llorch(path, backend, prefill, decode, threads, dtype="float32", numeri
                 + (f" ggml ({eng.ggml_simd}) blocks" if numerics == "ggml" else " lazy" if wi.get("lazy") else " eager"),
                 "peak_mb": peak, "info": {**eng.backend.info, "weights": wi, "matrix_paths": paths,
                                           "blas_kernels": blas_info() + held}}
-    return {"device": eng.backend.device, "load_s": load_s}, one_prefill, one_decode, tail
+    return {"device": eng.backend.device, "load_s": load_s, "compiled_at_load": compiled}, one_prefill, one_decode, tail
 
 
 def open_llamacpp(path, prefill, decode, threads):
@@ -116,9 +140,11 @@ def open_llamacpp(path, prefill, decode, threads):
     ids = tok.encode(PROMPT)[:prefill] if tok is not None else list(range(1, prefill + 1))   # no vocabulary: ids
     import gc
     gc.collect()
+    before, since = dict(sys.modules), time.time()
     t0 = time.perf_counter()
     ref = LlamaCpp(path, n_ctx=max(512, prefill + decode + 16), kv_dtype="float16", n_threads=threads)
     load_s = time.perf_counter() - t0
+    compiled = compiled_from_source(before, since)
 
     def one_prefill():
         t = time.perf_counter()
@@ -130,8 +156,8 @@ def open_llamacpp(path, prefill, decode, threads):
         ref.greedy(ids[:8], decode, timing=timing)
         return decode / timing["decode_s"]
 
-    return ({"engine": "llama.cpp", "device": "cpu", "load_s": load_s}, one_prefill, one_decode,
-            lambda: {"peak_mb": _peak_mb(), "info": {"settings": ref.settings}})
+    head = {"engine": "llama.cpp", "device": "cpu", "load_s": load_s, "compiled_at_load": compiled}
+    return head, one_prefill, one_decode, lambda: {"peak_mb": _peak_mb(), "info": {"settings": ref.settings}}
 
 
 def open_transformers(path, prefill, decode, threads):
@@ -207,7 +233,7 @@ def worker_main(argv):
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     subject = open_engine(engine, path, prefill, decode, threads)
     if argv[5:] == ["load"]:
-        print(f"LOAD {subject[0]['load_s']!r}", flush=True)
+        print(f"LOAD {subject[0]['load_s']!r} {len(subject[0]['compiled_at_load'])}", flush=True)
         return
     serve(subject)
 
@@ -365,14 +391,16 @@ def _more_loads(results, path, prefill, decode, repeats, threads, timeout):
     the engines, after the served ones have exited), and load_s becomes the median of all (load_runs)."""
     ok = [r for r in results if "error" not in r]
     for r in ok:
-        r["load_runs"] = [round(r["load_s"], 4)]
+        r["load_runs"], r["compiled_at_load_runs"] = [round(r["load_s"], 4)], [len(r.get("compiled_at_load", ()))]
     for _ in range(repeats - 1):
         for r in ok:
             cmd = _command(r["bench_engine"], path, prefill, decode, threads) + ["load"]
             got = subprocess.run(cmd, capture_output=True, text=True, env=_env(threads), timeout=timeout)
             line = next((x for x in got.stdout.splitlines() if x.startswith("LOAD ")), None)
             if got.returncode == 0 and line is not None:
-                r["load_runs"].append(round(float(line[5:]), 4))
+                seconds, compiled = line[5:].split()
+                r["load_runs"].append(round(float(seconds), 4))
+                r["compiled_at_load_runs"].append(int(compiled))
     for r in ok:
         r["load_s"] = statistics.median(r["load_runs"])
 
@@ -463,6 +491,7 @@ def markdown(report) -> str:
         lines += _probe_lines(report.get("host_probe_gflops"), [r["engine"] for r in report["results"]])
     for r in report["results"]:
         info = r.get("info") or {}
+        lines += _source_compiled_lines(r)
         if info.get("kernels_compiled"):
             lines += ["", f"warning: {r['engine']} compiled {info['kernels_compiled']} kernel signatures while loading "
                       f"(numba's cache was cold or stale): its load of {r['load_s']:.2f} s is mostly compile "
@@ -487,6 +516,20 @@ def markdown(report) -> str:
             lines += ["", f"{r['engine']}: compiled kernels' vector registers: "
                       + "; ".join(f"{k} {v}" for k, v in info["vector_registers"].items())]
     return "\n".join(lines)
+
+
+def _source_compiled_lines(r) -> list:
+    """A warning where an engine's loads compiled Python source for want of bytecode (compiled_from_source)."""
+    runs = r.get("compiled_at_load_runs") or [len(r.get("compiled_at_load") or ())]
+    if not any(runs):
+        return []
+    names = r.get("compiled_at_load") or []
+    said = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return ["", f"warning: {r['engine']}'s load compiled Python modules that had no bytecode, in "
+            f"{sum(n > 0 for n in runs)} of {len(runs)} loads ({max(runs)} modules at most"
+            + (f"; the first load's: {said}" if said else "") + "): its load times include that compile "
+            "(PYTHONDONTWRITEBYTECODE set over packages installed without bytecode repeats it in every process; "
+            "`python -m compileall` over those packages writes it once)"]
 
 
 def _unused_simd(build, cpu_flags) -> str:

@@ -247,3 +247,48 @@ def test_bench_load_is_the_median_of_a_load_in_each_of_repeats_processes(tiny, t
     assert len(x["load_runs"]) == 3 and all(v > 0 for v in x["load_runs"])
     assert x["load_s"] == statistics.median(x["load_runs"])
     assert f"load {min(x['load_runs']):.2f}-{max(x['load_runs']):.2f} s" in r.stdout
+
+
+def test_modules_compiled_for_want_of_bytecode_are_named_and_warned_of(tmp_path, monkeypatch):
+    """Modules a load imports without bytecode are compiled from source in that load, in every process where none is
+    written (the GPU host's image: numpy without bytecode and PYTHONDONTWRITEBYTECODE=1, numpy.ma's 61 ms in each
+    numba load there): the bench names them (absent bytecode, or bytecode written during the load) and warns; a
+    module read from its bytecode, or one imported before the load, is not named."""
+    import importlib.util
+    import py_compile
+    import time
+
+    from llorch_ref.bench import compiled_from_source, markdown
+
+    pkg = tmp_path / "bytecode_probe"
+    pkg.mkdir()
+    for name in ("__init__", "early", "cached", "bare", "written"):
+        (pkg / f"{name}.py").write_text(f"NAME = {name!r}\n")
+    for name in ("__init__", "cached"):           # bytecode as an install leaves it, written before the load
+        src = str(pkg / f"{name}.py")
+        pyc = importlib.util.cache_from_source(src)
+        py_compile.compile(src, cfile=pyc)
+        os.utime(pyc, (time.time() - 60, time.time() - 60))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    try:
+        import bytecode_probe.early  # noqa: F401
+        before, since = dict(sys.modules), time.time()
+        import bytecode_probe.bare  # noqa: F401
+        import bytecode_probe.cached  # noqa: F401
+        monkeypatch.setattr(sys, "dont_write_bytecode", False)
+        import bytecode_probe.written  # noqa: F401
+        assert os.path.exists(importlib.util.cache_from_source(str(pkg / "written.py")))
+        assert compiled_from_source(before, since) == ["bytecode_probe.bare", "bytecode_probe.written"]
+    finally:
+        for name in [n for n in sys.modules if n.startswith("bytecode_probe")]:
+            del sys.modules[name]
+
+    row = {"engine": "llama.cpp", "device": "cpu", "load_s": 0.3, "prefill_tok_s": 1.0, "decode_tok_s": 1.0,
+           "peak_mb": 1.0, "compiled_at_load": ["a", "b", "c", "d", "e"], "compiled_at_load_runs": [5, 5, 0]}
+    report = {"model": "m.gguf", "threads": 2, "prefill_tokens": 8, "decode_tokens": 8, "repeats": 3, "results": [row]}
+    text = markdown(report)
+    assert "warning: llama.cpp's load compiled Python modules that had no bytecode, in 2 of 3 loads" in text
+    assert "the first load's: a, b, c, d and 1 more" in text
+    row["compiled_at_load_runs"], row["compiled_at_load"] = [0, 0, 0], []
+    assert "bytecode" not in markdown(report)
