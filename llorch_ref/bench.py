@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +80,6 @@ def _paths():
     try:
         from llorch_ref.backends.numba_backend import PATHS
     except ImportError:
-        from collections import Counter
         return Counter()
     return PATHS
 
@@ -165,11 +165,13 @@ def open_transformers(path, prefill, decode, threads):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
+    before, since = dict(sys.modules), time.time()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                                  gguf_file=os.path.basename(path), torch_dtype=torch.float32)
     model.eval()
     load_s = time.perf_counter() - t0
+    compiled = compiled_from_source(before, since)
     ids = torch.arange(1, prefill + 1)[None]
 
     def one_prefill():
@@ -196,8 +198,8 @@ def open_transformers(path, prefill, decode, threads):
                            logits_processor=LogitsProcessorList([first]))
         return (decode - 1) / (time.perf_counter() - first.t)     # the forwards after the first token
 
-    return ({"engine": "transformers (CPU, float32)", "device": "cpu", "load_s": load_s}, one_prefill, one_decode,
-            lambda: {"peak_mb": _peak_mb(), "info": {"torch": torch.__version__}})
+    head = {"engine": "transformers (CPU, float32)", "device": "cpu", "load_s": load_s, "compiled_at_load": compiled}
+    return head, one_prefill, one_decode, lambda: {"peak_mb": _peak_mb(), "info": {"torch": torch.__version__}}
 
 
 def open_engine(engine, path, prefill, decode, threads):
@@ -523,11 +525,12 @@ def _source_compiled_lines(r) -> list:
     runs = r.get("compiled_at_load_runs") or [len(r.get("compiled_at_load") or ())]
     if not any(runs):
         return []
-    names = r.get("compiled_at_load") or []
-    said = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    packages = Counter(name.split(".")[0] for name in r.get("compiled_at_load") or ()).most_common()
+    more = f" and {len(packages) - 4} more" if len(packages) > 4 else ""
+    said = ", ".join(f"{p} {n}" for p, n in packages[:4]) + more
     return ["", f"warning: {r['engine']}'s load compiled Python modules that had no bytecode, in "
             f"{sum(n > 0 for n in runs)} of {len(runs)} loads ({max(runs)} modules at most"
-            + (f"; the first load's: {said}" if said else "") + "): its load times include that compile "
+            + (f"; the first load's by package: {said}" if said else "") + "): its load times include that compile "
             "(PYTHONDONTWRITEBYTECODE set over packages installed without bytecode repeats it in every process; "
             "`python -m compileall` over those packages writes it once)"]
 

@@ -285,10 +285,10 @@ def test_modules_compiled_for_want_of_bytecode_are_named_and_warned_of(tmp_path,
             del sys.modules[name]
 
     row = {"engine": "llama.cpp", "device": "cpu", "load_s": 0.3, "prefill_tok_s": 1.0, "decode_tok_s": 1.0,
-           "peak_mb": 1.0, "compiled_at_load": ["a", "b", "c", "d", "e"], "compiled_at_load_runs": [5, 5, 0]}
+           "peak_mb": 1.0, "compiled_at_load": ["a", "b.x", "b.y", "c", "d", "e"], "compiled_at_load_runs": [6, 6, 0]}
     report = {"model": "m.gguf", "threads": 2, "prefill_tokens": 8, "decode_tokens": 8, "repeats": 3, "results": [row]}
     text = markdown(report)
     assert "warning: llama.cpp's load compiled Python modules that had no bytecode, in 2 of 3 loads" in text
-    assert "the first load's: a, b, c, d and 1 more" in text
+    assert "6 modules at most; the first load's by package: b 2, a 1, c 1, d 1 and 1 more" in text
     row["compiled_at_load_runs"], row["compiled_at_load"] = [0, 0, 0], []
     assert "bytecode" not in markdown(report)
