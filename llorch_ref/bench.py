@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +76,17 @@ def compiled_from_source(before, since) -> list:
     return sorted(out)
 
 
+@contextmanager
+def timed_load():
+    """Times the load in its block -> a dict, filled when the block ends: load_s (seconds) and compiled_at_load (the
+    modules the block imported and compiled from source: compiled_from_source). One clock for every engine."""
+    before, since, out = dict(sys.modules), time.time(), {}
+    t0 = time.perf_counter()
+    yield out
+    out["load_s"] = time.perf_counter() - t0
+    out["compiled_at_load"] = compiled_from_source(before, since)
+
+
 def _paths():
     """The numba backend's count of matrix products by path (an empty one without numba)."""
     try:
@@ -89,13 +101,10 @@ def open_llorch(path, backend, prefill, decode, threads, dtype="float32", numeri
     import llorch_ref
 
     cache_mb = os.environ.get("LLORCH_BENCH_WEIGHT_CACHE_MB")
-    before, since = dict(sys.modules), time.time()
-    t0 = time.perf_counter()
-    eng = llorch_ref.load(path, backend=backend, threads=threads, dtype=dtype, numerics=numerics, weights=weights,
-                          weight_cache_mb=float(cache_mb) if cache_mb and weights != "eager" else None)
-    eng.backend.synchronize()
-    load_s = time.perf_counter() - t0
-    compiled = compiled_from_source(before, since)
+    with timed_load() as load:
+        eng = llorch_ref.load(path, backend=backend, threads=threads, dtype=dtype, numerics=numerics,
+                              weights=weights, weight_cache_mb=float(cache_mb) if cache_mb and weights != "eager" else None)
+        eng.backend.synchronize()
     ids = eng.tokenizer.encode(PROMPT)[:prefill] if eng.tokenizer else list(range(1, prefill + 1))
     if len(ids) < prefill:
         raise SystemExit(f"prompt too short: {len(ids)} tokens")
@@ -132,7 +141,7 @@ def open_llorch(path, backend, prefill, decode, threads, dtype="float32", numeri
                 + (f" ggml ({eng.ggml_simd}) blocks" if numerics == "ggml" else " lazy" if wi.get("lazy") else " eager"),
                 "peak_mb": peak, "info": {**eng.backend.info, "weights": wi, "matrix_paths": paths,
                                           "blas_kernels": blas_info() + held}}
-    return {"device": eng.backend.device, "load_s": load_s, "compiled_at_load": compiled}, one_prefill, one_decode, tail
+    return {"device": eng.backend.device, **load}, one_prefill, one_decode, tail
 
 
 def open_llamacpp(path, prefill, decode, threads):
@@ -140,11 +149,8 @@ def open_llamacpp(path, prefill, decode, threads):
     ids = tok.encode(PROMPT)[:prefill] if tok is not None else list(range(1, prefill + 1))   # no vocabulary: ids
     import gc
     gc.collect()
-    before, since = dict(sys.modules), time.time()
-    t0 = time.perf_counter()
-    ref = LlamaCpp(path, n_ctx=max(512, prefill + decode + 16), kv_dtype="float16", n_threads=threads)
-    load_s = time.perf_counter() - t0
-    compiled = compiled_from_source(before, since)
+    with timed_load() as load:
+        ref = LlamaCpp(path, n_ctx=max(512, prefill + decode + 16), kv_dtype="float16", n_threads=threads)
 
     def one_prefill():
         t = time.perf_counter()
@@ -156,7 +162,7 @@ def open_llamacpp(path, prefill, decode, threads):
         ref.greedy(ids[:8], decode, timing=timing)
         return decode / timing["decode_s"]
 
-    head = {"engine": "llama.cpp", "device": "cpu", "load_s": load_s, "compiled_at_load": compiled}
+    head = {"engine": "llama.cpp", "device": "cpu", **load}
     return head, one_prefill, one_decode, lambda: {"peak_mb": _peak_mb(), "info": {"settings": ref.settings}}
 
 
@@ -165,13 +171,10 @@ def open_transformers(path, prefill, decode, threads):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    before, since = dict(sys.modules), time.time()
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                 gguf_file=os.path.basename(path), torch_dtype=torch.float32)
-    model.eval()
-    load_s = time.perf_counter() - t0
-    compiled = compiled_from_source(before, since)
+    with timed_load() as load:
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                     gguf_file=os.path.basename(path), torch_dtype=torch.float32)
+        model.eval()
     ids = torch.arange(1, prefill + 1)[None]
 
     def one_prefill():
@@ -198,7 +201,7 @@ def open_transformers(path, prefill, decode, threads):
                            logits_processor=LogitsProcessorList([first]))
         return (decode - 1) / (time.perf_counter() - first.t)     # the forwards after the first token
 
-    head = {"engine": "transformers (CPU, float32)", "device": "cpu", "load_s": load_s, "compiled_at_load": compiled}
+    head = {"engine": "transformers (CPU, float32)", "device": "cpu", **load}
     return head, one_prefill, one_decode, lambda: {"peak_mb": _peak_mb(), "info": {"torch": torch.__version__}}
 
 

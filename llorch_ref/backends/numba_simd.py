@@ -255,17 +255,17 @@ def _scale_vector(qtype, blocks):
     Q6_K: <16n x float>, block r's d sc of group j in lane 16r + j."""
     if qtype == "Q6_K":                                 # row r's d sc in lanes 16r..
         return _joined(blocks[0].b, [_scaled(k.b, k.f16(208), k.bytes16(192, True)) for k in blocks])
-    if qtype in ("Q2_K", "Q3_K"):     # row r's d (sc & 15) (Q3_K: d (sc - 32)) in lanes 16r.., then its -(dmin
-        b, terms = blocks[0].b, []    # (sc >> 4)) (Q3_K: -4 d (sc - 32)) in lanes 16n + 16r..
+    if qtype in ("Q2_K", "Q3_K"):
+        b, scales, mins = blocks[0].b, [], []
         for k in blocks:
-            if qtype == "Q2_K":
+            if qtype == "Q2_K":                     # d (sc & 15), -(dmin (sc >> 4))
                 sc = k.bytes16(0)
-                dl, ml = _scaled(b, k.f16(80), b.and_(sc, _vi(15))), _scaled(b, k.f16(82), b.lshr(sc, _vi(4)))
-                terms.append((dl, b.fsub(ir.Constant(VF, [-0.0] * L), ml)))
-            else:
-                dl = _scaled(b, k.f16(108), _q3k_scales(k))
-                terms.append((dl, b.fmul(dl, ir.Constant(VF, [-4.0] * L))))
-        return _joined(b, [dl for dl, _ in terms] + [ml for _, ml in terms])
+                scales.append(_scaled(b, k.f16(80), b.and_(sc, _vi(15))))
+                mins.append(b.fsub(ir.Constant(VF, [-0.0] * L), _scaled(b, k.f16(82), b.lshr(sc, _vi(4)))))
+            else:                                   # d (sc - 32), -4 d (sc - 32)
+                scales.append(_scaled(b, k.f16(108), _q3k_scales(k)))
+                mins.append(b.fmul(scales[-1], ir.Constant(VF, [-4.0] * L)))
+        return _joined(b, scales + mins)
     return _joined(blocks[0].b, list(_k4_scales(blocks)))                                   # scales, then mins
 
 
