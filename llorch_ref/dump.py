@@ -268,14 +268,24 @@ class Dump:
         if self.steps and max(self.steps) > len(fed):
             raise DumpError(f"{self.source}: tensors of decode step {max(self.steps)}, but the manifest's "
                             f"decode_token_ids name {len(fed)} step(s)")
+        for k, held in self.steps.items():
+            for name, a in held.items():
+                self._check_dtype(f"{name}.step{k}", a, _parse_name(name, cat), cat)
         for name, a in self.tensors.items():
             key = _parse_name(name, cat)
-            if cat[key[:2]]["dtype"] == "int" and np.asarray(a).dtype.kind not in "iu":
-                raise DumpError(f"{self.source}: tensor {name!r} must hold integers (token ids), not {a.dtype}")
+            self._check_dtype(name, a, key, cat)
             self.index[key] = name
         if ("0", "token_ids", None) in self.index and "prompt" not in self.manifest:
             raise DumpError(f"{self.source}: cp0.token_ids is the engine's tokenization of a prompt, but the "
                             f"manifest has no 'prompt'")
+
+    def _check_dtype(self, name, a, key, cat):
+        kind = np.asarray(a).dtype.kind
+        if cat[key[:2]]["dtype"] == "int" and kind not in "iu":
+            raise DumpError(f"{self.source}: tensor {name!r} must hold integers (token ids), not {a.dtype}")
+        if cat[key[:2]]["dtype"] == "float" and kind != "f":
+            raise DumpError(f"{self.source}: tensor {name!r} must hold floating-point values, not {a.dtype} "
+                            f"(an engine's activations are never integers)")
 
     @property
     def engine(self) -> str:
@@ -325,6 +335,10 @@ class Dump:
 
     def has(self, cp, tensor, layer=None) -> bool:
         return (cp, tensor, layer) in self.index
+
+    def has_step_logits(self, k: int) -> bool:
+        """Whether decode step k holds its logits (cp8.logits.step<k>)."""
+        return "cp8.logits" in self.steps.get(k, {})
 
     def raw(self, cp, tensor, layer=None):
         return np.asarray(self.tensors[self.index[(cp, tensor, layer)]])

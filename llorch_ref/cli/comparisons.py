@@ -23,6 +23,14 @@ from .report import print_by_position, print_result
 
 
 def run_comparison(args):
+    """-> (engine, DiffResult) of the comparison the options describe; the result requires what --require says."""
+    eng, res = _run_comparison(args)
+    res.require = getattr(args, "require", "auto")
+    res.verdict()                   # a --require naming nothing of this model is refused here, before any page
+    return eng, res
+
+
+def _run_comparison(args):
     not_here = [f for f, on in (("--rows", args.rows is not None), ("--ubatch", args.ubatch != 512)) if on]
     if not_here and (args.subject or args.reference != "llamacpp"):
         raise ParameterError(f"{', '.join(not_here)}: for a comparison with llama.cpp (a --subject dump holds its "
@@ -65,6 +73,7 @@ def run_subject_dump(args):
                              "--reference-model do not apply")
     sub = load_dump(args.subject)
     decl = sub.arithmetic or {}
+    chosen = {"numerics": args.numerics, "kv_dtype": args.kv_dtype}      # what the user set over the declaration
     if decl:
         args.numerics = args.numerics or decl["numerics"]
         args.kv_dtype = args.kv_dtype or decl["kv_dtype"]
@@ -80,8 +89,10 @@ def run_subject_dump(args):
     eng = load_engine(args)
     # end to end, the weight class's bands (inherited error included); the declared arithmetic is held to
     # its own local bands, op by op
-    return eng, harness_run.run_subject(eng, sub, args.band_class or engine_band_class(eng), checkpoints=args.checkpoint,
-                            subject_label=f"{sub.engine} (dump {args.subject})", log=log)
+    overridden = any(v is not None and v != decl.get(k) for k, v in chosen.items())
+    return eng, harness_run.run_subject(eng, sub, args.band_class, checkpoints=args.checkpoint,
+                                        subject_label=f"{sub.engine} (dump {args.subject})", log=log,
+                                        require=args.require, as_declared=not overridden)
 
 
 def run_transformers(args):
@@ -114,7 +125,7 @@ def cmd_diff(args):
         print_result(res, args.verbose)
         if args.by_position:
             print_by_position(res)
-    return 0 if res.first_divergence is None else 1
+    return res.verdict().exit_code
 
 
 def cmd_prove(args):
@@ -127,4 +138,4 @@ def cmd_prove(args):
     print(f"proof bundle: {paths['dir']}/ (report.html, summary.md, junit.xml, manifest.json with every file's sha256"
           + (", repro/" if paths["repro"] else "") + ")")
     log(f"llorch-ref: prove took {time.perf_counter() - t0:.1f} s")
-    return 0 if res.first_divergence is None else 1
+    return res.verdict().exit_code

@@ -299,6 +299,10 @@ def harness_args(sp):
     sp.add_argument("--band-class", choices=CLASS_ORDER + ["ggml"], default=None,
                     help="bands to apply with --subject / --reference transformers (default: from the "
                          "weight types of --model)")
+    sp.add_argument("--require", default="auto", metavar="WHAT",
+                    help="what must be compared for a PASS (else the verdict is INCOMPLETE, exit 3): auto (default: "
+                         "every tensor the subject's engine kind can provide), all, or checkpoint ids, names and "
+                         "cp<id>.<tensor> keys, comma-separated (e.g. 3,4,logits or cp3.k_cache)")
 
 
 def int_in(lo, hi):

@@ -59,7 +59,7 @@ def _layout_hint(sub: Dump, cp, tensor, layer, entry, dims, ref, band, sub_shape
 
 def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, subject_label=None,
                   reference_label=None, model=None, reference_model=None, local_engine=None,
-                  local_bands=local_band, bands=None, _step=0) -> DiffResult:
+                  local_bands=local_band, bands=None, _step=0, _written=None) -> DiffResult:
     """subject, reference: Dump or Recorder; cfg: the model's Config (for the shapes). -> DiffResult whose
     rows compare subject (as 'ours') with reference; uncovered checkpoints listed in result.not_covered.
     local_engine: the reference engine; every layer tensor (and the head) is then also compared with the
@@ -67,7 +67,9 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
     bands of the engine's declared arithmetic, and the first divergence is named by that. local_bands(decl,
     tensor) -> band (calibration passes its own). bands(spec, pos) -> band: the tolerance of each case (default:
     the spec's bands of band_class, coarser from a reduced-precision llama.cpp node on; pos None for token
-    checkpoints). Either dump may be a decode step (past_token_ids): both must have run the same past."""
+    checkpoints). Either dump may be a decode step (past_token_ids): both must have run the same past.
+    _written: {(cache tensor, layer): the subject's cache rows as its earlier forwards wrote them} (decode
+    steps read their past rows against it)."""
     sub, ref = _as_dump(subject), _as_dump(reference)
     _check_same_run(sub, ref)
     specs = load_specs(checkpoints)
@@ -75,9 +77,10 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
                      prompt=sub.manifest.get("prompt", ""), token_ids=sub.token_ids, band_class=band_class,
                      specs=specs, subject_label=subject_label or sub.engine,
                      reference_label=reference_label or ref.engine,
-                     sides={"subject": sub.manifest, "reference": ref.manifest})
+                     sides={"subject": sub.manifest, "reference": ref.manifest}, config=cfg)
     t0 = time.perf_counter()
-    c = _Comparison(sub, ref, cfg, res, local_engine, local_bands, step=_step)
+    written = {} if _written is None else _written
+    c = _Comparison(sub, ref, cfg, res, local_engine, local_bands, step=_step, written=written)
     res.positions = [int(p) for p in c.positions]
     band_at = bands or c.default_bands(specs, band_class)
     for spec in specs:
@@ -94,12 +97,13 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
             raise HarnessError(f"{spec.path}: checkpoint {spec.id} has no dump comparison")
     res.captures_ours, res.captures_ref = c.cap_sub, c.cap_ref
     for k in sorted(set(sub.steps) | set(ref.steps)):
-        _compare_step(sub, ref, k, cfg, res, specs, band_at, local_engine, local_bands)
+        _compare_step(sub, ref, k, cfg, res, specs, band_at, local_engine, local_bands, written)
     res.timings["compare_s"] = time.perf_counter() - t0
     return res
 
 
-def _compare_step(sub: Dump, ref: Dump, k: int, cfg, res: DiffResult, specs, band_at, local_engine, local_bands):
+def _compare_step(sub: Dump, ref: Dump, k: int, cfg, res: DiffResult, specs, band_at, local_engine, local_bands,
+                  written):
     """Decode step k of both dumps, compared as a forward of its own (one token after a past), its rows
     named '<tensor>@step<k>' and ordered after the prompt's; a step one side lacks is not covered."""
     if sub.decode_token_ids[:k] != ref.decode_token_ids[:k]:
@@ -113,7 +117,7 @@ def _compare_step(sub: Dump, ref: Dump, k: int, cfg, res: DiffResult, specs, ban
     wanted = [s.id for s in specs if s.scope == "layer" or s.id in ("8", "10")]
     r = compare_dumps(sub.step_view(k), ref.step_view(k), cfg, res.band_class, checkpoints=wanted,
                       subject_label=res.subject_label, reference_label=res.reference_label, bands=band_at, _step=k,
-                      local_engine=local_engine, local_bands=local_bands)
+                      local_engine=local_engine, local_bands=local_bands, _written=written)
     for row in r.rows:
         row.step, row.tensor = k, f"{row.tensor}@step{k}"
     res.rows += r.rows
@@ -141,8 +145,10 @@ class _Comparison:
     """The state of one comparison: both dumps, their dims, the result being filled, the local reader.
     One method per kind of case; each adds a row (or a not-covered entry) to the result."""
 
-    def __init__(self, sub: Dump, ref: Dump, cfg, res: DiffResult, local_engine, local_bands, step: int = 0):
+    def __init__(self, sub: Dump, ref: Dump, cfg, res: DiffResult, local_engine, local_bands, step: int = 0,
+                 written=None):
         self.sub, self.ref, self.cfg, self.res, self.step = sub, ref, cfg, res, step
+        self.written = {} if written is None else written
         self.cat = catalogue()
         self.n = len(sub.rows)
         self.past = len(sub.past_token_ids)
@@ -217,7 +223,9 @@ class _Comparison:
         lo = self.local_of(spec.id, t, layer) if self.local_of is not None and s is not None else None
         if lo is not None and t == "kq":
             lo = self.seen_scores(lo, layer)
-        if lo is not None:
+        if lo is not None and t in ("k_cache", "v_cache"):
+            self.cache_local(row, s, r, lo, t, layer)
+        elif lo is not None:
             row.local = compare(s, lo)
             row.local_band = self.rope_floor(t, self.local_bands(self.local_decl, t))
             row.local_passed = within(row.local, row.local_band)
@@ -227,6 +235,41 @@ class _Comparison:
             if lo is not None and np.shape(lo) == np.shape(s):
                 row.by_position["local_nmse"] = nmse_by_row(s, lo, ax)
         self.res.rows.append(row)
+
+    def cache_local(self, row, s, r, lo, t, layer):
+        """The local figure of a cache tensor [S, KV, Hd] covers every row the attention reads: the rows this
+        forward wrote at its positions against the reference's store of the subject's new K/V (lo); the rows
+        an earlier forward wrote against the subject's own earlier write of them (a decode step's past: an
+        eviction, ring-buffer or overwrite bug changes them); and past rows never held as an earlier write
+        (a rows-only dump's unheld prompt positions) end to end against the reference, in the end-to-end band
+        (row.band). The subject's cache as held here is then the earlier write of the next decode step."""
+        n = s.shape[0]
+        new = sorted({int(p) for p in self.positions if p < n})
+        earlier = self.written.get((t, layer))
+        past = [p for p in range(n) if p not in set(new)]
+        known = [p for p in past if earlier is not None and p < earlier.shape[0]]
+        unknown = [p for p in past if p not in set(known)]
+        want = np.array(lo, dtype=np.float32, copy=True)
+        if known:
+            want[known] = earlier[known]
+        checked = sorted(new + known)
+        row.local = compare(s[checked], want[checked])
+        row.local_band = self.local_bands(self.local_decl, t)
+        row.local_passed = within(row.local, row.local_band)
+        row.local["rows"] = {"written": len(new), "against_earlier_write": len(known),
+                             "against_reference": len(unknown)}
+        if known and not within(compare(s[known], earlier[known]), row.local_band):
+            bad = [p for p in known if not np.array_equal(s[p], earlier[p])]
+            row.local["error"] = (f"cache rows at positions {bad[:8]} differ from the subject's own earlier write of "
+                                  f"them (a cache row changed after it was written)")
+        if unknown:
+            m = compare(s[unknown], r[unknown])
+            row.local["unheld_rows_end_to_end"] = {**m, "positions": unknown[:16], "n": len(unknown)}
+            if not within(m, row.band):
+                row.local_passed = False
+                row.local["error"] = (f"cache rows at positions {unknown[:8]}, which no forward held, are outside the "
+                                      f"end-to-end band against the reference (NMSE {m['nmse']:.3g})")
+        self.written[(t, layer)] = np.array(s, dtype=np.float32, copy=True)
 
     def _subject_tensor(self, spec, t, layer, e, want, r):
         """-> (the subject's tensor in the canonical layout, or None where it cannot be brought there or has
@@ -270,12 +313,33 @@ class _Comparison:
 
 
 def _case_token_ids(c: _Comparison, spec, band, num):
+    """The subject's tokenization against the reference's: the ids its tensors ran (the manifest's token_ids)
+    must be the reference's tokenization of the prompt it names, and its own cp0.token_ids where it holds them."""
+    ran = _case_ran_ids(c, spec, band)
+    if ran and not c.sub.has("0", "token_ids"):
+        return
     if not c.both_hold(spec, "token_ids"):
         return
     a, b = c.sub.raw("0", "token_ids").tolist(), c.ref.raw("0", "token_ids").tolist()
     m = {"shape": [len(a)], "ref_shape": [len(b)], "agreement": 1.0 if a == b else 0.0, "ours": a, "reference": b}
     c.res.rows.append(Row("0", spec.name, None, "token_ids", m, band, within(m, band), c.order(0, 0, 0)))
     c.cap_sub["cp0.token_ids"], c.cap_ref["cp0.token_ids"] = np.array(a, np.int64), np.array(b, np.int64)
+
+
+def _case_ran_ids(c: _Comparison, spec, band) -> bool:
+    """A row comparing the ids the subject ran with the reference's tokenization of the subject's prompt
+    (where both exist): a dump whose prompt is not what its tensors ran fails here. -> whether it was made."""
+    prompt = c.sub.manifest.get("prompt")
+    if prompt is None or c.step or not c.ref.has("0", "token_ids"):
+        return False
+    ran, b = c.sub.token_ids, c.ref.raw("0", "token_ids").tolist()
+    m = {"shape": [len(ran)], "ref_shape": [len(b)], "agreement": 1.0 if ran == b else 0.0, "ours": ran, "reference": b}
+    if ran != b:
+        at = next((i for i, (x, y) in enumerate(zip(ran, b)) if x != y), min(len(ran), len(b)))
+        m["error"] = (f"the manifest's prompt tokenizes to {len(b)} ids, but the dump's tensors ran {len(ran)} other "
+                      f"token_ids (first difference at index {at}): the prompt shown is not what ran")
+    c.res.rows.append(Row("0", spec.name, None, "ran_token_ids", m, band, within(m, band), c.order(0, 0, -1)))
+    return True
 
 
 def _case_head(c: _Comparison, spec, band, num):
@@ -334,17 +398,34 @@ def _case_greedy(c: _Comparison, spec, band, num):
     row = Row("12", spec.name, None, "greedy_tokens", m, gb, within(m, gb), c.order(3, 99, 0))
     own = c.own_logits()
     if c.local_engine is not None and a and own is not None and c.sub.rows[-1] == len(c.sub.token_ids) - 1:
-        # teacher-forced, the first greedy token is the argmax of the subject's own last logits; later tokens
-        # need the subject's decode steps (not in a one-forward dump)
-        first = int(own[-1].argmax())
-        _token_local(row, {"agreement": 1.0 if a[0] == first else 0.0, "first_token": a[0],
-                           "argmax_of_own_logits": first})
-        if not row.passed:
-            c.res.warnings.append(f"greedy tokens part at token {same} of {n} end to end, with every local check "
-                                  f"inside its band: a near-tie flip of the declared arithmetic, or a bug in the "
-                                  f"decode steps, which a one-forward dump cannot localize")
+        _greedy_local(c, row, a, own[-1], same, n)
     c.res.rows.append(row)
     c.cap_sub["cp12.greedy_tokens"], c.cap_ref["cp12.greedy_tokens"] = np.array(a), np.array(b)
+
+
+def _greedy_local(c: _Comparison, row, a, last_logits, same: int, n: int):
+    """Teacher-forced greedy tokens: token 0 is the argmax of the subject's own last prompt logits, token i the
+    argmax of its own logits at decode step i where the dump fed tokens 0..i-1 (decode_token_ids) and holds
+    that step's logits. The local figure covers those tokens only: it excuses an end-to-end difference only
+    where the texts part inside them (a near-tie of the declared arithmetic), never after them."""
+    own = [int(last_logits.argmax())]
+    fed = c.sub.decode_token_ids
+    for k in range(1, len(a)):
+        if fed[:k] != a[:k] or not c.sub.has_step_logits(k):
+            break
+        own.append(int(c.sub.step_view(k).raw("8", "logits").reshape(-1)[-c.cfg.n_vocab:].argmax()))
+    agree = sum(x == y for x, y in zip(a, own)) / len(own)
+    _token_local(row, {"agreement": agree, "tokens_checked": len(own), "first_token": a[0],
+                       "argmax_of_own_logits": own})
+    row.local_covers = same >= n or same < len(own)
+    if not row.passed and row.local_covers:
+        c.res.warnings.append(f"greedy tokens part at token {same} of {n} end to end, where the subject's own logits "
+                              f"choose its token (every local check inside its band): a near-tie flip of the "
+                              f"declared arithmetic")
+    elif not row.passed:
+        c.res.warnings.append(f"greedy tokens part at token {same} of {n} end to end, past the {len(own)} token(s) "
+                              f"the dump's own logits cover: record decode steps on the greedy tokens "
+                              f"(dump --decode-steps) to localize it")
 
 
 # model-scope checkpoints by id: fn(comparison, spec, band, number) (layer checkpoints are all tensor cases)

@@ -20,14 +20,19 @@ class Row:
     local: dict | None = None          # teacher-forced: the reference op on the subject's inputs vs its output
     local_band: dict | None = None
     local_passed: bool | None = None
+    local_covers: bool = True          # the local figure covered everything the operation read (else it excuses nothing)
     step: int = 0                      # 0: the prompt's forward; K: the K-th decode step
     by_position: dict | None = None    # {"nmse": [per row held], "local_nmse"?: [...]} (the prompt's forward)
 
     @property
     def diverges(self) -> bool:
-        """Where a local figure exists, it decides (the end-to-end error may be inherited); else the
-        end-to-end one."""
-        return not (self.local_passed if self.local_passed is not None else self.passed)
+        """Where a local figure exists and covered everything the operation read, it decides (the end-to-end
+        error may be inherited); a failed local figure always diverges; else the end-to-end one decides."""
+        if self.local_passed is False:
+            return True
+        if self.local_passed and self.local_covers:
+            return False
+        return not self.passed
 
 
 @dataclass
@@ -51,6 +56,13 @@ class DiffResult:
     local_declaration: str | None = None                 # the arithmetic of the local comparison, when one ran
     positions: list = field(default_factory=list)        # the absolute position of each row of the forward held
     recipe: dict = field(default_factory=dict)            # how to run the reference side again (harness/rerun.py)
+    config: object = None                                # the model's Config (what coverage is counted against)
+    require: object = "auto"                             # what the verdict requires covered (harness/verdict.py)
+
+    def verdict(self, require=None):
+        """The one verdict of this comparison (harness/verdict.py: judge), which every face renders."""
+        from .verdict import judge
+        return judge(self, require)
 
     @property
     def first_divergence(self):
@@ -61,7 +73,7 @@ class DiffResult:
             return None
         r = min(bad, key=lambda r: r.order)
         return {"checkpoint": r.checkpoint, "layer": r.layer, "tensor": r.tensor, "step": r.step,
-                "by": "local error" if r.local_passed is not None else "end-to-end error"}
+                "by": "local error" if r.local_passed is False else "end-to-end error"}
 
     def subject_dump(self):
         """The subject's tensors this comparison held, as a Dump in the canonical layout (its manifest's token ids,
@@ -70,8 +82,12 @@ class DiffResult:
         return Dump(manifest=man, tensors=dict(self.captures_ours), source=f"{self.subject_label} (as compared)")
 
     def passed(self, checkpoint=None) -> bool:
-        """No row diverges (by local error where measured, else end to end)."""
-        return not any(r.diverges for r in self.rows if checkpoint is None or r.checkpoint == checkpoint)
+        """The whole run: its verdict is PASS (nothing diverges and the required coverage is met). One
+        checkpoint: it was compared and none of its rows diverges."""
+        if checkpoint is None:
+            return self.verdict().passed
+        rows = [r for r in self.rows if r.checkpoint == checkpoint]
+        return bool(rows) and not any(r.diverges for r in rows)
 
     def summary(self) -> list[dict]:
         """One line per checkpoint: worst figures over its tensors and layers."""
@@ -87,11 +103,12 @@ class DiffResult:
                                 "equal_prefix": None, "worst_at": {"layer": None, "tensor": "-"},
                                 "band": spec.band(self.band_class), "passed": None})
                 continue
-            worst = max(rows, key=lambda r: (not r.passed, r.metrics.get("nmse", 0.0)))
+            worst = max(rows, key=lambda r: (r.diverges, not r.passed, r.metrics.get("nmse", 0.0)))
             # token checkpoints have agreement figures instead of tensor metrics
             out.append({
                 "checkpoint": spec.id, "name": spec.name, "rows": len(rows),
-                "failed": sum(not r.passed for r in rows),
+                "failed": sum(r.diverges for r in rows),      # by the verdict's rule (Row.diverges)
+                "failed_end_to_end": sum(not r.passed for r in rows),
                 "worst_nmse": max((r.metrics["nmse"] for r in rows if "nmse" in r.metrics), default=None),
                 "worst_max_abs": max((r.metrics["max_abs"] for r in rows if "max_abs" in r.metrics), default=None),
                 "min_cosine": min((r.metrics["cosine"] for r in rows if "cosine" in r.metrics), default=None),
@@ -100,7 +117,7 @@ class DiffResult:
                 "equal_prefix": min((r.metrics["equal_prefix"] for r in rows if "equal_prefix" in r.metrics),
                                     default=None),
                 "worst_at": {"layer": worst.layer, "tensor": worst.tensor},
-                "band": worst.band, "passed": all(r.passed for r in rows),     # the band at the worst row
+                "band": worst.band, "passed": not any(r.diverges for r in rows),     # the band at the worst row
                 "not_covered": len(missing), "why": missing[0]["why"] if missing else None,
             })
         return out
@@ -129,13 +146,16 @@ class DiffResult:
         return {
             "model": self.model, "reference_model": self.reference_model, "prompt": self.prompt,
             "token_ids": self.token_ids, "band_class": self.band_class,
-            "first_divergence": self.first_divergence, "passed": self.passed(),
+            "verdict": self.verdict().to_json(), "first_divergence": self.first_divergence,
+            "passed": self.passed(),
             "summary": self.summary(), "greedy": self.greedy, "timings": self.timings,
             "sides": self.sides, "subject": self.subject_label,
             "reference": self.reference_label, "not_covered": self.not_covered, "warnings": self.warnings,
             "local_declaration": self.local_declaration, "by_position": self.by_position(), "recipe": self.recipe,
             "rows": [{"checkpoint": r.checkpoint, "name": r.name, "layer": r.layer, "tensor": r.tensor, "step": r.step,
                       **r.metrics, "band": r.band, "passed": r.passed,
-                      **({"local": r.local, "local_band": r.local_band, "local_passed": r.local_passed}
+                      "diverges": r.diverges,
+                      **({"local": r.local, "local_band": r.local_band, "local_passed": r.local_passed,
+                          "local_covers": r.local_covers}
                          if r.local is not None else {})} for r in self.rows],
         }

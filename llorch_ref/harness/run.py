@@ -11,7 +11,7 @@ import json
 import time
 
 from ..checkpoints import band_class_of, catalogue_path, coarser, engine_band_class, load_specs
-from ..dump import Dump, model_sha256
+from ..dump import Dump, load_dump, model_sha256
 from ..errors import DumpError, HarnessError, PromptError
 from ..loaders.gguf_file import open_reader
 from ..references.engines import dump_llamacpp
@@ -110,10 +110,47 @@ def run_backend_diff(engine, reference, prompt=DEFAULT_PROMPT, checkpoints=None,
     return res
 
 
-def run_subject(engine, sub: Dump, band_class: str, checkpoints=None, subject_label=None, n_greedy=None,
-                log=None) -> DiffResult:
+def check_dump(dump, model=None, require="auto", band_class=None, checkpoints=None, backend=None,
+               log=None) -> DiffResult:
+    """The Python face of `llorch-ref diff --subject DUMP --model MODEL`: the dump (a path or a Dump) against
+    llorch-ref on `model` (default: the default model) in the arithmetic the dump declares. -> the DiffResult;
+    its .verdict() is the verdict the CLI prints and exits by, for the same file and options."""
+    import llorch_ref
+
+    sub = dump if isinstance(dump, Dump) else load_dump(dump)
+    engine = declared_engine(llorch_ref.load(model, backend=backend), sub)
+    return run_subject(engine, sub, band_class, checkpoints=checkpoints, require=require, log=log,
+                       subject_label=f"{sub.engine} (dump {sub.source})")
+
+
+def declared_engine(engine, sub: Dump):
+    """The reference engine in the arithmetic the dump declares (numerics, K/V cache type, the ggml build):
+    `engine` itself where it already runs it, else the same file on the same backend loaded that way. A dump
+    that declares nothing (format llorch-dump/1) keeps the engine as it is."""
+    import llorch_ref
+
+    decl = sub.arithmetic
+    if not decl:
+        return engine
+    simd = decl.get("ggml_simd") or "auto"
+    same = (engine.numerics == decl["numerics"] and engine.kv_dtype == decl["kv_dtype"]
+            and (decl["numerics"] != "ggml" or simd == "auto" or engine.ggml_simd == simd))
+    if same:
+        return engine
+    return llorch_ref.load(engine.path, backend=engine.backend.name, numerics=decl["numerics"],
+                           kv_dtype=decl["kv_dtype"], ggml_simd=simd if decl["numerics"] == "ggml" else "auto")
+
+
+def run_subject(engine, sub: Dump, band_class: str | None = None, checkpoints=None, subject_label=None,
+                n_greedy=None, log=None, require="auto", as_declared=True) -> DiffResult:
     """A dump under test against llorch-ref on `engine` (the reference), on the dump's token ids; the greedy
-    continuation as long as the subject's (or n_greedy). Shared by `diff --subject` and the pytest plugin."""
+    continuation as long as the subject's (or n_greedy). Shared by `diff --subject`, check_dump and the pytest
+    plugin, so one file gets one verdict. as_declared: the reference runs the dump's declared arithmetic
+    (declared_engine); False keeps `engine` as it is (the CLI's explicit --numerics/--kv-dtype). band_class:
+    default from the engine's weight types. require: what the verdict requires covered (harness/verdict.py)."""
+    if as_declared:
+        engine = declared_engine(engine, sub)
+    band_class = band_class or engine_band_class(engine)
     check_dump_fits(sub, engine.config)
     warn = check_same_model(sub, engine)
     n = n_greedy or (len(sub.raw("12", "greedy_tokens")) if sub.has("12", "greedy_tokens") else 0)
@@ -129,10 +166,11 @@ def run_subject(engine, sub: Dump, band_class: str, checkpoints=None, subject_la
                         model=sub.source, reference_model=str(engine.path), local_engine=engine)
     if warn:
         res.warnings.append(warn)
+    res.require = require
     res.recipe = recipe("llorch", engine.path, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n,
                         rows=sub.manifest.get("rows"), checkpoints=checkpoints, backend=engine.backend.name,
                         numerics=engine.numerics, kv_dtype=engine.kv_dtype, ggml_simd=engine.ggml_simd,
-                        decode_ids=sub.decode_token_ids or None, local=True)
+                        decode_ids=sub.decode_token_ids or None, local=True, require=require)
     return res
 
 
