@@ -37,6 +37,9 @@ def pytest_addoption(parser):
     g.addoption("--llorch-decode-steps", type=int, default=0,
                 help="decode steps the subject records after the prompt (passed to it as decode_steps=N; the "
                      "reference runs the same tokens)")
+    g.addoption("--llorch-require", default="auto", metavar="WHAT",
+                help="what must be compared for a PASS, as diff --require: auto (every tensor the subject's engine "
+                     "kind can provide), all, or checkpoint ids, names and cp<id>.<tensor> keys")
     g.addoption("--llorch-greedy", type=int, default=0,
                 help="greedy tokens the reference generates to compare with the subject's cp12 (default: as many "
                      "as the subject recorded)")
@@ -70,7 +73,6 @@ def _load_subject(spec: str):
 
 def _compute(config, eng):
     """Run the subject (or read the dump), run the reference, compare; once per session."""
-    from .checkpoints import engine_band_class
     from .dump import Dump, Recorder, check_rows, load_dump, parse_rows
     from .harness.run import DEFAULT_PROMPT, run_subject
 
@@ -96,8 +98,9 @@ def _compute(config, eng):
         else:
             raise TypeError(f"--llorch-subject returned {type(out).__name__}; expected a Recorder, Dump or path")
         label = f"{sub.engine} (subject {opt('llorch_subject')})"
-    res = run_subject(eng, sub, opt("llorch_band_class") or engine_band_class(eng), subject_label=label,
-                      n_greedy=opt("llorch_greedy"))
+    res = run_subject(eng, sub, opt("llorch_band_class"), subject_label=label, n_greedy=opt("llorch_greedy"),
+                      require=opt("llorch_require"))          # in the dump's declared arithmetic, as diff --subject
+    res.verdict()                                              # a --llorch-require naming nothing is refused here
     if opt("llorch_bundle_dir"):
         from .harness.bundle import write_bundle
         _State.bundle = write_bundle(res, eng, out_dir=opt("llorch_bundle_dir"),
@@ -150,6 +153,31 @@ class CheckpointItem(pytest.Item):
             "" if self.layer is None else f" layer {self.layer}")
 
 
+class VerdictItem(pytest.Item):
+    """The run's verdict (harness/verdict.py), the same the CLI exits by: it fails on FAIL and on INCOMPLETE (a
+    run that covered less than --llorch-require asks is not a pass)."""
+
+    def runtest(self):
+        if _State.error is not None:
+            raise RuntimeError(f"the subject failed before any checkpoint could be compared: "
+                               f"{type(_State.error).__name__}: {_State.error}") from _State.error
+        v = _State.result.verdict()
+        if not v.passed:
+            raise VerdictFailure(v.line() + "\n" + v.coverage_line())
+
+    def repr_failure(self, excinfo):
+        if isinstance(excinfo.value, VerdictFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return "llorch", None, "the run's verdict"
+
+
+class VerdictFailure(AssertionError):
+    pass
+
+
 class CheckpointFailure(AssertionError):
     def __init__(self, spec, rows, res):
         from .harness.metrics import fmt, fmt_cos
@@ -194,6 +222,7 @@ def pytest_collection_modifyitems(session, config, items):
     except Exception as e:            # the subject itself crashed: every checkpoint test reports it
         _State.error = e
     suite = CheckpointSuite.from_parent(session, name="llorch", nodeid="llorch")
+    items.append(VerdictItem.from_parent(suite, name="verdict"))
     for s in load_specs():
         for layer in (range(cfg.n_layers) if s.scope == "layer" else [None]):
             name = f"cp{s.id}_{s.name}" + ("" if layer is None else f"[layer{layer}]")
@@ -217,5 +246,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                           f"checkpoint {fd['checkpoint']}, layer {fd['layer']}, {fd['tensor']}"))
     for w in res.warnings:
         tr.write_line(f"warning: {w}")
+    v = res.verdict()
+    tr.write_line(v.coverage_line())
+    tr.write_line(v.line())
     if _State.bundle:
         tr.write_line(f"proof bundle: {_State.bundle['dir']}")

@@ -99,6 +99,65 @@ DECODE_BUGS = {  # name -> (plant, config changes the bug needs, where it must b
 }
 
 
+# -- cache bugs: rows the attention reads changed after they were written -------------------------------------
+def cache_rows_scaled_after_first_step(mp, n_prompt):
+    """An eviction / ring-buffer bug: before decode step 2 writes, rows 0..3 of every layer's cache are scaled
+    x1.5; the engine then decodes self-consistently on that cache."""
+    real = cache_mod.Cache.store
+
+    def store(self, layer, k, v):
+        if k.shape[0] == 1 and self.pos == n_prompt + 1:
+            self.k[layer, :4] *= 1.5
+            self.v[layer, :4] *= 1.5
+        return real(self, layer, k, v)
+    mp.setattr(cache_mod.Cache, "store", store)
+
+
+def cache_rows_scaled_in_the_prompt(mp, n_prompt):
+    """A first-micro-batch bug: right after the prompt's rows are written, rows 0..3 of every layer's cache are
+    scaled x1.5 (the engine's attention reads them so)."""
+    real = cache_mod.Cache.store
+
+    def store(self, layer, k, v):
+        out = real(self, layer, k, v)
+        if k.shape[0] > 1:
+            self.k[layer, :4] *= 1.5
+            self.v[layer, :4] *= 1.5
+            end = self.pos + k.shape[0]
+            out = self.k[layer, :end].astype(np.float32), self.v[layer, :end].astype(np.float32)
+        return out
+    mp.setattr(cache_mod.Cache, "store", store)
+
+
+def stale_row_from_a_previous_sequence(mp, n_prompt):
+    """The cache is not cleared between sequences, and the prompt's write skips row 2 where an earlier sequence
+    left one: that row keeps the earlier sequence's K/V."""
+    real = cache_mod.Cache.store
+
+    def reset(self):
+        self._memo.clear()
+        self.pos = 0
+
+    def store(self, layer, k, v):
+        stale = self.pos == 0 and k.shape[0] > 2 and bool(np.any(self.k[layer, 2]))
+        keep = (self.k[layer, 2].copy(), self.v[layer, 2].copy()) if stale else None
+        out = real(self, layer, k, v)
+        if keep is not None:
+            self.k[layer, 2], self.v[layer, 2] = keep
+            end = self.pos + k.shape[0]
+            out = self.k[layer, :end].astype(np.float32), self.v[layer, :end].astype(np.float32)
+        return out
+    mp.setattr(cache_mod.Cache, "reset", reset)
+    mp.setattr(cache_mod.Cache, "store", store)
+
+
+CACHE_BUGS = {  # name -> (plant, where it must be named: (step, checkpoint, layer, tensor))
+    "cache rows 0..3 scaled after decode step 1": (cache_rows_scaled_after_first_step, (2, "3", 0, "k_cache@step2")),
+    "cache rows 0..3 scaled in the prompt": (cache_rows_scaled_in_the_prompt, (0, "3", 0, "k_cache")),
+    "a stale row from a previous sequence": (stale_row_from_a_previous_sequence, (0, "3", 0, "k_cache")),
+}
+
+
 # -- planted changes in an ONNX Runtime GenAI folder ---------------------------------------------------------
 def plant_onnx(src, dst, initializer: str, change) -> Path:
     """Copy an ONNX folder to dst with one initializer changed in place: change(array) edits a writable view of
