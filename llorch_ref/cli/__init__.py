@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import LlorchError
+from ..harness.text_safety import for_terminal
 from .common import preflight
 from .parser import build_parser
 
@@ -23,7 +24,7 @@ def main(argv=None):
         preflight(args)
         return args.fn(args)
     except LlorchError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {for_terminal(e)}", file=sys.stderr)      # the message may name what a file holds
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

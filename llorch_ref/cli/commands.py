@@ -14,6 +14,7 @@ from ..dump import parse_rows
 from ..engine import GenerationResult
 from ..errors import ParameterError
 from ..harness.run import DEFAULT_PROMPT
+from ..harness.text_safety import for_terminal
 from ..loaders.default_model import resolve_model
 from ..output_paths import check_output
 from ..references.engines import dump_llamacpp, dump_transformers, hf_tokenize
@@ -62,30 +63,35 @@ def cmd_chat(args):
         report_generation(res)
 
 
+def say(line: str):
+    """One line on stdout, every character a terminal would act on escaped (names and tokens come from the file)."""
+    print(for_terminal(line))
+
+
 def cmd_inspect(args):
     eng = load_engine(args)
     c = eng.config
     tok = eng.tokenizer
-    print(f"file:            {eng.path}")
-    print(f"architecture:    {c.arch}  ({c.extra.get('general.name')})")
+    say(f"file:            {eng.path}")
+    say(f"architecture:    {c.arch}  ({c.extra.get('general.name')})")
     for k, v in c.to_dict().items():
-        print(f"  {k:<18} {v}")
-    print(f"  {'n_rep (GQA)':<18} {c.n_rep}")
-    print("tensors by type: " + ", ".join(f"{t}: {n}" for t, n in sorted(Counter(eng.tensor_types.values()).items())))
-    print(f"tensor count:    {len(eng.tensor_types)}")
+        say(f"  {k:<18} {v}")
+    say(f"  {'n_rep (GQA)':<18} {c.n_rep}")
+    say("tensors by type: " + ", ".join(f"{t}: {n}" for t, n in sorted(Counter(eng.tensor_types.values()).items())))
+    say(f"tensor count:    {len(eng.tensor_types)}")
     if tok is None:
-        print("vocabulary:      none (no_vocab): token ids only")
+        say("vocabulary:      none (no_vocab): token ids only")
         return 0
-    print(f"vocabulary:      {tok.n_vocab} tokens, model {tok.kind!r}, pre-tokenizer {tok.pre!r}")
+    say(f"vocabulary:      {tok.n_vocab} tokens, model {tok.kind!r}, pre-tokenizer {tok.pre!r}")
     def name(i):
         return "none" if i is None else f"{i} {tok.tokens[i]!r}"
-    print(f"BOS:             {name(tok.bos_id)} (add_bos={tok.add_bos})")
-    print(f"EOS:             {name(tok.eos_id)} (add_eos={tok.add_eos})")
-    print("end of generation: " + ", ".join(name(i) for i in sorted(tok.eog_ids)))
+    say(f"BOS:             {name(tok.bos_id)} (add_bos={tok.add_bos})")
+    say(f"EOS:             {name(tok.eos_id)} (add_eos={tok.add_eos})")
+    say("end of generation: " + ", ".join(name(i) for i in sorted(tok.eog_ids)))
     specials = [i for i, t in enumerate(tok.token_types) if t in (3, 4)]
-    print(f"special/control tokens ({len(specials)}): " + " ".join(tok.tokens[i] for i in specials[:40])
-          + (" ..." if len(specials) > 40 else ""))
-    print(f"chat template:   {'yes' if tok.chat_template else 'no'}")
+    say(f"special/control tokens ({len(specials)}): " + " ".join(tok.tokens[i] for i in specials[:40])
+        + (" ..." if len(specials) > 40 else ""))
+    say(f"chat template:   {'yes' if tok.chat_template else 'no'}")
     return 0
 
 

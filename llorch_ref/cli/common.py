@@ -11,10 +11,12 @@ import llorch_ref
 from ..backends import BACKENDS, available, backend_name
 from ..errors import ParameterError
 from ..generate.sampling import SamplingParams
+from ..harness.text_safety import for_terminal
 
 
 def log(msg):
-    print(msg, file=sys.stderr, flush=True)
+    """One line on stderr, every character a terminal would act on escaped (names in it come from files)."""
+    print(for_terminal(msg), file=sys.stderr, flush=True)
 
 
 def load_engine(args):

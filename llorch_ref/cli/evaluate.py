@@ -13,6 +13,7 @@ from ..errors import ParameterError
 from ..harness.corpus_eval import make_chunks, run_eval
 from ..harness.eval_report import write_report
 from ..harness.ray_eval import run_eval_ray
+from ..harness.text_safety import for_terminal
 from ..loaders.corpus import read_text
 from ..loaders.default_model import resolve_model
 from ..output_paths import check_output
@@ -111,8 +112,8 @@ def _fmt(v, pct=False):
 def print_statistics(out: dict, file=None):
     """llama-perplexity's three blocks under its names (Δp and Same top p in percent, as it prints them)."""
     con = console_for(file)
-    t = Table(title=f"{out['subject']} vs {out['reference']}: {out['chunks']} chunks of {out['ctx']} tokens, "
-                    f"{out['statistics']['scored tokens']} scored ({out['where']})")
+    t = Table(title=for_terminal(f"{out['subject']} vs {out['reference']}: {out['chunks']} chunks of {out['ctx']} "
+                                 f"tokens, {out['statistics']['scored tokens']} scored ({out['where']})"))
     t.add_column("statistic")
     t.add_column("value")
     for k, v in out["statistics"].items():

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 
 from .metrics import fmt, fmt_match, fmt_row_match
+from .text_safety import for_markdown as md
+from .text_safety import for_markdown_block
+from .text_safety import for_markdown_code as code
 
 
 def row_json(r) -> dict:
@@ -18,13 +21,13 @@ def row_json(r) -> dict:
 def simd_phrase(d):
     """' (avx512 build)' where a manifest or a dump's arithmetic names the llama.cpp build numerics ggml
     reproduces (key ggml_simd), else ''."""
-    return f" ({d['ggml_simd']} build)" if d.get("ggml_simd") else ""
+    return f" ({md(d['ggml_simd'])} build)" if d.get("ggml_simd") else ""
 
 
 def _settings_of(side) -> str:
     """'; settings `{...}`' of one side's manifest (numerics, K/V type, engine settings), or ''."""
     ar = (side or {}).get("arithmetic")
-    return f"; arithmetic `{json.dumps(ar)}`" if ar else ""
+    return f"; arithmetic {code(json.dumps(ar))}" if ar else ""
 
 
 def _local_cells(r) -> list[str]:
@@ -35,21 +38,24 @@ def _local_cells(r) -> list[str]:
 
 
 def checkpoint(spec, rows, man, passed, missing=(), plot=None, tensors=True) -> str:
-    """report.md of one checkpoint: verdict, what is compared, the sides, every comparison with its band."""
+    """report.md of one checkpoint: verdict, what is compared, the sides, every comparison with its band. What
+    a dump, a model file or a command line gave (names, paths, the prompt, tensors) is escaped (for_markdown)."""
     n_local = sum(r.local is not None for r in rows)
     verdict = ("PASS" if passed else "FAIL") if rows else "NOT COVERED"
     lines = [f"# Checkpoint {spec.id}: {spec.title}", "",
              f"**Verdict: {verdict}** ({sum(r.passed for r in rows)}/{len(rows)} comparisons inside the band for "
-             f"weight class `{man['band_class']}`"
+             f"weight class {code(man['band_class'])}"
              + (f"; {sum(bool(r.local_passed) for r in rows if r.local)}/{n_local} local errors inside their bands: "
                 f"the local error decides" if n_local else "") + ")", "",
              f"What is compared: {spec.checks}", "",
-             f"- subject: {man['subject']}, from `{man['model']}` (sha256 `{man['model_sha256']}`)",
-             f"- reference: {man['reference']} on `{man['reference_model']}` (sha256 `{man['reference_model_sha256']}`)",
-             f"- prompt: {json.dumps(man['prompt']) if man['prompt'] else '(none: token ids given)'} -> "
+             f"- subject: {md(man['subject'])}, from {code(man['model'])} (sha256 {code(man['model_sha256'])})",
+             f"- reference: {md(man['reference'])} on {code(man['reference_model'])} "
+             f"(sha256 {code(man['reference_model_sha256'])})",
+             f"- prompt: {md(json.dumps(man['prompt'])) if man['prompt'] else '(none: token ids given)'} -> "
              f"{len(man['token_ids'])} tokens",
-             f"- llorch-ref: numerics {man['numerics']}{simd_phrase(man)}, K/V cache {man['kv_dtype']}, backend {man['backend']} "
-             f"({man['device']}); version {man['llorch_ref_version']} at {man['git_commit']}", "",
+             f"- llorch-ref: numerics {md(man['numerics'])}{simd_phrase(man)}, K/V cache {md(man['kv_dtype'])}, "
+             f"backend {md(man['backend'])} ({md(man['device'])}); version {md(man['llorch_ref_version'])} at "
+             f"{md(man['git_commit'])}", "",
              "Raw figures beside each band; inside the band is not 'identical'. The similarity column holds a cosine "
              "for tensors, the agreement fraction for token ids and argmax, the equal prefix for the greedy text.", "",
              "| step | layer | tensor | shape | max abs | max rel | NMSE | cosine / tokens | band | pass "
@@ -57,18 +63,19 @@ def checkpoint(spec, rows, man, passed, missing=(), plot=None, tensors=True) -> 
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r.metrics
-        lines.append(f"| {r.step} | {'' if r.layer is None else r.layer} | {r.tensor} | {m.get('shape')} | "
+        lines.append(f"| {r.step} | {'' if r.layer is None else r.layer} | {md(r.tensor)} | {md(m.get('shape'))} | "
                      f"{fmt(m.get('max_abs'))} | {fmt(m.get('max_rel'))} | {fmt(m.get('nmse'))} | "
                      f"{fmt_row_match(m, r.band)} | `{json.dumps(r.band)}` | {'yes' if r.passed else '**NO**'} | "
                      + " | ".join(_local_cells(r)) + " |")
     if missing:
-        lines += ["", f"**Not covered: {len(missing)} comparisons** (not covered is not passed): {missing[0]['why']}."]
+        lines += ["", f"**Not covered: {len(missing)} comparisons** (not covered is not passed): "
+                      f"{md(missing[0]['why'])}."]
     kept = ("`subject.npz` and `reference.npz` (the tensors both sides produced, dump names "
             "`cp<id>.<tensor>.layer<L>[.step<K>]`, canonical layout)" if tensors else
             "no tensors (the run was written with --no-tensors)")
     lines += ["", "Files beside this report: `report.json` (these rows), " + kept
               + (f", `{plot}` (NMSE by layer, end to end and local, with the band)" if plot else "") + ".",
-              "", "Re-run:", "", "```", man["command"], "```", ""]
+              "", "Re-run:", "", *for_markdown_block(man["command"]), ""]
     return "\n".join(lines)
 
 
@@ -76,26 +83,28 @@ def _verdict(result) -> str:
     fd = result.first_divergence
     n_nc = len({u["checkpoint"] for u in result.not_covered})
     if fd is not None:
-        return (f"DIVERGED at checkpoint {fd['checkpoint']}, layer {fd['layer']}, {fd['tensor']}"
-                + (f" (decode step {fd['step']})" if fd.get("step") else "") + f", by {fd['by']}")
+        return (f"DIVERGED at checkpoint {fd['checkpoint']}, layer {fd['layer']}, {md(fd['tensor'])}"
+                + (f" (decode step {fd['step']})" if fd.get("step") else "") + f", by {md(fd['by'])}")
     return ("every checkpoint inside its band" if not n_nc else
             f"every covered checkpoint inside its band; {n_nc} checkpoint(s) not (fully) covered")
 
 
 def summary(result, man, run_id, specs, links=True) -> str:
     """summary.md: verdict, the sides, one row per checkpoint (worst figures, band, verdict), the greedy text,
-    warnings, how to re-run. links: link each checkpoint's report (off for a CI step summary)."""
+    warnings, how to re-run. links: link each checkpoint's report (off for a CI step summary). What a dump, a
+    model file or a command line gave is escaped (for_markdown): no heading, HTML or table cell of its own."""
     by_id = {s.id: s for s in specs}
-    lines = [f"# Proof run {run_id}: {_verdict(result)}", "",
-             f"- subject: {man['subject']}, from `{man['model']}` (sha256 `{man['model_sha256'][:16]}…`)"
+    lines = [f"# Proof run {md(run_id)}: {_verdict(result)}", "",
+             f"- subject: {md(man['subject'])}, from {code(man['model'])} (sha256 "
+             f"{code(man['model_sha256'][:16] + '…')})"
              + _settings_of(man["sides"].get("subject")),
-             f"- reference: {man['reference']} on `{man['reference_model']}` (sha256 "
-             f"`{man['reference_model_sha256'][:16]}…`)" + _settings_of(man["sides"].get("reference")),
-             f"- band class `{result.band_class}`",
-             f"- prompt {json.dumps(result.prompt) if result.prompt else '(none: token ids given)'}: "
-             f"{len(result.token_ids)} tokens; llorch-ref {man['llorch_ref_version']} at {man['git_commit']}, "
-             f"backend {man['backend']}, numerics {man['numerics']}{simd_phrase(man)}, K/V {man['kv_dtype']}; CPU "
-             f"{man['cpu_model']}", "",
+             f"- reference: {md(man['reference'])} on {code(man['reference_model'])} (sha256 "
+             f"{code(man['reference_model_sha256'][:16] + '…')})" + _settings_of(man["sides"].get("reference")),
+             f"- band class {code(result.band_class)}",
+             f"- prompt {md(json.dumps(result.prompt)) if result.prompt else '(none: token ids given)'}: "
+             f"{len(result.token_ids)} tokens; llorch-ref {md(man['llorch_ref_version'])} at {md(man['git_commit'])}, "
+             f"backend {md(man['backend'])}, numerics {md(man['numerics'])}{simd_phrase(man)}, K/V "
+             f"{md(man['kv_dtype'])}; CPU {md(man['cpu_model'])}", "",
              "| checkpoint | name | comparisons | failed | worst NMSE | worst max abs | min cosine / tokens | worst at | "
              "band | local failed | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -111,26 +120,26 @@ def summary(result, man, run_id, specs, links=True) -> str:
             name = f"[{name}]({checkpoint_folder(by_id[s['checkpoint']])}/report.md)"
         lines.append(f"| {s['checkpoint']} | {name} | {s['rows']} | {s['failed']} | {fmt(s['worst_nmse'])} | "
                      f"{fmt(s['worst_max_abs'])} | {fmt_match(s) if s['passed'] is not None else '-'} | "
-                     f"{'' if at['layer'] is None else 'L' + str(at['layer']) + ' '}{at['tensor']} | "
+                     f"{'' if at['layer'] is None else 'L' + str(at['layer']) + ' '}{md(at['tensor'])} | "
                      f"`{json.dumps(s['band'])}` | "
                      f"{sum(not r.local_passed for r in local) if local else '-'} | {verdict} |")
     if result.greedy:
         g = result.greedy
         band = next((r.band for r in result.rows if r.checkpoint == "12"), {})
-        lines += ["", f"Greedy text: {g['equal_prefix']}/{g['n']} tokens equal to {result.reference_label} (EOS "
+        lines += ["", f"Greedy text: {g['equal_prefix']}/{g['n']} tokens equal to {md(result.reference_label)} (EOS "
                   f"ignored)" + (f"; the band asks for the first {band['equal_prefix']}" if "equal_prefix" in band
                                  else "") + "."]
     for w in result.warnings:
-        lines += ["", f"Warning: {w}"]
+        lines += ["", f"Warning: {md(w)}"]
     if result.not_covered:
         lines += ["", f"Not covered: {len(result.not_covered)} comparisons (not covered is not passed); e.g. "
-                  f"{result.not_covered[0]['why']}."]
+                  f"{md(result.not_covered[0]['why'])}."]
     if links:
         lines += ["", "Open `report.html` for the figures; `junit.xml` for CI; `manifest.json` holds the sha256 of "
                   "every file (`llorch-ref verify` checks them and re-runs the reference)"
                   + ("; `repro/` holds the first divergence as a standalone test (`pytest repro/`)"
                      if result.first_divergence else "") + "."]
-    lines += ["", "Re-run: `" + man["command"] + "`", ""]
+    lines += ["", "Re-run: " + code(man["command"]), ""]
     return "\n".join(lines)
 
 

@@ -4,15 +4,17 @@ self-contained page."""
 from __future__ import annotations
 
 from . import plots, report_html
+from .text_safety import for_markdown
 
 
 def write_report(out: dict, target):
-    """out: EvalResult.to_json(); target: an output_paths.Output for the folder."""
+    """out: EvalResult.to_json(); target: an output_paths.Output for the folder. The sides' names, the text's name
+    and where it ran are escaped (for_markdown): they come from dumps and the command line."""
     with target.staged_folder() as d:
         _plots(out, d)
-        lines = [f"# {out['subject']} vs {out['reference']}", "",
-                 f"Text: {out['text']}; {out['chunks']} chunks of {out['ctx']} tokens, the second half of each scored "
-                 f"({out['statistics']['scored tokens']} tokens); run {out['where']}.", "",
+        lines = [f"# {for_markdown(out['subject'])} vs {for_markdown(out['reference'])}", "",
+                 f"Text: {for_markdown(out['text'])}; {out['chunks']} chunks of {out['ctx']} tokens, the second half "
+                 f"of each scored ({out['statistics']['scored tokens']} tokens); run {for_markdown(out['where'])}.", "",
                  "| statistic | value |", "|---|---|"]
         for k, v in out["statistics"].items():
             lines.append(f"| {k} | {v[0]:.6g} ± {v[1]:.3g} |" if isinstance(v, list) else f"| {k} | {v:.6g} |"

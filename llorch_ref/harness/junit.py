@@ -8,6 +8,7 @@ import json
 import xml.etree.ElementTree as ET
 
 from .metrics import fmt, fmt_row_match
+from .text_safety import for_xml
 
 
 def _figures(r) -> str:
@@ -24,6 +25,15 @@ def _figures(r) -> str:
 def _case_name(cp, layer, tensor) -> str:
     base, _, step = tensor.partition("@")
     return f"cp{cp}.{base}" + ("" if layer is None else f" L{layer}") + (f" @{step}" if step else "")
+
+
+def _only_xml_characters(root: ET.Element):
+    """Every attribute value and text under root through for_xml: labels, tensor names and reasons come from
+    dumps and manifests, and a character XML 1.0 forbids (NUL, ESC, ...) would make the whole file unreadable."""
+    for el in root.iter():
+        el.attrib = {k: for_xml(v) for k, v in el.attrib.items()}
+        if el.text is not None:
+            el.text = for_xml(el.text)
 
 
 def xml(result, run_id: str) -> str:
@@ -58,5 +68,6 @@ def xml(result, run_id: str) -> str:
     root.set("failures", str(failures))
     root.set("skipped", str(skipped))
     root.set("errors", "0")
+    _only_xml_characters(root)
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
