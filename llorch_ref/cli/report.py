@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..harness.metrics import fmt, fmt_cos, fmt_match, fmt_row_match
+from ..harness.text_safety import for_terminal
 from .common import log
 
 
@@ -32,21 +33,26 @@ def print_result(res, verbose, file=None):
     if verbose:
         con.print(_every_comparison(res))
     if res.greedy:
-        con.print(_greedy_line(res, ref_name))
+        con.print(for_terminal(_greedy_line(res, ref_name)))
     if res.not_covered:
         cps = sorted({u["checkpoint"] for u in res.not_covered}, key=lambda c: (len(c), c))
-        con.print(f"not covered: {len(res.not_covered)} comparisons in checkpoint(s) {', '.join(cps)} "
-                  f"(e.g. {res.not_covered[0]['why']}); not covered is not passed")
+        con.print(for_terminal(f"not covered: {len(res.not_covered)} comparisons in checkpoint(s) {', '.join(cps)} "
+                               f"(e.g. {res.not_covered[0]['why']}); not covered is not passed"))
     for w in res.warnings:
-        con.print(f"warning: {w}")
+        con.print(for_terminal(f"warning: {w}"))
     for line in _divergence_lines(res):
-        con.print(line)
+        con.print(for_terminal(line))
+    v = res.verdict()
+    con.print(for_terminal(v.coverage_line()))
+    con.print(for_terminal(v.line()))
 
 
 def console_for(file=None) -> Console:
-    """A terminal gets its own width; a file or a pipe gets 100 columns (tables fold to fit)."""
+    """A terminal gets its own width; a file or a pipe gets 100 columns (tables fold to fit). Text is printed as
+    it is: no rich markup (`[/]` in an engine's name) and no emoji codes (`:warning:`) are interpreted; what
+    comes from a file is escaped for the terminal by the caller (for_terminal)."""
     out = file or sys.stdout                                   # stdout at call time (tests capture it)
-    return Console(file=out, width=None if out.isatty() else 100)
+    return Console(file=out, width=None if out.isatty() else 100, markup=False, emoji=False)
 
 
 def fmt_band(band: dict) -> str:
@@ -59,7 +65,7 @@ def fmt_band(band: dict) -> str:
 def _verdict(s, rows) -> str:
     if s["passed"] is None:
         return "NOT COVERED"
-    v = "FAIL" if any(r.diverges for r in rows) else "pass"            # the local error decides where measured
+    v = "FAIL" if any(r.diverges for r in rows) else "pass"            # Row.diverges: the verdict's own rule
     return v + (f" ({s['not_covered']} n/c)" if s.get("not_covered") else "")
 
 
@@ -70,10 +76,15 @@ def _table(title, cols) -> Table:
     """Names and places fold to fit the console; figures, bands and verdicts stay whole on one line. A rule under
     the header and one space between columns (no cell borders or padding): a checkpoint row fits 100 columns, the
     width of a file or a CI log, mostly on one line."""
-    t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
+    t = Table(title=for_terminal(title), box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     for col in cols:
         t.add_column(col, overflow="fold", no_wrap=col not in FOLDING)
     return t
+
+
+def add_row(t: Table, *cells):
+    """A row of text cells, each escaped for the terminal (tensor names and labels come from dumps)."""
+    t.add_row(*(for_terminal(c) for c in cells))
 
 
 def _summary_table(res, ref_name) -> Table:
@@ -83,10 +94,10 @@ def _summary_table(res, ref_name) -> Table:
     for s in res.summary():
         at = s["worst_at"]
         rows = [r for r in res.rows if r.checkpoint == s["checkpoint"]]
-        t.add_row(s["checkpoint"], s["name"], str(s["rows"]), str(s["failed"]), fmt(s["worst_nmse"]),
-                  fmt(s["worst_max_abs"]), fmt_match(s),
-                  f"L{at['layer']} {at['tensor']}" if at["layer"] is not None else at["tensor"], fmt_band(s["band"]),
-                  _verdict(s, rows))
+        add_row(t, s["checkpoint"], s["name"], str(s["rows"]), str(s["failed"]), fmt(s["worst_nmse"]),
+                fmt(s["worst_max_abs"]), fmt_match(s),
+                f"L{at['layer']} {at['tensor']}" if at["layer"] is not None else at["tensor"], fmt_band(s["band"]),
+                _verdict(s, rows))
     return t
 
 
@@ -98,14 +109,14 @@ def _local_table(res) -> Table:
         rows = [r for r in res.rows if r.checkpoint == s["checkpoint"]]
         lrows = [r for r in rows if r.local is not None]
         if not lrows:
-            t.add_row(s["checkpoint"], s["name"], "0", "-", "-", "-", "-", _verdict(s, rows))
+            add_row(t, s["checkpoint"], s["name"], "0", "-", "-", "-", "-", _verdict(s, rows))
             continue
         nm = [r for r in lrows if "nmse" in r.local]
         w = max(nm, key=lambda r: r.local["nmse"]) if nm else None
         worst = fmt(w.local["nmse"]) if w else f"agreement {min(r.local['agreement'] for r in lrows):.3f}"
         where = (f"L{w.layer} {w.tensor}" if w.layer is not None else w.tensor) if w else "-"
-        t.add_row(s["checkpoint"], s["name"], str(len(lrows)), worst, where, fmt_band(lrows[0].local_band),
-                  str(sum(not r.local_passed for r in lrows)), _verdict(s, rows))
+        add_row(t, s["checkpoint"], s["name"], str(len(lrows)), worst, where, fmt_band(lrows[0].local_band),
+                str(sum(not r.local_passed for r in lrows)), _verdict(s, rows))
     return t
 
 
@@ -114,9 +125,9 @@ def _every_comparison(res) -> Table:
                                      "band", "pass"))
     for r in res.rows:
         m = r.metrics
-        d.add_row(r.checkpoint, "" if r.layer is None else str(r.layer), r.tensor, str(m.get("shape")),
-                  fmt(m.get("max_abs")), fmt(m.get("max_rel")), fmt(m.get("nmse")), fmt_row_match(m, r.band),
-                  fmt_band(r.band), "yes" if r.passed else "NO")
+        add_row(d, r.checkpoint, "" if r.layer is None else str(r.layer), r.tensor, str(m.get("shape")),
+                fmt(m.get("max_abs")), fmt(m.get("max_rel")), fmt(m.get("nmse")), fmt_row_match(m, r.band),
+                fmt_band(r.band), "yes" if r.passed else "NO")
     return d
 
 
@@ -145,6 +156,8 @@ def _divergence_lines(res) -> list[str]:
                    f"{fmt(row.local['nmse'])}, max abs {fmt(row.local['max_abs'])}, cosine "
                    f"{fmt_cos(row.local['cosine'])} (band {json.dumps(row.local_band)}); end to end: NMSE "
                    f"{fmt(row.metrics.get('nmse'))}")
+    if (row.local or {}).get("error"):
+        out.append(f"  {row.local['error']}")
     if row.metrics.get("error"):
         out.append(f"  {row.metrics['error']}")
     return out
@@ -170,5 +183,5 @@ def print_by_position(res, buckets: int = 16, file=None):
         if local:
             wl = max(j, key=lambda k: bp["worst_local_nmse"][k])
             cells += [fmt(bp["worst_local_nmse"][wl]), bp["local_worst_at"][wl]]
-        t.add_row(*cells)
+        add_row(t, *cells)
     con.print(t)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..dump import CANONICAL_LAYOUTS, Dump
+from .verdict import judge
 
 
 @dataclass
@@ -61,7 +62,6 @@ class DiffResult:
 
     def verdict(self, require=None):
         """The one verdict of this comparison (harness/verdict.py: judge), which every face renders."""
-        from .verdict import judge
         return judge(self, require)
 
     @property
@@ -72,8 +72,11 @@ class DiffResult:
         if not bad:
             return None
         r = min(bad, key=lambda r: r.order)
-        return {"checkpoint": r.checkpoint, "layer": r.layer, "tensor": r.tensor, "step": r.step,
-                "by": "local error" if r.local_passed is False else "end-to-end error"}
+        out = {"checkpoint": r.checkpoint, "layer": r.layer, "tensor": r.tensor, "step": r.step,
+               "by": "local error" if r.local_passed is False else "end-to-end error"}
+        if (r.local or {}).get("bad_positions"):
+            out["positions"] = r.local["bad_positions"]         # the cache rows at fault
+        return out
 
     def subject_dump(self):
         """The subject's tensors this comparison held, as a Dump in the canonical layout (its manifest's token ids,

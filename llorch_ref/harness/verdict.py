@@ -58,7 +58,9 @@ class Verdict:
     def line(self) -> str:
         """The verdict in one line, as every face prints it."""
         if self.status == PASS:
-            return f"verdict: PASS ({self.compared} comparisons inside their bands; {self.coverage_line()[10:]})"
+            have = len(self.required) - len(self.missing)
+            return (f"verdict: PASS ({self.compared} comparisons inside their bands; {have} of {len(self.required)} "
+                    f"required tensors compared)")
         return f"verdict: {self.status} ({'; '.join(self.reasons)})"
 
     def to_json(self) -> dict:
@@ -88,18 +90,30 @@ def _engine_kinds() -> dict:
     return json.loads((catalogue_path() / "coverage.json").read_text())["engines"]
 
 
-def required_keys(require, specs, cfg, subject_manifest: dict) -> tuple[list[str], str]:
-    """-> (the coverage keys required, the rule in words). require: None/"auto", "all", or ids, names and
-    cp<id>.<tensor> keys (a list or a comma-separated string)."""
+def _kind_lacks(manifest: dict) -> tuple[set | None, str]:
+    """-> (the coverage keys this side's engine kind cannot provide, or None for a kind not listed; its name,
+    with its flash attention where that matters)."""
+    name = str((manifest.get("engine") or {}).get("name", ""))
+    kind = _engine_kinds().get(name)
+    if kind is None:
+        return None, name or "an unnamed engine"
+    flash = bool(((manifest.get("arithmetic") or {}).get("settings") or {}).get("flash_attn"))
+    lacks = set(kind.get("lacks", [])) | (set(kind.get("lacks_with_flash_attn", [])) if flash else set())
+    return lacks, name + (" with flash attention" if flash else "")
+
+
+def required_keys(require, specs, cfg, sides: dict) -> tuple[list[str], str]:
+    """-> (the coverage keys required, the rule in words). require: None/"auto" (what both sides' engine
+    kinds can provide: a subject of a kind not listed owes every tensor), "all", or ids, names and
+    cp<id>.<tensor> keys (a list or a comma-separated string). sides: {"subject", "reference"} manifests."""
     keys = every_key(specs, cfg)
     if require in (None, "auto"):
-        name = str((subject_manifest.get("engine") or {}).get("name", ""))
-        kind = _engine_kinds().get(name)
-        if kind is None:
-            return keys, f"every tensor: {name or 'this engine'} is not a kind whose gaps are known"
-        flash = bool(((subject_manifest.get("arithmetic") or {}).get("settings") or {}).get("flash_attn"))
-        lacks = set(kind.get("lacks", [])) | (set(kind.get("lacks_with_flash_attn", [])) if flash else set())
-        what = f"what {name} provides" + (" with flash attention" if flash else "")
+        sub, sub_name = _kind_lacks(sides.get("subject") or {})
+        if sub is None:
+            return keys, f"every tensor: {sub_name} is not an engine kind whose gaps are known"
+        ref, ref_name = _kind_lacks(sides.get("reference") or {})
+        lacks = sub | (ref or set())
+        what = f"what {sub_name} provides" + (f" and {ref_name} compares" if ref else "")
         return [k for k in keys if k not in lacks], what
     if require == "all":
         return keys, "every tensor (--require all)"
@@ -126,7 +140,7 @@ def judge(res, require=None) -> Verdict:
     rows, nc = res.rows, res.not_covered
     fd = res.first_divergence
     diverging = sum(r.diverges for r in rows)
-    required, rule = required_keys(require, res.specs, res.config, res.sides.get("subject", {})) \
+    required, rule = required_keys(require, res.specs, res.config, res.sides) \
         if res.config is not None else ([], "not known")
     missing = _missing(required, rows, nc)
     reasons = []
