@@ -35,6 +35,11 @@ def _as_dump(x) -> Dump:
     return x.to_dump() if isinstance(x, Recorder) else x
 
 
+def _rows_outside(a, b, rows, band) -> list[int]:
+    """The rows (first axis) of `rows` whose own figures leave the band."""
+    return [int(p) for p in rows if not within(compare(a[p:p + 1], b[p:p + 1]), band)]
+
+
 def _layout_hint(sub: Dump, cp, tensor, layer, entry, dims, ref, band, sub_shape_ok):
     """If another layout declaration makes this tensor fit, say so (the manifest is probably wrong)."""
     for key, choices in LAYOUT_CHOICES.items():
@@ -258,17 +263,22 @@ class _Comparison:
         row.local_passed = within(row.local, row.local_band)
         row.local["rows"] = {"written": len(new), "against_earlier_write": len(known),
                              "against_reference": len(unknown)}
-        if known and not within(compare(s[known], earlier[known]), row.local_band):
-            bad = [p for p in known if not np.array_equal(s[p], earlier[p])]
-            row.local["error"] = (f"cache rows at positions {bad[:8]} differ from the subject's own earlier write of "
-                                  f"them (a cache row changed after it was written)")
+        bad = [] if row.local_passed else _rows_outside(s, want, checked, row.local_band)
+        if bad:
+            old = [p for p in bad if p in set(known)]
+            row.local["error"] = (f"cache rows at positions {bad[:8]} differ from "
+                                  + ("the subject's own earlier write of them (a cache row changed after it was "
+                                     "written)" if old else "the reference's store of the subject's new K/V"))
         if unknown:
             m = compare(s[unknown], r[unknown])
             row.local["unheld_rows_end_to_end"] = {**m, "positions": unknown[:16], "n": len(unknown)}
             if not within(m, row.band):
                 row.local_passed = False
-                row.local["error"] = (f"cache rows at positions {unknown[:8]}, which no forward held, are outside the "
-                                      f"end-to-end band against the reference (NMSE {m['nmse']:.3g})")
+                bad += _rows_outside(s, r, unknown, row.band) or unknown
+                row.local["error"] = (f"cache rows at positions {bad[:8]}, which no forward held as rows, are outside "
+                                      f"the end-to-end band against the reference (NMSE {m['nmse']:.3g})")
+        if bad:
+            row.local["bad_positions"] = sorted(set(bad))[:64]
         self.written[(t, layer)] = np.array(s, dtype=np.float32, copy=True)
 
     def _subject_tensor(self, spec, t, layer, e, want, r):
