@@ -29,6 +29,7 @@ from .dtypes import KV_DTYPES, dtype_name
 from .errors import DumpError, ParameterError
 from .loaders.default_model import sha256_file
 from .output_paths import check_output
+from .tensor_file import read_tensors
 
 FORMAT = "llorch-dump/3"   # 3: decode steps (.step<K> tensors, decode_token_ids); 2: declared arithmetic
 FORMATS = ("llorch-dump/1", "llorch-dump/2", FORMAT)
@@ -109,8 +110,9 @@ class Recorder:
 
     def __init__(self, engine: str, version: str = "", *, model_path=None, model_sha256_: str | None = None,
                  token_ids=None, prompt: str | None = None, layouts: dict | None = None, notes: str | None = None,
-                 extra: dict | None = None, rows=None):
+                 extra: dict | None = None, rows=None, keep=None):
         self.engine, self.version = str(engine), str(version)
+        self.keep = None if keep is None else {tuple(k) for k in keep}    # (cp, tensor) to keep; None: all
         self.rows = None if rows is None else [int(r) for r in rows]     # the prompt rows held (manifest "rows")
         self.model_path = None if model_path is None else str(model_path)
         self._model_sha = model_sha256_
@@ -133,6 +135,8 @@ class Recorder:
         if step:
             name = f"{name}.step{int(step)}"
         cp, t, _ = _parse_name(split_step(name)[0], self._cat)        # raises on an unknown name
+        if self.keep is not None and (cp, t) not in self.keep:
+            return
         a = self._kept_rows(cp, t, _to_numpy(array), step)
         if self._cat[(cp, t)]["dtype"] == "int":
             if a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):
@@ -243,7 +247,9 @@ def validate_manifest(man, where: str):
         jsonschema.validate(man, schema)
     except jsonschema.ValidationError as e:
         at = "/".join(str(p) for p in e.absolute_path) or "(top level)"
-        raise DumpError(f"{where}: manifest invalid at {at}: {e.message}") from None
+        raise DumpError(f"{where}: manifest invalid at {at}: {e.message[:300]}") from None
+    except RecursionError:
+        raise DumpError(f"{where}: manifest nested too deeply to validate") from None
 
 
 @dataclass
@@ -271,20 +277,25 @@ class Dump:
         for k, held in self.steps.items():
             for name, a in held.items():
                 self._check_dtype(f"{name}.step{k}", a, _parse_name(name, cat), cat)
-        for name, a in self.tensors.items():
+        lazy = getattr(self.tensors, "kind", None)          # a file's tensors: checked without reading them
+        for name in list(self.tensors):
             key = _parse_name(name, cat)
-            self._check_dtype(name, a, key, cat)
+            self._check_dtype(name, lazy(name) if lazy else self.tensors[name], key, cat)
+            shape = self.tensors.shape(name) if lazy else list(np.shape(self.tensors[name]))
+            if 0 in shape:
+                raise DumpError(f"{self.source}: tensor {name!r} is empty (shape {shape})")
             self.index[key] = name
         if ("0", "token_ids", None) in self.index and "prompt" not in self.manifest:
             raise DumpError(f"{self.source}: cp0.token_ids is the engine's tokenization of a prompt, but the "
                             f"manifest has no 'prompt'")
 
     def _check_dtype(self, name, a, key, cat):
-        kind = np.asarray(a).dtype.kind
+        kind = a if isinstance(a, str) else np.asarray(a).dtype.kind
+        what = {"f": "floats", "i": "integers", "u": "integers", "b": "booleans"}.get(kind, f"kind {kind!r}")
         if cat[key[:2]]["dtype"] == "int" and kind not in "iu":
-            raise DumpError(f"{self.source}: tensor {name!r} must hold integers (token ids), not {a.dtype}")
+            raise DumpError(f"{self.source}: tensor {name!r} must hold integers (token ids), not {what}")
         if cat[key[:2]]["dtype"] == "float" and kind != "f":
-            raise DumpError(f"{self.source}: tensor {name!r} must hold floating-point values, not {a.dtype} "
+            raise DumpError(f"{self.source}: tensor {name!r} must hold floating-point values, not {what} "
                             f"(an engine's activations are never integers)")
 
     @property
@@ -460,40 +471,35 @@ def select_rows(entry: dict, a, rows):
 
 def load_dump(path) -> Dump:
     """Read and validate a dump file: manifest against the JSON Schema, every tensor name against the specs."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
     p = Path(path)
     if not p.is_file():
         raise DumpError(f"{p}: no such dump file")
     try:
-        with open(p, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise DumpError(f"{p}: not a safetensors file (shorter than its 8-byte header length)")
-            n = int.from_bytes(head, "little")
-            if n > 100 * 2**20:
-                raise DumpError(f"{p}: not a safetensors file (header length {n} is implausible)")
-            header = json.loads(f.read(n))
-        tensors = load_file(str(p))
-    except (SafetensorError, ValueError, UnicodeDecodeError, OSError) as e:
-        raise DumpError(f"{p}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    meta = header.get("__metadata__") or {}
+        tensors, meta = read_tensors(p)
+    except OSError as e:
+        raise DumpError(f"{p}: cannot read it ({e.strerror or e})") from None
     side = p.with_name(p.name + ".manifest.json")
     if MANIFEST_KEY in meta:
-        try:
-            man = json.loads(meta[MANIFEST_KEY])
-        except json.JSONDecodeError as e:
-            raise DumpError(f"{p}: metadata '{MANIFEST_KEY}' is not JSON ({e})") from None
+        man = _manifest_json(meta[MANIFEST_KEY], f"{p}: metadata '{MANIFEST_KEY}'")
     elif side.is_file():
-        try:
-            man = json.loads(side.read_text())
-        except json.JSONDecodeError as e:
-            raise DumpError(f"{side}: not JSON ({e})") from None
+        if side.stat().st_size > 16 * 2**20:
+            raise DumpError(f"{side}: a manifest over 16 MiB")
+        man = _manifest_json(side.read_bytes(), str(side))
     else:
         raise DumpError(f"{p}: no manifest (metadata key '{MANIFEST_KEY}' or sidecar {side.name})")
     validate_manifest(man, str(p))
     return Dump(manifest=man, tensors=tensors, source=str(p))
+
+
+def _manifest_json(raw, where: str) -> dict:
+    """A manifest's JSON: UTF-8, parseable, an object (a deeply nested or binary one is a DumpError)."""
+    try:
+        man = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise DumpError(f"{where} is not UTF-8 JSON ({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(man, dict):
+        raise DumpError(f"{where} is not a JSON object")
+    return man
 
 
 def capture_invariance(captured, uncaptured) -> dict:

@@ -300,7 +300,7 @@ def test_plugin_with_a_llamacpp_dump_in_a_separate_project(lc_dump, default_f32,
     r = _pytest_in(proj, f"--llorch-dump={lc_dump}", f"--llorch-model={default_f32}",
                    f"--llorch-bundle-dir={tmp_path / 'bundles'}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    n_items = 1 + 8 * 30 + 5            # cp0 + 8 layer checkpoints (1, 1B, 2..7) x 30 layers + cp8..cp12
+    n_items = 1 + 8 * 30 + 5 + 1        # cp0 + 8 layer checkpoints (1, 1B, 2..7) x 30 layers + cp8..cp12 + the verdict
     assert f"{n_items} passed" in r.stdout, r.stdout[-1500:]
     assert "first divergence: none" in r.stdout
     assert list((tmp_path / "bundles").glob("*/summary.md"))

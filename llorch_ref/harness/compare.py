@@ -192,11 +192,16 @@ class _Comparison:
                                      "why": why})
 
     def both_hold(self, spec, tensor, layer=None) -> bool:
-        """Whether both sides hold the tensor; if not, it is recorded as not covered (never as passed)."""
-        for d, who in ((self.ref, "reference"), (self.sub, "subject")):
+        """Whether both sides hold the tensor; if not, it is recorded as not covered (never as passed), naming
+        the subject first where neither holds it (a reference is run on what the subject gives: no prompt in the
+        subject's manifest, no tokenization on either side)."""
+        for d, who in ((self.sub, "subject"), (self.ref, "reference")):
             if not d.has(spec.id, tensor, layer):
                 label = self.res.reference_label if who == "reference" else self.res.subject_label
-                self.uncovered(spec, layer, tensor, f"the {who} ({label}) holds no cp{spec.id}.{tensor}")
+                why = f"the {who} ({label}) holds no cp{spec.id}.{tensor}"
+                if spec.id == "0" and "prompt" not in self.sub.manifest:
+                    why += " (the subject's manifest names no prompt to tokenize)"
+                self.uncovered(spec, layer, tensor, why)
                 return False
         return True
 

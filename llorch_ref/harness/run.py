@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
+
 from ..checkpoints import band_class_of, catalogue_path, coarser, engine_band_class, load_specs
-from ..dump import Dump, load_dump, model_sha256
+from ..dump import Dump, catalogue, expected_shape, load_dump, model_sha256
 from ..errors import DumpError, HarnessError, PromptError
 from ..loaders.gguf_file import open_reader
+from ..loaders.lazy_weights import mem_available
 from ..references.engines import dump_llamacpp
 from ..references.llorch import engine_label, record_engine
-from .compare import compare_dumps
+from .compare import compare_dumps, dims_of
 from .result import DiffResult
 
 DEFAULT_PROMPT = "Once upon a time, there was a little"
@@ -152,6 +155,8 @@ def run_subject(engine, sub: Dump, band_class: str | None = None, checkpoints=No
         engine = declared_engine(engine, sub)
     band_class = band_class or engine_band_class(engine)
     check_dump_fits(sub, engine.config)
+    keep = held_keys(sub)
+    check_memory(sub, engine, keep)                   # before anything runs
     warn = check_same_model(sub, engine)
     n = n_greedy or (len(sub.raw("12", "greedy_tokens")) if sub.has("12", "greedy_tokens") else 0)
     if log:
@@ -160,7 +165,7 @@ def run_subject(engine, sub: Dump, band_class: str | None = None, checkpoints=No
             + (f" and {n} greedy tokens" if n else "") + " ...")
     ref = record_engine(engine, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n,
                         decode_ids=sub.decode_token_ids or None,      # teacher-forced: the subject's tokens
-                        rows=sub.manifest.get("rows"))                 # and the rows it holds
+                        rows=sub.manifest.get("rows"), keep=keep)      # and the rows and tensors it holds
     res = compare_dumps(sub, ref, engine.config, band_class, checkpoints=checkpoints,
                         subject_label=subject_label or sub.engine, reference_label=engine_label(engine),
                         model=sub.source, reference_model=str(engine.path), local_engine=engine)
@@ -192,6 +197,58 @@ def check_same_model(sub: Dump, engine) -> str | None:
         return (f"the subject ran model sha256 {theirs[:12]}… ({sub.manifest['model'].get('path', '')}); the "
                 f"reference runs {engine.path} (sha256 {ours[:12]}…): different files (a conversion?)")
     return None
+
+
+def held_keys(sub: Dump) -> set:
+    """The (checkpoint, tensor) pairs the reference records for this subject: what the subject holds (prompt and
+    decode steps), the tokenization and greedy tokens, and the logits where the subject's argmax or probabilities
+    are derived from them."""
+    keys = {(cp, t) for (cp, t, _) in sub.index} | {("0", "token_ids"), ("12", "greedy_tokens")}
+    for k in sub.steps:
+        keys |= {(cp, t) for (cp, t, _) in sub.step_view(k).index}
+    if keys & {("8", "logits"), ("10", "argmax"), ("11", "probs")}:
+        keys.add(("8", "logits"))
+    return keys
+
+
+def comparison_bytes(sub: Dump, cfg, keep: set) -> int:
+    """About the memory a comparison of this dump takes at its peak: each kept tensor twice (both sides, float32,
+    as canonical arrays) for the prompt's forward and each decode step, the reference forward's attention
+    scores and probabilities of one layer (float32 H x T x S, a few copies), its K/V cache and its logits."""
+
+    t, n_rows = len(sub.token_ids), len(sub.rows)
+    steps = len(sub.decode_token_ids)
+    cat, total = catalogue(), 0
+    for d, layers in ((dims_of(cfg, t, n_rows=n_rows), 1), (dims_of(cfg, 1, past=t + steps), steps)):
+        for (cp, name) in keep:
+            e = cat.get((cp, name))
+            if e is None or not layers:
+                continue
+            shape = expected_shape(e, d) or [1]             # a shape over unknown sizes (N tokens): small
+            per = int(np.prod(shape, dtype=np.int64)) * (cfg.n_layers if e["scope"] == "layer" else 1)
+            total += 2 * 4 * per * layers
+    s = t + steps
+    total += 4 * 4 * cfg.n_heads * t * s                          # scores, probabilities and their temporaries
+    total += 2 * 4 * cfg.n_layers * s * cfg.n_kv_heads * cfg.head_dim + 3 * 4 * t * cfg.n_vocab
+    return int(total)
+
+
+def check_memory(sub: Dump, engine, keep: set):
+    """Refuse a dump whose comparison would not fit in memory, before anything runs: the token count inside the
+    model's context, the estimate (comparison_bytes) inside 80% of the memory available now."""
+
+    cfg = engine.config
+    fed = len(sub.token_ids) + len(sub.decode_token_ids)
+    n_ctx = engine.n_ctx
+    if fed > n_ctx:
+        raise DumpError(f"{sub.source}: {len(sub.token_ids)} prompt and {len(sub.decode_token_ids)} decode tokens "
+                        f"exceed the reference's context of {n_ctx} (load it with a longer --ctx, up to the model's "
+                        f"{cfg.context_length})")
+    need, have = comparison_bytes(sub, cfg, keep), int(0.8 * mem_available())
+    if need > have:
+        raise DumpError(f"{sub.source}: comparing this dump needs about {need / 2**30:.1f} GiB ({len(sub.token_ids)} "
+                        f"tokens, {len(sub.rows)} rows held, {len(keep)} tensor kinds), over the {have / 2**30:.1f} GiB "
+                        f"(80% of the memory available) it may take: hold fewer rows (dump --rows) or fewer tokens")
 
 
 def check_dump_fits(sub: Dump, cfg):

@@ -23,14 +23,16 @@ def _recorder(engine, token_ids, prompt=None, rows=None, **extra) -> Recorder:
 
 
 def record_engine(engine, token_ids, prompt=None, n_greedy=32, decode_steps=0, decode_ids=None,
-                  rows=None) -> Recorder:
+                  rows=None, keep=None) -> Recorder:
     """llorch-ref as a dump (canonical layout): every checkpoint tensor of one forward over token_ids on a
     cache that first ran (and reset after) a warm-up sequence; the last row alone as generation asks for
     it; its argmax and softmax; n_greedy greedy tokens (EOS ignored). Then decode steps on the same cache,
     one token each, every layer tensor and the logits of each: the tokens decode_ids when given (teacher
     forcing: another engine's tokens), else decode_steps greedy tokens of its own. rows: the prompt's rows
-    to keep (indices; default all), to bound a long prompt's memory."""
+    to keep (indices; default all), to bound a long prompt's memory; keep: the (checkpoint, tensor) pairs to
+    record (default all): a comparison records only what the subject holds."""
     rec = _recorder(engine, token_ids, prompt, rows=check_rows(rows, len(token_ids)))
+    rec.keep = None if keep is None else {tuple(k) for k in keep}
     ids = list(token_ids)
     if prompt is not None and engine.tokenizer is not None:
         rec.add("cp0.token_ids", np.array(engine.tokenizer.encode(prompt), dtype=np.int64))

@@ -1,0 +1,155 @@
+"""A bounded reader of safetensors files from third parties: every float type engines write (F64, F32, F16,
+BF16, F8_E4M3, F8_E5M2) read as float32, integers as int64, each tensor's bytes checked against its header
+before anything is read, and the tensors memory-mapped (read when a comparison asks for them).
+
+The safetensors library's NumPy loader refuses BF16 and F8 (NumPy has no such types) and reads every tensor at
+once; a dump is an engine's output, often from a GPU engine in bfloat16, so this reads the format itself:
+an 8-byte little-endian header length, a JSON header {name: {"dtype", "shape", "data_offsets": [begin, end]},
+"__metadata__": {str: str}}, then the data.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DumpError
+
+MAX_HEADER = 100 * 2**20
+PLAIN = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+         "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
+         "BOOL": np.bool_}
+WIDTH = {**{k: np.dtype(v).itemsize for k, v in PLAIN.items()}, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _f8_table(exp_bits: int, bias: int, finite_only: bool) -> np.ndarray:
+    """float32 value of each of the 256 codes of an 8-bit float with `exp_bits` exponent bits (OCP FP8:
+    E4M3 has no infinities and one NaN code per sign; E5M2 follows IEEE)."""
+    man_bits = 7 - exp_bits
+    out = np.empty(256, np.float32)
+    for code in range(256):
+        sign = -1.0 if code & 0x80 else 1.0
+        e, m = (code >> man_bits) & ((1 << exp_bits) - 1), code & ((1 << man_bits) - 1)
+        top = (1 << exp_bits) - 1
+        if finite_only and e == top and m == (1 << man_bits) - 1:
+            out[code] = np.nan
+        elif not finite_only and e == top:
+            out[code] = sign * np.inf if m == 0 else np.nan
+        elif e == 0:
+            out[code] = sign * (m / (1 << man_bits)) * 2.0 ** (1 - bias)
+        else:
+            out[code] = sign * (1 + m / (1 << man_bits)) * 2.0 ** (e - bias)
+    return out
+
+
+F8 = {"F8_E4M3": _f8_table(4, 7, True), "F8_E5M2": _f8_table(5, 15, False)}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """-> (the JSON header, the offset where the data starts); a file that is not safetensors is a DumpError."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise DumpError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        n = int.from_bytes(head, "little")
+        if n > min(MAX_HEADER, size - 8):
+            raise DumpError(f"{path}: not a safetensors file (header length {n} is implausible for a file of "
+                            f"{size} bytes)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise DumpError(f"{path}: not a safetensors file (its header is not JSON: {type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise DumpError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    return header, 8 + n
+
+
+def _entry(path: Path, name: str, e, data_size: int) -> tuple[str, list, int, int]:
+    """One header entry checked: a known dtype, a shape of non-negative ints, offsets inside the data whose span
+    is exactly the shape's size."""
+    if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
+        raise DumpError(f"{path}: tensor {name!r}: header entry needs dtype, shape and data_offsets")
+    dt, shape, off = e["dtype"], e["shape"], e["data_offsets"]
+    if dt not in WIDTH:
+        raise DumpError(f"{path}: tensor {name!r} has dtype {dt!r}; readable: {', '.join(WIDTH)}")
+    if not (isinstance(shape, list) and len(shape) <= 8
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
+        raise DumpError(f"{path}: tensor {name!r}: shape {str(shape)[:80]} is not a list of at most 8 sizes")
+    if not (isinstance(off, list) and len(off) == 2 and all(isinstance(o, int) and not isinstance(o, bool)
+                                                               for o in off) and 0 <= off[0] <= off[1] <= data_size):
+        raise DumpError(f"{path}: tensor {name!r}: data_offsets {str(off)[:80]} lie outside the file's "
+                        f"{data_size} data bytes")
+    want = int(np.prod(shape, dtype=np.int64)) * WIDTH[dt]
+    if off[1] - off[0] != want:
+        raise DumpError(f"{path}: tensor {name!r}: {off[1] - off[0]} data bytes for shape {shape} of {dt} "
+                        f"({want} bytes)")
+    return dt, shape, off[0], off[1]
+
+
+def _as_array(raw: np.ndarray, dt: str, shape: list) -> np.ndarray:
+    """The raw bytes of one tensor -> float32 (any float type) or int64 (integers, booleans), in its shape."""
+    if dt == "BF16":
+        a = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    elif dt in F8:
+        a = F8[dt][raw]
+    else:
+        a = raw.view(np.dtype(PLAIN[dt]).newbyteorder("<"))
+        a = a.astype(np.float32 if a.dtype.kind == "f" else np.int64)
+    return a.reshape(shape)
+
+
+class LazyTensors(dict):
+    """name -> array, read from the memory-mapped file the first time a name is looked up (dict's other views
+    read every tensor). The file is checked whole when opened; the bytes are only read where asked for."""
+
+    def __init__(self, path: Path, entries: dict, start: int):
+        super().__init__({name: None for name in entries})
+        self._path, self._entries, self._start = path, entries, start
+        self._map = None
+
+    def __getitem__(self, name):
+        a = super().__getitem__(name)
+        if a is None:
+            dt, shape, b, e = self._entries[name]
+            if self._map is None:
+                self._map = np.memmap(self._path, dtype=np.uint8, mode="r")
+            a = _as_array(np.asarray(self._map[self._start + b:self._start + e]), dt, shape)
+            super().__setitem__(name, a)
+        return a
+
+    def shape(self, name) -> list:
+        """The tensor's shape as its header gives it, without reading it."""
+        return list(self._entries[name][1])
+
+    def kind(self, name) -> str:
+        """The NumPy kind the tensor reads as ('f' float32, 'i' int64), without reading it."""
+        dt = self._entries[name][0]
+        return "f" if dt.startswith(("F", "BF")) else ("b" if dt == "BOOL" else "i")
+
+    def items(self):
+        return [(k, self[k]) for k in self.keys()]
+
+    def values(self):
+        return [self[k] for k in self.keys()]
+
+    def pop(self, name, *default):
+        if name not in self:
+            return super().pop(name, *default)
+        a = self[name]
+        super().pop(name)
+        return a
+
+
+def read_tensors(path) -> tuple[LazyTensors, dict]:
+    """-> (the tensors, read on demand; the header's __metadata__ dict). Every header entry is checked first."""
+    path = Path(path)
+    header, start = read_header(path)
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise DumpError(f"{path}: __metadata__ must map names to strings")
+    data_size = path.stat().st_size - start
+    entries = {name: _entry(path, name, e, data_size) for name, e in header.items()}
+    return LazyTensors(path, entries, start), meta
