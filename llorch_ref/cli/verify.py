@@ -1,13 +1,16 @@
-"""llorch-ref verify BUNDLE: the bundle's files against their sha256, then (unless --no-rerun) the reference
-side run again from the manifest and the figures redone. Exit 0: every file as written and the figures hold;
-1: a file was edited, is missing or was added, or a verdict changed; 2: bad input."""
+"""llorch-ref verify BUNDLE: the bundle walked without following a link, its files against their sha256, its code
+against what llorch-ref writes, every page against the verdict of its rows, then (unless --no-rerun) the
+reference side run again from the manifest and the figures and verdict redone. Exit 0: every file as written,
+no code but llorch-ref's, every page states the rows' verdict and the figures hold; 1: a file edited,
+missing or added, a code file is refused, a page or the manifest contradicts the rows, or a verdict
+changed; 2: bad input (not a bundle, a symbolic link or special file in it, the model file missing)."""
 from __future__ import annotations
 
 import json
 
 from ..harness.metrics import fmt
 from ..harness.text_safety import for_terminal
-from ..harness.verify import verify_bundle
+from ..harness.verify import HASH_CAVEAT, verify_bundle
 from .common import log
 
 
@@ -16,12 +19,62 @@ def say(line: str):
     print(for_terminal(line))
 
 
+def _say_rerun(r: dict):
+    """The re-run's lines: the reference's tensors, the figures, what changed."""
+    lc = r["largest_change"]
+    say(f"reference run again: {r['reference_bit_equal']} of {r['reference_tensors']} tensors bit-equal to the "
+        f"bundle's" + (f" (worst NMSE {fmt(r['reference_worst']['nmse'])} at {r['reference_worst']['tensor']})"
+                       if r["reference_worst"]["tensor"] else ""))
+    say(f"figures: {r['comparisons']} comparisons redone, {len(r['verdicts_changed'])} verdicts changed; "
+        f"largest relative change {fmt(lc['relative_change'])}"
+        + (f" ({lc['figure']}: {fmt(lc['bundle'])} -> {fmt(lc['now'])})" if lc["figure"] else ""))
+    for c in r["verdicts_changed"][:10]:
+        say(f"  changed: {c}")
+    fd = r["first_divergence"]
+    if fd["bundle"] != fd["now"]:
+        say(f"  first divergence: {fd['bundle']} in the bundle's rows, {fd['now']} now")
+    if not r["verdict_holds"]:
+        say(f"  verdict: the bundle's rows give {r['rows_status']}, the re-run {r['verdict']['status']}")
+
+
+def _say_verdict(v):
+    """The verdict (the re-run's where it ran, else the rows'), its coverage, the band class, the model files."""
+    verdict = v.rerun["verdict"] if v.rerun and v.rerun.get("verdict") else v.verdict
+    if verdict:
+        say(verdict["line"] + ("" if v.rerun and v.rerun.get("verdict") else " (from the bundle's rows)"))
+        say(verdict["coverage"])
+    say(f"band class {v.band_class}")
+    m = v.model
+    say(f"reference model: {m['path']} (sha256 {m['sha256']}; "
+        + (f"read from {m['read']} and re-run" if m.get("checked") else "not re-run") + ")")
+    s = v.subject_model
+    if s.get("path") != m["path"] or s.get("sha256") != m["sha256"]:
+        say(f"subject model: {s.get('path')} (sha256 {s.get('sha256')})")
+
+
+def _failures(v) -> str:
+    r = v.rerun
+    return "; ".join(x for x in (
+        f"{', '.join(v.edited)} edited" if v.edited else "",
+        f"{len(v.missing)} file(s) missing" if v.missing else "",
+        f"{len(v.added)} file(s) added" if v.added else "",
+        f"{len(v.refused)} code file(s) refused" if v.refused else "",
+        f"{len(v.contradictions)} contradiction(s) of the rows' verdict" if v.contradictions else "",
+        "the manifest contradicts the files" if v.manifest_faults else "",
+        f"the re-run gives {r['verdict']['status']}, the bundle's rows {r['rows_status']}"
+        if r is not None and r.get("verdict_holds") is False else "",
+        "the figures do not hold" if r is not None and r["figures_hold"] is False and r.get("verdict_holds") is not False
+        else "") if x)
+
+
 def cmd_verify(args):
     v = verify_bundle(args.bundle, rerun=not args.no_rerun, model=args.model, log=log)
     if args.json:
         print(json.dumps(v.to_json(), indent=2, default=str))
         return 0 if v.ok else 1
-    for what, names in (("EDITED after the run", v.edited), ("MISSING", v.missing), ("ADDED after the run", v.added)):
+    for what, names in (("EDITED after the run", v.edited), ("MISSING", v.missing), ("ADDED after the run", v.added),
+                        ("REFUSED code file", v.refused), ("CONTRADICTS the rows' verdict", v.contradictions),
+                        ("CONTRADICTS the files present", v.manifest_faults)):
         for n in names:
             say(f"{what}: {n}")
     n_files = v.n_files
@@ -32,22 +85,12 @@ def cmd_verify(args):
         say(f"figures: not redone: {r['why']}")
         r = None
     if r is not None:
-        lc = r["largest_change"]
-        say(f"reference run again: {r['reference_bit_equal']} of {r['reference_tensors']} tensors bit-equal to the "
-            f"bundle's" + (f" (worst NMSE {fmt(r['reference_worst']['nmse'])} at {r['reference_worst']['tensor']})"
-                           if r["reference_worst"]["tensor"] else ""))
-        say(f"figures: {r['comparisons']} comparisons redone, {len(r['verdicts_changed'])} verdicts changed; "
-            f"largest relative change {fmt(lc['relative_change'])}"
-            + (f" ({lc['figure']}: {fmt(lc['bundle'])} -> {fmt(lc['now'])})" if lc["figure"] else ""))
-        for c in r["verdicts_changed"][:10]:
-            say(f"  changed: {c}")
-        fd = r["first_divergence"]
-        if fd["bundle"] != fd["now"]:
-            say(f"  first divergence: {fd['bundle']} in the bundle, {fd['now']} now")
+        _say_rerun(r)
+    _say_verdict(v)
+    for n in v.notes:
+        say(f"note: {n}")
+    say(f"note: {HASH_CAVEAT}")
     say(f"verify: {'OK' if v.ok else 'FAILED'}: " + (
-        "every file as written" + ("" if r is None else " and the figures hold") if v.ok else
-        "; ".join(x for x in ((f"{', '.join(v.edited)} edited" if v.edited else ""),
-                              (f"{len(v.missing)} file(s) missing" if v.missing else ""),
-                              (f"{len(v.added)} file(s) added" if v.added else ""),
-                              ("the figures do not hold" if r is not None and not r["figures_hold"] else "")) if x)))
+        "every file as written, no code but llorch-ref's, every page states the rows' verdict"
+        + ("" if r is None else " and the figures hold") if v.ok else _failures(v)))
     return 0 if v.ok else 1

@@ -10,6 +10,10 @@
       cp<id>_<name>/           report.md, report.json, subject.npz, reference.npz, error_by_layer.png
       repro/                   the first divergence as a standalone pytest case (when one diverges)
 
+Every page states the verdict where `verify` reads it: result.json's "verdict" (and each row's `order`),
+summary.md's line `**Verdict: STATUS**`, junit.xml's testsuite property llorch.verdict, report.html's element
+id="verdict" (data-verdict); the manifest says what the verdict requires and whether repro/ is held.
+
 The run is written into a staging folder beside it and renamed into place when complete: a run folder
 exists exactly when the run completed; a run id that exists is refused, never overwritten. Paths under
 $LLORCH_HOME, the home folder or the current folder are written as `$LLORCH_HOME/...`, `~/...` or relative.
@@ -36,6 +40,7 @@ from . import bundle_md, junit, plots, report_html, repro
 from .portable import portable
 
 MANIFEST = "manifest.json"
+FORMAT = "llorch-proof/3"        # /3: every page carries the verdict where `verify` reads it; rows keep their order
 
 
 def default_dir() -> Path:
@@ -97,7 +102,7 @@ def manifest(result, engine, argv, seed=0) -> dict:
     ref_sha, model_sha = (model_sha256(p) if Path(p).exists() else "unknown (not a file)"
                           for p in (result.reference_model, result.model))
     return portable({
-        "format": "llorch-proof/2",
+        "format": FORMAT,
         "llorch_ref_version": llorch_ref.__version__,
         "git_commit": _git_commit(),
         "python": sys.version.split()[0],
@@ -185,15 +190,17 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
     with target.staged_folder() as d:
         svgs = {s.id: _write_checkpoint(d / bundle_md.checkpoint_folder(s), s, result, man, plot, tensors)
                 for s in specs}
-        case = repro.write(d / "repro", result, engine, man) if repro_case else None
-        (d / "result.json").write_text(json.dumps(portable(result.to_json()), indent=2, default=_json_default) + "\n")
+        case = repro.write(d / "repro", result, engine, {**man, "run_id": run_id}) if repro_case else None
+        (d / "result.json").write_text(json.dumps(portable(result_json(result)), indent=2, default=_json_default)
+                                       + "\n")
         (d / "summary.md").write_text(bundle_md.summary(result, man, run_id, specs))
         (d / "junit.xml").write_text(junit.xml(result, run_id))
         (d / "report.html").write_text(report_html.render(result, man, run_id, engine, case, plot=plot,
                                                           layer_svgs={k: v for k, v in svgs.items() if v},
                                                           plot_off=plot_off))
         (d / MANIFEST).write_text(json.dumps({**man, "run_id": run_id, "checkpoints": [s.id for s in specs],
-                                              "tensors": tensors,
+                                              "tensors": tensors, "require": result.require,
+                                              "repro": repro_entry(result, case, repro_case),
                                               "files": file_hashes(d)}, indent=2) + "\n")
     step = os.environ.get("GITHUB_STEP_SUMMARY")
     if step:
@@ -202,6 +209,25 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
     run = out_dir / run_id
     return {"dir": run, "summary": run / "summary.md", "html": run / "report.html", "junit": run / "junit.xml",
             "repro": run / "repro" if case else None}
+
+
+def result_json(result) -> dict:
+    """result.json: DiffResult.to_json() with each row's place in the first-divergence order (`order`), so the
+    first divergence can be named again from the rows alone (verify does)."""
+    out = result.to_json()
+    for j, r in zip(out["rows"], result.rows):
+        j["order"] = list(r.order)
+    return out
+
+
+def repro_entry(result, case, repro_case: bool) -> dict | None:
+    """The manifest's word on repro/: None where nothing diverges, {"written": True}, or {"written": False,
+    "why"} (no repro can be made of this divergence, or write_bundle asked for none)."""
+    if result.first_divergence is None:
+        return None
+    if not repro_case:
+        return {"written": False, "why": "written without a repro (write_bundle repro_case=False)"}
+    return {"written": True} if case and case["written"] else {"written": False, "why": (case or {}).get("why")}
 
 
 def _write_checkpoint(d: Path, spec, result, man, plot, tensors=True) -> str | None:

@@ -94,7 +94,9 @@ def summary(result, man, run_id, specs, links=True) -> str:
     warnings, how to re-run. links: link each checkpoint's report (off for a CI step summary). What a dump, a
     model file or a command line gave is escaped (for_markdown): no heading, HTML or table cell of its own."""
     by_id = {s.id: s for s in specs}
+    verdict = result.verdict()
     lines = [f"# Proof run {md(run_id)}: {_verdict(result)}", "",
+             f"**Verdict: {verdict.status}** ({md(verdict.coverage_line())})", "",
              f"- subject: {md(man['subject'])}, from {code(man['model'])} (sha256 "
              f"{code(man['model_sha256'][:16] + '…')})"
              + _settings_of(man["sides"].get("subject")),

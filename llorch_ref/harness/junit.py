@@ -39,12 +39,14 @@ def _only_xml_characters(root: ET.Element):
 def xml(result, run_id: str) -> str:
     root = ET.Element("testsuites", name=f"llorch-ref {run_id}: {result.subject_label} vs {result.reference_label}")
     total = failures = skipped = 0
+    status = result.verdict().status            # every suite carries the run's verdict (`verify` reads it)
     for spec in result.specs:
         rows = [r for r in result.rows if r.checkpoint == spec.id]
         missing = [u for u in result.not_covered if u["checkpoint"] == spec.id]
         if not rows and not missing:
             continue
         suite = ET.SubElement(root, "testsuite", name=f"cp{spec.id}_{spec.name}")
+        ET.SubElement(ET.SubElement(suite, "properties"), "property", name="llorch.verdict", value=status)
         bad = 0
         for r in rows:
             case = ET.SubElement(suite, "testcase", classname=f"llorch.cp{spec.id}_{spec.name}",

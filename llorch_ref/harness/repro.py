@@ -12,10 +12,15 @@ them, the weights it reads, the reference output and the subject's output, and a
 
 The inputs, weights and outputs are recorded while the reference's operation runs (local.local_outputs with
 one output asked for), so the repro holds exactly what the operation read.
+
+Running a received repro executes code: test_repro.py is written from case.json by repro_test_source alone
+(its values kept inside the docstring), so `verify` writes it again and refuses one that differs by a byte;
+load refuses a case.json whose input, weight or mask names leave the folder.
 """
 from __future__ import annotations
 
 import json
+import re
 import types
 from pathlib import Path
 
@@ -57,6 +62,22 @@ def test_subject_output_inside_the_band():
 '''
 
 
+_DOCSTRING_UNSAFE = re.compile(r'[^\x20-\x7e]|[\\"]')      # printable ASCII but the backslash and the quote
+
+
+def _docstring_text(s) -> str:
+    """s as text that cannot end or escape a docstring: every character but printable ASCII, every backslash
+    and every double quote replaced by '?' (a case's run id and description are data, never code)."""
+    return _DOCSTRING_UNSAFE.sub("?", str(s))
+
+
+def repro_test_source(case: dict) -> str:
+    """test_repro.py of a case, exactly: the one code file a bundle holds. `verify` writes it again from the
+    bundle's case.json and refuses a test_repro.py that differs by a byte."""
+    return TEST_FILE.format(run_id=_docstring_text(case.get("run_id") or ""), what=_docstring_text(case.get("what")),
+                            folder="repro")
+
+
 class _Recorded:
     """A read-through view of a weights object that remembers every attribute read."""
 
@@ -96,7 +117,7 @@ def write(folder: Path, result, engine, man) -> dict | None:
     for rel, a in arrays.items():
         np.save(folder / rel, a)
     (folder / "case.json").write_text(json.dumps(case, indent=2) + "\n")
-    (folder / "test_repro.py").write_text(TEST_FILE.format(run_id=case["run_id"] or "", what=what, folder=folder.name))
+    (folder / "test_repro.py").write_text(repro_test_source(case))
     return {"what": what, "written": True, "inputs": case["inputs"], "weights": sorted(case["weights"]),
             "subject_output": arrays["subject_output.npy"], "reference_output": arrays["reference_output.npy"]}
 
@@ -194,10 +215,44 @@ def _weight_files(engine, layer, name, v) -> tuple[dict, dict]:
 
 # -- reading a repro back ------------------------------------------------------------------------------------
 def load(folder) -> dict:
+    """case.json of a repro folder, its file names checked (check_names): nothing it names leaves the folder."""
     folder = Path(folder)
-    case = json.loads((folder / "case.json").read_text())
+    p = folder / "case.json"
+    try:
+        case = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HarnessError(f"{p}: not a repro case ({e})") from None
+    if not isinstance(case, dict):
+        raise HarnessError(f"{p}: not a repro case (a JSON object is required)")
+    check_names(case, p)
     case["folder"] = folder
     return case
+
+
+def _plain_name(name, what: str, where) -> str:
+    """A name the repro turns into a file name is a plain one: a non-empty string, no path separator, no '..',
+    not absolute, no NUL, so the file it names lies inside the repro folder."""
+    if not isinstance(name, str) or not name:
+        raise HarnessError(f"{where}: {what} {name!r} is not a file name")
+    if "/" in name or "\\" in name or ".." in name or "\0" in name or Path(name).is_absolute():
+        raise HarnessError(f"{where}: {what} {name!r} would leave the repro folder (a plain name is required: no "
+                           f"'..', no path separator, not absolute)")
+    return name
+
+
+def check_names(case: dict, where) -> None:
+    """Every name case.json turns into a path (inputs, weights, masked_by) is a plain name (_plain_name)."""
+    inputs, weights = case.get("inputs", []), case.get("weights", {})
+    if not isinstance(inputs, list) or not isinstance(weights, dict):
+        raise HarnessError(f"{where}: inputs must be a list and weights an object of names")
+    for n in inputs:
+        _plain_name(n, "input name", where)
+    for n, how in weights.items():
+        _plain_name(n, "weight name", where)
+        if not isinstance(how, dict):
+            raise HarnessError(f"{where}: weight {n!r}: an object with its kind is required")
+    if case.get("masked_by") is not None:
+        _plain_name(case["masked_by"], "mask file", where)
 
 
 def _engine(case):

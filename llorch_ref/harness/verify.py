@@ -1,14 +1,38 @@
-"""Verify a proof bundle: every file against the sha256 its manifest holds (an edited, missing or added file is
-named), then the reference side run again from the manifest alone (its recipe: model file and sha256, token
-ids, settings) and the comparison redone on the subject's tensors the bundle keeps: the figures hold when every
-comparison keeps its verdict and the first divergence is the same one. The re-run reference's tensors are
-compared with the ones the bundle keeps (bit-equal on the machine and build that wrote it; a few ulps apart
-elsewhere), and the largest change of any figure is printed.
+"""Verify a proof bundle, in this order:
+
+1. Walk it without following a link: a symbolic link (to a file or a folder) or anything but a regular file or
+   folder is refused (HarnessError, exit 2), so nothing outside the bundle is read.
+2. Every file against the sha256 its manifest holds (an edited, missing or added file is named).
+3. Code: a bundle holds one code file, repro/test_repro.py, exactly as llorch-ref writes it from the bundle's
+   repro/case.json (repro.repro_test_source); any other code file (*.py, conftest.py, *.pyc, *.sh, pytest.ini,
+   setup.cfg, tox.ini, pyproject.toml, an executable) or a test_repro.py that differs by a byte is refused.
+4. The verdict of result.json's own rows (each row's divergence from its flags, Row.diverges; the first
+   divergence by the rows' order; the required coverage) against every page that states one: result.json's
+   verdict, passed and first_divergence, summary.md's verdict line, heading and table, junit.xml's failures
+   and its llorch.verdict property, report.html's element id="verdict", each checkpoint's report.json and
+   report.md, and repro/ (held where the first divergence has one).
+5. The manifest against the files: "tensors": false while tensor files are present is a contradiction; the
+   re-run is decided by the tensors present, never by the flag alone.
+6. The reference side run again from the manifest alone (its recipe: model file and sha256, token ids,
+   settings) and the comparison redone on the subject's tensors the bundle keeps: the figures hold when every
+   comparison keeps its verdict, and the re-run's verdict (status, first divergence) is the rows' verdict. The
+   re-run reference's tensors are compared with the ones the bundle keeps (bit-equal on the machine and build
+   that wrote it; a few ulps apart elsewhere), and the largest change of any figure is printed.
+
+sha256 detects accidental edits, not forgery: whoever edits a bundle can recompute every hash, and pages that
+agree with edited rows agree. The re-run checks the figures against the reference; only a signature would tie
+the files to their writer.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
+import stat
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
+from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +42,24 @@ from ..dump import CANONICAL_LAYOUTS, Dump, model_sha256
 from ..errors import HarnessError
 from ..references.engines import dump_llamacpp, dump_transformers, gguf_config
 from ..references.llorch import record_engine
-from .bundle import MANIFEST, file_hashes
+from .bundle import FORMAT, MANIFEST
+from .bundle_md import checkpoint_folder
 from .compare import compare_dumps
-from .metrics import compare
+from .junit import _case_name
+from .metrics import compare, within
 from .portable import expand_path
+from .repro import check_names, repro_test_source
+from .result import DiffResult, Row
 from .run import backend_bands
+from .verdict import FAIL, INCOMPLETE, PASS, Verdict, _missing
+
+HASH_CAVEAT = ("sha256 detects accidental edits, not forgery: whoever edits a bundle can recompute every hash "
+               "(and make its pages agree with edited rows); the re-run checks the figures against the reference")
+CODE_NAMES = {"conftest.py", "pytest.ini", "setup.cfg", "tox.ini", "pyproject.toml", "setup.py", "noxfile.py",
+              "Makefile", "justfile"}
+CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".pyd", ".pth", ".so", ".sh", ".bash", ".zsh", ".bat", ".cmd",
+                 ".ps1", ".ipynb")
+TEST_REPRO = "repro/test_repro.py"
 
 
 @dataclass
@@ -32,6 +69,14 @@ class Verification:
     edited: list = field(default_factory=list)      # files whose sha256 changed
     missing: list = field(default_factory=list)     # files the manifest lists that are gone
     added: list = field(default_factory=list)       # files the manifest does not list
+    refused: list = field(default_factory=list)     # ["path: why"]: code files llorch-ref would not write
+    contradictions: list = field(default_factory=list)   # ["page: what"]: a page against the rows' verdict
+    manifest_faults: list = field(default_factory=list)  # ["manifest.json: what"]: the manifest against the files
+    notes: list = field(default_factory=list)       # lines a reader must see that are not failures
+    verdict: dict | None = None                     # the rows' verdict (Verdict.to_json()) and its lines
+    model: dict = field(default_factory=dict)       # the reference's model file: path, sha256, whether re-run
+    subject_model: dict = field(default_factory=dict)
+    band_class: str | None = None
     rerun: dict | None = None                       # the re-run's findings (None: not re-run)
 
     @property
@@ -40,19 +85,85 @@ class Verification:
 
     @property
     def ok(self) -> bool:
-        return self.files_ok and (self.rerun is None or self.rerun["figures_hold"] is not False)
+        return (self.files_ok and not self.refused and not self.contradictions and not self.manifest_faults
+                and (self.rerun is None or self.rerun["figures_hold"] is not False))
 
     def to_json(self) -> dict:
         return {"folder": self.folder, "ok": self.ok, "files_ok": self.files_ok, "edited": self.edited,
-                "missing": self.missing, "added": self.added, "rerun": self.rerun}
+                "missing": self.missing, "added": self.added, "refused": self.refused,
+                "contradictions": self.contradictions, "manifest_faults": self.manifest_faults, "notes": self.notes, "verdict": self.verdict,
+                "model": self.model, "subject_model": self.subject_model, "band_class": self.band_class,
+                "hashes": HASH_CAVEAT, "rerun": self.rerun}
 
 
-def read_manifest(folder) -> dict:
+# -- 1. the walk --------------------------------------------------------------------------------------------
+def scan_bundle(folder) -> dict:
+    """{relative path: lstat} of every regular file under folder, never following a link. A symbolic link
+    anywhere (the folder itself included), or a FIFO, socket or device, is refused with a HarnessError:
+    llorch-ref writes none, and following one would read outside the bundle."""
     folder = Path(folder)
-    p = folder / MANIFEST
+    if os.path.islink(folder):
+        raise HarnessError(f"{folder}: the bundle folder is a symbolic link: verify never follows links (pass the "
+                           f"folder it points to)")
     if not folder.is_dir():
         raise HarnessError(f"{folder}: no such bundle folder (a run's folder: <out>/<run_id>/)")
-    if not p.is_file():
+    files = {}
+    _scan(folder, "", files)
+    return files
+
+
+def _scan(top: Path, rel: str, files: dict):
+    """One folder of the walk (scan_bundle's rule), entries in name order."""
+    with os.scandir(top / rel if rel else top) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        name = f"{rel}/{e.name}" if rel else e.name
+        st = e.stat(follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            raise HarnessError(f"{top / name}: a symbolic link in the bundle (to {os.readlink(e.path)}): verify "
+                               f"never follows links and refuses the bundle")
+        if stat.S_ISDIR(st.st_mode):
+            _scan(top, name, files)
+        elif stat.S_ISREG(st.st_mode):
+            files[name] = st
+        else:
+            raise HarnessError(f"{top / name}: not a regular file or folder (a FIFO, socket or device): refused")
+
+
+def sha256_nofollow(path: Path) -> str:
+    """The sha256 of a regular file, opened without following a link (O_NOFOLLOW)."""
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _read_text(folder: Path, files: dict, name: str) -> str | None:
+    """A file of the walk as text (None when absent or not UTF-8)."""
+    if name not in files:
+        return None
+    try:
+        return (folder / name).read_text()
+    except UnicodeDecodeError:
+        return None
+
+
+def _read_json(folder: Path, files: dict, name: str):
+    text = _read_text(folder, files, name)
+    try:
+        return None if text is None else json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+# -- 2. manifest and hashes ---------------------------------------------------------------------------------
+def read_manifest(folder, files=None) -> dict:
+    folder = Path(folder)
+    files = scan_bundle(folder) if files is None else files
+    p = folder / MANIFEST
+    if MANIFEST not in files:
         raise HarnessError(f"{folder}: no {MANIFEST}: not a proof bundle (or one written before format "
                            f"llorch-proof/2, which kept no hashes)")
     try:
@@ -60,13 +171,15 @@ def read_manifest(folder) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HarnessError(f"{p}: not JSON ({e}): the manifest itself was damaged") from None
     if not isinstance(man, dict) or not isinstance(man.get("files"), dict) or "recipe" not in man:
-        raise HarnessError(f"{p}: no 'files' and 'recipe': not a llorch-proof/2 manifest")
+        raise HarnessError(f"{p}: no 'files' and 'recipe': not a llorch-proof manifest")
     return man
 
 
-def check_files(folder, man) -> Verification:
+def check_files(folder, man, files=None) -> Verification:
+    """Every listed file against its sha256; the files present that the manifest does not list."""
     folder = Path(folder)
-    now = file_hashes(folder)
+    files = scan_bundle(folder) if files is None else files
+    now = {n: sha256_nofollow(folder / n) for n in files if n != MANIFEST}
     v = Verification(folder=str(folder), n_files=len(man["files"]))
     for name, sha in sorted(man["files"].items()):
         if name not in now:
@@ -77,18 +190,345 @@ def check_files(folder, man) -> Verification:
     return v
 
 
+# -- 3. code ------------------------------------------------------------------------------------------------
+def is_code(name: str, st) -> bool:
+    """A file a Python tool, a shell or pytest could run or load: by name (conftest.py, pytest.ini, setup.cfg,
+    tox.ini, pyproject.toml, ...), by suffix (.py, .pyc, .sh, .so, .pth, ...), inside __pycache__, or
+    executable by anyone."""
+    base = name.rsplit("/", 1)[-1]
+    return (base in CODE_NAMES or base.endswith(CODE_SUFFIXES) or "__pycache__" in name.split("/")
+            or bool(st.st_mode & 0o111))
+
+
+def refused_code(folder: Path, files: dict) -> list[str]:
+    """Code files llorch-ref would not write for this bundle: anything is_code but repro/test_repro.py, and a
+    test_repro.py that is executable or differs by a byte from repro_test_source(its case.json)."""
+    out = []
+    for name, st in files.items():
+        if not is_code(name, st):
+            continue
+        if name != TEST_REPRO or st.st_mode & 0o111:
+            out.append(f"{name}: llorch-ref writes no such file (a bundle's only code is {TEST_REPRO}, "
+                       f"not executable)")
+            continue
+        case = _read_json(folder, files, "repro/case.json")
+        if not isinstance(case, dict):
+            out.append(f"{name}: no readable repro/case.json to write it again from")
+        elif (folder / name).read_bytes() != repro_test_source(case).encode():
+            out.append(f"{name}: differs from the test_repro.py llorch-ref writes for this case.json")
+    return out
+
+
+# -- 4. the rows' verdict against every page ----------------------------------------------------------------
+def _row(r: dict) -> Row:
+    """A row of result.json as a Row (its flags, band and order; no figures), so Row.diverges and
+    DiffResult.first_divergence apply their own rule to it."""
+    return Row(checkpoint=str(r["checkpoint"]), name=r.get("name", ""), layer=r.get("layer"), tensor=r["tensor"],
+               metrics={}, band=r.get("band") or {}, passed=r.get("passed") is True, order=tuple(r.get("order") or ()),
+               local=r.get("local"), local_band=r.get("local_band"), local_passed=r.get("local_passed"),
+               local_covers=r.get("local_covers", True) is not False, step=r.get("step") or 0)
+
+
+def rows_of(stored: dict) -> DiffResult:
+    """result.json's rows and not-covered cases as a DiffResult (what verdict_of_rows judges)."""
+    try:
+        rows = [_row(r) for r in stored["rows"]]
+        nc = list(stored.get("not_covered") or [])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise HarnessError(f"result.json: a row without {e}: not a comparison's result") from None
+    if any(not r.order for r in rows):
+        raise HarnessError(f"result.json: a row without its order (format {FORMAT} keeps it): its first divergence "
+                           f"cannot be named again")
+    return DiffResult(model="", reference_model="", prompt="", token_ids=[], band_class=stored.get("band_class"),
+                      rows=rows, not_covered=nc, local_declaration=stored.get("local_declaration"))
+
+
+def verdict_of_rows(stored: dict) -> Verdict:
+    """The verdict result.json's own rows give, by judge's rule (harness/verdict.py): FAIL where a row diverges
+    (Row.diverges: local_passed False diverges; local_passed True with local_covers does not; else not passed
+    does), the first divergence by the rows' order; INCOMPLETE where nothing is compared, a required key (the
+    list the bundle's verdict names: a re-run derives it again from the model) is not compared on every
+    layer, or a declared decode step holds nothing; PASS otherwise."""
+    res = rows_of(stored)
+    rows, nc, fd = res.rows, res.not_covered, res.first_divergence
+    sv = stored.get("verdict") if isinstance(stored.get("verdict"), dict) else {}
+    required, rule = [str(k) for k in sv.get("required") or []], str(sv.get("rule") or "not known")
+    missing = _missing(required, rows, nc)
+    diverging = sum(r.diverges for r in rows)
+    reasons = []
+    if fd is not None:
+        reasons.append(f"{diverging} of {len(rows)} comparisons outside their bands; first divergence: checkpoint "
+                       f"{fd['checkpoint']}, layer {fd['layer']}, tensor {fd['tensor']}, step {fd['step']} "
+                       f"(by {fd['by']})")
+    if not rows:
+        reasons.append("nothing compared (not covered is not passed)")
+    if missing:
+        reasons.append(f"{len(missing)} of {len(required)} required tensors not compared on every layer "
+                       f"({rule}): {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    steps = sorted({str(u.get("tensor")) for u in nc if u.get("checkpoint") == "steps"})
+    if steps:
+        reasons.append(f"decode step(s) {', '.join(steps)} declared but not held")
+    status = FAIL if fd is not None else (INCOMPLETE if reasons else PASS)
+    return Verdict(status=status, first_divergence=fd, compared=len(rows), diverging=diverging, not_covered=len(nc),
+                   required=required, missing=missing, rule=rule, band_class=str(stored.get("band_class")),
+                   local_declaration=stored.get("local_declaration"), reasons=reasons)
+
+
+def _checkpoint_verdicts(res: DiffResult, specs) -> dict:
+    """{checkpoint id: PASS | FAIL | NOT COVERED} of the rows: compared and none diverges is PASS."""
+    out = {}
+    for s in specs:
+        rows = [r for r in res.rows if r.checkpoint == s.id]
+        out[s.id] = "NOT COVERED" if not rows else ("FAIL" if any(r.diverges for r in rows) else "PASS")
+    return out
+
+
+def _check_result_json(stored: dict, res: DiffResult, v: Verdict) -> list[str]:
+    """result.json's own verdict, passed and first divergence, and each row's `diverges`, against its rows."""
+    out = []
+    sv = stored.get("verdict") if isinstance(stored.get("verdict"), dict) else {}
+    if sv.get("status") != v.status:
+        out.append(f"its verdict says {sv.get('status')}, its rows give {v.status}")
+    if sv.get("first_divergence") != v.first_divergence or stored.get("first_divergence") != v.first_divergence:
+        out.append(f"its first divergence is {stored.get('first_divergence')}, its rows give {v.first_divergence}")
+    if stored.get("passed") is not (v.status == PASS):
+        out.append(f"passed is {stored.get('passed')}, its rows give {v.status}")
+    bad = [r for r, j in zip(res.rows, stored["rows"]) if j.get("diverges") is not r.diverges]
+    if bad:
+        out.append(f"{len(bad)} rows' diverges flag disagrees with their own pass flags (first: cp{bad[0].checkpoint} "
+                   f"{bad[0].tensor} L{bad[0].layer})")
+    flags = [j for j in stored["rows"] if not _flags_hold(j)]
+    if flags:
+        out.append(f"{len(flags)} rows' pass flags disagree with their own figures against their bands (first: "
+                   f"cp{flags[0]['checkpoint']} {flags[0]['tensor']} L{flags[0].get('layer')})")
+    return out
+
+
+def _flags_hold(j: dict) -> bool:
+    """A row's passed and local_passed are its figures against its bands (metrics.within), as compare wrote them."""
+    figures = {k: x for k, x in j.items() if k not in ("band", "passed")}
+    if within(figures, j.get("band") or {}) is not (j.get("passed") is True):
+        return False
+    if isinstance(j.get("local"), dict) and isinstance(j.get("local_band"), dict):
+        return within(j["local"], j["local_band"]) is (j.get("local_passed") is True)
+    return True
+
+
+_VERDICT_LINE = re.compile(r"^\*\*Verdict: ([A-Z ]+)\*\*", re.M)
+_CELL = re.compile(r"(?<!\\)\|")
+
+
+def _check_summary(text: str, v: Verdict, per_cp: dict) -> list[str]:
+    """summary.md: one line `**Verdict: STATUS**` equal to the rows' verdict; a heading that says DIVERGED
+    exactly where the verdict is FAIL (at the first divergence's checkpoint and layer); each checkpoint's table
+    cell (pass, **FAIL**, NOT COVERED) as its rows give."""
+    out = []
+    found = _VERDICT_LINE.findall(text)
+    if len(found) != 1 or found[0] != v.status:
+        out.append(f"its verdict line says {found or 'nothing'}, the rows give {v.status}")
+    head = text.split("\n", 1)[0]
+    fd = v.first_divergence
+    if ("DIVERGED" in head) != (fd is not None) or (fd is not None and f"checkpoint {fd['checkpoint']}, layer "
+                                                    f"{fd['layer']}," not in head):
+        out.append("its heading " + (f"does not name the first divergence (checkpoint {fd['checkpoint']}, layer "
+                                     f"{fd['layer']})" if fd is not None else "says DIVERGED where no row diverges"))
+    want = {"PASS": "pass", "FAIL": "**FAIL**", "NOT COVERED": "NOT COVERED"}
+    for line in text.splitlines():
+        cells = [c.strip() for c in _CELL.split(line)[1:-1]] if line.startswith("| ") else []
+        if len(cells) > 2 and cells[0] in per_cp and not cells[-1].startswith(want[per_cp[cells[0]]]):
+            out.append(f"its row of checkpoint {cells[0]} says {cells[-1]!r}, the rows give {per_cp[cells[0]]}")
+    return out
+
+
+def _check_junit(text: str, res: DiffResult, v: Verdict) -> list[str]:
+    """junit.xml: every testsuite's llorch.verdict property is the rows' verdict; the failing test cases are
+    exactly the diverging rows, and every failures count says so."""
+    try:
+        root = ET.fromstring(text)
+    except ET.ParseError as e:
+        return [f"not XML ({e})"]
+    out = []
+    props = [p.get("value") for s in root.iter("testsuite") for p in s.iter("property")
+             if p.get("name") == "llorch.verdict"]
+    suites = list(root.iter("testsuite"))
+    if len(props) != len(suites) or any(p != v.status for p in props):
+        out.append(f"its llorch.verdict properties say {sorted(set(props)) or 'nothing'}, the rows give {v.status}")
+    want = {(f"llorch.cp{r.checkpoint}_{r.name}", _case_name(r.checkpoint, r.layer, r.tensor))
+            for r in res.rows if r.diverges}
+    got = {(c.get("classname"), c.get("name")) for c in root.iter("testcase") if c.find("failure") is not None}
+    if got != want:
+        out.append(f"{len(got)} failing test cases, the rows give {len(want)} diverging"
+                   + (f" (e.g. {sorted(want - got)[0][1]} not failed)" if want - got else ""))
+    counts = [root.get("failures")] + [s.get("failures") for s in suites]
+    if root.get("failures") != str(len(want)) or sum(int(s.get("failures") or 0) for s in suites) != len(want):
+        out.append(f"its failures counts {counts[:1]} (suites {sum(int(c or 0) for c in counts[1:])}) are not the "
+                   f"{len(want)} diverging rows")
+    return out
+
+
+class _VerdictElement(HTMLParser):
+    """Every element with id="verdict" of a page: its data-verdict attribute and its text."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.found, self._open, self._depth = [], None, 0
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if self._open is not None:
+            self._depth += tag == self._open["tag"]
+        elif a.get("id") == "verdict":
+            self._open, self._depth = {"tag": tag, "status": a.get("data-verdict"), "text": ""}, 0
+
+    def handle_endtag(self, tag):
+        if self._open is None or tag != self._open["tag"]:
+            return
+        if self._depth:
+            self._depth -= 1
+        else:
+            self.found.append(self._open)
+            self._open = None
+
+    def handle_data(self, data):
+        if self._open is not None:
+            self._open["text"] += data
+
+
+def _check_html(text: str, v: Verdict) -> list[str]:
+    """report.html: one element id="verdict", its data-verdict the rows' verdict and its text opening with
+    DIVERGED (FAIL), INCOMPLETE or PASS accordingly."""
+    p = _VerdictElement()
+    p.feed(text)
+    p.close()
+    if len(p.found) != 1:
+        return [f"{len(p.found)} elements with id=\"verdict\" (one is written)"]
+    el, opens = p.found[0], {FAIL: "DIVERGED", INCOMPLETE: "INCOMPLETE", PASS: "PASS"}[v.status]
+    if el["status"] != v.status or not el["text"].strip().startswith(opens):
+        return [f"its verdict says {el['status']} ({el['text'].strip()[:60]!r}), the rows give {v.status}"]
+    return []
+
+
+def _check_checkpoint(rep: dict | None, md: str | None, verdict: str, fd) -> list[str]:
+    """A checkpoint's report.json (passed, first_divergence) and report.md (its **Verdict: ...** line)."""
+    out = []
+    if rep is not None and (rep.get("passed") is not (verdict == "PASS") or rep.get("first_divergence") != fd):
+        out.append(f"report.json says passed {rep.get('passed')}, first divergence {rep.get('first_divergence')}; "
+                   f"the rows give {verdict}, {fd}")
+    found = _VERDICT_LINE.findall(md or "")
+    if md is not None and found != [verdict]:
+        out.append(f"report.md says {found or 'no verdict'}, the rows give {verdict}")
+    return out
+
+
+def _check_repro(folder: Path, files: dict, man: dict, res: DiffResult, notes: list) -> list[str]:
+    """repro/ is held exactly where the first divergence has a local figure (repro.write's rule) and the
+    manifest does not say why there is none; its case.json names the first divergence and only plain names."""
+    fd = res.first_divergence
+    held = any(n.startswith("repro/") for n in files)
+    entry = man.get("repro")
+    if fd is None:
+        return ["repro/ is held but no row diverges"] if held else []
+    row = min((r for r in res.rows if r.diverges), key=lambda r: r.order)
+    possible = row.local is not None and "nmse" in row.local
+    if isinstance(entry, dict) and entry.get("written") is False:
+        notes.append(f"repro: none in the bundle ({entry.get('why')})")
+        return ["repro/ is held where the manifest says there is none"] if held else []
+    if not possible:
+        return (["repro/ is held for a divergence measured without a local figure"] if held else [])
+    if "repro/case.json" not in files or TEST_REPRO not in files:
+        return [f"case.json and test_repro.py are missing: the first divergence (checkpoint {fd['checkpoint']}, "
+                f"layer {fd['layer']}, {fd['tensor']}) has a local figure and the manifest says the bundle holds its repro"]
+    case = _read_json(folder, files, "repro/case.json")
+    if not isinstance(case, dict):
+        return ["repro/case.json is not a JSON object"]
+    try:
+        check_names(case, "repro/case.json")
+    except HarnessError as e:
+        return [str(e)]
+    where = (case.get("checkpoint"), case.get("tensor"), case.get("layer"), case.get("step"))
+    if where != (fd["checkpoint"], fd["tensor"].split("@")[0], fd["layer"], fd["step"]):
+        return [f"repro/case.json is of checkpoint {where[0]}, {where[1]}, layer {where[2]}, step {where[3]}; the "
+                f"first divergence is checkpoint {fd['checkpoint']}, {fd['tensor']}, layer {fd['layer']}"]
+    return []
+
+
+def pages_against(folder: Path, files: dict, man: dict, stored: dict, notes: list) -> tuple[Verdict, list[str]]:
+    """-> (the rows' verdict, ["page: what"] for every page that contradicts it)."""
+    res, v = rows_of(stored), verdict_of_rows(stored)
+    specs = load_specs([str(c) for c in man.get("checkpoints") or []])
+    per_cp = _checkpoint_verdicts(res, specs)
+    out = [f"result.json: {c}" for c in _check_result_json(stored, res, v)]
+    for name, check in (("summary.md", lambda t: _check_summary(t, v, per_cp)),
+                        ("junit.xml", lambda t: _check_junit(t, res, v)), ("report.html", lambda t: _check_html(t, v))):
+        text = _read_text(folder, files, name)
+        out += [f"{name}: missing or not text"] if text is None else [f"{name}: {c}" for c in check(text)]
+    for s in specs:
+        d = checkpoint_folder(s)
+        rep, md = _read_json(folder, files, f"{d}/report.json"), _read_text(folder, files, f"{d}/report.md")
+        fd = v.first_divergence
+        out += [f"{d}/{c}" for c in _check_checkpoint(rep if isinstance(rep, dict) else None, md, per_cp[s.id], fd)]
+    out += [f"repro/: {c}" for c in _check_repro(folder, files, man, res, notes)]
+    return v, out
+
+
+# -- 5. the manifest against the tensors present ------------------------------------------------------------
+def tensors_present(man: dict, files: dict) -> tuple[bool, list[str]]:
+    """-> (every checkpoint keeps its subject's tensors, ["manifest.json: what"]): "tensors": false while tensor
+    files are present, or tensors kept for some checkpoints and not others, contradict the manifest."""
+    specs = load_specs([str(c) for c in man.get("checkpoints") or []])
+    held = [n for n in files if n.endswith(("/subject.npz", "/reference.npz"))]
+    subject = [s for s in specs if f"{checkpoint_folder(s)}/subject.npz" in files]
+    out = []
+    if man.get("tensors", True) is False and held:
+        out.append(f'manifest.json: "tensors": false, but {len(held)} tensor files are present (e.g. {held[0]}): '
+                   f"a manifest that would turn the re-run off")
+    if subject and len(subject) != len(specs):
+        out.append(f"manifest.json: tensors kept for {len(subject)} of {len(specs)} checkpoints (a bundle keeps "
+                   f"all of them or none)")
+    elif not subject and man.get("tensors", True) is not False:
+        out.append('manifest.json: "tensors": true, but no checkpoint keeps its subject.npz')
+    return bool(specs) and len(subject) == len(specs), out
+
+
+# -- the whole check ----------------------------------------------------------------------------------------
 def verify_bundle(folder, rerun: bool = True, model=None, log=None) -> Verification:
-    """The files against their hashes; with rerun, the reference run again and the figures redone."""
-    man = read_manifest(folder)
-    v = check_files(folder, man)
-    if rerun and not man.get("tensors", True):
+    """The walk, the hashes, the code, the pages against the rows' verdict, the manifest against the files;
+    with rerun (and the tensors present), the reference run again and the figures and verdict redone."""
+    folder = Path(folder)
+    files = scan_bundle(folder)
+    man = read_manifest(folder, files)
+    v = check_files(folder, man, files)
+    v.band_class = man.get("band_class")
+    v.model = {"path": (man["recipe"] or {}).get("model"), "sha256": (man["recipe"] or {}).get("model_sha256"),
+               "checked": False}
+    v.subject_model = {"path": man.get("model"), "sha256": man.get("model_sha256")}
+    v.refused = refused_code(folder, files)
+    if man.get("format") != FORMAT:
+        v.manifest_faults.append(f"manifest.json: format {man.get('format')}: its pages carry no verdict verify can "
+                                f"read (a format older than {FORMAT}: prove it again)")
+        stored = None
+    else:
+        stored = _read_json(folder, files, "result.json")
+        if not isinstance(stored, dict) or not isinstance(stored.get("rows"), list):
+            v.contradictions.append("result.json: missing or not a comparison's result: no verdict to check")
+            stored = None
+    if stored is not None:
+        verdict, found = pages_against(folder, files, man, stored, v.notes)
+        v.verdict = {**verdict.to_json(), "line": verdict.line(), "coverage": verdict.coverage_line(),
+                     "from": "result.json's rows"}
+        v.contradictions += found
+    all_held, found = tensors_present(man, files)
+    v.manifest_faults += found
+    if rerun and not all_held:
         v.rerun = {"figures_hold": None, "why": "the bundle keeps no tensors (written with --no-tensors): its "
-                                                "figures cannot be redone, only its files checked"}
-    elif rerun:
-        v.rerun = rerun_and_compare(Path(folder), man, model=model, log=log)
+                                                "figures cannot be redone, only its files and pages checked"}
+    elif rerun and stored is not None:
+        v.rerun = rerun_and_compare(folder, man, stored, model=model, log=log)
+        v.model.update(checked=True, read=v.rerun.pop("model_read"))
     return v
 
 
+# -- 6. the re-run ------------------------------------------------------------------------------------------
 def _subject(folder: Path, man) -> Dump:
     """The subject's tensors the bundle keeps (every checkpoint's subject.npz), as a canonical dump."""
     tensors = {}
@@ -108,7 +548,6 @@ def _reference(recipe, path: Path, log):
     """-> (Dump of the reference side run again, the llorch-ref engine when it is the reference, else None,
     the model's Config)."""
     import llorch_ref
-
 
     kind, ids = recipe["kind"], recipe["token_ids"]
     if log:
@@ -130,7 +569,9 @@ def _reference(recipe, path: Path, log):
     raise HarnessError(f"recipe kind {kind!r} is not one of llamacpp, llorch, transformers")
 
 
-def rerun_and_compare(folder: Path, man, model=None, log=None) -> dict:
+def rerun_and_compare(folder: Path, man, stored: dict, model=None, log=None) -> dict:
+    """The reference run again from the recipe, the comparison redone: each row's verdict, the figures, the
+    re-run's verdict against the rows' verdict, the reference's tensors against the bundle's."""
     recipe = man["recipe"]
     if not recipe:
         raise HarnessError(f"{folder}: the manifest keeps no recipe for the reference side (its run wrote none): "
@@ -149,8 +590,13 @@ def rerun_and_compare(folder: Path, man, model=None, log=None) -> dict:
     res = compare_dumps(sub, ref, cfg, man["band_class"], checkpoints=recipe.get("checkpoints"), bands=bands,
                         subject_label=man["subject"], reference_label=man["reference"],
                         local_engine=eng if recipe.get("local") else None)
-    stored = json.loads((folder / "result.json").read_text())
-    return {**_figures_against(stored, res), **_tensors_against(folder, man, res)}
+    res.require = man.get("require") or recipe.get("require") or "auto"
+    out = {**_figures_against(stored, res), **_tensors_against(folder, man, res), "model_read": str(path)}
+    now, rows = res.verdict(), verdict_of_rows(stored)
+    same = now.status == rows.status and now.first_divergence == rows.first_divergence
+    out.update(verdict={**now.to_json(), "line": now.line(), "coverage": now.coverage_line()}, verdict_holds=same,
+               rows_status=rows.status, figures_hold=out["figures_hold"] and same)
+    return out
 
 
 def _key(r: dict) -> tuple:
@@ -159,7 +605,8 @@ def _key(r: dict) -> tuple:
 
 
 def _diverges(r: dict) -> bool:
-    return not (r["local_passed"] if r.get("local_passed") is not None else r["passed"])
+    """Row.diverges of a row as JSON (its flags: local_passed, local_covers, passed)."""
+    return _row(r).diverges
 
 
 def _figures_against(stored: dict, res) -> dict:
@@ -182,9 +629,9 @@ def _figures_against(stored: dict, res) -> dict:
                 if rel > worst["relative_change"]:
                     worst = {"figure": f"{fig} of cp{r['checkpoint']} {r['tensor']} L{r['layer']}", "bundle": a,
                              "now": b, "relative_change": rel}
-    same_fd = stored.get("first_divergence") == res.first_divergence
-    return {"figures_hold": not changed and same_fd, "comparisons": len(stored["rows"]), "verdicts_changed": changed,
-            "first_divergence": {"bundle": stored.get("first_divergence"), "now": res.first_divergence},
+    fd = rows_of(stored).first_divergence
+    return {"figures_hold": not changed and fd == res.first_divergence, "comparisons": len(stored["rows"]),
+            "verdicts_changed": changed, "first_divergence": {"bundle": fd, "now": res.first_divergence},
             "largest_change": worst}
 
 
