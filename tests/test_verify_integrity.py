@@ -280,3 +280,74 @@ def test_a_planted_bundle_verifies_with_its_failing_verdict(bundles, capsys):
     assert rc == 0, out + err
     assert re.search(r"^verdict: FAIL .*checkpoint 6, layer 1, tensor ffn_swiglu", out, flags=re.M), out
     assert "verify: OK" in out
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """{"private": PEM file, "public": its PEM public key, "other": another key's PEM public key}."""
+    pytest.importorskip("cryptography", reason="signing needs the cryptography package")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    d = tmp_path_factory.mktemp("keys")
+    out = {}
+    for name in ("mine", "other"):
+        k = ed25519.Ed25519PrivateKey.generate()
+        (d / f"{name}.pem").write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                        serialization.NoEncryption()))
+        (d / f"{name}.pub").write_bytes(k.public_key().public_bytes(serialization.Encoding.PEM,
+                                                                    serialization.PublicFormat.SubjectPublicKeyInfo))
+    out.update(private=d / "mine.pem", public=d / "mine.pub", other=d / "other.pub")
+    return out
+
+
+@pytest.fixture(scope="module")
+def signed(tiny, keys, tmp_path_factory):
+    """A PASS bundle signed with keys["private"]."""
+    from llorch_ref.checkpoints import engine_band_class
+    from llorch_ref.harness.bundle import write_bundle
+    from llorch_ref.harness.run import run_subject
+    from llorch_ref.references.llorch import record_engine
+
+    model = tiny(vocab="bpe", n_layers=1)
+    eng = llorch_ref.load(model)
+    ids = eng.tokenizer.encode("Once upon a time")
+    sub = record_engine(llorch_ref.load(model), ids, prompt="Once upon a time", n_greedy=2).to_dump()
+    res = run_subject(eng, sub, engine_band_class(eng), subject_label="signed engine")
+    return write_bundle(res, eng, out_dir=tmp_path_factory.mktemp("signed"), run_id="signed", plot=False,
+                        sign=keys["private"], argv=["llorch-ref", "prove", "--sign", "key.pem"])["dir"]
+
+
+def test_a_signed_bundle_verifies_under_its_key(signed, keys, capsys):
+    rc, out, err = _verify(signed, "--no-rerun", "--key", str(keys["public"]), capsys=capsys)
+    assert rc == 0 and re.search(r"^signature: good: manifest\.json", out, flags=re.M), out + err
+    rc, out, _ = _verify(signed, "--no-rerun", capsys=capsys)
+    assert rc == 0 and "signature: present" in out and "not checked" in out
+
+
+def test_an_edited_signed_bundle_fails_its_signature(signed, keys, tmp_path, capsys):
+    run = tmp_path / "edited"
+    shutil.copytree(signed, run)
+    p = run / "cp1_rms_norm" / "report.md"
+    p.write_text(p.read_text() + "\nAn added line.\n")
+    _rehash(run)
+    rc, out, _ = _verify(run, "--no-rerun", "--key", str(keys["public"]), capsys=capsys)
+    assert rc == 1 and re.search(r"^SIGNATURE BAD: .*edited after signing", out, flags=re.M), out
+
+
+def test_another_key_or_no_signature_fails(signed, bundles, keys, capsys):
+    rc, out, _ = _verify(signed, "--no-rerun", "--key", str(keys["other"]), capsys=capsys)
+    assert rc == 1 and re.search(r"^SIGNATURE BAD: ", out, flags=re.M), out
+    rc, out, _ = _verify(bundles["clean"], "--no-rerun", "--key", str(keys["public"]), capsys=capsys)
+    assert rc == 1 and re.search(r"^SIGNATURE BAD: .*not signed", out, flags=re.M), out
+
+
+def test_prove_refuses_a_key_that_is_not_one_before_running(tiny, tmp_path, capsys):
+    from llorch_ref.cli import main
+
+    pytest.importorskip("cryptography", reason="signing needs the cryptography package")
+    bad = tmp_path / "key.pem"
+    bad.write_text("not a key\n")
+    rc = main(["prove", "--model", str(tiny(vocab="bpe", n_layers=1)), "--out", str(tmp_path / "pb"), "--sign", str(bad)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: --sign ") and not (tmp_path / "pb").exists(), err

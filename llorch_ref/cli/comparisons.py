@@ -12,7 +12,7 @@ from ..checkpoints import engine_band_class
 from ..dump import load_dump, parse_rows
 from ..errors import ParameterError
 from ..harness import run as harness_run
-from ..harness.bundle import check_bundle_target, write_bundle
+from ..harness.bundle import check_bundle_target, load_signing_key, write_bundle
 from ..harness.bundle_md import simd_phrase
 from ..harness.compare import compare_dumps
 from ..harness.run import DEFAULT_PROMPT
@@ -131,9 +131,10 @@ def cmd_diff(args):
 def cmd_prove(args):
     t0 = time.perf_counter()
     out_dir, run_id = check_bundle_target(args.out, args.run_id)     # before the run, not after it
+    key = load_signing_key(args.sign) if args.sign else None
     eng, res = run_comparison(args)
     paths = write_bundle(res, eng, out_dir=out_dir, run_id=run_id, argv=["llorch-ref"] + sys.argv[1:],
-                         tensors=not args.no_tensors, plot=not args.no_plots)
+                         tensors=not args.no_tensors, plot=not args.no_plots, sign=key)
     print_result(res, False)
     print(f"proof bundle: {paths['dir']}/ (report.html, summary.md, junit.xml, manifest.json with every file's sha256"
           + (", repro/" if paths["repro"] else "") + ")")

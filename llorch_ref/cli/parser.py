@@ -164,6 +164,9 @@ def _prove(sub):
                     "bundle whose files verify checks, but whose figures it cannot redo")
     pr.add_argument("--no-plots", action="store_true", help="draw no plots (NMSE by layer, the divergence's heat map): "
                     "the same files and figures less the images, about 1.8 s sooner (matplotlib not imported)")
+    pr.add_argument("--sign", metavar="KEYFILE", default=None, help="sign manifest.json (which holds every file's "
+                    "sha256) with this Ed25519 private key, PEM (openssl genpkey -algorithm ed25519 -out key.pem); "
+                    "needs the cryptography package")
     pr.set_defaults(fn=cmd_prove)
 
 
@@ -174,6 +177,9 @@ def _verify(sub):
     v.add_argument("--no-rerun", action="store_true", help="check the files' sha256 only")
     v.add_argument("--model", default=None, help="the reference's model file, where it is not at the path the "
                                                  "manifest names (its sha256 must match)")
+    v.add_argument("--key", metavar="PUBKEY", default=None, help="check manifest.json.sig against this Ed25519 "
+                   "public key, PEM (openssl pkey -in key.pem -pubout -out key.pub): an unsigned bundle, or one "
+                   "signed by another key or edited after signing, fails")
     v.add_argument("--json", action="store_true", help="print the verification as JSON")
     v.set_defaults(fn=cmd_verify)
 

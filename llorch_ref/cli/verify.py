@@ -1,9 +1,10 @@
 """llorch-ref verify BUNDLE: the bundle walked without following a link, its files against their sha256, its code
 against what llorch-ref writes, every page against the verdict of its rows, then (unless --no-rerun) the
-reference side run again from the manifest and the figures and verdict redone. Exit 0: every file as written,
-no code but llorch-ref's, every page states the rows' verdict and the figures hold; 1: a file edited,
-missing or added, a code file is refused, a page or the manifest contradicts the rows, or a verdict
-changed; 2: bad input (not a bundle, a symbolic link or special file in it, the model file missing)."""
+reference side run again from the manifest and the figures and verdict redone; with --key, manifest.json.sig
+checked against that public key. Exit 0: every file as written, no code but llorch-ref's, every page states
+the rows' verdict, the figures hold (and the signature, when checked); 1: a file edited, missing or added, a
+code file refused, a page or the manifest contradicts the rows, a verdict changed or the signature fails;
+2: bad input (not a bundle, a symbolic link or special file in it, the model file missing)."""
 from __future__ import annotations
 
 import json
@@ -52,6 +53,17 @@ def _say_verdict(v):
         say(f"subject model: {s.get('path')} (sha256 {s.get('sha256')})")
 
 
+def _say_signature(s: dict):
+    """The signature's line: good or BAD under the key given; else signed by which key, or unsigned."""
+    if s.get("checked"):
+        say(f"signature: good: {s['why']}" if s["good"] else f"SIGNATURE BAD: {s['why']}")
+    elif s.get("signed"):
+        say(f"signature: present (key {str(s['signer'])[:16]}…), not checked: pass --key PUBKEY (the key the bundle "
+            f"names proves nothing by itself)")
+    else:
+        say("signature: none (prove --sign KEYFILE signs a bundle)")
+
+
 def _failures(v) -> str:
     r = v.rerun
     return "; ".join(x for x in (
@@ -59,6 +71,7 @@ def _failures(v) -> str:
         f"{len(v.missing)} file(s) missing" if v.missing else "",
         f"{len(v.added)} file(s) added" if v.added else "",
         f"{len(v.refused)} code file(s) refused" if v.refused else "",
+        "the signature does not hold" if v.signature.get("good") is False else "",
         f"{len(v.contradictions)} contradiction(s) of the rows' verdict" if v.contradictions else "",
         "the manifest contradicts the files" if v.manifest_faults else "",
         f"the re-run gives {r['verdict']['status']}, the bundle's rows {r['rows_status']}"
@@ -68,7 +81,7 @@ def _failures(v) -> str:
 
 
 def cmd_verify(args):
-    v = verify_bundle(args.bundle, rerun=not args.no_rerun, model=args.model, log=log)
+    v = verify_bundle(args.bundle, rerun=not args.no_rerun, model=args.model, log=log, key=args.key)
     if args.json:
         print(json.dumps(v.to_json(), indent=2, default=str))
         return 0 if v.ok else 1
@@ -87,10 +100,12 @@ def cmd_verify(args):
     if r is not None:
         _say_rerun(r)
     _say_verdict(v)
+    _say_signature(v.signature)
     for n in v.notes:
         say(f"note: {n}")
     say(f"note: {HASH_CAVEAT}")
     say(f"verify: {'OK' if v.ok else 'FAILED'}: " + (
         "every file as written, no code but llorch-ref's, every page states the rows' verdict"
-        + ("" if r is None else " and the figures hold") if v.ok else _failures(v)))
+        + ("" if r is None else " and the figures hold")
+        + (", signed by the key given" if v.signature.get("good") else "") if v.ok else _failures(v)))
     return 0 if v.ok else 1

@@ -20,6 +20,7 @@ $LLORCH_HOME, the home folder or the current folder are written as `$LLORCH_HOME
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime as _dt
 import hashlib
@@ -34,12 +35,13 @@ import numpy as np
 
 from ..backends import cpu_flags, cpu_model
 from ..dump import model_sha256
-from ..errors import HarnessError
+from ..errors import HarnessError, ParameterError
 from ..output_paths import check_container, check_output, check_run_id
 from . import bundle_md, junit, plots, report_html, repro
 from .portable import portable
 
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.json.sig"  # prove --sign: an Ed25519 signature of manifest.json's bytes
 FORMAT = "llorch-proof/3"        # /3: every page carries the verdict where `verify` reads it; rows keep their order
 
 
@@ -172,11 +174,13 @@ def check_bundle_target(out_dir=None, run_id=None) -> tuple[Path, str]:
 
 
 def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, plot=True, repro_case=True,
-                 tensors=True) -> dict:
+                 tensors=True, sign=None) -> dict:
     """-> {"dir", "summary", "html", "junit", "repro" (or None)}: the run's folder and its main files.
     engine: the llorch-ref engine of the run (the subject of a llama.cpp diff, the reference of a dump's).
     tensors: keep both sides' tensors (subject.npz, reference.npz); without them a bundle is small (examples,
-    CI artifacts) but `verify` can check its hashes only, not redo its figures."""
+    CI artifacts) but `verify` can check its hashes only, not redo its figures. sign: an Ed25519 private key
+    (load_signing_key) or its PEM file: manifest.json is signed (manifest.json.sig)."""
+    key = load_signing_key(sign) if isinstance(sign, (str, os.PathLike)) else sign
     out_dir, run_id = check_bundle_target(out_dir, run_id)
     argv = list(argv or sys.argv)
     man = manifest(result, engine, argv, seed)
@@ -202,6 +206,8 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
                                               "tensors": tensors, "require": result.require,
                                               "repro": repro_entry(result, case, repro_case),
                                               "files": file_hashes(d)}, indent=2) + "\n")
+        if key is not None:
+            sign_manifest(d, key)
     step = os.environ.get("GITHUB_STEP_SUMMARY")
     if step:
         with open(step, "a") as f:                # the CI's own file: appended to, never replaced
@@ -209,6 +215,47 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
     run = out_dir / run_id
     return {"dir": run, "summary": run / "summary.md", "html": run / "report.html", "junit": run / "junit.xml",
             "repro": run / "repro" if case else None}
+
+
+def ed25519_modules():
+    """cryptography's Ed25519 and PEM serialization (an optional dependency: signing only)."""
+    try:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError:
+        raise ParameterError("signing needs the cryptography package (pip install cryptography)") from None
+    return ed25519, serialization
+
+
+def load_signing_key(path):
+    """The Ed25519 private key of `prove --sign KEYFILE`: a PEM file, unencrypted PKCS#8 (`openssl genpkey
+    -algorithm ed25519 -out key.pem`)."""
+    ed25519, serialization = ed25519_modules()
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as e:
+        raise ParameterError(f"--sign {path}: not an unencrypted PEM private key ({type(e).__name__}: {e})") from None
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise ParameterError(f"--sign {path}: a {type(key).__name__}, not an Ed25519 key (openssl genpkey "
+                             f"-algorithm ed25519)")
+    return key
+
+
+def public_key_id(raw: bytes) -> str:
+    """A public key's name: the sha256 of its 32 raw bytes."""
+    return hashlib.sha256(raw).hexdigest()
+
+
+def sign_manifest(folder: Path, key) -> dict:
+    """manifest.json.sig beside the manifest: the Ed25519 signature of manifest.json's bytes (which hold the
+    sha256 of every other file) and the signer's public key (its id: public_key_id). -> what it wrote."""
+    _, serialization = ed25519_modules()
+    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    sig = {"algorithm": "ed25519", "signed": MANIFEST, "public_key": base64.b64encode(raw).decode(),
+           "public_key_sha256": public_key_id(raw),
+           "signature": base64.b64encode(key.sign((folder / MANIFEST).read_bytes())).decode()}
+    (folder / SIGNATURE).write_text(json.dumps(sig, indent=2) + "\n")
+    return sig
 
 
 def result_json(result) -> dict:

@@ -25,6 +25,8 @@ the files to their writer.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import os
@@ -39,10 +41,10 @@ import numpy as np
 
 from ..checkpoints import load_specs
 from ..dump import CANONICAL_LAYOUTS, Dump, model_sha256
-from ..errors import HarnessError
+from ..errors import HarnessError, ParameterError
 from ..references.engines import dump_llamacpp, dump_transformers, gguf_config
 from ..references.llorch import record_engine
-from .bundle import FORMAT, MANIFEST
+from .bundle import FORMAT, MANIFEST, SIGNATURE, ed25519_modules, public_key_id
 from .bundle_md import checkpoint_folder
 from .compare import compare_dumps
 from .junit import _case_name
@@ -54,7 +56,9 @@ from .run import backend_bands
 from .verdict import FAIL, INCOMPLETE, PASS, Verdict, _missing
 
 HASH_CAVEAT = ("sha256 detects accidental edits, not forgery: whoever edits a bundle can recompute every hash "
-               "(and make its pages agree with edited rows); the re-run checks the figures against the reference")
+               "(and make its pages agree with edited rows); the re-run checks the figures against the reference, "
+               "a signature checked against the writer's key (prove --sign KEYFILE, verify --key PUBKEY) ties the "
+               "files to that key")
 CODE_NAMES = {"conftest.py", "pytest.ini", "setup.cfg", "tox.ini", "pyproject.toml", "setup.py", "noxfile.py",
               "Makefile", "justfile"}
 CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".pyd", ".pth", ".so", ".sh", ".bash", ".zsh", ".bat", ".cmd",
@@ -78,6 +82,7 @@ class Verification:
     subject_model: dict = field(default_factory=dict)
     band_class: str | None = None
     rerun: dict | None = None                       # the re-run's findings (None: not re-run)
+    signature: dict = field(default_factory=dict)   # {"signed", "checked", "good", "signer", "why"}
 
     @property
     def files_ok(self) -> bool:
@@ -86,6 +91,7 @@ class Verification:
     @property
     def ok(self) -> bool:
         return (self.files_ok and not self.refused and not self.contradictions and not self.manifest_faults
+                and self.signature.get("good") is not False
                 and (self.rerun is None or self.rerun["figures_hold"] is not False))
 
     def to_json(self) -> dict:
@@ -93,7 +99,7 @@ class Verification:
                 "missing": self.missing, "added": self.added, "refused": self.refused,
                 "contradictions": self.contradictions, "manifest_faults": self.manifest_faults, "notes": self.notes, "verdict": self.verdict,
                 "model": self.model, "subject_model": self.subject_model, "band_class": self.band_class,
-                "hashes": HASH_CAVEAT, "rerun": self.rerun}
+                "hashes": HASH_CAVEAT, "signature": self.signature, "rerun": self.rerun}
 
 
 # -- 1. the walk --------------------------------------------------------------------------------------------
@@ -179,7 +185,7 @@ def check_files(folder, man, files=None) -> Verification:
     """Every listed file against its sha256; the files present that the manifest does not list."""
     folder = Path(folder)
     files = scan_bundle(folder) if files is None else files
-    now = {n: sha256_nofollow(folder / n) for n in files if n != MANIFEST}
+    now = {n: sha256_nofollow(folder / n) for n in files if n not in (MANIFEST, SIGNATURE)}
     v = Verification(folder=str(folder), n_files=len(man["files"]))
     for name, sha in sorted(man["files"].items()):
         if name not in now:
@@ -188,6 +194,50 @@ def check_files(folder, man, files=None) -> Verification:
             v.edited.append(name)
     v.added = sorted(set(now) - set(man["files"]))
     return v
+
+
+# -- signature ----------------------------------------------------------------------------------------------
+def load_public_key(path):
+    """The Ed25519 public key of `verify --key PUBKEY`: a PEM file (`openssl pkey -in key.pem -pubout -out
+    key.pub`)."""
+    ed25519, serialization = ed25519_modules()
+    try:
+        key = serialization.load_pem_public_key(Path(path).read_bytes())
+    except (OSError, ValueError, TypeError) as e:
+        raise ParameterError(f"--key {path}: not a PEM public key ({type(e).__name__}: {e})") from None
+    if not isinstance(key, ed25519.Ed25519PublicKey):
+        raise ParameterError(f"--key {path}: a {type(key).__name__}, not an Ed25519 public key")
+    return key
+
+
+def check_signature(folder: Path, files: dict, key_path=None) -> dict:
+    """manifest.json.sig against manifest.json's bytes under the key given (never the key the bundle carries:
+    anyone can sign with a key of their own). Without a key: whether the bundle is signed, and by which key id.
+    -> {"signed", "checked", "good" (None: not checked), "signer", "why"}."""
+    sig = _read_json(folder, files, SIGNATURE) if SIGNATURE in files else None
+    signed = isinstance(sig, dict)
+    out = {"signed": signed, "checked": key_path is not None, "good": None,
+           "signer": sig.get("public_key_sha256") if signed else None, "why": None}
+    if key_path is None:
+        return out
+    _, serialization = ed25519_modules()
+    key = load_public_key(key_path)
+    given = public_key_id(key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
+    out["key"] = given
+    if not signed:
+        return {**out, "good": False, "why": f"no readable {SIGNATURE}: the bundle is not signed"}
+    from cryptography.exceptions import InvalidSignature  # installed: load_public_key imported cryptography
+
+    try:
+        key.verify(base64.b64decode(str(sig.get("signature")), validate=True), (folder / MANIFEST).read_bytes())
+    except (ValueError, binascii.Error):
+        return {**out, "good": False, "why": f"{SIGNATURE} is not a signature"}
+    except InvalidSignature:
+        other = out["signer"] not in (None, given)
+        return {**out, "good": False, "why": f"{MANIFEST} does not carry a signature of key {given[:16]}…"
+                + (f" (the signature names key {str(out['signer'])[:16]}…)" if other else
+                   " (edited after signing)")}
+    return {**out, "good": True, "why": f"{MANIFEST} (and through its sha256 every file) signed by key {given[:16]}…"}
 
 
 # -- 3. code ------------------------------------------------------------------------------------------------
@@ -491,13 +541,15 @@ def tensors_present(man: dict, files: dict) -> tuple[bool, list[str]]:
 
 
 # -- the whole check ----------------------------------------------------------------------------------------
-def verify_bundle(folder, rerun: bool = True, model=None, log=None) -> Verification:
-    """The walk, the hashes, the code, the pages against the rows' verdict, the manifest against the files;
-    with rerun (and the tensors present), the reference run again and the figures and verdict redone."""
+def verify_bundle(folder, rerun: bool = True, model=None, log=None, key=None) -> Verification:
+    """The walk, the hashes, the signature (under key, a PEM public key file), the code, the pages against the
+    rows' verdict, the manifest against the files; with rerun (and the tensors present), the reference run
+    again and the figures and verdict redone."""
     folder = Path(folder)
     files = scan_bundle(folder)
     man = read_manifest(folder, files)
     v = check_files(folder, man, files)
+    v.signature = check_signature(folder, files, key)
     v.band_class = man.get("band_class")
     v.model = {"path": (man["recipe"] or {}).get("model"), "sha256": (man["recipe"] or {}).get("model_sha256"),
                "checked": False}
