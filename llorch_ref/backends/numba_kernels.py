@@ -103,8 +103,8 @@ def _panels_times(code, rows, n_blocks, x, out):
 FOR_TYPE = {}          # type code -> matmul_rows_for(code)'s kernel, made on first use
 # Types whose several-token products run slower made for their one type: Q4_K's 0.86-0.93x at 8 and 64 tokens on
 # Zen 5 (the tile's loop is the same machine code; what differs is around it), every other type within 0.95-1.09x
-# (results/cpu/2026-11-29-s26-scripts/one_type_products.py: 4096 x 4096 products from DRAM, results/cpu/2026-11-29-s26.md);
-# these keep matmul_rows itself. The fused decode step's one-token tiles are as fast either way (0.99-1.05x).
+# (4096 x 4096 products from DRAM, each type's kernel against matmul_rows in one process); these keep matmul_rows
+# itself. The fused decode step's one-token tiles are as fast either way (0.99-1.05x).
 ALL_TYPE_KERNEL = ("Q4_K",)
 
 

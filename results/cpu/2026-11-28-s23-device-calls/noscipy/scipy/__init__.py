@@ -1,1 +1,0 @@
-raise ImportError("scipy hidden for this measurement: the README install has none")
