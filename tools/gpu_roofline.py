@@ -622,7 +622,7 @@ def report(out):
 # float16's layouts before call 11 against the final ones, twice. Session 14 (results/gpu/2026-11-27-s14/): calls 8-9
 # natural against planar for every format (kept planar: Q4_0, Q4_1, Q8_0), call 17 Q4_K planar (all slower). Session
 # 17: Q4_K's layouts again with its scales decoded once for four octs and its blocks fetched a pass ahead: call 4
-# (results/gpu/2026-11-28-s17/call4-layouts-shared-pipelined.json) chose norm_qkv (4, 4, 1); call 5 around it (below)
+# (results/gpu/h200/layouts-q4_k.json) chose norm_qkv (4, 4, 1); call 5 around it (below)
 STEP_VARIANTS = [
     ("q4_k", {}), ("q4_k", {"norm_logits": (4, 4, 1)}), ("q4_k", {"norm_qkv": (8, 4, 1)}),
     ("q4_k", {"norm_glu": (4, 1)}), ("q4_k", {"gemv_res": (4, 2, 1)}), ("q4_k", {})]
@@ -743,7 +743,7 @@ def steps(out):
 def gemv(out, formats):
     """Three one-token blocks products of each format on a 12288 x 4096 matrix (the 7B Q/K/V shape), nothing else:
     a process for a profiler, e.g. `ncu -k regex:gemv -c 4 --section SpeedOfLight --section WarpStateStats
-    python tools/gpu_roofline.py gemv --rows Q4_K,Q4_0 --out DIR` (results/gpu/2026-11-27-s14/call6-ncu-*)."""
+    python tools/gpu_roofline.py gemv --rows Q4_K,Q4_0 --out DIR` (results/gpu/h200/ncu-gemv-q4_k-q4_0.txt)."""
     import cupy as cp
 
     x = cp.random.standard_normal((1, 4096), dtype=cp.float32)

@@ -88,7 +88,7 @@ def fused_source():
 # folded in take more rows a warp than the plain ones (the norm's x g and sum of squares shared by more rows).
 # Float16 keeps session 12's: gate/up over two warps was 0.8% faster on one machine and 1% slower on another.
 # Q4_K's norm_qkv takes four rows a warp since its scales are decoded once for four octs (session 17: 3.23 -> 3.04 ms
-# a step, results/gpu/2026-11-28-s17/call4-layouts-shared-pipelined.json).
+# a step, results/gpu/h200/layouts-q4_k.json).
 ROLES = ("norm_qkv", "norm_logits", "norm_glu", "gemv_res")
 LAYOUT = {"f16": {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)},
           "f32": {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)},
@@ -100,7 +100,7 @@ LAYOUT = {"f16": {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (
 # The formats whose steps run faster with the step's vectors in the planar layout (rows_dot's PLANAR: a warp's x
 # loads take half the L1 wavefronts; the same sums to the bit), with their layouts so: a step is planar where every
 # matrix it reads is of one of these formats (the default model's Q4_1 and Q8_0 included). Whole 7B steps at
-# position 8, natural -> planar (`tools/gpu_roofline.py layouts`, results/gpu/2026-11-27-s14/call9-layouts-planar.json):
+# position 8, natural -> planar (`tools/gpu_roofline.py layouts`, results/gpu/h200/layouts-planar.json):
 # Q8_0 3.74 -> 3.21 ms, Q4_1 3.46 -> 3.07, Q4_0 3.09 -> 3.03; Q6_K 4.73 -> 4.69 (left natural), Q4_K 3.64 -> 4.70
 # and float16 3.78 -> 3.89 at their best planar layouts tried (natural). LLORCH_CUDA_PLANAR=0: every step natural.
 LAYOUT_PLANAR = {"q4_0": {**LAYOUT["q4_0"], "gemv_res": (8, 1, 1)},
