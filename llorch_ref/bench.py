@@ -39,8 +39,7 @@ PROMPT = ("The history of the world is long and full of surprises. Rivers change
 
 
 def _peak_mb() -> float:
-    """This process's peak resident memory in MB (10^6 bytes; Linux gives ru_maxrss in KiB). Reports before
-    session 20 held MiB under the same key."""
+    """This process's peak resident memory in MB (10^6 bytes; Linux gives ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
 
 
@@ -245,9 +244,9 @@ def worker_main(argv):
 
 def host_probe(threads, rounds=9) -> float:
     """The host's speed now: GFLOP/s of float32 matrix products in cache (384 x 384, BLAS on `threads` threads),
-    the median of `rounds` rounds of about 30 ms. A shared host's cores run up to 2x slower for seconds at a time
-    (results/cpu/2026-11-28-s16.md): run before each engine
-    and after the last, it shows whether the engines were measured on the same machine speed."""
+    the median of `rounds` rounds of about 30 ms. A shared host's cores run up to 2x slower for seconds at a time:
+    run before each engine and after the last, it shows whether the engines were measured on the same machine
+    speed."""
     from threadpoolctl import threadpool_limits
 
     rng = np.random.default_rng(0)

@@ -1,5 +1,5 @@
-"""float16 GEMMs of a 7B prefill (512 tokens) on the GPU at hand: CuPy's matmul with its casts (the cupy backend
-before session 11), cuda_half.half_gemm (gemmEx, float32 out: the backend now), the same after giving cuBLAS a 32 MiB
+"""float16 GEMMs of a 7B prefill (512 tokens) on the GPU at hand: CuPy's matmul with its casts (float16 out, cast
+back), cuda_half.half_gemm (gemmEx, float32 out: what the backend runs), the same after giving cuBLAS a 32 MiB
 workspace, and torch.matmul; TFLOPS of each.
 
     OUT=DIR python tools/gpu_gemm_probe.py      # writes DIR/gemm_probe.json
@@ -61,7 +61,7 @@ def main():
                                 "tflops": round(2 * t * k * n / ms_gemm / 1e9, 1),
                                 "half_gemm_ms (gemmEx, float32 out, with the input cast)": round(ms_half, 4)})
             print(json.dumps(res["rows"][-1]), flush=True)
-    cupy_rows("cupy (matmul, float16 out, cast back: the backend before session 11)")
+    cupy_rows("cupy (matmul, float16 out, cast back)")
     try:
         import torch
         for (t, k, n), (x, w) in data.items():

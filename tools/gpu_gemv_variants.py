@@ -3,7 +3,7 @@
     OUT=DIR python tools/gpu_gemv_variants.py      # writes DIR/gemv_variants.json (one row per kernel/threads/shape)
 
 U loads in flight per row, R rows a warp, with or without the folded RMSNorm (suffix n); CUDA events around 100
-launches, medians of 5; each result checked against the float32 product. Measured it: results/gpu/2026-11-27-s10-fused.
+launches, medians of 5; each result checked against the float32 product.
 """
 import json
 import os

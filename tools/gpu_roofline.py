@@ -1,4 +1,4 @@
-"""Issue 22's GPU measurements, in one call per part (the results are committed under results/gpu/).
+"""The GPU's measurements, one part a process (docs/performance.md cites them from results/gpu/h200/).
 
     python tools/gpu_roofline.py profile --out DIR      # bandwidth, GEMV kernels, one 7B decode step by op
     python tools/gpu_roofline.py speed --out DIR        # 7B float16 and Q4_K decode/prefill vs transformers
@@ -183,8 +183,7 @@ def replay_at(dec, cache, pos):
 
 
 # the one-token blocks product's layouts profile times: (U octs a lane in flight, R rows, W warps a row)
-# (session 13's first call also timed (8, 1, 4), (2, 1, 4), (4, 2, 4), (2, 2, 4), (4, 1, 2), (8, 1, 2), (4, 2, 2): none
-# faster)
+# ((8, 1, 4), (2, 1, 4), (4, 2, 4), (2, 2, 4), (4, 1, 2), (8, 1, 2) and (4, 2, 2) were timed too: none faster)
 PROBE_LAYOUTS = [(4, 1, 1), (8, 1, 1), (2, 2, 1), (4, 2, 1), (4, 1, 4)]
 
 
@@ -352,11 +351,10 @@ def free_gpu():
 
 
 # speed's rows of ours: (dtype, blocks type, environment); "f16-op": the op-by-op step; "f16-noprefill": the
-# several-token products and prefill attention as before session 11 (float16 outputs cast, attention recorded);
-# "f16-pdl0": plain launches instead of programmatic dependent launch; "f16-nonorm": no residual add fused with
-# the next norm and no float16 activations into the products (as before session 12); "q4k-op": the op-by-op
-# step on Q4_K blocks (the fused step for blocks came in session 13); "q4k-oct": Q4_K's scales decoded once an oct
-# (as before session 17) instead of once for four
+# several-token products and prefill attention as recorded (float16 outputs cast); "f16-pdl0": plain launches
+# instead of programmatic dependent launch; "f16-nonorm": no residual add fused with the next norm and no float16
+# activations into the products; "q4k-op": the op-by-op step on Q4_K blocks; "q4k-oct": Q4_K's scales decoded once
+# an oct instead of once for four
 OURS_Q = {"q40": ("blocks", "Q4_0"), "q41": ("blocks", "Q4_1"), "q80": ("blocks", "Q8_0")}     # planar steps
 OURS = {"f16": ("float16", None, {}), "f16-op": ("float16", None, {"LLORCH_CUDA_FUSED": "0"}),
         "f16-nonorm": ("float16", None, {"LLORCH_CUDA_FUSED_NORM": "0"}),
@@ -614,15 +612,12 @@ def report(out):
     (d / "README.md").write_text("\n".join(L) + "\n")
 
 
-# layouts' variants of the fused step's products: (format, {role: layout}) over cuda_fused.LAYOUT's. Call 9 of
-# session 13 timed these against the then layouts: float16 gemv_res (4, 1, 2), (2, 1, 4), (8, 1, 1), norm_qkv
-# (4, 2, 1), (2, 2, 2), norm_glu (4, 2), (2, 2), norm_logits (4, 1, 2); Q4_K norm_qkv (4, 2, 1), gemv_res (4, 1, 2),
-# (2, 2, 1), norm_glu (2, 1) (results/gpu/2026-11-27-s13/call9-layouts.json); call 10 more (call10-layouts.json);
-# call 20 Q4_K, Q4_1, Q6_K, Q4_0, Q8_0 variants after the rows were read through per-lane block pointers; call 23
-# float16's layouts before call 11 against the final ones, twice. Session 14 (results/gpu/2026-11-27-s14/): calls 8-9
-# natural against planar for every format (kept planar: Q4_0, Q4_1, Q8_0), call 17 Q4_K planar (all slower). Session
-# 17: Q4_K's layouts again with its scales decoded once for four octs and its blocks fetched a pass ahead: call 4
-# (results/gpu/h200/layouts-q4_k.json) chose norm_qkv (4, 4, 1); call 5 around it (below)
+# layouts' variants of the fused step's products: (format, {role: layout}) over cuda_fused.LAYOUT's. Also timed, none
+# faster than LAYOUT: float16 gemv_res (4, 1, 2), (2, 1, 4), (8, 1, 1), norm_qkv (4, 2, 1), (2, 2, 2), norm_glu
+# (4, 2), (2, 2), norm_logits (4, 1, 2); Q4_K norm_qkv (4, 2, 1), gemv_res (4, 1, 2), (2, 2, 1), norm_glu (2, 1);
+# natural against planar for every format (planar kept for Q4_0, Q4_1, Q8_0: results/gpu/h200/layouts-planar.json).
+# Q4_K's norm_qkv (4, 4, 1), its scales decoded once for four octs and its blocks fetched a pass ahead:
+# results/gpu/h200/layouts-q4_k.json; the variants below are those around it
 STEP_VARIANTS = [
     ("q4_k", {}), ("q4_k", {"norm_logits": (4, 4, 1)}), ("q4_k", {"norm_qkv": (8, 4, 1)}),
     ("q4_k", {"norm_glu": (4, 1)}), ("q4_k", {"gemv_res": (4, 2, 1)}), ("q4_k", {})]
@@ -663,7 +658,7 @@ def layouts(out):
     (Path(out) / "layouts.json").write_text(json.dumps(res, indent=1))
 
 # the attend part's variants: (format, rope_attend's positions one block a head serves, chunk past that, threads a
-# block). Session 14 (results/gpu/2026-11-27-s14/): eight float16 shapes within about 1% of each other up to 256
+# block): eight float16 shapes within about 1% of each other up to 256
 # positions (the first one is the kernel's); blocks hinting the output projection into L2 during the attention
 # (cp.async.bulk.prefetch.L2, 8-32 extra blocks) gained up to 1.5% at 64-128 positions, lost 0.5-4% at 8 and
 # past 512 on float16, and were dropped.

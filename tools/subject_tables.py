@@ -1,6 +1,6 @@
 """Dump the model from several engines and diff each dump against llorch-ref: one table of worst figures.
 
-    python tools/subject_tables.py --model SmolLM2-135M-Instruct.F32.gguf --out results/cpu/dump-subjects.md
+    python tools/subject_tables.py --model SmolLM2-135M-Instruct.F32.gguf --out results/cpu/2026-11-26-dump-subjects.md
 
 Engines: llama.cpp (its eval callback; GGUF), transformers (forward hooks; the GGUF converted to an HF
 folder), the PyTorch test engine (tests/subjects/torch_llama.py; head-major, NeoX pairs). Each is written

@@ -59,7 +59,7 @@ def numpys_blas(libs: list) -> dict:
 def blas_info() -> str:
     """The BLAS numpy runs on (the prefill's products), its kernel set and threads, in one line for reports; says
     when OPENBLAS_CORETYPE chose the kernels (a machine that sets OPENBLAS_CORETYPE=Haswell gives an AVX-512 CPU
-    256-bit kernels: 0.7x OpenBLAS's own choice on AMD EPYC Zen 5, results/cpu/2026-11-28-s21.md)."""
+    256-bit kernels: 0.7x OpenBLAS's own choice on AMD EPYC Zen 5's float32 products)."""
     try:
         from threadpoolctl import threadpool_info
         libs = [x for x in threadpool_info() if x.get("user_api") == "blas"]
@@ -206,15 +206,15 @@ def limit_blas(threads: int) -> dict:
 
 class NumpyBackend(Backend):
     """The oracle: the layer functions as they are (ops stay the model.layers module, so that a planted bug in one
-    reaches every run). With both cores busy at two threads OpenBLAS's spinning threads made its decode 50x slower
-    (results/cpu/2026-11-28-s21-busy-cores.md): before each one-token step it looks at the machine's load (cpu_split's
-    look) and runs BLAS on one thread while other processes hold the cores. One row's product has the same bits on
-    one BLAS thread and on two (OpenBLAS's Haswell and SkylakeX kernels; tests/test_backends.py checks it on the
-    machine's); eight rows' do not under the Haswell kernels, so a prompt keeps the threads asked for: the oracle's
-    results do not follow the load; with both cores of 2 busy its 64-token prompt ran 55-65x slower in two of three
-    runs of session 27 (OpenBLAS's threads waiting on each other), so while other processes hold cores at two
-    measures running it says once, on stderr, that --threads 1 avoids it. `LLORCH_BLAS_SPLIT=blas` keeps BLAS's
-    threads for every step. The last backend
+    reaches every run). With both cores busy at two threads OpenBLAS's spinning threads wait on parked ones and a
+    multi-threaded one-token step runs tens of times slower: before each one-token step it looks at the machine's
+    load (cpu_split's look) and runs BLAS on one thread while other processes hold the cores (its decode then 2.02x
+    slower with both cores busy: results/cpu/zen5/busy-cores.md). One row's product has the same bits on one BLAS
+    thread and on two (OpenBLAS's Haswell and SkylakeX kernels; tests/test_backends.py checks it on the machine's);
+    eight rows' do not under the Haswell kernels, so a prompt keeps the threads asked for: the oracle's results do
+    not follow the load; with both cores of 2 busy its 64-token prompt can run 55-65x slower (OpenBLAS's threads
+    waiting on each other), so while other processes hold cores at two measures running it says once, on stderr,
+    that --threads 1 avoids it. `LLORCH_BLAS_SPLIT=blas` keeps BLAS's threads for every step. The last backend
     configured in a process governs cpu_split (a numba engine loaded after a numpy one splits its own products)."""
 
     def __init__(self, threads=None):

@@ -19,10 +19,10 @@ calling thread takes the first). Each output element comes from a BLAS call of t
 not always from the same kernel: OpenBLAS picks its kernel by the call's shape, and a panel can fall under its
 small-matrix kernels where the whole product does not. On the tests' shapes the results are equal to the bit
 with OpenBLAS's SkylakeX kernels (tests/test_backends.py), not with its Haswell kernels (a machine's
-OPENBLAS_CORETYPE=Haswell: 118 of 1000 columns differ in their last bits; OpenBLAS's own threads differ too); on
-session 14's machine (OpenBLAS 0.3.31, SkylakeX kernels) the default model's prompt of 4 tokens gave Q/K/V products
-differing by up to 1.7e-6 and logits by up to 2.7e-5 between the two ways (results/cpu/2026-11-27-s14.md): on a
-machine whose load changes, the prompt's logits can move by as much.
+OPENBLAS_CORETYPE=Haswell: 118 of 1000 columns differ in their last bits; OpenBLAS's own threads differ too); on a
+2-core AVX-512 Xeon (OpenBLAS 0.3.31, SkylakeX kernels) the default model's prompt of 4 tokens gave Q/K/V products
+differing by up to 1.7e-6 and logits by up to 2.7e-5 between the two ways: on a machine whose load changes, the
+prompt's logits can move by as much.
 """
 from __future__ import annotations
 

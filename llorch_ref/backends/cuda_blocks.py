@@ -15,8 +15,7 @@ the magic number in one LOP3, then one subtraction), not the slower int-to-float
 
 So a blocks product differs from the numpy oracle's (float32 weights from gguf-py, BLAS) by rounding order only.
 The one-token products are bound by the L1 pipe and their instruction issue together (about 5-9 instructions a
-weight: mask, convert, multiply-add, the scales, loads), not by DRAM: results/gpu/2026-11-27-s13/, ncu in
-results/gpu/2026-11-27-s14/.
+weight: mask, convert, multiply-add, the scales, loads), not by DRAM: ncu in results/gpu/h200/ncu-gemv-q4_k-q4_0.txt.
 """
 from __future__ import annotations
 
@@ -239,7 +238,7 @@ __device__ __forceinline__ void rows_dot(const u8* const* w, const float4* xv, c
     // decodes those of pass SH j + l % SH (group l / 4) and the pass's lanes take them from it by a shuffle: one
     // decode for SH octs instead of one an oct, the same floats. Fewer instructions but more L1 traffic (the
     // shuffles): slower alone, faster with the next pass's blocks fetched before this pass's products (PIPE; the
-    // other formats measured slower so): results/gpu/2026-11-28-s17/
+    // other formats measured slower so; tools/gpu_roofline.py speed, q4k against q4k-oct)
     constexpr int SH = F::SHARES ? (U >= 4 ? 4 : U) : 1, STEP = 32 * U * W;
     constexpr bool PIPE = F::SHARES;
     static_assert(U % SH == 0, "U a multiple of the passes sharing a decode");
@@ -370,8 +369,7 @@ __device__ void gemv_rows(const u8* Wm, const float* x, const float* g, float* y
 
 # How each block type's one-token product (GpuBlocks.matmul, the op-by-op step) is laid out: octs a lane in flight a
 # row (U), rows a warp group (R), warps a row (W), from tools/gpu_roofline.py profile's matrices and whole op-by-op
-# steps (results/gpu/2026-11-27-s13/): two rows a warp for Q4_K, faster on the matrices alone, made the step slower
-# (3.94 -> 4.71 ms); Q4_1's two rows a warp are the matrices' choice only. Splitting a row over several warps (more
+# steps: two rows a warp for Q4_K, faster on the matrices alone, make the step slower (4.71 ms against 3.94); Q4_1's two rows a warp are the matrices' choice only. Splitting a row over several warps (more
 # bytes in flight) gained nothing: the products are bound by their instructions, not by the loads in flight.
 GEMV_LAYOUT = {"q4_0": (2, 2, 1), "q4_1": (4, 2, 1), "q8_0": (2, 2, 1), "q4_k": (4, 1, 1), "q6_k": (4, 1, 1)}
 STRUCTS = {"f16": "F16", "f32": "F32", "q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
@@ -481,7 +479,7 @@ _MODULE = {}
 
 def compile_options():
     """nvcc options for sources built on ROWS: LLORCH_CUDA_Q4K_SHARED=0 decodes Q4_K's scales once an oct and fetches
-    no blocks ahead (as before session 17; the same products to the bit)."""
+    no blocks ahead (the `q4k-oct` row of tools/gpu_roofline.py speed; the same products to the bit)."""
     shared = os.environ.get("LLORCH_CUDA_Q4K_SHARED", "1") != "0"
     return ("-std=c++17", f"-DLLORCH_Q4K_SHARED={int(shared)}")
 

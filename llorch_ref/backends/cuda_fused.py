@@ -19,13 +19,13 @@ their boundaries, the way numba's FusedDecoder does on the CPU:
 and the final norm with the output matrix (norm_logits_<fmt>). <fmt> is each matrix's format (cuda_blocks.ROWS
 reads them all; LAYOUT below sets each product's rows a warp and loads in flight). Each kernel is launched with
 programmatic dependent launch (Launcher; LLORCH_CUDA_PDL=0 turns it off): it starts while the previous one drains
-and waits for the previous kernel's results before reading anything (a 3.82 -> 3.74 ms step on the H200;
-prefetching the first weight lines before the wait made it slower: results/gpu/2026-11-27-s11/). The arithmetic
+and waits for the previous kernel's results before reading anything (a 3.74 ms step on the H200 against 3.82 with
+plain launches; prefetching the first weight lines before the wait makes it slower). The arithmetic
 differs from the op-by-op step's by order and rounding only (r applied after the dot product, sums of squares in
 float32): tests/test_backends.py checks the logits against the op-by-op step's (float16 and blocks) and the greedy
 tokens equal. LLORCH_CUDA_FUSED=0 turns it off. On blocks, whose products are bound by their instructions, the
 norm folded into a product serves two or four rows a warp (LAYOUT): 1.26x the captured op-by-op step on Q4_K
-(260.9 against 207.0 tok/s, results/gpu/2026-11-27-s13/).
+(260.9 against 207.0 tok/s, tools/gpu_roofline.py speed's q4k and q4k-op rows).
 """
 from __future__ import annotations
 
@@ -83,12 +83,11 @@ def fused_source():
 
 
 # per weight format: its reader (cuda_blocks.ROWS) and each product's layout, (U octs a lane in flight a row, R rows,
-# W warps a row; norm_glu: U, W for its two rows): the fastest whole steps of tools/gpu_roofline.py layouts
-# (results/gpu/2026-11-27-s13/call9-, call10-, call20-, call23-layouts.json). On blocks the products with the norm
-# folded in take more rows a warp than the plain ones (the norm's x g and sum of squares shared by more rows).
-# Float16 keeps session 12's: gate/up over two warps was 0.8% faster on one machine and 1% slower on another.
-# Q4_K's norm_qkv takes four rows a warp since its scales are decoded once for four octs (session 17: 3.23 -> 3.04 ms
-# a step, results/gpu/h200/layouts-q4_k.json).
+# W warps a row; norm_glu: U, W for its two rows): the fastest whole steps of tools/gpu_roofline.py layouts. On
+# blocks the products with the norm folded in take more rows a warp than the plain ones (the norm's x g and sum of
+# squares shared by more rows). Float16's gate/up stays on one warp a row: over two warps it is 0.8% faster on one
+# machine and 1% slower on another. Q4_K's norm_qkv takes four rows a warp, its scales decoded once for four octs
+# (3.04 ms a step against 3.23 at two rows: results/gpu/h200/layouts-q4_k.json).
 ROLES = ("norm_qkv", "norm_logits", "norm_glu", "gemv_res")
 LAYOUT = {"f16": {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)},
           "f32": {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)},

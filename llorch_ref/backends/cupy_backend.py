@@ -315,7 +315,7 @@ class CupyBackend(Backend):
     def argmax(self, logits) -> int:
         """On the device (argmax_row, np.argmax's answer on ties and NaN: tests/test_backends.py), written into
         host memory the GPU maps: one launch and a wait instead of the whole row copied back (CuPy's own argmax
-        costs more than the copy: results/gpu/2026-11-27-s11/)."""
+        costs more than the copy)."""
         cp = self.xp
         # logits a replayed decode graph just made carry the argmax it took (the entry holds them alive, so their
         # address is theirs; nothing writes into a step's logits); the first argmax after the replay consumes it

@@ -440,7 +440,8 @@ class NumbaBackend(Backend):
         # against the thread doing the work: a decode 10x slower with one busy core, against 2x at 1000 spins,
         # idle speed unchanged (results/cpu/busy-cores.md); so 1000 there. With cores to spare the workers spin
         # as libgomp has them: on an idle 16-core Xeon at 2 threads a 7B Q4_K decode ran at 0.95x and 0.77x
-        # llama.cpp's with 1000 spins, 1.02x with libgomp's (results/cpu/2026-11-28-s22.md). Read when numba first
+        # llama.cpp's with 1000 spins, 1.02x with libgomp's (`llorch-ref bench --interleave`, GOMP_SPINCOUNT set
+        # each way). Read when numba first
         # starts its threads (set_num_threads below); a value the user set is kept.
         global SPIN_COUNT
         if SPIN_COUNT is None:
@@ -553,8 +554,9 @@ class NumbaBackend(Backend):
         """numba's threads for the calling thread: --threads; for one-token steps fewer while other processes hold
         cores (SPLIT.spare_threads). numba keeps a thread count per calling thread (a new thread, the server's
         worker, starts at NUMBA_NUM_THREADS). Each of a step's ~200 parallel regions waits for its slowest thread:
-        with one of 2 cores held by another process a 2-thread step ran 3.8x slower than idle, 1.6x slower than
-        one thread (results/cpu/2026-11-29-s27.md); a prompt's few long regions lose less than its second thread
+        with one of 2 cores held by another process a 2-thread step on 2 threads throughout runs 3.8x slower than
+        idle, 1.6x slower than one thread (`python tools/busy_cores.py`); a prompt's few long regions lose less than
+        its second thread
         gains. Every product and attention head is one thread's work: the results do not depend on the count."""
         n = SPLIT.spare_threads(self.threads) if one_token else self.threads
         if self._numba.get_num_threads() != n:

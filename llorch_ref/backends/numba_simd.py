@@ -1,8 +1,7 @@
 """Row dot products that read GGUF blocks where they lie: explicit 16-lane vector code through LLVM IR.
 
 numba vectorizes a loop over one block's 16 or 32 weights only with a horizontal sum per block or with
-runtime alias checks (results/cpu/2026-11-27-cpu-speed.md), so the row-major file order needed a layout
-pass before. These intrinsics build the loop over a row's blocks in LLVM IR with vector types: each block's
+runtime alias checks, so a plain numba loop would need the file's row-major blocks laid out again. These intrinsics build the loop over a row's blocks in LLVM IR with vector types: each block's
 weights are made as 16-lane float vectors (`_weights`), each weight the float32 value the NumPy oracle's
 dequantization gives it, bit for bit (a float16 scale times an integer sub-scale and a code, all exact in
 float32, plus or minus a min term with one rounding: one fused multiply-add); each is multiplied by x's 16
@@ -49,19 +48,17 @@ ACCUMULATORS = {32: 2, 256: 4}                # lane accumulators a (row, token)
 # Several tokens' products from a panel of 4 rows' weights decoded once (numba_kernels._panels_times): the float
 # tile (rows, tokens, passes) by ACCUMULATORS: 32-weight blocks 4 x 3 with their 2 accumulators each (24 registers);
 # K-quants 4 x 4 one accumulator at a time (passes: _emit_float_tile; 4 x 4 x 4 would spill). Panels serve
-# PANEL_TOKENS tokens or more (by SUPER: 32-weight blocks, 256): tools/kernel_ab.py, results/cpu/2026-11-29-s28.md
+# PANEL_TOKENS tokens or more (by SUPER: 32-weight blocks, 256), chosen by tools/kernel_ab.py --base-set PANEL_TOKENS=...
 PANEL_TILE = {2: (4, 3, False), 4: (4, 4, True)}
 PANEL_TOKENS = (16, 8)
 PANEL_PASSES = (PANEL_TILE[2][2], PANEL_TILE[4][2])
 PANEL_CHUNK = (2048, 1024)     # weights a chunk: rows of up to 2048 weights in one, longer rows in 1024s
 # For one token, super-block types: rows a loop takes (more rows at once spill registers; Q4_K's two rows decode
 # their 6-bit scales together, _k4_scales), and whether the broadcast loads that splat a block's scales are volatile
-# (SPLAT_LOADS) or plain behind a barrier (_splats_from_memory). Chosen by tools/kernel_ab.py
-# (results/cpu/2026-11-28-s16.md). With the scales decoded an iteration ahead, on Zen 5 against the code before it:
-# these 1.08-1.14x, Q4_K four rows 1.00-1.02x, Q5_K two rows 0.96x, Q6_K two rows 1.05-1.07x
-# (results/cpu/2026-11-28-s21.md). Q2_K four rows, Q3_K and Q6_K two, their splats behind the barrier: 1.36-1.38x,
-# 1.07x and 0.99-1.17x one row with volatile loads on Zen 5 (Q2_K two rows 1.33-1.37x; Q3_K four rows 0.92-0.94x;
-# Q6_K four 0.98x; Q5_K two 0.89-0.99x; results/cpu/2026-11-29-s29.md).
+# (SPLAT_LOADS) or plain behind a barrier (_splats_from_memory). Chosen on Zen 5 by tools/kernel_ab.py, each
+# alternative against these settings in one process: Q2_K four rows, Q3_K and Q6_K two, their splats behind the
+# barrier, 1.36-1.38x, 1.07x and 0.99-1.17x one row with volatile loads (Q2_K two rows 1.33-1.37x; Q3_K four rows
+# 0.92-0.94x; Q6_K four 0.98x; Q5_K two 0.89-0.99x; Q4_K four rows 1.00-1.02x).
 SUPER_ROWS = {"Q4_K": 2, "Q5_K": 1, "Q6_K": 2, "Q2_K": 4, "Q3_K": 2}
 SPLAT_LOADS = ("Q5_K",)
 SCALE_VECTORS = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")   # super-block types whose scales are decoded to a vector
@@ -79,10 +76,10 @@ def _compiles_for(feature: str) -> bool:
 
 TABLES = _compiles_for("avx512f")     # 4-bit codes' weights by a 16-entry lookup (one vpermps) or by conversion
 WORDS = TABLES         # 4-bit codes read from 32-bit words (_Block.codes4): with lookups 1.03-1.15x one-token on
-#                       AVX-512; with conversions 0.83-0.88x (Q4_0, Q4_1) on the AVX2 build (results/cpu/2026-11-28-s19.md)
+#                       AVX-512; with conversions 0.83-0.88x (Q4_0, Q4_1) on the AVX2 build (tools/kernel_ab.py)
 SCALES_AHEAD = TABLES  # one token's super-block scales decoded an iteration ahead (_emit_tile): on Zen 5's AVX-512
 #                       build 1.08-1.14x; on its AVX2 build Q4_K and Q5_K 0.99-1.00x, Q6_K 0.95-0.96x
-#                       (results/cpu/2026-11-28-s21.md)
+#                       (tools/kernel_ab.py)
 
 
 def _vi(v):
