@@ -72,7 +72,7 @@ def test_the_pytest_plugin_checks_a_dump_from_a_normal_install(installed, tiny):
     r = run(installed, "-c", "import sys, llorch_ref\n"
             "from llorch_ref.references.llorch import record_engine\n"
             "e = llorch_ref.load(sys.argv[1])\n"
-            "record_engine(e, e.tokenizer.encode('Once upon a time'), n_greedy=4).save('d.safetensors')", str(model))
+            "record_engine(e, e.tokenizer.encode('Once upon a time'), prompt='Once upon a time', n_greedy=4).save('d.safetensors')", str(model))
     assert r.returncode == 0, r.stderr
     r = run(installed, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--llorch-dump", "d.safetensors",
             "--llorch-model", str(model))

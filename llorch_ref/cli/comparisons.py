@@ -73,7 +73,8 @@ def run_subject_dump(args):
                              "--reference-model do not apply")
     sub = load_dump(args.subject)
     decl = sub.arithmetic or {}
-    chosen = {"numerics": args.numerics, "kv_dtype": args.kv_dtype}      # what the user set over the declaration
+    chosen = {"numerics": args.numerics, "kv_dtype": args.kv_dtype,       # what the user set over the declaration
+              "ggml_simd": None if args.ggml_simd == "auto" else args.ggml_simd}
     if decl:
         args.numerics = args.numerics or decl["numerics"]
         args.kv_dtype = args.kv_dtype or decl["kv_dtype"]

@@ -59,6 +59,7 @@ class DiffResult:
     recipe: dict = field(default_factory=dict)            # how to run the reference side again (harness/rerun.py)
     config: object = None                                # the model's Config (what coverage is counted against)
     require: object = "auto"                             # what the verdict requires covered (harness/verdict.py)
+    not_applicable: list = field(default_factory=list)    # coverage keys this model cannot have (cp0 without a vocabulary)
 
     def verdict(self, require=None):
         """The one verdict of this comparison (harness/verdict.py: judge), which every face renders."""

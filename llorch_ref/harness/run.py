@@ -172,6 +172,7 @@ def run_subject(engine, sub: Dump, band_class: str | None = None, checkpoints=No
     if warn:
         res.warnings.append(warn)
     res.require = require
+    res.not_applicable = [] if engine.tokenizer is not None else ["cp0"]      # no vocabulary: nothing to tokenize
     res.recipe = recipe("llorch", engine.path, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n,
                         rows=sub.manifest.get("rows"), checkpoints=checkpoints, backend=engine.backend.name,
                         numerics=engine.numerics, kv_dtype=engine.kv_dtype, ggml_simd=engine.ggml_simd,

@@ -8,8 +8,9 @@ The rule, in order:
    figure covered everything the operation read, else by its end-to-end error (Row.diverges).
 2. INCOMPLETE when no comparison was made, or when a required tensor was not compared on every layer of the
    prompt's forward, or a decode step the subject declares holds nothing comparable. Not covered is never
-   passed. What is required is chosen by `require`: "auto" (the default) asks for every checkpoint tensor the
-   subject's engine kind can provide (checkpoints/coverage.json; an engine it does not list: every tensor),
+   passed. What is required is chosen by `require`: "auto" (the default) asks for every checkpoint tensor both
+   sides' engine kinds can provide but the optional greedy text (checkpoints/coverage.json; a subject of a kind
+   it does not list: every tensor),
    "all" for every tensor of the model, or a list of checkpoint ids, names or cp<id>.<tensor> keys.
 3. PASS otherwise.
 
@@ -86,8 +87,12 @@ def every_key(specs, cfg) -> list[str]:
     return keys
 
 
+def _coverage() -> dict:
+    return json.loads((catalogue_path() / "coverage.json").read_text())
+
+
 def _engine_kinds() -> dict:
-    return json.loads((catalogue_path() / "coverage.json").read_text())["engines"]
+    return _coverage()["engines"]
 
 
 def _kind_lacks(manifest: dict) -> tuple[set | None, str]:
@@ -108,11 +113,13 @@ def required_keys(require, specs, cfg, sides: dict) -> tuple[list[str], str]:
     cp<id>.<tensor> keys (a list or a comma-separated string). sides: {"subject", "reference"} manifests."""
     keys = every_key(specs, cfg)
     if require in (None, "auto"):
+        optional = set(_coverage().get("optional", []))
         sub, sub_name = _kind_lacks(sides.get("subject") or {})
         if sub is None:
-            return keys, f"every tensor: {sub_name} is not an engine kind whose gaps are known"
+            return ([k for k in keys if k not in optional],
+                    f"every tensor but the greedy text: {sub_name} is not an engine kind whose gaps are known")
         ref, ref_name = _kind_lacks(sides.get("reference") or {})
-        lacks = sub | (ref or set())
+        lacks = sub | (ref or set()) | optional
         what = f"what {sub_name} provides" + (f" and {ref_name} compares" if ref else "")
         return [k for k in keys if k not in lacks], what
     if require == "all":
@@ -142,6 +149,7 @@ def judge(res, require=None) -> Verdict:
     diverging = sum(r.diverges for r in rows)
     required, rule = required_keys(require, res.specs, res.config, res.sides) \
         if res.config is not None else ([], "not known")
+    required = [k for k in required if k not in res.not_applicable]
     missing = _missing(required, rows, nc)
     reasons = []
     if fd is not None:
