@@ -61,8 +61,8 @@ def test_bench_names_the_blas_kernels_and_who_chose_them():
 
 
 def test_bench_peak_memory_is_in_megabytes():
-    """peak_mb is 10^6 bytes, as the table's "peak MB" says (it held MiB, 4.9% less, through session 19): the
-    kernel's own high-water mark, /proc/self/status VmHWM in KiB, converted independently."""
+    """peak_mb is 10^6 bytes, as the table's "peak MB" says (not MiB, 4.9% less): the kernel's own high-water
+    mark, /proc/self/status VmHWM in KiB, converted independently."""
     from llorch_ref.bench import _peak_mb
 
     hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
@@ -134,7 +134,7 @@ print(B.kernels_compiled())
 def test_a_load_that_compiled_kernels_is_counted_and_warned_of(tmp_path):
     """kernels_compiled counts what numba compiled in the process, not what it loaded from its cache: with a fresh
     cache folder the kernel is compiled (1), in the next process it is loaded (0). The bench's table then warns that
-    such a load is mostly compile (a session 20 run printed a 12.2 s load that way without a word)."""
+    such a load is mostly compile (a 12.2 s load would otherwise be printed without a word)."""
     pytest.importorskip("numba")
     from llorch_ref.bench import markdown
 

@@ -120,8 +120,8 @@ def test_unknown_parameter_is_rejected():
         S.SamplingParams.from_kwargs(temprature=0.5)
 
 
-# -- every value validation accepts is numerically safe (hostile round two: temperature 1e-38 gave NaN
-#    probabilities and the last token id every time) ----------------------------------------------------
+# -- every value validation accepts is numerically safe (a temperature of 1e-38 must not give NaN probabilities
+#    and the last token id every time) ------------------------------------------------------------------
 TINY = [1e-38, 1e-45, 1e-300, 5e-324]
 
 

@@ -1,4 +1,4 @@
-"""Hostile round two: no ghost work, no stalled event loop, every accepted value safe, OpenAI fields by name.
+"""Hostile clients and values: no ghost work, no stalled event loop, every accepted value safe, OpenAI fields by name.
 
 The slow engine below is the tiny model with a pause after each token (and, when asked, a tokenizer that
 waits for a signal), so that "the job stopped when its client left" can be seen; the server, the worker
