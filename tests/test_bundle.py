@@ -99,7 +99,8 @@ def test_bundle_layout_and_contents(tiny_result, tmp_path):
     assert "Verdict: PASS" in (d / "report.md").read_text() and "`error_by_layer.png`" in (d / "report.md").read_text()
     assert (run / "summary.md").read_text().startswith("# Proof run r1: every checkpoint inside its band")
     suites = ET.parse(run / "junit.xml").getroot()
-    assert int(suites.get("tests")) == len(res.rows) + len(res.not_covered) and suites.get("failures") == "0"
+    assert int(suites.get("tests")) == len(res.rows) + len(res.not_covered) + 1 and suites.get("failures") == "0"
+    assert suites.find("testsuite[@name='llorch_verdict']/testcase/system-out") is not None      # PASS: one case more
     assert {c.get("name") for c in suites.iter("testcase")} >= {"cp4.kq L0", "cp6.ffn_swiglu L1"}
     html = (run / "report.html").read_text()
     assert "PASS: every checkpoint inside its band" in html and "<svg" in html
@@ -175,7 +176,7 @@ def test_planted_bug_is_named_on_every_face(planted):
     assert "DIVERGED: checkpoint 6, ffn_swiglu, layer 1 (by local error)" in first_screen
     assert "data:image/png;base64," in first_screen and "worst indices" in first_screen   # heat map, worst indices
     failures = [c for c in ET.parse(run / "junit.xml").getroot().iter("testcase") if c.find("failure") is not None]
-    assert [c.get("name") for c in failures] == ["cp6.ffn_swiglu L1"]
+    assert [c.get("name") for c in failures] == ["cp6.ffn_swiglu L1", "verdict"]        # the row and the verdict
     assert "local (the reference's operation on the subject's inputs): NMSE" in failures[0].find("failure").get("message")
 
 

@@ -82,6 +82,9 @@ def main():
         got = (fd["step"], fd["checkpoint"], fd["layer"], fd["tensor"]) if fd else None
         local = (f"{row.local['nmse']:.3g} ({row.local_band['nmse']:g})" if row is not None and row.local
                  and "nmse" in row.local and "nmse" in row.local_band else "-")
+        unheld = (row.local or {}).get("unheld_rows_end_to_end") if row is not None else None
+        if unheld:               # the rows no forward held, end to end in the end-to-end band
+            local += f"; unheld rows {unheld['nmse']:.3g} ({row.band['nmse']:g}, end to end)"
         lines.append(f"| {name} | {v.status} | {got} | {fd.get('positions', '-') if fd else '-'} | "
                      f"{fd['by'] if fd else '-'} | {expect}{'' if got == expect else ' **(other)**'} | {local} | "
                      f"{row.metrics.get('nmse', float('nan')):.3g} |" if row is not None else " - | - |")

@@ -1,6 +1,7 @@
 """JUnit XML of a comparison, for CI systems: a test suite per checkpoint, a test case per compared tensor,
 layer and decode step (`cp5.attn_out L3 @step2`); a case fails where it diverges (by its local error where
-measured, else end to end), its message the figures beside the band; what was not covered is a skipped case.
+measured, else end to end), its message the figures beside the band; what was not covered is a skipped case;
+the run's verdict is one more case (llorch_verdict), failing on FAIL and INCOMPLETE.
 """
 from __future__ import annotations
 
@@ -36,6 +37,21 @@ def _only_xml_characters(root: ET.Element):
             el.text = for_xml(el.text)
 
 
+def _verdict_suite(root, v) -> int:
+    """The run's verdict as a test case of its own (suite llorch_verdict, case verdict): it fails on FAIL and on
+    INCOMPLETE, so a CI that counts failures never reads a run that covered too little as green. -> failures."""
+    suite = ET.SubElement(root, "testsuite", name="llorch_verdict", tests="1", failures="0" if v.passed else "1",
+                          skipped="0", errors="0")
+    ET.SubElement(ET.SubElement(suite, "properties"), "property", name="llorch.verdict", value=v.status)
+    case = ET.SubElement(suite, "testcase", classname="llorch.verdict", name="verdict")
+    text = f"{v.line()}; {v.coverage_line()}"
+    if v.passed:
+        ET.SubElement(case, "system-out").text = text
+        return 0
+    ET.SubElement(case, "failure", message=text, type=v.status.lower()).text = text
+    return 1
+
+
 def xml(result, run_id: str) -> str:
     root = ET.Element("testsuites", name=f"llorch-ref {run_id}: {result.subject_label} vs {result.reference_label}")
     total = failures = skipped = 0
@@ -66,6 +82,8 @@ def xml(result, run_id: str) -> str:
         suite.set("skipped", str(len(missing)))
         suite.set("errors", "0")
         total, failures, skipped = total + len(rows) + len(missing), failures + bad, skipped + len(missing)
+    bad = _verdict_suite(root, result.verdict())
+    total, failures = total + 1, failures + bad
     root.set("tests", str(total))
     root.set("failures", str(failures))
     root.set("skipped", str(skipped))

@@ -392,7 +392,8 @@ def _check_summary(text: str, v: Verdict, per_cp: dict) -> list[str]:
 
 def _check_junit(text: str, res: DiffResult, v: Verdict) -> list[str]:
     """junit.xml: every testsuite's llorch.verdict property is the rows' verdict; the failing test cases are
-    exactly the diverging rows, and every failures count says so."""
+    exactly the diverging rows and, unless the verdict is PASS, the verdict's own case; every failures count says
+    so."""
     try:
         root = ET.fromstring(text)
     except ET.ParseError as e:
@@ -404,7 +405,7 @@ def _check_junit(text: str, res: DiffResult, v: Verdict) -> list[str]:
     if len(props) != len(suites) or any(p != v.status for p in props):
         out.append(f"its llorch.verdict properties say {sorted(set(props)) or 'nothing'}, the rows give {v.status}")
     want = {(f"llorch.cp{r.checkpoint}_{r.name}", _case_name(r.checkpoint, r.layer, r.tensor))
-            for r in res.rows if r.diverges}
+            for r in res.rows if r.diverges} | ({("llorch.verdict", "verdict")} if not v.passed else set())
     got = {(c.get("classname"), c.get("name")) for c in root.iter("testcase") if c.find("failure") is not None}
     if got != want:
         out.append(f"{len(got)} failing test cases, the rows give {len(want)} diverging"
@@ -412,7 +413,7 @@ def _check_junit(text: str, res: DiffResult, v: Verdict) -> list[str]:
     counts = [root.get("failures")] + [s.get("failures") for s in suites]
     if root.get("failures") != str(len(want)) or sum(int(s.get("failures") or 0) for s in suites) != len(want):
         out.append(f"its failures counts {counts[:1]} (suites {sum(int(c or 0) for c in counts[1:])}) are not the "
-                   f"{len(want)} diverging rows")
+                   f"{len(want)} failing cases (diverging rows and the verdict)")
     return out
 
 
