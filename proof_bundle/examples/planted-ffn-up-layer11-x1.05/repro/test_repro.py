@@ -1,4 +1,4 @@
-"""The first divergence of proof run : checkpoint 6, ffn_swiglu, layer 11.
+"""The first divergence of proof run planted-ffn-up-layer11-x1.05: checkpoint 6, ffn_swiglu, layer 11.
 
 The subject's output of this one operation, against llorch-ref's operation on the subject's own inputs, is
 outside its band. Needs numpy and llorch-ref only (not the subject engine):
