@@ -85,6 +85,10 @@ def _verdict(result) -> str:
     if fd is not None:
         return (f"DIVERGED at checkpoint {fd['checkpoint']}, layer {fd['layer']}, {md(fd['tensor'])}"
                 + (f" (decode step {fd['step']})" if fd.get("step") else "") + f", by {md(fd['by'])}")
+    v = result.verdict()
+    if not v.passed:            # INCOMPLETE: nothing outside a band, less compared than the verdict requires
+        return (f"INCOMPLETE: {len(v.missing)} of {len(v.required)} required tensors not compared"
+                if v.missing else "INCOMPLETE: " + md("; ".join(v.reasons)))
     return ("every checkpoint inside its band" if not n_nc else
             f"every covered checkpoint inside its band; {n_nc} checkpoint(s) not (fully) covered")
 

@@ -370,7 +370,8 @@ _CELL = re.compile(r"(?<!\\)\|")
 
 def _check_summary(text: str, v: Verdict, per_cp: dict) -> list[str]:
     """summary.md: one line `**Verdict: STATUS**` equal to the rows' verdict; a heading that says DIVERGED
-    exactly where the verdict is FAIL (at the first divergence's checkpoint and layer); each checkpoint's table
+    exactly where the verdict is FAIL (at the first divergence's checkpoint and layer) and INCOMPLETE exactly
+    where it is INCOMPLETE; each checkpoint's table
     cell (pass, **FAIL**, NOT COVERED) as its rows give."""
     out = []
     found = _VERDICT_LINE.findall(text)
@@ -382,6 +383,9 @@ def _check_summary(text: str, v: Verdict, per_cp: dict) -> list[str]:
                                                     f"{fd['layer']}," not in head):
         out.append("its heading " + (f"does not name the first divergence (checkpoint {fd['checkpoint']}, layer "
                                      f"{fd['layer']})" if fd is not None else "says DIVERGED where no row diverges"))
+    if ("INCOMPLETE" in head) != (v.status == "INCOMPLETE"):
+        out.append(f"its heading {'says' if 'INCOMPLETE' in head else 'does not say'} INCOMPLETE, the rows give "
+                   f"{v.status}")
     want = {"PASS": "pass", "FAIL": "**FAIL**", "NOT COVERED": "NOT COVERED"}
     for line in text.splitlines():
         cells = [c.strip() for c in _CELL.split(line)[1:-1]] if line.startswith("| ") else []
