@@ -1,4 +1,4 @@
-"""Hostile round two, the command line: one `error:` line (exit 2) for each bad value, found before a model is
+"""Hostile values on the command line: one `error:` line (exit 2) for each bad value, found before a model is
 loaded or a comparison is run (both are replaced here by functions that fail the test if they are reached)."""
 from __future__ import annotations
 
