@@ -108,11 +108,16 @@ class Engine:
                 self._spare.append((cache, decoder))
 
     def forward(self, token_ids, cache, rows=None, record=None):
-        """Append token_ids to the sequence in `cache` -> logits [R, V] for `rows` (None: all)."""
-        kw = {"record": record} if record is not None else {}
+        """Append token_ids to the sequence in `cache` -> logits [R, V] for `rows` (None: all). A recorder that
+        looks at tensors gets the reference's forward (model.forward: every checkpoint tensor formed); without
+        one, or with one of the layer boundaries only (`tensors = False`), the backend's own forward, which may
+        fuse operations whose tensors nobody sees."""
         self.backend.before_forward(len(token_ids))
-        return forward_mod.forward(self.xp, self.config, self.weights, token_ids, cache, rows=rows, ops=self.ops,
-                                   **kw)
+        if record is not None and getattr(record, "tensors", True):
+            return forward_mod.forward(self.xp, self.config, self.weights, token_ids, cache, rows=rows,
+                                       record=record, ops=self.ops)
+        return self.backend.forward(self.xp, self.config, self.weights, token_ids, cache, self.ops, rows=rows,
+                                    boundary=record)
 
     def _check_ids(self, token_ids):
         ids = [int(t) for t in token_ids]

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ParameterError
+from ..model import forward as forward_mod
 from .cpu_split import SPLIT, blas_controller, usable_cores
 
 BACKENDS = ("numpy", "numba", "cupy")
@@ -97,6 +98,13 @@ class Backend:
         """-> the weights as this backend computes with them. qtensors: the GGUF loader's quantized matrices
         ((layer, field) or "output" -> QTensor), for kernels that multiply by the blocks (numba); numerics: "exact" or "ggml" (matrix objects that stay as they are)."""
         return weights.map(self.asarray)
+
+    def forward(self, xp, cfg, weights, tokens, cache, ops, rows=None, boundary=None):
+        """The forward pass where no recorder looks at tensors (boundary: a recorder of the layer boundaries only,
+        or None) -> logits [R, V]: the reference's here; a backend that fuses operations runs its own
+        (fused_forward.forward)."""
+        kw = {"record": boundary} if boundary is not None else {}
+        return forward_mod.forward(xp, cfg, weights, tokens, cache, rows=rows, ops=ops, **kw)
 
     def synchronize(self):
         pass

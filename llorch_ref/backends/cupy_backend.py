@@ -14,7 +14,6 @@ import types
 import numpy as np
 
 from ..errors import ParameterError
-from ..model import forward as forward_mod
 from ..model.cache import visible_mask
 from ..model.weights import LayerWeights, Weights
 from . import Backend
@@ -22,6 +21,8 @@ from .cuda_blocks import TYPES as BLOCK_TYPES
 from .cuda_blocks import GpuBlocks
 from .cuda_fused import FusedStep
 from .cuda_half import half_attention, half_attention_core, half_gemm
+from .fused_forward import Fusions
+from .fused_forward import forward as fused_forward
 
 
 class CupyBackend(Backend):
@@ -155,7 +156,7 @@ class CupyBackend(Backend):
             return y
 
         def add_norm(xp, x, a, w, eps):
-            """forward.block's residual add and the RMSNorm after it in one kernel, where nobody watches: -> (x + a,
+            """A residual add and the RMSNorm after it in one kernel (Fusions.add_norm, where nobody watches): -> (x + a,
             its RMSNorm), a None: (x, RMSNorm of x). The sum as x + a, the norm as rms_norm's, to the bit; the normed
             rows in float16 where several-token float16 products take them next (they round them so anyway)."""
             x = dense(x)
@@ -259,7 +260,7 @@ class CupyBackend(Backend):
             return cp.matmul(probs, vh).transpose(1, 0, 2).reshape(t, -1), kq, probs
 
         def attention_out(xp, q, k, v, mask, scale, kv_head):
-            """Several tokens that no recorder watches (forward.block asks for the output only): with float16
+            """Several tokens that no recorder watches (the fused forward asks for the output only): with float16
             weights, Q.K and P.V as float16 cuBLAS products (kq and probs never recorded), the output in float16 for
             the output projection's float16 product; otherwise the recorded path's output."""
             if q.shape[0] == 1 or self.dtype != "float16" or not half_prefill:
@@ -270,7 +271,7 @@ class CupyBackend(Backend):
             """Several tokens that no recorder watches, float16 weights, q/k/v straight from the stacked Q/K/V
             product: RoPE, the cache write and the float16 head-major copies in one kernel (rope_store), then the
             attention's batched products (cuda_half) -> the attention output [T, H*Hd] in float16; None where that
-            does not apply (block() then runs the operations one by one)."""
+            does not apply (fused_forward.attend then runs the operations one by one)."""
             t, h, hd = q.shape
             kv = k.shape[1]
             row = q.strides[0]
@@ -303,11 +304,18 @@ class CupyBackend(Backend):
 
         ops.linear, ops.qkv, ops.swiglu, ops.geglu, ops.attention = linear, qkv, swiglu, geglu, attention
         ops.attention_out, ops.rope_store_attend = attention_out, rope_store_attend
-        if os.environ.get("LLORCH_CUDA_FUSED_NORM", "1") != "0":       # =0: the adds and norms one by one (A/B)
-            ops.add_norm = add_norm
+        fused_norm = os.environ.get("LLORCH_CUDA_FUSED_NORM", "1") != "0"   # =0: the adds and norms one by one
+        ops.fusions = Fusions(attention_out=attention_out, rope_store_attend=rope_store_attend,
+                              add_norm=add_norm if fused_norm else None)
         ops.kv_head_of = kv_head_of
         ops.rms_norm, ops.rope = rms_norm, rope
         return ops
+
+    def forward(self, xp, cfg, weights, tokens, cache, ops, rows=None, boundary=None):
+        """Where nobody watches: the reference's steps with the fusions of make_ops (the residual add with the next
+        RMSNorm; with float16 weights, RoPE, the cache write and attention of a prompt, and activations that only
+        feed float16 products carried in float16)."""
+        return fused_forward(xp, cfg, weights, tokens, cache, ops, ops.fusions, rows=rows, boundary=boundary)
 
     def synchronize(self):
         self.xp.cuda.get_current_stream().synchronize()
@@ -480,8 +488,7 @@ class GraphDecoder:
                 out = self.fused(self.tok)
                 c.advance(1)                                # as forward's own advance for the op-by-op step
             else:
-                out = forward_mod.forward(self.xp, self.engine.config, self.engine.weights, self.tok, c, rows=None,
-                                          ops=ops)
+                out = self.engine.backend.forward(self.xp, self.engine.config, self.engine.weights, self.tok, c, ops)
         finally:
             c.static = ops.static_decode = False
         _kernels(self.xp)["bump_pos"]((1,), (1,), (c.pos_dev,))

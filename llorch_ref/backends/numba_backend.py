@@ -21,6 +21,8 @@ from . import numba_ggml as G
 from . import numba_kernels as K
 from . import numba_simd as S
 from .cpu_split import SPLIT, blas_controller, spare_cores
+from .fused_forward import Fusions
+from .fused_forward import forward as fused_forward
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 PATHS: Counter = Counter()        # (weight type, path, rows) -> products: what `bench` reports
@@ -600,6 +602,7 @@ class NumbaBackend(Backend):
             rows = f32(x).reshape(-1, x.shape[-1])
             return G.rms_norm_rows(rows, f32(w), np.float32(eps)).reshape(x.shape)
         ops.attention, ops.attention_out, ops.swiglu, ops.rms_norm = attention, attention_out, swiglu, rms_norm
+        ops.fusions = Fusions(attention_out=attention_out)
         # RoPE tables: the C library's cosf/sinf called from machine code (numba_ggml.map_c_float), the same values
         ops.rope_angles = lambda xp, *a, **k: ggml_ops.rope_angles(xp, *a, map_c=G.map_c_float, **k)   # noqa: E731
         return ops
@@ -689,4 +692,10 @@ class NumbaBackend(Backend):
         for name, fn in (("linear", linear), ("rms_norm", rms_norm), ("swiglu", swiglu), ("geglu", geglu), ("qkv", qkv),
                          ("attention", attention), ("attention_out", attention_out), ("rope", rope)):
             setattr(ops, name, fn)
+        ops.fusions = Fusions(attention_out=attention_out)
         return ops
+
+    def forward(self, xp, cfg, weights, tokens, cache, ops, rows=None, boundary=None):
+        """Where nobody watches: the reference's steps with attention's output alone (attention_out: one token by
+        the kernel, several with the masked positions skipped or split over the threads)."""
+        return fused_forward(xp, cfg, weights, tokens, cache, ops, ops.fusions, rows=rows, boundary=boundary)
