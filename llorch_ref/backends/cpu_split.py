@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..errors import ParameterError
+from .settings import BLAS_SPLIT_MODES, settings
 
 BUSY_CORES = 0.5        # other processes' use of the cores at which the split goes on
 LOOK_EVERY_S = 0.2
@@ -82,10 +83,10 @@ class CpuSplit:
     def configure(self, threads: int, blas=None, mode=None):
         """threads: this process's threads; blas: threadpoolctl's controller of the BLAS libraries (its thread
         count set to `threads`, or 1 while split), None: leave BLAS alone; mode: "auto", "split" or "blas"
-        (default: $LLORCH_BLAS_SPLIT, else auto)."""
-        mode = mode or os.environ.get("LLORCH_BLAS_SPLIT", "auto")
-        if mode not in ("auto", "split", "blas"):
-            raise ParameterError(f"LLORCH_BLAS_SPLIT={mode!r} must be auto, split or blas")
+        (default: settings' blas_split, $LLORCH_BLAS_SPLIT)."""
+        mode = mode or settings().blas_split
+        if mode not in BLAS_SPLIT_MODES:
+            raise ParameterError(f"blas split mode {mode!r} must be auto, split or blas")
         self.mode = mode
         if threads != self.threads:
             if self.pool is not None:

@@ -18,42 +18,24 @@ their boundaries, the way numba's FusedDecoder does on the CPU:
 
 and the final norm with the output matrix (norm_logits_<fmt>). <fmt> is each matrix's format (cuda_blocks.ROWS
 reads them all; LAYOUT below sets each product's rows a warp and loads in flight). Each kernel is launched with
-programmatic dependent launch (Launcher; LLORCH_CUDA_PDL=0 turns it off): it starts while the previous one drains
-and waits for the previous kernel's results before reading anything (a 3.74 ms step on the H200 against 3.82 with
-plain launches; prefetching the first weight lines before the wait makes it slower). The arithmetic
+programmatic dependent launch (Launcher; settings' cuda_pdl): it starts while the previous one drains and waits
+for the previous kernel's results before reading anything. The arithmetic
 differs from the op-by-op step's by order and rounding only (r applied after the dot product, sums of squares in
 float32): tests/test_backends.py checks the logits against the op-by-op step's (float16 and blocks) and the greedy
-tokens equal. LLORCH_CUDA_FUSED=0 turns it off. On blocks, whose products are bound by their instructions, the
-norm folded into a product serves two or four rows a warp (LAYOUT): 1.26x the captured op-by-op step on Q4_K
-(260.9 against 207.0 tok/s, tools/gpu_roofline.py speed's q4k and q4k-op rows).
+tokens equal. settings' cuda_fused turns it off. On blocks, whose products are bound by their instructions, the
+norm folded into a product serves two or four rows a warp (LAYOUT).
 """
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 
 from .cuda_blocks import GEMV_LAYOUT, ROWS, STRUCTS, GpuBlocks, compile_options, planar_places, rows_per_block
+from .cuda_source import cuda_source
+from .settings import settings
 
-FUSED = r"""
-// P (the products) or pl (rope_attend, embed): the vectors the products read (the residual stream x, the attention
-// output, the gated activation, the norms' weights) are kept in rows_dot's planar layout: every kernel that writes
-// one writes its planar places.
-// hid[i] = silu(r * gate_i . (x g)) * (r * up_i . (x g)), gate row i and up row f + i of W [2f, k] by W warps.
-template <typename F, int U, int W, bool P>
-__device__ void norm_glu(const u8* Wm, const float* x, const float* g, float* hid, int f, int k, long rb, float eps) {
-    int row = blockIdx.x * (4 / W) + threadIdx.x / 32 / W, at = min(row, f - 1);
-    const u8* w[2] = {Wm + (size_t)at * rb, Wm + (size_t)(f + at) * rb};
-    float dot[2], ss;
-    rows_dot<F, U, 2, true, W, P>(w, reinterpret_cast<const float4*>(x), reinterpret_cast<const float4*>(g), k / 8,
-                                       dot, ss);
-    if (threadIdx.x % (32 * W) == 0 && row < f) {
-        float r = 1.0f / sqrtf(ss / k + eps), gate = dot[0] * r, up = dot[1] * r;
-        hid[P ? planar(row, f) : row] = (gate / (1.0f + expf(-gate))) * up;
-    }
-}
-"""
+FUSED = cuda_source("fused.cu")
 
 
 def fused_source():
@@ -83,11 +65,9 @@ def fused_source():
 
 
 # per weight format: its reader (cuda_blocks.ROWS) and each product's layout, (U octs a lane in flight a row, R rows,
-# W warps a row; norm_glu: U, W for its two rows): the fastest whole steps of tools/gpu_roofline.py layouts. On
-# blocks the products with the norm folded in take more rows a warp than the plain ones (the norm's x g and sum of
-# squares shared by more rows). Float16's gate/up stays on one warp a row: over two warps it is 0.8% faster on one
-# machine and 1% slower on another. Q4_K's norm_qkv takes four rows a warp, its scales decoded once for four octs
-# (3.04 ms a step against 3.23 at two rows: results/gpu/h200/layouts-q4_k.json).
+# W warps a row; norm_glu: U, W for its two rows), as tools/gpu_roofline.py layouts chose them. On blocks the
+# products with the norm folded in take more rows a warp than the plain ones (the norm's x g and sum of squares
+# shared by more rows); Q4_K's norm_qkv takes four rows a warp, its scales decoded once for four octs.
 ROLES = ("norm_qkv", "norm_logits", "norm_glu", "gemv_res")
 LAYOUT = {"f16": {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 1, 1)},
           "f32": {"norm_qkv": (2, 2, 1), "norm_logits": (2, 2, 1), "norm_glu": (2, 1), "gemv_res": (2, 1, 1)},
@@ -96,12 +76,10 @@ LAYOUT = {"f16": {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (
           "q8_0": {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (2, 1), "gemv_res": (2, 2, 1)},
           "q4_k": {"norm_qkv": (4, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (2, 1), "gemv_res": (4, 1, 1)},
           "q6_k": {"norm_qkv": (4, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)}}
-# The formats whose steps run faster with the step's vectors in the planar layout (rows_dot's PLANAR: a warp's x
-# loads take half the L1 wavefronts; the same sums to the bit), with their layouts so: a step is planar where every
-# matrix it reads is of one of these formats (the default model's Q4_1 and Q8_0 included). Whole 7B steps at
-# position 8, natural -> planar (`tools/gpu_roofline.py layouts`, results/gpu/h200/layouts-planar.json):
-# Q8_0 3.74 -> 3.21 ms, Q4_1 3.46 -> 3.07, Q4_0 3.09 -> 3.03; Q6_K 4.73 -> 4.69 (left natural), Q4_K 3.64 -> 4.70
-# and float16 3.78 -> 3.89 at their best planar layouts tried (natural). LLORCH_CUDA_PLANAR=0: every step natural.
+# The formats whose steps keep the step's vectors in the planar layout (rows_dot's PLANAR: a warp's x loads take
+# half the L1 wavefronts; the same sums to the bit), with their layouts so: a step is planar where every matrix it
+# reads is of one of these formats (the default model's Q4_1 and Q8_0 included); settings' cuda_planar off: every
+# step natural. The choice and its timings: `tools/gpu_roofline.py layouts`, results/gpu/h200/layouts-planar.json.
 LAYOUT_PLANAR = {"q4_0": {**LAYOUT["q4_0"], "gemv_res": (8, 1, 1)},
                  "q4_1": {**LAYOUT["q4_1"], "gemv_res": (8, 1, 1)},
                  "q8_0": {**LAYOUT["q8_0"], "norm_qkv": (4, 2, 1), "gemv_res": (8, 1, 1)}}
@@ -116,165 +94,7 @@ def blocks_of(fmt, role, n, planar=False):
     return ((n + per - 1) // per,)
 
 
-ATTEND = r"""
-__device__ __forceinline__ void put(float* c, float v) { *c = v; }
-__device__ __forceinline__ void put(__half* c, float v) { *c = __float2half_rn(v); }
-__device__ __forceinline__ float get(const float* c) { return *c; }
-__device__ __forceinline__ float get(const __half* c) { return __half2float(*c); }
-
-__device__ __forceinline__ float4 load4(const float* c) { return *reinterpret_cast<const float4*>(c); }
-__device__ __forceinline__ float4 load4(const __half* c) {
-    uint2 raw = *reinterpret_cast<const uint2*>(c);
-    const __half2* h = reinterpret_cast<const __half2*>(&raw);
-    float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
-    return make_float4(a.x, a.y, b.x, b.y);
-}
-__device__ __forceinline__ float rnd(const float*, float v) { return v; }
-__device__ __forceinline__ float rnd(const __half*, float v) { return __half2float(__float2half_rn(v)); }
-
-// RoPE, the K/V store and attention of one token: a block per query head for up to ATTEND_ONE key positions, past
-// that a block per head and chunk of ATTEND_CHUNK positions (flash-decoding: a long context spreads over the card
-// instead of one block a head; blocks past the context exit).
-// y = [q (H*hd), k (KV*hd), v (KV*hd)]; cos/sin: the [n_ctx, half] tables (neox pairs (i, i + half), else (2i,
-// 2i + 1); dims past 2 half copied); the cache rows at pos are written by chunk 0 of the first query head of each KV
-// head, while every block reads positions before pos from the cache and its own rotated k and v (rounded as the
-// cache stores them) at pos. Scores (a warp per position), softmax (max, exp, sum), P.V (a warp per position, four
-// dims a lane), the warps' sums added in a fixed order; out [H * hd]; hd % 4 == 0. One chunk: out = acc / sum. Several: each block leaves (max, sum, acc) in part, and the head's last
-// block to finish (a counter per head, reset by it) rescales them to the largest max and writes out.
-template <typename C>
-__device__ void rope_attend(const float* y, const float* cs, const float* sn, const long long* pos, C* kc, C* vc,
-                            float* out, float* part, int* count, int H, int KV, int hd, int half, int neox,
-                            float scale, int pl) {
-    extern __shared__ float sm[];                // q [hd], k [hd], v [hd], p [ATTEND_ONE], partials [warps * hd]
-    __shared__ float red[32];
-    __shared__ int last;
-    griddep_wait();
-    int h = blockIdx.x, grp = H / KV, kvh = h / grp;
-    long long P = pos[0];
-    int L = (int)P + 1, ns = L <= ATTEND_ONE ? 1 : (L + ATTEND_CHUNK - 1) / ATTEND_CHUNK, ch = blockIdx.y;
-    if (ch >= ns) return;
-    int j0 = ch * ATTEND_CHUNK, j1 = ns == 1 ? L : min(L, j0 + ATTEND_CHUNK);
-    int nw = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float *qs = sm, *kn = sm + hd, *vn = sm + 2 * hd, *p = sm + 3 * hd;
-    const float *yq = y + (size_t)h * hd, *yk = y + (size_t)(H + kvh) * hd, *yv = y + (size_t)(H + KV + kvh) * hd;
-    const C* c0 = nullptr;
-    for (int i = threadIdx.x; i < hd - half; i += blockDim.x) {
-        if (i < half) {
-            int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-            float c = cs[P * half + i], s = sn[P * half + i];
-            float q0 = yq[a], q1 = yq[b], k0 = yk[a], k1 = yk[b];
-            qs[a] = q0 * c - q1 * s; qs[b] = q0 * s + q1 * c;
-            kn[a] = rnd(c0, k0 * c - k1 * s); kn[b] = rnd(c0, k0 * s + k1 * c);
-        } else {
-            int d = 2 * half + (i - half);
-            qs[d] = yq[d]; kn[d] = rnd(c0, yk[d]);
-        }
-    }
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) vn[i] = rnd(c0, yv[i]);
-    __syncthreads();
-    if (ch == 0 && h % grp == 0)
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-            size_t at = ((size_t)P * KV + kvh) * hd + i;
-            put(kc + at, kn[i]); put(vc + at, vn[i]);
-        }
-    for (int j = j0 + warp; j < j1; j += nw) {   // one warp per key position
-        float acc = 0.f;
-        if (j < P) {
-            const C* kj = kc + ((size_t)j * KV + kvh) * hd;
-            for (int d = lane; d < hd; d += 32) acc += qs[d] * get(kj + d);
-        } else {
-            for (int d = lane; d < hd; d += 32) acc += qs[d] * kn[d];
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) p[j - j0] = acc * scale;
-    }
-    __syncthreads();
-    float m = __int_as_float(0xff800000);
-    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) m = fmaxf(m, p[j]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    int used = min(nw, j1 - j0);                 // warps that had a position (the others' sums are zeros)
-    m = red[0];
-    for (int w = 1; w < used; ++w) m = fmaxf(m, red[w]);
-    __syncthreads();
-    float z = 0.f;
-    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) { float e = expf(p[j] - m); p[j] = e; z += e; }
-    z = warp_sum(z);
-    if (lane == 0) red[warp] = z;
-    __syncthreads();
-    z = 0.f;
-    for (int w = 0; w < used; ++w) z += red[w];
-    float* pw = p + ATTEND_ONE;                  // P.V: warp w sums positions w, w + nw, ...; lane l dims 4l + 128r
-    for (int d0 = 4 * lane; d0 < hd; d0 += 128) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int j = j0 + warp; j < j1; j += nw) {
-            float4 u = j < P ? load4(vc + ((size_t)j * KV + kvh) * hd + d0) : *reinterpret_cast<const float4*>(vn + d0);
-            float e = p[j - j0];
-            acc.x += e * u.x; acc.y += e * u.y; acc.z += e * u.z; acc.w += e * u.w;
-        }
-        *reinterpret_cast<float4*>(pw + warp * hd + d0) = acc;
-    }
-    __syncthreads();
-    if (ns == 1) {
-        float inv = 1.0f / z;
-        for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
-            float acc = 0.f;
-            for (int w = 0; w < used; ++w) acc += pw[w * hd + dd];
-            out[pl ? planar(h * hd + dd, H * hd) : h * hd + dd] = acc * inv;
-        }
-        return;
-    }
-    float* mine = part + ((size_t)h * gridDim.y + ch) * (hd + 2);      // [max, sum, acc (hd)]
-    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
-        float acc = 0.f;
-        for (int w = 0; w < used; ++w) acc += pw[w * hd + dd];
-        mine[2 + dd] = acc;
-    }
-    if (threadIdx.x == 0) { mine[0] = m; mine[1] = z; }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(count + h, 1) == ns - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const float* all = part + (size_t)h * gridDim.y * (hd + 2);
-    float M = __int_as_float(0xff800000), Z = 0.f;
-    for (int t = 0; t < ns; ++t) M = fmaxf(M, __ldcg(all + (size_t)t * (hd + 2)));
-    for (int t = 0; t < ns; ++t) Z += __ldcg(all + (size_t)t * (hd + 2) + 1) * expf(__ldcg(all + (size_t)t * (hd + 2)) - M);
-    float inv = 1.0f / Z;
-    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
-        float acc = 0.f;
-        for (int t = 0; t < ns; ++t)
-            acc += __ldcg(all + (size_t)t * (hd + 2) + 2 + dd) * expf(__ldcg(all + (size_t)t * (hd + 2)) - M);
-        out[pl ? planar(h * hd + dd, H * hd) : h * hd + dd] = acc * inv;
-    }
-    if (threadIdx.x == 0) count[h] = 0;
-}
-extern "C" __global__ void rope_attend_f32(const float* y, const float* cs, const float* sn, const long long* pos,
-                                           float* kc, float* vc, float* out, float* part, int* count, int H, int KV,
-                                           int hd, int half, int neox, float scale, int pl) {
-    rope_attend(y, cs, sn, pos, kc, vc, out, part, count, H, KV, hd, half, neox, scale, pl);
-}
-extern "C" __global__ void rope_attend_f16(const float* y, const float* cs, const float* sn, const long long* pos,
-                                           __half* kc, __half* vc, float* out, float* part, int* count, int H, int KV,
-                                           int hd, int half, int neox, float scale, int pl) {
-    rope_attend(y, cs, sn, pos, kc, vc, out, part, count, H, KV, hd, half, neox, scale, pl);
-}
-
-// x = emb[tok] * scale (float32 or float16 rows; pl: x planar)
-template <typename T> __device__ void embed(const T* emb, const long long* tok, float* x, int d, float scale, int pl) {
-    griddep_wait();
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < d) x[pl ? planar(i, d) : i] = get(emb + (size_t)tok[0] * d + i) * scale;
-}
-extern "C" __global__ void embed_f32(const float* e, const long long* t, float* x, int d, float s, int pl) {
-    embed(e, t, x, d, s, pl);
-}
-extern "C" __global__ void embed_f16(const __half* e, const long long* t, float* x, int d, float s, int pl) {
-    embed(e, t, x, d, s, pl);
-}
-"""
+ATTEND = cuda_source("attend.cu")
 _MOD = {}
 ATTEND_THREADS = 1024
 ATTEND_ONE, ATTEND_CHUNK = 256, 128  # rope_attend: one block a head up to 256 positions, else chunks of 128 (ATTEND)
@@ -361,7 +181,7 @@ class FusedStep:
     def __init__(self, engine, cache, groups, out, planar=False):
         cp, cfg = engine.xp, engine.config
         self.cp, self.cfg, self.cache, self.w, self.out = cp, cfg, cache, engine.weights, out
-        pdl = os.environ.get("LLORCH_CUDA_PDL", "1") != "0" and int(cp.cuda.Device().compute_capability) >= 90
+        pdl = settings().cuda_pdl and int(cp.cuda.Device().compute_capability) >= 90
         self.K, self.launch = kernels(cp), Launcher(cp, enabled=pdl)        # the attribute needs sm_90 (Hopper)
         self.planar = planar                                           # the step's vectors in the planar layout
         self.groups = [(*g[:4], self.laid(g[4]), self.laid(g[5])) for g in groups]     # the norms' weights laid out
@@ -398,7 +218,7 @@ class FusedStep:
         None, w_down, attn_norm, ffn_norm) -> a FusedStep, or None. Float16 weights, or --dtype blocks (each matrix its GGUF
         blocks of a type the kernels read, or float32 where the GPU keeps one)."""
         cfg, w, cp = engine.config, engine.weights, engine.xp
-        if os.environ.get("LLORCH_CUDA_FUSED", "1") == "0" or getattr(engine.backend, "dtype", "") not in (
+        if not settings().cuda_fused or getattr(engine.backend, "dtype", "") not in (
                 "float16", "blocks") \
                 or cfg.qkv_bias or cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.sliding_window \
                 or cfg.rope_base_local is not None or cfg.rope_style not in ("adjacent", "neox") \
@@ -417,7 +237,7 @@ class FusedStep:
         if out is None or w.tok_embd.dtype not in (cp.float32, cp.float16):
             return None
         fmts = {out[0]} | {p[0] for g in groups for p in g[0]} | {m[0] for g in groups for m in g[1:4]}
-        planar = os.environ.get("LLORCH_CUDA_PLANAR", "1") != "0" and fmts <= set(LAYOUT_PLANAR)
+        planar = settings().cuda_planar and fmts <= set(LAYOUT_PLANAR)
         return FusedStep(engine, cache, groups, out, planar=planar)
 
     def __call__(self, tok):

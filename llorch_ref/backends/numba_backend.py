@@ -23,6 +23,7 @@ from . import numba_simd as S
 from .cpu_split import SPLIT, blas_controller, spare_cores
 from .fused_forward import Fusions
 from .fused_forward import forward as fused_forward
+from .settings import settings
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 PATHS: Counter = Counter()        # (weight type, path, rows) -> products: what `bench` reports
@@ -565,10 +566,10 @@ class NumbaBackend(Backend):
             self._numba.set_num_threads(n)
 
     def make_decoder(self, engine, cache):
-        """One-token steps by FusedDecoder where the model allows it (LLORCH_NUMBA_FUSED=0: never), else the
-        op-by-op forward."""
+        """One-token steps by FusedDecoder where the model allows it (settings' numba_fused off: never), else the
+        backend's forward."""
         fused = GgmlFusedDecoder if engine.numerics == "ggml" else FusedDecoder
-        plans = fused.plan(engine, cache) if os.environ.get("LLORCH_NUMBA_FUSED", "1") != "0" else None
+        plans = fused.plan(engine, cache) if settings().numba_fused else None
         self.info["fused_decode"] = plans is not None
         if plans is None:
             return super().make_decoder(engine, cache)
