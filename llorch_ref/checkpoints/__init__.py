@@ -54,6 +54,10 @@ class TensorSpec:
         return a
 
 
+# The yes/no facts a spec states about its checkpoint (absent: false); the harness reads them, never the id.
+FACTS = ("after_last_layer", "token_checkpoint", "chosen_tokens", "decode_step")
+
+
 @dataclass
 class Spec:
     id: str
@@ -66,6 +70,15 @@ class Spec:
     measured: dict
     path: Path
     dump: list = None         # dump-format tensors: [{"name", "shape", "dtype", "head_major"?, "rope_pairs"?, "derive"?}]
+    order: float = 0          # place in the forward: 0 tokens, 1..7 inside a layer, 8..12 after the last layer
+    after_last_layer: bool = False    # a float result of the head (8, 9, 11): a coarser class of a layer node holds on
+    token_checkpoint: bool = False    # compared once under a derived tensor name (0, 10, 11, 12): covered by its id
+    chosen_tokens: bool = False       # the tokens the model chooses (10 argmax, 12 greedy text): exact agreement
+    decode_step: bool = False         # a model checkpoint compared at every decode step too (layer ones always are)
+
+    def every_step(self) -> bool:
+        """Whether a decode step compares this checkpoint: every layer checkpoint, and the model ones that say so."""
+        return self.scope == "layer" or self.decode_step
 
     def tensors_for(self, cfg) -> list:
         """The tensors this checkpoint compares for a model (those whose `when` switch the model sets)."""
@@ -96,10 +109,11 @@ def load_specs(ids=None) -> list[Spec]:
             specs.append(Spec(
                 id=str(d["id"]), name=d["name"], title=d["title"], checks=d["checks"], scope=d["scope"],
                 tensors=[TensorSpec(**t) for t in d.get("tensors", [])], bands=d["bands"],
-                measured=d.get("measured", {}), path=p, dump=d.get("dump", [])))
+                measured=d.get("measured", {}), path=p, dump=d.get("dump", []), order=d.get("order", 0),
+                **{k: bool(d.get(k, False)) for k in FACTS}))
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise HarnessError(f"{p}: malformed checkpoint spec ({type(e).__name__}: {e})") from None
-    specs.sort(key=lambda s: _id_key(s.id))
+    specs.sort(key=lambda s: (s.order, s.id))
     if ids:
         want = [str(i) for i in ids]
         known = {s.id for s in specs} | {s.name for s in specs}
@@ -111,9 +125,14 @@ def load_specs(ids=None) -> list[Spec]:
     return specs
 
 
-def _id_key(i: str):
-    num = "".join(c for c in i if c.isdigit())
-    return (int(num) if num else 0, i)
+def token_checkpoints() -> frozenset:
+    """The ids of the checkpoints the catalogue marks token_checkpoint (coverage keyed by id, not tensor)."""
+    return _token_checkpoints(str(catalogue_path()))
+
+
+@functools.lru_cache(maxsize=4)
+def _token_checkpoints(folder: str) -> frozenset:
+    return frozenset(s.id for s in load_specs() if s.token_checkpoint)
 
 
 def band_class_of(tensor_types: dict) -> str:

@@ -15,8 +15,7 @@ import numpy as np
 from ..checkpoints import coarser, declaration, greedy_band, load_specs, local_band
 from ..dump import Dump, Recorder, catalogue, expected_shape, neox_pairs, to_canonical, token_axis
 from ..errors import HarnessError
-from ..model.cache import visible_mask
-from .local import last_row, local_outputs, model_outputs
+from .local import last_row, local_outputs, model_outputs, visible
 from .metrics import compare, nmse_by_row, within
 from .result import DiffResult, Row
 
@@ -95,9 +94,8 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
                     pos = (1, layer, t.order)
                     c.tensor(spec, t.ours, layer, band_at(spec, pos), c.order(*pos))
         elif spec.id in _MODEL_CASES:
-            num = int("".join(ch for ch in spec.id if ch.isdigit()) or 0)
-            late = spec.id in ("8", "9", "11")      # after the last layer: a reduced-precision node's class holds
-            _MODEL_CASES[spec.id](c, spec, band_at(spec, (2, 0, num - 0.5) if late else None), num)
+            pos = (2, 0, spec.order - 0.5) if spec.after_last_layer else None
+            _MODEL_CASES[spec.id](c, spec, band_at(spec, pos), spec.order)
         else:
             raise HarnessError(f"{spec.path}: checkpoint {spec.id} has no dump comparison")
     res.captures_ours, res.captures_ref = c.cap_sub, c.cap_ref
@@ -119,7 +117,7 @@ def _compare_step(sub: Dump, ref: Dump, k: int, cfg, res: DiffResult, specs, ban
             res.not_covered.append({"checkpoint": "steps", "name": "decode step", "layer": None, "tensor": f"@step{k}",
                                     "why": f"the {who} holds no tensors of decode step {k}"})
             return
-    wanted = [s.id for s in specs if s.scope == "layer" or s.id in ("8", "10")]
+    wanted = [s.id for s in specs if s.every_step()]
     r = compare_dumps(sub.step_view(k), ref.step_view(k), cfg, res.band_class, checkpoints=wanted,
                       subject_label=res.subject_label, reference_label=res.reference_label, bands=band_at, _step=k,
                       local_engine=local_engine, local_bands=local_bands, _written=written)
@@ -317,9 +315,7 @@ class _Comparison:
         """Raw scores [H, T, S] with the entries no query may see set to 0: a query's scores against later
         positions (or outside a local layer's window) are no part of the result, and an engine that fed the
         prompt in micro-batches never computes them."""
-        cfg = self.cfg
-        window = cfg.sliding_window if layer is not None and cfg.is_local(layer) else 0
-        seen = np.isfinite(visible_mask(np, self.positions[:, None], np.arange(a.shape[-1])[None, :], window))
+        seen = visible(self.cfg, layer, self.positions, a.shape[-1])
         return np.where(seen[None], a, np.float32(0)).astype(np.float32)
 
     def own_logits(self):

@@ -33,6 +33,24 @@ INPUTS = {
 }
 
 
+def layer_window(cfg, layer) -> int:
+    """The attention window of a layer: cfg.sliding_window on a local layer, 0 (causal only) on a global one
+    and on the head (layer None)."""
+    return cfg.sliding_window if layer is not None and cfg.is_local(layer) else 0
+
+
+def comparison_mask(xp, cfg, layer, positions, n_keys: int):
+    """The additive mask [T, S] (0 visible, -inf hidden) of the rows held at absolute `positions` against the
+    keys at positions 0..n_keys-1: causal, and inside the window on a local layer (layer_window)."""
+    q_pos = xp.asarray(positions)[:, None]
+    return visible_mask(xp, q_pos, xp.arange(n_keys)[None, :], layer_window(cfg, layer))
+
+
+def visible(cfg, layer, positions, n_keys: int) -> np.ndarray:
+    """bool [T, S]: the entries of comparison_mask a query sees (the scores an engine must compute)."""
+    return np.isfinite(comparison_mask(np, cfg, layer, positions, n_keys))
+
+
 def embedding(engine, token_ids) -> np.ndarray:
     """The reference's embedding rows (layer 0's input): a lookup, exact in every arithmetic."""
     cfg, w = engine.config, engine.weights
@@ -96,7 +114,6 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
             out["k_normed"] = ops.rms_norm(xp, a[0], lw.k_norm, cfg.rms_eps)
     cache = engine.new_cache()
     local = cfg.is_local(layer)
-    window = cfg.sliding_window if local else 0
     cos, sin = (tab[asx(positions)] for tab in cache.tables(local))
     for name, src in (("q", "q_normed" if cfg.qk_norm else "q_proj"), ("k", "k_normed" if cfg.qk_norm else "k_proj")):
         if want(name) and (a := have(src)) is not None:
@@ -108,7 +125,7 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
     fused = want("attn_out") and get("kqv_out", layer) is None          # attn_out from q, k, v (flash attention)
     if (want("kq", "kq_soft_max", "kqv_out") or fused) and (a := have("q", "k_cache", "v_cache")) is not None:
         kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
-        mask = visible_mask(xp, asx(positions)[:, None], xp.arange(a[1].shape[0])[None, :], window)
+        mask = comparison_mask(xp, cfg, layer, asx(positions), a[1].shape[0])
         att, kq, probs = ops.attention(xp, a[0], a[1], a[2], mask, cfg.scale, kv_head)
         out.update(kq=kq, kq_soft_max=probs, kqv_out=att)
     if not want("attn_out"):

@@ -32,11 +32,11 @@ from ..dump import catalogue, to_canonical
 from ..errors import HarnessError
 from ..loaders.gguf_file import open_reader, qtensors_of
 from ..model import layers as layer_ops
-from ..model.cache import Cache, visible_mask
+from ..model.cache import Cache
 from ..model.qtensor import QTensor
 from ..numerics.ggml_cpu import SIMD_LANES, FloatMatrix, make_ops, matrix_of
 from .compare import dims_of, fused_attention, neox_rows, subject_getter
-from .local import last_row, local_outputs, model_outputs
+from .local import last_row, local_outputs, model_outputs, visible
 from .metrics import compare, fmt, fmt_cos, within
 
 TEST_FILE = '''"""The first divergence of proof run {run_id}: {what}.
@@ -162,7 +162,7 @@ def _record(result, engine, row):
     s = sub.get(row.checkpoint, tensor, row.layer, dims)
     lo = _finish(out, entry, dims, row.checkpoint, neox_rows(engine, row.checkpoint, tensor))
     if tensor == "kq":
-        vis = _visible(cfg, row.layer, positions, s.shape[-1])
+        vis = visible(cfg, row.layer, positions, s.shape[-1])
         arrays["visible.npy"] = vis
         s, lo = (np.where(vis[None], a, np.float32(0)).astype(np.float32) for a in (s, lo))
     arrays.update({"subject_output.npy": s, "reference_output.npy": lo})
@@ -189,11 +189,6 @@ def _finish(out, entry, dims, cp, neox):
     if neox:
         out = to_canonical(out, entry, {"rope_pairs": "neox"}, dims)
     return np.asarray(out)
-
-
-def _visible(cfg, layer, positions, n_keys):
-    window = cfg.sliding_window if layer is not None and cfg.is_local(layer) else 0
-    return np.isfinite(visible_mask(np, np.asarray(positions)[:, None], np.arange(n_keys)[None, :], window))
 
 
 def _weight_files(engine, layer, name, v) -> tuple[dict, dict]:

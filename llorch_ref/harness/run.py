@@ -87,7 +87,7 @@ def backend_band(engine) -> tuple[str, dict]:
 def backend_bands(band: dict):
     """-> bands(spec, pos) of a backend comparison: the backend's band on every tensor, exact agreement on the
     token checkpoints (argmax, greedy text)."""
-    return lambda spec, pos: {"agreement": 1.0} if spec.id in ("10", "12") else band
+    return lambda spec, pos: {"agreement": 1.0} if spec.chosen_tokens else band
 
 
 def run_backend_diff(engine, reference, prompt=DEFAULT_PROMPT, checkpoints=None, n_greedy=32, band=None):

@@ -21,12 +21,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from ..checkpoints import catalogue_path
+from ..checkpoints import catalogue_path, token_checkpoints
 from ..errors import ParameterError
 
 PASS, FAIL, INCOMPLETE = "PASS", "FAIL", "INCOMPLETE"
 EXIT_CODES = {PASS: 0, FAIL: 1, INCOMPLETE: 3}
-TOKEN_CHECKPOINTS = ("0", "10", "11", "12")        # compared once, under a derived tensor name: keyed by id
 
 
 @dataclass(frozen=True)
@@ -71,14 +70,14 @@ class Verdict:
 def coverage_key(checkpoint: str, tensor: str) -> str:
     """The unit of coverage: cp<id>.<tensor> for tensors, cp<id> for the token checkpoints (compared once
     under a name that says how they were derived, e.g. argmax(cp8.logits))."""
-    return f"cp{checkpoint}" if checkpoint in TOKEN_CHECKPOINTS else f"cp{checkpoint}.{tensor.split('@')[0]}"
+    return f"cp{checkpoint}" if checkpoint in token_checkpoints() else f"cp{checkpoint}.{tensor.split('@')[0]}"
 
 
 def every_key(specs, cfg) -> list[str]:
     """Every coverage key of these checkpoints for this model."""
     keys = []
     for s in specs:
-        if s.id in TOKEN_CHECKPOINTS:
+        if s.token_checkpoint:
             keys.append(f"cp{s.id}")
         elif s.scope == "layer":
             keys += [f"cp{s.id}.{t.ours}" for t in s.tensors_for(cfg)]
