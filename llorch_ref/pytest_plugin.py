@@ -3,6 +3,10 @@
     pytest --llorch-subject=my_package.module:make_dump [--llorch-model PATH] [--llorch-bundle-dir DIR]
     pytest --llorch-dump=dump.safetensors [--llorch-model PATH]
 
+The subject MODULE is imported by its import path (importlib.import_module): from the current folder under
+`python -m pytest` (which puts it on sys.path), else from PYTHONPATH or an installed package; the `pytest`
+script alone does not add the current folder (`PYTHONPATH=. pytest ...`).
+
 The subject protocol: a callable `f(model_path: str, token_ids: list[int]) -> Recorder | Dump | path`,
 which runs the engine on the model and returns its checkpoint tensors (llorch_ref.dump.Recorder); with
 --llorch-decode-steps N it is called with decode_steps=N and records N decode steps after the prompt
