@@ -31,6 +31,8 @@ def _say_rerun(r: dict):
         + (f" ({lc['figure']}: {fmt(lc['bundle'])} -> {fmt(lc['now'])})" if lc["figure"] else ""))
     for c in r["verdicts_changed"][:10]:
         say(f"  changed: {c}")
+    for c in r.get("reference_faults", [])[:10]:
+        say(f"  reference: {c}")
     fd = r["first_divergence"]
     if fd["bundle"] != fd["now"]:
         say(f"  first divergence: {fd['bundle']} in the bundle's rows, {fd['now']} now")

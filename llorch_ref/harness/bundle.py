@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import platform
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ import numpy as np
 
 from ..backends import cpu_flags, cpu_model
 from ..dump import model_sha256
-from ..errors import HarnessError, ParameterError
+from ..errors import HarnessError, OutputPathError, ParameterError
 from ..output_paths import check_container, check_output, check_run_id
 from . import bundle_md, junit, plots, report_html, repro
 from .portable import portable
@@ -164,13 +165,58 @@ def file_hashes(folder: Path) -> dict:
 
 def check_bundle_target(out_dir=None, run_id=None) -> tuple[Path, str]:
     """-> (out_dir, run_id), checked before any work: the folder is one (or can be made), the run id is a
-    safe file name, and no run of that id is there (bundles are never overwritten)."""
+    safe file name, no run of that id is there (bundles are never overwritten), and $GITHUB_STEP_SUMMARY
+    can be appended to (check_step_summary)."""
     out_dir = check_container(out_dir or default_dir(), what="--out")
     run_id = check_run_id(run_id or default_run_id())
     if os.path.lexists(out_dir / run_id):
-        raise HarnessError(f"run id {run_id!r} already exists ({out_dir / run_id}); bundles are never overwritten: "
-                           f"pick another --run-id or LLORCH_RUN_ID")
+        _refuse_taken(out_dir, run_id)
+    check_step_summary()
     return out_dir, run_id
+
+
+def _refuse_taken(out_dir: Path, run_id: str):
+    """A run id that exists is refused with what to do: bundles are never overwritten, and prove has no
+    --overwrite."""
+    raise HarnessError(f"run id {run_id!r} already exists ({out_dir / run_id}); bundles are never overwritten: "
+                       f"pick another --run-id (or LLORCH_RUN_ID), or remove that folder first")
+
+
+def check_step_summary() -> Path | None:
+    """$GITHUB_STEP_SUMMARY, where set, is a regular file or a name in an existing folder: the summary is
+    appended to it after the bundle is complete, so a folder, FIFO or device there is refused ahead of the run
+    (OutputPathError). -> the path, or None when unset."""
+    step = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not step:
+        return None
+    p = Path(step)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        if not p.parent.is_dir():
+            raise OutputPathError(f"GITHUB_STEP_SUMMARY={step}: no such folder {p.parent}: the step summary cannot "
+                                  f"be written (unset it or point it at a file)") from None
+        return p
+    except OSError as e:
+        raise OutputPathError(f"GITHUB_STEP_SUMMARY={step}: cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
+        raise OutputPathError(f"GITHUB_STEP_SUMMARY={step} is {kind}: the step summary is appended to a file "
+                              f"(unset it or point it at a file)")
+    return p
+
+
+def append_step_summary(text: str):
+    """The CI's own file ($GITHUB_STEP_SUMMARY, check_step_summary's rule): appended to, never replaced."""
+    p = check_step_summary()
+    if p is None:
+        return
+    try:
+        with open(p, "a") as f:
+            f.write(text)
+    except OSError as e:
+        raise OutputPathError(f"GITHUB_STEP_SUMMARY={p}: the bundle is complete, but the step summary could not "
+                              f"be appended ({e.strerror or e})") from None
 
 
 def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, plot=True, repro_case=True,
@@ -191,6 +237,21 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
              or any(u["checkpoint"] == s.id for u in result.not_covered)]
     plot_off = None if plot else "Plots not drawn (written with --no-plots)."
     plot = plot and plots.available()
+    try:
+        case = _stage(target, out_dir, run_id, result, engine, man, specs, plot, plot_off, tensors, repro_case, key)
+    except OutputPathError:
+        if os.path.lexists(out_dir / run_id):        # another prove of this run id wrote it meanwhile
+            _refuse_taken(out_dir, run_id)
+        raise
+    append_step_summary(bundle_md.summary(result, man, run_id, specs, links=False) + "\n")
+    run = out_dir / run_id
+    return {"dir": run, "summary": run / "summary.md", "html": run / "report.html", "junit": run / "junit.xml",
+            "repro": run / "repro" if case else None}
+
+
+def _stage(target, out_dir, run_id, result, engine, man, specs, plot, plot_off, tensors, repro_case, key):
+    """Every file of the bundle into a staging folder, renamed into place when complete (staged_folder);
+    -> the repro's case (repro.write) or None."""
     with target.staged_folder() as d:
         svgs = {s.id: _write_checkpoint(d / bundle_md.checkpoint_folder(s), s, result, man, plot, tensors)
                 for s in specs}
@@ -208,13 +269,9 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
                                               "files": file_hashes(d)}, indent=2) + "\n")
         if key is not None:
             sign_manifest(d, key)
-    step = os.environ.get("GITHUB_STEP_SUMMARY")
-    if step:
-        with open(step, "a") as f:                # the CI's own file: appended to, never replaced
-            f.write(bundle_md.summary(result, man, run_id, specs, links=False) + "\n")
-    run = out_dir / run_id
-    return {"dir": run, "summary": run / "summary.md", "html": run / "report.html", "junit": run / "junit.xml",
-            "repro": run / "repro" if case else None}
+        if os.path.lexists(out_dir / run_id):
+            _refuse_taken(out_dir, run_id)
+    return case
 
 
 def ed25519_modules():

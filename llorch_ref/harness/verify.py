@@ -32,7 +32,10 @@ import json
 import os
 import re
 import stat
+import types
 import xml.etree.ElementTree as ET
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
@@ -40,19 +43,29 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoints import load_specs
-from ..dump import CANONICAL_LAYOUTS, Dump, model_sha256
+from ..dump import (
+    CANONICAL_LAYOUTS,
+    NAME_RE,
+    Dump,
+    catalogue,
+    expected_shape,
+    model_sha256,
+    split_step,
+    validate_manifest,
+)
 from ..errors import HarnessError, ParameterError
+from ..loaders.lazy_weights import mem_available
 from ..references.engines import dump_llamacpp, dump_transformers, gguf_config
 from ..references.llorch import record_engine
 from .bundle import FORMAT, MANIFEST, SIGNATURE, ed25519_modules, public_key_id
 from .bundle_md import checkpoint_folder
-from .compare import compare_dumps
+from .compare import compare_dumps, dims_of
 from .junit import _case_name
 from .metrics import compare, within
 from .portable import expand_path
 from .repro import check_names, repro_test_source
 from .result import DiffResult, Row
-from .run import backend_bands
+from .run import backend_bands, comparison_bytes
 from .verdict import FAIL, INCOMPLETE, PASS, Verdict, _missing
 
 HASH_CAVEAT = ("sha256 detects accidental edits, not forgery: whoever edits a bundle can recompute every hash "
@@ -64,6 +77,58 @@ CODE_NAMES = {"conftest.py", "pytest.ini", "setup.cfg", "tox.ini", "pyproject.to
 CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".pyd", ".pth", ".so", ".sh", ".bash", ".zsh", ".bat", ".cmd",
                  ".ps1", ".ipynb")
 TEST_REPRO = "repro/test_repro.py"
+PAGE_LIMIT = 64 << 20          # a page or manifest past this is refused unread (llorch-ref's are far smaller)
+NPY_HEADER = 1 << 16           # an .npy member's header and padding: numpy's own limit is 10,000 bytes
+RERUN_SHARE = 0.8              # the re-run may take this share of MemAvailable (run.check_memory's rule)
+REFERENCE_NMSE = 1e-6          # a kept reference tensor against the re-run's: a few ulps apart is ~1e-14
+
+_SHA = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_TEXT = {"type": ["string", "null"]}
+_NUMBERS = {"type": ["object", "null"], "additionalProperties": {"type": ["number", "null"]}}
+RECIPE_SCHEMA = {
+    "type": "object", "required": ["kind", "model", "model_sha256", "token_ids", "n_greedy"],
+    "properties": {
+        "kind": {"enum": ["llamacpp", "llorch", "transformers"]}, "model": {"type": "string", "minLength": 1},
+        "model_sha256": _SHA, "token_ids": {**_IDS, "minItems": 1}, "prompt": _TEXT,
+        "n_greedy": {"type": "integer", "minimum": 0}, "rows": {"type": ["array", "null"], "items": _IDS["items"]},
+        "checkpoints": {"type": ["array", "null"], "items": {"type": "string"}},
+        "kv_dtype": {"type": "string"}, "n_ubatch": {"type": "integer", "minimum": 1},
+        "backend": {"type": "string"}, "numerics": {"type": "string"}, "ggml_simd": _TEXT,
+        "decode_ids": {"type": ["array", "null"], "items": _IDS["items"]}, "local": {"type": "boolean"},
+        "backend_band": _NUMBERS, "require": {"type": ["string", "array", "null"], "items": {"type": "string"}}},
+    "allOf": [{"if": {"properties": {"kind": {"const": "llorch"}}},
+               "then": {"required": ["backend", "numerics", "kv_dtype"]}},
+              {"if": {"properties": {"kind": {"const": "llamacpp"}}}, "then": {"required": ["kv_dtype"]}}]}
+FILES_SCHEMA = {"type": "object", "required": ["files", "recipe"],
+                "properties": {"files": {"type": "object", "additionalProperties": _SHA}}}
+MANIFEST_SCHEMA = {
+    "type": "object", "required": ["format", "files", "recipe", "checkpoints", "sides", "band_class"],
+    "properties": {
+        **FILES_SCHEMA["properties"], "format": {"type": "string"},
+        "recipe": {"anyOf": [{"type": "null"}, RECIPE_SCHEMA]},
+        "checkpoints": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 64},
+        "sides": {"type": "object", "required": ["subject"], "properties": {"subject": {"type": "object"}}},
+        "tensors": {"type": "boolean"}, "band_class": _TEXT, "subject": _TEXT, "reference": _TEXT,
+        "model": _TEXT, "model_sha256": _TEXT, "require": RECIPE_SCHEMA["properties"]["require"],
+        "repro": {"type": ["object", "null"], "properties": {"written": {"type": "boolean"}, "why": _TEXT}}}}
+ROW_SCHEMA = {
+    "type": "object", "required": ["checkpoint", "tensor", "order"],
+    "properties": {
+        "checkpoint": {"type": "string"}, "tensor": {"type": "string"}, "name": {"type": "string"},
+        "layer": {"type": ["integer", "null"], "minimum": 0}, "step": {"type": ["integer", "null"], "minimum": 0},
+        "order": {"type": "array", "items": {"type": "number"}, "minItems": 1},
+        "band": _NUMBERS, "local_band": _NUMBERS, "local": {"type": ["object", "null"]},
+        "passed": {"type": "boolean"}, "local_passed": {"type": ["boolean", "null"]},
+        "local_covers": {"type": ["boolean", "null"]}, "diverges": {"type": "boolean"},
+        **{k: {"type": ["number", "null"]} for k in ("nmse", "max_abs", "cosine", "agreement", "equal_prefix",
+                                                     "max_rel")}}}
+RESULT_SCHEMA = {
+    "type": "object", "required": ["rows"],
+    "properties": {"rows": {"type": "array", "items": ROW_SCHEMA},
+                   "not_covered": {"type": ["array", "null"], "items": {"type": "object"}},
+                   "verdict": {"type": ["object", "null"]}, "first_divergence": {"type": ["object", "null"]},
+                   "band_class": _TEXT, "passed": {"type": ["boolean", "null"]}}}
 
 
 @dataclass
@@ -147,20 +212,36 @@ def sha256_nofollow(path: Path) -> str:
 
 
 def _read_text(folder: Path, files: dict, name: str) -> str | None:
-    """A file of the walk as text (None when absent or not UTF-8)."""
+    """A file of the walk as text (None when absent or not UTF-8); a page past PAGE_LIMIT bytes is refused
+    unread (HarnessError)."""
     if name not in files:
         return None
+    if files[name].st_size > PAGE_LIMIT:
+        raise HarnessError(f"{folder / name}: {files[name].st_size / 2**20:.0f} MiB, over the {PAGE_LIMIT >> 20} MiB a "
+                           f"bundle's page may take: not a page llorch-ref writes")
     try:
         return (folder / name).read_text()
     except UnicodeDecodeError:
         return None
 
 
+def parse_json(text: str, where):
+    """text as JSON; HarnessError (one line) for text that is not JSON, a number past Python's digit limit,
+    or nesting deeper than the parser's recursion limit."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise HarnessError(f"{where}: JSON nested too deeply to read: not a file llorch-ref writes") from None
+    except ValueError as e:                        # JSONDecodeError, and integers of too many digits
+        raise HarnessError(f"{where}: not JSON ({str(e)[:120]})") from None
+
+
 def _read_json(folder: Path, files: dict, name: str):
+    """A page as JSON; None when absent, not UTF-8 or not JSON (the page is then named as missing)."""
     text = _read_text(folder, files, name)
     try:
-        return None if text is None else json.loads(text)
-    except json.JSONDecodeError:
+        return None if text is None else parse_json(text, folder / name)
+    except HarnessError:
         return None
 
 
@@ -172,13 +253,32 @@ def read_manifest(folder, files=None) -> dict:
     if MANIFEST not in files:
         raise HarnessError(f"{folder}: no {MANIFEST}: not a proof bundle (or one written before format "
                            f"llorch-proof/2, which kept no hashes)")
+    if files[MANIFEST].st_size > PAGE_LIMIT:
+        raise HarnessError(f"{p}: {files[MANIFEST].st_size / 2**20:.0f} MiB, over the {PAGE_LIMIT >> 20} MiB a "
+                           f"manifest may take: not a llorch-proof manifest")
     try:
-        man = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HarnessError(f"{p}: not JSON ({e}): the manifest itself was damaged") from None
+        text = p.read_text()
+    except UnicodeDecodeError as e:
+        raise HarnessError(f"{p}: not UTF-8 ({e}): the manifest itself is damaged") from None
+    man = parse_json(text, p)
     if not isinstance(man, dict) or not isinstance(man.get("files"), dict) or "recipe" not in man:
         raise HarnessError(f"{p}: no 'files' and 'recipe': not a llorch-proof manifest")
+    check_schema(man, MANIFEST_SCHEMA if man.get("format") == FORMAT else FILES_SCHEMA, p)
     return man
+
+
+def check_schema(doc, schema: dict, where):
+    """doc against a JSON Schema; HarnessError naming the first place that breaks it (one line), also for a
+    document nested past the validator's recursion limit."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(doc, schema)
+    except jsonschema.ValidationError as e:
+        at = "/".join(str(x) for x in e.absolute_path) or "(top level)"
+        raise HarnessError(f"{where}: invalid at {at}: {e.message[:200]}: not as llorch-ref writes it") from None
+    except RecursionError:
+        raise HarnessError(f"{where}: nested too deeply to check: not as llorch-ref writes it") from None
 
 
 def check_files(folder, man, files=None) -> Verification:
@@ -526,6 +626,17 @@ def pages_against(folder: Path, files: dict, man: dict, stored: dict, notes: lis
     return v, out
 
 
+def read_result(folder: Path, files: dict) -> dict | None:
+    """result.json, checked against RESULT_SCHEMA (HarnessError: not JSON, nested too deep, not a comparison's
+    rows); None where it is missing or not UTF-8."""
+    text = _read_text(folder, files, "result.json")
+    if text is None:
+        return None
+    stored = parse_json(text, folder / "result.json")
+    check_schema(stored, RESULT_SCHEMA, folder / "result.json")
+    return stored
+
+
 # -- 5. the manifest against the tensors present ------------------------------------------------------------
 def tensors_present(man: dict, files: dict) -> tuple[bool, list[str]]:
     """-> (every checkpoint keeps its subject's tensors, ["manifest.json: what"]): "tensors": false while tensor
@@ -565,10 +676,9 @@ def verify_bundle(folder, rerun: bool = True, model=None, log=None, key=None) ->
                                 f"read (a format older than {FORMAT}: prove it again)")
         stored = None
     else:
-        stored = _read_json(folder, files, "result.json")
-        if not isinstance(stored, dict) or not isinstance(stored.get("rows"), list):
-            v.contradictions.append("result.json: missing or not a comparison's result: no verdict to check")
-            stored = None
+        stored = read_result(folder, files)
+        if stored is None:
+            v.contradictions.append("result.json: missing or not text: no verdict to check")
     if stored is not None:
         verdict, found = pages_against(folder, files, man, stored, v.notes)
         v.verdict = {**verdict.to_json(), "line": verdict.line(), "coverage": verdict.coverage_line(),
@@ -586,18 +696,160 @@ def verify_bundle(folder, rerun: bool = True, model=None, log=None, key=None) ->
 
 
 # -- 6. the re-run ------------------------------------------------------------------------------------------
-def _subject(folder: Path, man) -> Dump:
-    """The subject's tensors the bundle keeps (every checkpoint's subject.npz), as a canonical dump."""
+def check_model_file(path: Path, named) -> os.stat_result:
+    """The reference's model is a regular file or a folder (os.stat, links followed: the model lies outside
+    the bundle); a device (/dev/zero), FIFO or socket is refused unread."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise HarnessError(f"{path}: the reference's model file is not here (the manifest names {named}); "
+                           f"pass --model PATH") from None
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise HarnessError(f"{path}: not a regular file or folder (a device, FIFO or socket): the reference's model "
+                           f"must be a model file (the manifest names {named}); pass --model PATH")
+    return st
+
+
+def model_file_sha256(path: Path) -> str:
+    """The sha256 of a model: a regular file's first st_size bytes and never more (a file that grows while
+    it is read gives another hash, not a hang); a folder by model_sha256's rule (its regular files only)."""
+    st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+        return model_sha256(path)
+    h, left = hashlib.sha256(), st.st_size
+    with open(path, "rb") as f:
+        while left > 0:
+            block = f.read(min(left, 1 << 20))
+            if not block:
+                break
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+def _model_config(recipe: dict, path: Path):
+    """The reference model's Config without running it: a GGUF file's metadata, else the loaded folder's."""
+    import llorch_ref
+
+    try:
+        return gguf_config(path) if path.is_file() else llorch_ref.load(path).config
+    except (ValueError, KeyError, OSError) as e:
+        raise HarnessError(f"{path}: not a model llorch-ref reads ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def rerun_keys(stored: dict) -> set:
+    """The (checkpoint, tensor) pairs the re-run records: those the bundle's rows compared, the tokenization
+    and the greedy tokens (run.held_keys' rule for a dump)."""
+    keys = {(str(r["checkpoint"]), r["tensor"].split("@")[0].split("(")[0]) for r in stored["rows"]}
+    return keys | {("0", "token_ids"), ("12", "greedy_tokens")}
+
+
+def check_rerun(recipe: dict, cfg, stored: dict, model_bytes: int) -> int:
+    """Refuse a re-run that cannot fit, ahead of running it: the prompt and decode tokens inside the model's
+    context and every id inside its vocabulary; the memory the re-run needs (run.comparison_bytes of what the
+    rows compared, plus the model file) inside RERUN_SHARE of MemAvailable. -> the estimate in bytes."""
+    ids, decode = recipe["token_ids"], recipe.get("decode_ids") or []
+    fed = len(ids) + len(decode)
+    if fed > cfg.context_length:
+        raise HarnessError(f"the recipe's {len(ids)} prompt and {len(decode)} decode tokens exceed the model's context "
+                           f"of {cfg.context_length}: not a run llorch-ref could have made")
+    bad = [t for t in list(ids) + list(decode) if t >= cfg.n_vocab]
+    if bad:
+        raise HarnessError(f"the recipe's token id {bad[0]} is outside the model's vocabulary (0..{cfg.n_vocab - 1})")
+    shape = types.SimpleNamespace(token_ids=ids, rows=recipe.get("rows") or ids, decode_token_ids=decode)
+    keys = rerun_keys(stored)
+    need, have = comparison_bytes(shape, cfg, keys) + model_bytes, int(RERUN_SHARE * mem_available())
+    if need > have:
+        raise HarnessError(f"re-running this bundle's reference needs about {need / 2**30:.1f} GiB ({len(ids)} tokens, "
+                           f"{len(decode)} decode steps, {len(keys)} tensor kinds, the model's {model_bytes / 2**30:.1f} "
+                           f"GiB), over the {have / 2**30:.1f} GiB (80% of the memory available) it may take: verify "
+                           f"--no-rerun checks its files and pages")
+    return need
+
+
+def tensor_limit(recipe: dict, cfg):
+    """-> limit(member name) -> the most elements a bundle's tensor of that name can hold: its catalogue shape
+    over the recipe's tokens (T: the prompt's tokens, S: prompt and decode tokens, N: those and the greedy
+    ones); a name that is no checkpoint tensor (cp<id>.<tensor>[.layer<L>][.step<K>]) is refused."""
+    t, steps = len(recipe["token_ids"]), len(recipe.get("decode_ids") or [])
+    dims = {**dims_of(cfg, t, past=steps), "N": t + steps + int(recipe["n_greedy"]) + 1}
+    cat = catalogue()
+    sizes = {k: int(np.prod(expected_shape(e, dims) or [dims["N"]], dtype=np.int64)) for k, e in cat.items()}
+
+    def limit(name: str) -> int | None:
+        base, step = split_step(name)
+        m = NAME_RE.match(base)
+        if not m or step > steps or (m["layer"] is not None and int(m["layer"]) >= cfg.n_layers):
+            return None
+        return sizes.get((m["cp"], m["tensor"]), max(sizes.values()))
+    return limit
+
+
+def _member_header(z: zipfile.ZipFile, info: zipfile.ZipInfo):
+    """-> (shape, dtype) from an .npy member's header, read without its data."""
+    with z.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(f)
+    return shape, dtype
+
+
+def _check_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, limit, where) -> str:
+    """A member is a numeric .npy array of a checkpoint tensor's name whose declared uncompressed size
+    (ZipInfo.file_size) and header shape x dtype lie inside limit(name) (tensor_limit), checked ahead of
+    reading its data. -> its name."""
+    name = info.filename[:-4] if info.filename.endswith(".npy") else None
+    most = limit(name) if name else None
+    if most is None:
+        raise HarnessError(f"{where}: member {info.filename[:80]!r} is not a checkpoint tensor of this model "
+                           f"(cp<id>.<tensor>[.layer<L>]): not as llorch-ref writes it")
+    if info.file_size > most * 8 + NPY_HEADER:
+        raise HarnessError(f"{where}: {name} declares {info.file_size / 2**30:.2f} GiB uncompressed; this bundle's "
+                           f"shapes allow at most {(most * 8 + NPY_HEADER) / 2**20:.1f} MiB: refused unread")
+    shape, dtype = _member_header(z, info)
+    if dtype.hasobject or dtype.kind not in "biuf":
+        raise HarnessError(f"{where}: {name} is an array of {'objects' if dtype.hasobject else dtype}: a bundle's "
+                           f"tensors are numbers (object arrays would run pickled code): refused")
+    n = int(np.prod(shape, dtype=np.int64))
+    if n > most or n * dtype.itemsize > info.file_size:
+        raise HarnessError(f"{where}: {name} declares shape {list(shape)[:6]} ({n} elements); this bundle's shapes "
+                           f"allow at most {most} and its member holds {info.file_size} bytes: refused unread")
+    return name
+
+
+def read_npz(p: Path, limit, where) -> dict:
+    """{name: array} of a bundle's tensor file, every member checked (_check_member) ahead of reading it and
+    read without pickles (np.load's allow_pickle=False rule); HarnessError (one line) for a file that is not
+    a zip, a member that breaks the bound, a truncated or corrupt member."""
+    try:
+        with zipfile.ZipFile(p) as z:
+            infos = z.infolist()
+            names = [_check_member(z, i, limit, where) for i in infos]
+            out = {}
+            for name, info in zip(names, infos):
+                with z.open(info) as f:
+                    out[name] = np.lib.format.read_array(f, allow_pickle=False)
+            return out
+    except zipfile.BadZipFile as e:
+        raise HarnessError(f"{where}: not an .npz (zip) file ({e})") from None
+    except (ValueError, OSError, EOFError, zlib.error, RuntimeError, NotImplementedError) as e:
+        raise HarnessError(f"{where}: a damaged or truncated tensor file ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def _subject(folder: Path, man, limit) -> Dump:
+    """The subject's tensors the bundle keeps (every checkpoint's subject.npz, read_npz under limit), as a
+    canonical dump."""
     tensors = {}
     for cp in man["checkpoints"]:
         spec = load_specs([cp])[0]
-        p = folder / f"cp{spec.id}_{spec.name}" / "subject.npz"
+        rel = f"cp{spec.id}_{spec.name}/subject.npz"
+        p = folder / rel
         if not p.is_file():
             raise HarnessError(f"{p}: missing: the figures cannot be redone without the subject's tensors "
                                f"(verify --no-rerun checks the hashes alone)")
-        with np.load(p) as z:
-            tensors.update({k: z[k] for k in z.files})
+        tensors.update(read_npz(p, limit, rel))
     side = {**man["sides"]["subject"], "layouts": dict(CANONICAL_LAYOUTS)}
+    validate_manifest(side, f"{MANIFEST} sides/subject")      # the dump format's own schema (DumpError)
     return Dump(manifest=side, tensors=tensors, source=f"{folder} (subject)")
 
 
@@ -634,25 +886,26 @@ def rerun_and_compare(folder: Path, man, stored: dict, model=None, log=None) -> 
         raise HarnessError(f"{folder}: the manifest keeps no recipe for the reference side (its run wrote none): "
                            f"verify --no-rerun checks the hashes")
     path = Path(model) if model else expand_path(recipe["model"])
-    if not path.exists():
-        raise HarnessError(f"{path}: the reference's model file is not here (the manifest names {recipe['model']}); "
-                           f"pass --model PATH")
-    sha = model_sha256(path)
+    st = check_model_file(path, recipe["model"])
+    sha = model_file_sha256(path)
     if sha != recipe["model_sha256"]:
         raise HarnessError(f"{path}: sha256 {sha[:16]}… is not the {recipe['model_sha256'][:16]}… the run used: "
                            f"another file")
-    sub = _subject(folder, man)
+    cfg = _model_config(recipe, path)
+    check_rerun(recipe, cfg, stored, st.st_size if stat.S_ISREG(st.st_mode) else 0)
+    limit = tensor_limit(recipe, cfg)
+    sub = _subject(folder, man, limit)
     ref, eng, cfg = _reference(recipe, path, log)
     bands = backend_bands(recipe["backend_band"]) if recipe.get("backend_band") else None
     res = compare_dumps(sub, ref, cfg, man["band_class"], checkpoints=recipe.get("checkpoints"), bands=bands,
                         subject_label=man["subject"], reference_label=man["reference"],
                         local_engine=eng if recipe.get("local") else None)
     res.require = man.get("require") or recipe.get("require") or "auto"
-    out = {**_figures_against(stored, res), **_tensors_against(folder, man, res), "model_read": str(path)}
+    out = {**_figures_against(stored, res), **_tensors_against(folder, man, res, limit), "model_read": str(path)}
     now, rows = res.verdict(), verdict_of_rows(stored)
     same = now.status == rows.status and now.first_divergence == rows.first_divergence
     out.update(verdict={**now.to_json(), "line": now.line(), "coverage": now.coverage_line()}, verdict_holds=same,
-               rows_status=rows.status, figures_hold=out["figures_hold"] and same)
+               rows_status=rows.status, figures_hold=out["figures_hold"] and same and not out["reference_faults"])
     return out
 
 
@@ -692,26 +945,34 @@ def _figures_against(stored: dict, res) -> dict:
             "largest_change": worst}
 
 
-def _tensors_against(folder: Path, man, res) -> dict:
-    """The re-run reference's tensors against those the bundle keeps: how many are bit-equal, the worst NMSE."""
+def _tensors_against(folder: Path, man, res, limit) -> dict:
+    """The re-run reference's tensors against those the bundle keeps (read_npz under limit): how many are
+    bit-equal, the worst NMSE."""
     equal = total = 0
-    worst = {"tensor": None, "nmse": 0.0}
+    worst, faults = {"tensor": None, "nmse": 0.0}, []
     for cp in man["checkpoints"]:
         spec = load_specs([cp])[0]
-        p = folder / f"cp{spec.id}_{spec.name}" / "reference.npz"
-        if not p.is_file():
+        rel = f"cp{spec.id}_{spec.name}/reference.npz"
+        if not (folder / rel).is_file():
             continue
-        with np.load(p) as z:
-            for k in z.files:
-                b = res.captures_ref.get(k)
-                if b is None:
-                    continue
-                a = z[k]
-                total += 1
-                if a.shape == np.shape(b) and np.array_equal(a, b):
-                    equal += 1
-                elif a.dtype.kind == "f" and a.shape == np.shape(b):
-                    m = compare(np.asarray(b), a)
-                    if m["nmse"] > worst["nmse"]:
-                        worst = {"tensor": k, "nmse": m["nmse"], "max_abs": m["max_abs"]}
-    return {"reference_tensors": total, "reference_bit_equal": equal, "reference_worst": worst}
+        kept = read_npz(folder / rel, limit, rel)
+        now = {k for k in res.captures_ref if k.startswith(f"cp{spec.id}.")}
+        if set(kept) != now:
+            faults.append(f"{rel} holds {len(kept)} tensors, the re-run records {len(now)} (e.g. "
+                          f"{sorted(set(kept) ^ now)[0]})")
+        for k, a in kept.items():
+            b = res.captures_ref.get(k)
+            if b is None:
+                continue
+            total += 1
+            if a.shape == np.shape(b) and np.array_equal(a, b):
+                equal += 1
+                continue
+            m = compare(np.asarray(b, np.float64), a.astype(np.float64)) if a.shape == np.shape(b) else None
+            if m is None or not m["nmse"] <= REFERENCE_NMSE or a.dtype.kind != np.asarray(b).dtype.kind:
+                faults.append(f"{rel}: {k} is not the re-run reference's" + (
+                    f" (shape {list(a.shape)}, the re-run's {list(np.shape(b))})" if m is None else
+                    f" (NMSE {m['nmse']:.3g}, over {REFERENCE_NMSE:g}; {a.dtype} against {np.asarray(b).dtype})"))
+            elif m["nmse"] > worst["nmse"]:
+                worst = {"tensor": k, "nmse": m["nmse"], "max_abs": m["max_abs"]}
+    return {"reference_faults": faults, "reference_tensors": total, "reference_bit_equal": equal, "reference_worst": worst}
