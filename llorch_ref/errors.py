@@ -41,6 +41,11 @@ class HarnessError(LlorchError):
     """A checkpoint spec, bundle or comparison is malformed."""
 
 
+class BlackBoxError(LlorchError):
+    """A black-box engine under test (an OpenAI-compatible server, mistral.rs) did not answer, answered an error,
+    or returned tokens and log-probabilities that do not fit the request or the model."""
+
+
 class DumpError(LlorchError):
     """A tensor dump (llorch-dump format) or its manifest is malformed or does not fit the model."""
 
