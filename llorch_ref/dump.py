@@ -282,6 +282,8 @@ class Dump:
             key = _parse_name(name, cat)
             self._check_dtype(name, lazy(name) if lazy else self.tensors[name], key, cat)
             shape = self.tensors.shape(name) if lazy else list(np.shape(self.tensors[name]))
+            if 0 in shape and cat[key[:2]]["dtype"] == "int":
+                continue                              # no tokens (e.g. a greedy run of 0 tokens): not held
             if 0 in shape:
                 raise DumpError(f"{self.source}: tensor {name!r} is empty (shape {shape})")
             self.index[key] = name
