@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
 from rich.table import Table
 
 from ..errors import ParameterError
-from ..harness.corpus_eval import make_chunks, run_eval
+from ..harness.corpus_eval import check_memory, corpus_ids, make_chunks, run_eval, text_file
 from ..harness.eval_report import write_report
-from ..harness.ray_eval import run_eval_ray
+from ..harness.ray_eval import check_cluster_address, run_eval_ray
 from ..harness.text_safety import for_terminal
-from ..loaders.corpus import read_text
+from ..loaders.corpus import NAME as DEFAULT_TEXT_NAME
+from ..loaders.corpus import default_corpus_path
 from ..loaders.default_model import resolve_model
 from ..output_paths import check_output
 from ..references.logit_sources import ENGINE_KINDS, SourceSpec
@@ -47,6 +49,8 @@ def subject_spec(args, base: Path) -> SourceSpec:
 
 
 def cmd_eval(args):
+    """Every check that can refuse the run comes before any work and any output: the outputs, the Ray
+    address, the text file, the memory one chunk needs; then the text is read only as far as the chunks need."""
     base = resolve_model(args.model)
     spec = subject_spec(args, base)
     outs = {}
@@ -56,17 +60,29 @@ def cmd_eval(args):
         outs["report"] = check_output(args.report, kind="folder", inputs=[base], overwrite=args.overwrite,
                                       what="--report",
                                       owned=("report.md", "report.html", "kld_by_position.png", "kld_histogram.png"))
-    text, text_name = read_text(args.text)
+    if args.ray is not None:
+        check_cluster_address(args.ray or None)
+    text_path = text_file(args.text) if args.text is not None else None
     ref = SourceSpec(args.reference_backend, str(base),
                      {} if args.reference_numerics == "exact" else {"numerics": args.reference_numerics})
     import llorch_ref
-    tok = llorch_ref.load(base, weights="lazy").tokenizer
-    if tok is None:
+    eng = llorch_ref.load(base, weights="lazy")
+    if eng.tokenizer is None:
         raise ParameterError(f"{base}: no vocabulary: eval needs a tokenizer for the text")
-    ids = tok.encode(text)
+    memory = _memory_check(args, eng, spec)
+    want = None if args.chunks is None else args.chunks * args.ctx
+    memory(args.chunks or 1, want or 0)
+    if text_path is None:
+        text_path, text_name = default_corpus_path(), DEFAULT_TEXT_NAME
+    else:
+        text_name = str(text_path)
+    tok = eng.tokenizer
+    ids = corpus_ids(text_path, tok, want)
     chunks = make_chunks(ids, args.ctx, args.chunks, tok.bos_id if tok.add_bos else None)
-    log(f"llorch-ref: {len(chunks)} chunks of {args.ctx} tokens from {text_name} ({len(ids)} tokens); subject "
-        f"{spec.label}, reference llorch-ref {ref.label}")
+    need = memory(len(chunks), len(ids))
+    log(f"llorch-ref: {len(chunks)} chunks of {args.ctx} tokens from {text_name} ({len(ids)} tokens"
+        f"{'' if args.chunks is None else ' read'}); subject {spec.label}, reference llorch-ref {ref.label}; "
+        f"memory needed about {need / 1e9:.2f} GB")
     with _progress(len(chunks) * args.ctx) as bar:
         if args.ray is not None:
             res = run_eval_ray(spec, ref, chunks, text_name, address=args.ray or None, progress=bar)
@@ -82,6 +98,19 @@ def cmd_eval(args):
         write_report(out, outs["report"])
         log(f"llorch-ref: wrote {args.report}/report.md and report.html")
     return 0
+
+
+def _memory_check(args, eng, spec):
+    """check_memory for this run, as a function of the chunks and the ids read: the base model's shape, its
+    dequantized weights on each side that loads them (a dump loads none), and the processes of a local Ray (one
+    actor a core, at most one a chunk); a remote cluster's nodes are not this machine's memory."""
+    weights = int(eng.weights_info()["dequantized_mb"] * 2**20)
+    sides = 1 if spec.kind == "dump" else 2
+
+    def check(n_chunks, text_tokens):
+        processes = min(n_chunks, os.cpu_count() or 1) if args.ray == "" else 1
+        return check_memory(eng.config, weights, args.ctx, n_chunks, sides, processes, text_tokens)
+    return check
 
 
 class _progress:

@@ -1,16 +1,187 @@
 """A subject and a reference over a corpus, in chunks, as llama-perplexity --kl-divergence runs them: the text
-tokenized once (BOS first), cut into chunks of ctx tokens, each chunk's first token replaced by BOS, the second
+tokenized as one (BOS first), cut into chunks of ctx tokens, each chunk's first token replaced by BOS, the second
 half of each chunk scored (positions ctx/2 .. ctx-2 predict the next token). In-process, or on Ray
 (harness/ray_eval.py): the same chunks, the same scores, every chunk counted once.
+
+Bounded by the request: the text file is at most TEXT_LIMIT bytes, read and tokenized in windows (the ids
+those of the whole text) only as far as the chunks need; the memory a run needs (eval_memory) is checked
+against MEMORY_SHARE of what this process may still take before anything runs.
 """
 from __future__ import annotations
 
+import codecs
 import math
+import resource
+import stat
 import time
+from array import array
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import ParameterError
-from .kld import ChunkScores, kld_by_position, score_chunk, summary
+from ..loaders.lazy_weights import mem_available
+from .kld import SCORE_BLOCK_BYTES, ChunkScores, kld_by_position, score_chunk, summary
+
+TEXT_LIMIT = 64 << 20      # bytes: the largest --text file (as --prompt-file)
+WINDOW = 1 << 18           # characters of the text tokenized at a time
+OVERLAP = 1 << 13          # characters two windows share: where their tokens agree, the second takes over
+MEMORY_SHARE = 0.5         # of the memory this process may still take, the most a run may need
+
+
+def text_file(path) -> Path:
+    """--text PATH, checked before a byte is read: it exists, is a regular file (or a link to one) and holds at
+    most TEXT_LIMIT bytes."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise ParameterError(f"--text {p}: no such file") from None
+    except OSError as e:
+        raise ParameterError(f"--text {p}: cannot read it ({e.strerror or e})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ParameterError(f"--text {p}: is a folder, not a text file")
+    if not stat.S_ISREG(st.st_mode):
+        raise ParameterError(f"--text {p}: not a regular file (a FIFO, device or socket)")
+    if st.st_size > TEXT_LIMIT:
+        raise ParameterError(f"--text {p}: {st.st_size} bytes, over the limit of {TEXT_LIMIT >> 20} MiB "
+                             f"({TEXT_LIMIT} bytes): give a shorter text")
+    return p
+
+
+def _text_blocks(path: Path):
+    """The file's characters, decoded as UTF-8 a MiB at a time; at most TEXT_LIMIT bytes (a file that grows
+    while it is read is cut off by the same limit)."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    done = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(1 << 20)
+            if done + len(b) > TEXT_LIMIT:
+                raise ParameterError(f"--text {path}: more than {TEXT_LIMIT >> 20} MiB: give a shorter text")
+            try:
+                yield dec.decode(b, final=not b)
+            except UnicodeDecodeError as e:
+                raise ParameterError(f"--text {path}: cannot read it as UTF-8 text (byte {done + e.start}: "
+                                     f"{e.reason})") from None
+            if not b:
+                return
+            done += len(b)
+
+
+def corpus_ids(path, tok, need: int | None = None) -> array:
+    """The text's token ids (4 bytes each), as tok.encode() gives them for the whole text, tokenized WINDOW
+    characters at a time: consecutive windows share OVERLAP characters, and the second takes over at the first
+    token boundary from which both give the same tokens to the end of the first's reliable part. With `need`,
+    reading stops once that many ids are settled (the rest of the file is never read)."""
+    ids = array("i", [tok.bos_id] if tok.add_bos and tok.bos_id is not None else [])
+    blocks = _text_blocks(Path(path))
+    buf, base, eof, pending, any_text = "", 0, False, None, False      # buf: the characters from `base` on
+    while True:
+        while len(buf) <= WINDOW and not eof:
+            block = next(blocks, None)
+            eof = block is None
+            buf += block or ""
+        text, last = buf[:WINDOW], eof and len(buf) <= WINDOW
+        any_text = any_text or bool(text.strip())
+        wids, spans = tok.encode_spans(text)
+        toks = [(i, base + a, base + b) for i, (a, b) in zip(wids, spans)]
+        if pending is not None:
+            k, j = _takeover(pending, toks, base + OVERLAP // 4, base + OVERLAP - OVERLAP // 4, path)
+            ids.extend(t[0] for t in pending[:k])
+            toks = toks[j:]
+        if last or (need is not None and len(ids) >= need):
+            break
+        pending = toks
+        base += WINDOW - OVERLAP
+        buf = buf[WINDOW - OVERLAP:]
+    if last:
+        if not any_text:
+            raise ParameterError(f"--text {path}: the file holds no text")
+        ids.extend(t[0] for t in toks)
+        if tok.add_eos and tok.eos_id is not None:
+            ids.append(tok.eos_id)
+    return ids
+
+
+def _takeover(prev, new, lo: int, hi: int, path) -> tuple[int, int]:
+    """(k, j): prev[:k] + new[j:] is the text's tokenization, where prev and new are (id, start, end) tokens of
+    two windows that share the characters from new's first start: k, j index the first token boundary q in
+    [lo, hi) that starts a token in both, with both giving the same tokens from q up to hi."""
+    at_prev = {t[1]: i for i, t in enumerate(prev) if lo <= t[1] < hi and (i == 0 or prev[i - 1][2] <= t[1])}
+    for j, t in enumerate(new):
+        if t[1] >= hi:
+            break
+        k = at_prev.get(t[1])
+        if k is None or (j and new[j - 1][2] > t[1]):
+            continue
+        n = 0
+        while k + n < len(prev) and prev[k + n][1] < hi and j + n < len(new) and prev[k + n] == new[j + n]:
+            n += 1
+        if n and (k + n == len(prev) or prev[k + n][1] >= hi) and (j + n == len(new) or new[j + n][1] >= hi):
+            return k, j
+    raise ParameterError(f"--text {path}: characters {lo}..{hi} hold no place where the text can be cut for "
+                         f"tokenizing in pieces (a run of over {hi - lo} characters that is one token sequence)")
+
+
+def memory_available() -> int:
+    """Bytes this process may still take: the least of the kernel's MemAvailable, the room under its cgroup's
+    memory.max (cgroup v2) and the room under its address-space limit (RLIMIT_AS)."""
+    room = [mem_available()]
+    try:
+        rel = next(ln.split("::", 1)[1].strip() for ln in open("/proc/self/cgroup") if ln.startswith("0::"))
+        d = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        top = (d / "memory.max").read_text().strip()
+        if top != "max":
+            room.append(int(top) - int((d / "memory.current").read_text()))
+    except (OSError, StopIteration, ValueError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        room.append(soft - _vm_size())
+    return max(0, min(room))
+
+
+def _vm_size() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def eval_memory(cfg, weights_bytes: int, ctx: int, n_chunks: int, sides: int = 2, text_tokens: int = 0) -> dict:
+    """The bytes an evaluation needs at its peak, by part, for a model of config cfg whose dequantized weights
+    are weights_bytes, at ctx tokens a chunk: every engine side counted as llorch-ref's float32 forward pass
+    (llama.cpp's and the others' need less or about as much); sides: the sides that load weights (a dump: none);
+    text_tokens: the ids read from the text. One chunk runs at a time, on one side at a time; the subject's
+    logits wait while the reference runs."""
+    f32, rows = 4, ctx - 1 - ctx // 2
+    return {"weights": sides * weights_bytes,
+            "attention": 4 * cfg.n_heads * ctx * ctx * f32,       # scores, scaled + masked, exp, probabilities
+            "mask": 2 * ctx * ctx * f32,
+            "kv_cache": 2 * cfg.n_layers * ctx * cfg.n_kv_heads * cfg.head_dim * f32,
+            "activations": ctx * (8 * cfg.d_model + 4 * cfg.d_ff + 4 * cfg.n_heads * cfg.head_dim) * f32,
+            "logits": 2 * rows * cfg.n_vocab * f32,
+            "scoring": 8 * SCORE_BLOCK_BYTES,
+            "text": WINDOW * 200 + 4 * text_tokens + n_chunks * ctx * 40,   # tokenizer window, ids, chunks
+            "scores": n_chunks * rows * 128}                       # each scored token's figures, kept to the end
+
+
+def check_memory(cfg, weights_bytes: int, ctx: int, n_chunks: int, sides: int = 2, processes: int = 1,
+                 text_tokens: int = 0) -> int:
+    """Refuses, before anything runs, a run whose eval_memory (times `processes` running at once here) passes
+    MEMORY_SHARE of memory_available(); -> the bytes it needs."""
+    parts = eval_memory(cfg, weights_bytes, ctx, n_chunks, sides, text_tokens)
+    need = processes * sum(parts.values())
+    limit = int(MEMORY_SHARE * memory_available())
+    if need > limit:
+        top = max(parts, key=parts.get)
+        raise ParameterError(
+            f"--ctx {ctx}: the run needs about {need / 1e9:.1f} GB ({top.replace('_', ' ')} "
+            f"{processes * parts[top] / 1e9:.1f} GB{f', {processes} processes' if processes > 1 else ''}), over the "
+            f"limit {limit / 1e9:.1f} GB (half the memory this process may still take): lower --ctx"
+            f"{' or --chunks' if parts['text'] + parts['scores'] > need / 4 else ''}")
+    return need
 
 
 def make_chunks(ids: list[int], ctx: int, n_chunks: int | None, bos_id: int | None) -> list[list[int]]:

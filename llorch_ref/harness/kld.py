@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 TOP_K = (1, 5, 10)
+SCORE_BLOCK_BYTES = 32 << 20     # one block of rows, as float64, in score_chunk
 
 
 @dataclass
@@ -48,20 +49,31 @@ def log_softmax64(logits) -> np.ndarray:
 
 
 def score_chunk(index: int, subject_logits, reference_logits, targets) -> ChunkScores:
-    """subject_logits, reference_logits: [n, V] for the n scored positions; targets: [n] the next tokens."""
-    lq, lp = log_softmax64(subject_logits), log_softmax64(reference_logits)
-    if lq.shape != lp.shape:
-        raise ValueError(f"subject logits {lq.shape} and reference logits {lp.shape} differ in shape")
+    """subject_logits, reference_logits: [n, V] for the n scored positions; targets: [n] the next tokens. Scored
+    SCORE_BLOCK_BYTES of float64 rows at a time: every row's figures are its own, so the scores are those of all
+    rows at once, with a working set of a few blocks instead of several [n, V] float64 arrays."""
+    q, p = np.asarray(subject_logits), np.asarray(reference_logits)
+    if q.shape != p.shape:
+        raise ValueError(f"subject logits {q.shape} and reference logits {p.shape} differ in shape")
     t = np.asarray(targets, dtype=np.int64)
+    step = max(1, SCORE_BLOCK_BYTES // (8 * max(q.shape[-1], 1)))
+    parts = [_score_rows(q[a:a + step], p[a:a + step], t[a:a + step]) for a in range(0, len(t), step)] or \
+        [_score_rows(q, p, t)]
+    cat = lambda k: np.concatenate([x[k] for x in parts])
+    return ChunkScores(index, cat("nll"), cat("nll_base"), cat("kld"), cat("p_diff"), cat("same_top"),
+                       {k: np.concatenate([x["top_in"][k] for x in parts]) for k in TOP_K})
+
+
+def _score_rows(subject_logits, reference_logits, t) -> dict:
+    """score_chunk's figures for a block of rows."""
+    lq, lp = log_softmax64(subject_logits), log_softmax64(reference_logits)
     rows = np.arange(len(t))
     nll, nll_base = -lq[rows, t], -lp[rows, t]
-    p = np.exp(lp)
-    kld = np.sum(p * (lp - lq), axis=-1)
+    kld = np.sum(np.exp(lp) * (lp - lq), axis=-1)
     ref_top = lp.argmax(-1)
     order = np.argsort(-lq, axis=-1, kind="stable")[:, :max(TOP_K)]
-    top_in = {k: (order[:, :k] == ref_top[:, None]).any(-1) for k in TOP_K}
-    return ChunkScores(index, nll, nll_base, kld, np.exp(-nll) - np.exp(-nll_base), lq.argmax(-1) == ref_top,
-                       top_in)
+    return {"nll": nll, "nll_base": nll_base, "kld": kld, "p_diff": np.exp(-nll) - np.exp(-nll_base),
+            "same_top": lq.argmax(-1) == ref_top, "top_in": {k: (order[:, :k] == ref_top[:, None]).any(-1) for k in TOP_K}}
 
 
 def _mean_unc(s, s2, n):

@@ -42,6 +42,20 @@ def png(fig, dpi=100) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _plain(*texts):
+    """Text objects drawn as the characters they hold: names come from files and command lines, and a `$` in
+    one must not start mathtext (which raises on what it cannot parse) nor a `\\` reach LaTeX."""
+    for t in texts:
+        t.set_usetex(False)
+        t.set_parse_math(False)
+
+
+def _plain_axes(ax):
+    """_plain on an axes' title, labels and legend entries."""
+    leg = ax.get_legend()
+    _plain(ax.title, ax.xaxis.label, ax.yaxis.label, *(leg.get_texts() if leg else ()))
+
+
 def save(fig, path, dpi=90, close=True):
     fig.savefig(path, dpi=dpi)
     if close:
@@ -73,6 +87,7 @@ def error_by_layer(title: str, series: dict, band: float | None, local_layers=No
     ax.set_ylabel("NMSE vs reference")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=6, ncol=2)
+    _plain_axes(ax)
     fig.tight_layout()
     return fig
 
@@ -93,6 +108,7 @@ def heatmap(a, title: str, xlabel="channel", ylabel="token (row held)", figsize=
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
+    _plain_axes(ax)
     fig.tight_layout()
     return fig
 
@@ -107,6 +123,7 @@ def kld_by_position(out: dict, figsize=(9, 4)):
     ax.set_xlabel("position in the chunk")
     ax.set_ylabel("mean KLD over chunks")
     ax.set_title(f"{out['subject']}: KLD by position")
+    _plain_axes(ax)
     fig.tight_layout()
     return fig
 

@@ -7,17 +7,67 @@ chunks).
 from __future__ import annotations
 
 import os
+import socket
 import time
 
-from ..errors import LlorchError
+from ..errors import LlorchError, ParameterError
 from .corpus_eval import EvalResult, eval_chunk
 from .kld import ChunkScores
 
 MAX_ATTEMPTS = 4          # a chunk whose actor died this many times is an error, not an endless loop
+PROBE_SECONDS = 5.0       # how long a cluster's address may take to accept a connection and answer HTTP/2
 
 
 class RayEvalError(LlorchError):
     """A distributed evaluation could not complete."""
+
+
+def ray_endpoint(address: str) -> tuple[str, int]:
+    """--ray ADDRESS -> (host, port): host:port, [IPv6]:port, or ray://host:port (a Ray Client server)."""
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = rest.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ParameterError(f"--ray {address}: not an address (host:port, or ray://host:port for a Ray Client "
+                             "server; --ray alone starts a local Ray)")
+    return host, int(port)
+
+
+def check_cluster_address(address: str | None):
+    """Refuses, within PROBE_SECONDS and before Ray is imported, an address where no gRPC server answers
+    (ray.init would retry it for good): nothing accepts a TCP connection there, or what does is not an HTTP/2
+    server (a Ray cluster's GCS and a Ray Client server both speak gRPC). None or "auto" (Ray finds the cluster
+    itself) pass."""
+    if address in (None, "", "auto"):
+        return
+    host, port = ray_endpoint(address)
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_SECONDS) as s:
+            s.sendall(HTTP2_PREFACE)
+            answer = _read_some(s, 9)
+    except OSError as e:
+        why = f"no answer within {PROBE_SECONDS:g} s" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise RayEvalError(f"--ray {address}: no Ray cluster answers there ({why}); start one with "
+                           "`ray start --head`, or give the address it prints") from None
+    if len(answer) < 9 or answer[3] != 0x04:       # an HTTP/2 server's first frame is its SETTINGS (type 4)
+        what = "an HTTP/1 server" if answer.startswith(b"HTTP/") else "a server that does not speak gRPC"
+        raise RayEvalError(f"--ray {address}: no Ray cluster answers there ({what} does); give the address "
+                           "`ray start --head` prints")
+
+
+# the client's connection preface of HTTP/2 (RFC 9113, 3.4) and an empty SETTINGS frame
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def _read_some(s, n: int) -> bytes:
+    """Up to n bytes from socket s, fewer if it closes; its timeout bounds each wait."""
+    data = b""
+    while len(data) < n:
+        piece = s.recv(n - len(data))
+        if not piece:
+            break
+        data += piece
+    return data
 
 
 def _scorer_class(ray):
