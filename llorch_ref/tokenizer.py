@@ -7,7 +7,16 @@ llama.cpp's SPM tokenizer. Special/control tokens are split out first (parse_spe
 """
 from __future__ import annotations
 
+import atexit
 import codecs
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
 
 import numpy as np
 
@@ -135,23 +144,20 @@ class Tokenizer:
         return StreamDecoder(self)
 
     def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
+        """The messages rendered by the model's chat template, within the bounds of render_chat_template."""
         if not self.chat_template:
             raise TokenizerError("the model has no chat template (tokenizer.chat_template is missing)")
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.tokens[self.bos_id] if self.bos_id is not None else "",
+                                    eos_token=self.tokens[self.eos_id] if self.eos_id is not None else "")
 
-        def raise_exception(msg):
-            raise TemplateError(msg)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.tokens[self.bos_id] if self.bos_id is not None else "",
-                eos_token=self.tokens[self.eos_id] if self.eos_id is not None else "")
-        except TemplateError as e:
-            raise TokenizerError(f"chat template failed: {e}") from None
+    def encode_spans(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """text -> (ids, (start, end) character span of each id) without BOS/EOS: for tokenizing a long text
+        in windows (the ids a window shares with the next are found by their spans)."""
+        if not text:
+            return [], []
+        enc = self.hf.encode_batch([text], add_special_tokens=False)[0]
+        return list(enc.ids), list(enc.offsets)
 
 
 class StreamDecoder:
@@ -298,3 +304,361 @@ def _from_gguf_metadata(meta: dict, source="") -> Tokenizer | None:
     eog |= {i for i in _ids_of_types(types, (TOKEN_CONTROL, TOKEN_USER_DEFINED)) if tokens[i] in EOG_TEXTS}
     return Tokenizer(hf, kind, tokens, types, bos, eos, add_bos, add_eos, eog,
                      meta.get("tokenizer.chat_template"), add_space_prefix=add_space_prefix, pre=pre)
+
+
+# Chat templates are code from the model file. They render in jinja2's immutable sandbox (no attribute of
+# Python's internals, no mutation of lists and dicts, range() at most 100000 items) with every size bounded by a
+# limit derived from the messages (render_limit), in a helper interpreter whose address space and CPU time are
+# capped for each render and which is killed past a wall-time deadline: what the bounds below do not foresee
+# (a join, a captured block) still cannot take the machine or stall the caller.
+RENDER_BASE = 1 << 20            # characters a template may add to twice its messages' characters
+RENDER_SECONDS = 5.0             # wall time (and CPU time) of one render
+RENDER_MEMORY_BASE = 256 << 20   # bytes a render may allocate, besides RENDER_BYTES_PER_CHAR per limit character
+RENDER_BYTES_PER_CHAR = 16
+INT_BITS = 1 << 16               # the largest integer a template may make (bits)
+
+
+def render_limit(messages) -> int:
+    """The most characters a chat template may render, and the largest size (characters or items) any value in
+    it may reach: twice the messages' characters plus RENDER_BASE (templates wrap and repeat their messages; they
+    do not multiply them)."""
+    return 2 * sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict)) + RENDER_BASE
+
+
+def render_memory(limit: int) -> int:
+    """The bytes one render may allocate: RENDER_MEMORY_BASE plus RENDER_BYTES_PER_CHAR per limit character."""
+    return RENDER_MEMORY_BASE + RENDER_BYTES_PER_CHAR * limit
+
+
+def render_chat_template(template: str, messages, **variables) -> str:
+    """template rendered with messages and variables (strings) -> text, or one TokenizerError ("chat template
+    failed: ...") for anything the template does wrong: a jinja2 error, a size over render_limit(messages), a
+    Python error, memory over render_memory(limit), or RENDER_SECONDS of time. Rendered by the helper process
+    (_RENDERER); where it cannot start, here, with the same size bounds and no memory or time cap."""
+    request = {"template": template, "messages": list(messages), "variables": variables}
+    try:
+        return _RENDERER.render(request)
+    except _HelperUnavailable:
+        try:
+            return _render_bounded(request)
+        except Exception as e:      # noqa: BLE001 (anything the template raises is the template's error)
+            raise TokenizerError(f"chat template failed: {_reason(e)}") from None
+
+
+class TemplateBoundError(Exception):
+    """A chat template made (or was about to make) a value or an output over its bounds."""
+
+
+class _HelperUnavailable(Exception):
+    """The render helper cannot be started here."""
+
+
+def _reason(e: BaseException) -> str:
+    """A template's exception as one short line: jinja2's own errors by message, others by type and message."""
+    from jinja2 import TemplateError
+
+    msg = str(e).splitlines()[0][:300] if str(e) else ""
+    if isinstance(e, (TemplateError, TemplateBoundError)):
+        return msg or type(e).__name__
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+def _render_bounded(request: dict) -> str:
+    """One render request in this interpreter, every size bounded by render_limit of its messages."""
+    limit = render_limit(request["messages"])
+    compiled = _sandbox_class()(limit).from_string(request["template"])
+    return _stream_bounded(compiled.generate(messages=request["messages"], **request["variables"]), limit)
+
+
+class _Renderer:
+    """The helper interpreter that renders chat templates for this process: started on first use (about 0.3 s),
+    in a session of its own (a terminal's Ctrl-C is the caller's), one request at a time, a JSON line each way on
+    its stdin and stdout. A render past RENDER_SECONDS kills it; the next render starts a new one."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.proc = None
+
+    def render(self, request: dict) -> str:
+        line = (json.dumps(request) + "\n").encode()
+        with self.lock:
+            proc = self._started()
+            try:
+                proc.stdin.write(line)
+                proc.stdin.flush()
+                answer = self._answer(proc, time.monotonic() + RENDER_SECONDS)
+            except (OSError, ValueError) as e:
+                self._stop()
+                raise TokenizerError(f"chat template failed: its render process ended ({e})") from None
+        if "text" in answer:
+            return answer["text"]
+        raise TokenizerError(f"chat template failed: {answer['error']}")
+
+    def _started(self):
+        """The running helper, started (and its ready line awaited, up to HELPER_START_SECONDS) if there is none."""
+        if self.proc is None or self.proc.poll() is not None:
+            try:
+                self.proc = subprocess.Popen([sys.executable, "-c", "from llorch_ref.tokenizer import serve_renders; "
+                                              "serve_renders()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             stderr=subprocess.DEVNULL, start_new_session=True)
+            except OSError as e:
+                raise _HelperUnavailable(str(e)) from None
+            if self._answer(self.proc, time.monotonic() + HELPER_START_SECONDS).get("ready") is not True:
+                raise _HelperUnavailable("the render helper did not start")
+        return self.proc
+
+    def _answer(self, proc, deadline: float) -> dict:
+        """The helper's answer line, read before the deadline (else the helper is killed)."""
+        import select
+
+        fd, data = proc.stdout.fileno(), b""
+        poll = select.poll()
+        poll.register(fd, select.POLLIN)
+        while not data.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not poll.poll(left * 1000):
+                self._stop()
+                return {"error": f"it took more than {RENDER_SECONDS:g} s to render"}
+            piece = os.read(fd, 1 << 20)
+            if not piece:
+                self._stop()
+                return {"error": "its render process ended without an answer (killed for its memory or CPU time)"}
+            data += piece
+        return json.loads(data)
+
+    def _stop(self):
+        """The helper killed and reaped (a render overran, or its pipe broke)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.close()
+
+    def close(self):
+        """The helper told to end (its stdin closed) and reaped; killed if it does not end within a second."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=1)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self.proc = None
+
+
+HELPER_START_SECONDS = 60.0      # a loaded machine may take this long to start an interpreter
+_RENDERER = _Renderer()
+atexit.register(_RENDERER.close)
+
+
+def serve_renders():
+    """The render helper's loop: a JSON request a line on stdin -> {"text"} or {"error"} a line on stdout; each
+    render under RLIMIT_AS of this process's size plus render_memory(limit) and RLIMIT_CPU of RENDER_SECONDS more
+    than it has used. Ends when stdin closes (its parent is gone)."""
+    _no_core_files()
+    sys.stdout.write(json.dumps({"ready": True}) + "\n")
+    sys.stdout.flush()
+    for line in sys.stdin.buffer:
+        request = json.loads(line)
+        _cap(render_memory(render_limit(request["messages"])))
+        try:
+            answer = {"text": _render_bounded(request)}
+        except MemoryError:
+            answer = {"error": f"it needs more than {render_memory(render_limit(request['messages'])) >> 20} MiB "
+                               "of memory (the cap of one render)"}
+        except Exception as e:      # noqa: BLE001 (anything the template raises is the template's error)
+            answer = {"error": _reason(e)}
+        _cap(None)
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+
+
+def _cap(memory: int | None):
+    """The helper's limits for one render (memory: bytes it may grow by; RENDER_SECONDS more CPU time), or, with
+    None, lifted back to its hard limits. A platform without them (no resource module, no /proc) keeps the
+    parent's wall-time deadline only."""
+    try:
+        import resource
+    except ImportError:
+        return
+    size = _vm_size()
+    for kind, now, extra in ((resource.RLIMIT_AS, size, memory),
+                             (resource.RLIMIT_CPU, _cpu_seconds(), int(RENDER_SECONDS) + 1)):
+        _, hard = resource.getrlimit(kind)
+        if memory is None or now is None:
+            soft = hard
+        else:
+            soft = now + extra if hard == resource.RLIM_INFINITY else min(now + extra, hard)
+        resource.setrlimit(kind, (soft, hard))
+
+
+def _no_core_files():
+    """A helper killed for its CPU time (SIGXCPU) leaves no core file behind."""
+    try:
+        import resource
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def _vm_size() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _cpu_seconds() -> int:
+    t = os.times()
+    return int(t.user + t.system) + 1
+
+
+def _stream_bounded(pieces, limit: int) -> str:
+    """The template's output pieces joined, refused as soon as they pass `limit` characters."""
+    out, n = [], 0
+    for p in pieces:
+        n += len(p)
+        if n > limit:
+            raise TemplateBoundError(f"its output passes {limit} characters (the limit: twice the messages' "
+                                     f"characters plus {RENDER_BASE})")
+        out.append(p)
+    return "".join(out)
+
+
+_SIZED = (str, bytes, list, tuple, dict, set, frozenset)
+
+
+def _size(v) -> int:
+    return len(v) if isinstance(v, _SIZED) else 0
+
+
+def _format_bound(fmt: str, values) -> int:
+    """An upper bound of the length of fmt % values or fmt.format(*values): every field as long as the widest
+    number written in fmt plus the longest value."""
+    widest = max((int(d) if len(d) <= 18 else 1 << 62 for d in re.findall(r"\d+", fmt)), default=0)
+    longest = max((len(str(v)) for v in values), default=0)
+    return len(fmt) + (fmt.count("%") + fmt.count("{")) * (widest + longest)
+
+
+def _binop_bound(op: str, left, right, limit: int):
+    """Refuses a * b, a + b, a % b, a ** b whose result would pass the limit (characters or items; INT_BITS for
+    integers), before it is made."""
+    ints = isinstance(left, int) and isinstance(right, int)
+    if op == "*":
+        seq, n = (left, right) if isinstance(right, int) else (right, left)
+        if isinstance(seq, _SIZED) and isinstance(n, int) and len(seq) * max(n, 0) > limit:
+            raise TemplateBoundError(f"'*' would make {len(seq) * n} characters or items ({len(seq)} x {n}); the "
+                                     f"limit is {limit}")
+        if ints and left.bit_length() + right.bit_length() > INT_BITS:
+            raise TemplateBoundError(f"a product of {INT_BITS} bits or more")
+    elif op == "+" and _size(left) + _size(right) > limit:
+        raise TemplateBoundError(f"'+' would make {_size(left) + _size(right)} characters or items; the limit is "
+                                 f"{limit}")
+    elif op == "%" and isinstance(left, str):
+        values = right.values() if isinstance(right, dict) else right if isinstance(right, tuple) else (right,)
+        if _format_bound(left, values) > limit:
+            raise TemplateBoundError(f"'%' formats widths or fields that may pass the limit of {limit} characters")
+    elif op == "**" and ints and right > 0 and right * max(left.bit_length(), 1) > INT_BITS:
+        raise TemplateBoundError(f"{left} ** {right} has more than {INT_BITS} bits")
+
+
+def _format_values(args, kwargs) -> list:
+    """What a format call fills its fields with: its arguments, and the values of a mapping among them."""
+    return [*args, *kwargs.values(), *(v for a in args if isinstance(a, dict) for v in a.values())]
+
+
+def _check_sizes(values, limit: int, what: str):
+    """Every string, bytes, list, tuple, dict or set among values holds at most `limit` characters or items."""
+    for v in values:
+        if _size(v) > limit:
+            raise TemplateBoundError(f"{what}: a value of {_size(v)} characters or items; the limit is {limit}")
+
+
+def _check_counts(values, limit: int, what: str):
+    """Integer arguments that set a size (a width, a count) are at most the limit."""
+    for v in values:
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > limit:
+            raise TemplateBoundError(f"{what}: a width or count of {v}; the limit is {limit}")
+
+
+def _bounded_result(v, limit: int, what: str):
+    """v, refused if it holds more than `limit` characters or items (what a call or filter made)."""
+    _check_sizes((v,), limit, what)
+    return v
+
+
+@functools.lru_cache(maxsize=1)
+def _sandbox_class():
+    """BoundedSandbox, built on first use (jinja2 is imported only by commands that render a template)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import Namespace
+
+    class BoundedNamespace(Namespace):
+        """jinja2's namespace() whose attributes are bounded like every other value."""
+        limit = RENDER_BASE                       # read as type(self).limit: a Namespace answers its own names
+
+        def __setitem__(self, name, value):
+            _check_sizes((value,), type(self).limit, f"namespace attribute {name!r}")
+            super().__setitem__(name, value)
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        """The immutable sandbox with every operator that grows a value (* + % **), every call, every filter and
+        every buffer join checked against the limit: sizes before the value is made where they can be known
+        (repetitions, format widths, integer widths and counts), and every result after."""
+        intercepted_binops = frozenset({"*", "+", "%", "**"})
+
+        def __init__(self, limit: int):
+            super().__init__(trim_blocks=True, lstrip_blocks=True)
+            self.limit = limit
+            self.globals["raise_exception"] = _raise_exception
+            self.globals["namespace"] = type("namespace", (BoundedNamespace,), {"limit": limit})
+            self.filters = {name: self._bounded_filter(name, f) for name, f in self.filters.items()}
+
+        def call_binop(self, context, operator, left, right):
+            _binop_bound(operator, left, right, self.limit)
+            return _bounded_result(super().call_binop(context, operator, left, right), self.limit, operator)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's signature)
+            target = getattr(__obj, "__wrapped__", __obj)
+            what = getattr(target, "__name__", None) or f"macro {getattr(target, 'name', '?')}"
+            _check_sizes((*args, *kwargs.values()), __self.limit, what)
+            if isinstance(getattr(target, "__self__", None), str):
+                _check_counts((*args, *kwargs.values()), __self.limit, what)
+                fields = _format_values(args, kwargs)
+                if what in ("format", "format_map") and _format_bound(target.__self__, fields) > __self.limit:
+                    raise TemplateBoundError(f"format: widths or fields that may pass the limit of {__self.limit} "
+                                             "characters")
+            elif what in _COUNTED:
+                _check_counts((*args, *kwargs.values()), __self.limit, what)
+            return _bounded_result(super().call(__context, __obj, *args, **kwargs), __self.limit, what)
+
+        def concat(self, parts):
+            parts = list(parts)
+            if sum(map(len, parts)) > self.limit:
+                raise TemplateBoundError(f"a block's output would pass the limit of {self.limit} characters")
+            return "".join(parts)
+
+        def _bounded_filter(self, name, f):
+            @functools.wraps(f)
+            def bounded(*args, **kwargs):
+                values = [a for a in args if isinstance(a, (*_SIZED, int))]
+                _check_sizes(values, self.limit, f"filter {name}")
+                if name == "format" and values and isinstance(values[0], str):
+                    if _format_bound(values[0], values[1:] + list(kwargs.values())) > self.limit:
+                        raise TemplateBoundError(f"filter format: widths or fields that may pass the limit of "
+                                                 f"{self.limit} characters")
+                else:
+                    _check_counts(values[1:] + list(kwargs.values()), self.limit, f"filter {name}")
+                return _bounded_result(f(*args, **kwargs), self.limit, f"filter {name}")
+            return bounded
+    return BoundedSandbox
+
+
+_COUNTED = ("safe_range", "generate_lorem_ipsum")     # jinja2's globals whose integer arguments are counts
+
+
+def _raise_exception(msg):
+    from jinja2 import TemplateError
+
+    raise TemplateError(msg)
