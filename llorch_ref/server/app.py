@@ -8,8 +8,11 @@ body limits, error shape), gateway.py (request -> job -> events), routes.py, wor
 """
 from __future__ import annotations
 
+import sys
+
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from .gateway import Gateway
@@ -28,6 +31,7 @@ def create_app(engine, api_token: str | None = None, max_queue: int = 16, model_
                  default_temperature_openai)
     app.state.worker = gw.worker
     app.add_exception_handler(RequestValidationError, _bad_request)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.include_router(worker_routes(gw))
     app.include_router(openai_routes(gw))
     return app
@@ -48,3 +52,26 @@ async def _bad_request(request, exc):
             fields[loc] = "unknown field"
     return error_response(400, "INVALID_REQUEST", "invalid request: " + "; ".join(f"{k}: {v}" for k, v in fields.items()),
                           fields)
+
+
+HTTP_CODES = {400: "INVALID_REQUEST", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
+
+
+async def _http_error(request, exc):
+    """Every error the framework raises (an unknown route or method, a body its JSON parser refuses) in the
+    documented shape, never FastAPI's {"detail": ...}. A body the parser refuses is 400 INVALID_REQUEST saying
+    why: nesting deeper than Python's parser recurses, or an integer of more digits than Python converts."""
+    code = HTTP_CODES.get(exc.status_code, "HTTP_ERROR")
+    message = str(exc.detail)
+    if exc.status_code == 400:
+        message = "invalid request: " + _unparsable(exc.__cause__)
+    return error_response(exc.status_code, code, message, headers=getattr(exc, "headers", None))
+
+
+def _unparsable(cause) -> str:
+    """Why the JSON body could not be parsed, in words a client can act on."""
+    if isinstance(cause, RecursionError):
+        return "the JSON body nests arrays or objects too deeply"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return f"the JSON body holds an integer of more than {sys.get_int_max_str_digits()} digits"
+    return f"the body could not be parsed as JSON ({type(cause).__name__ if cause else 'unknown reason'})"

@@ -27,10 +27,13 @@ class GuardMiddleware:
         self.api_token = api_token.encode() if api_token else None
 
     def _auth_error(self, headers):
-        h = headers.get(b"authorization", b"")
-        if not h.startswith(b"Bearer "):
+        """None for `Authorization: Bearer <token>` with this server's token, the scheme in any case and one or
+        more spaces after it (RFC 9110: the scheme is case-insensitive); the token compared in constant time."""
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        token = token.lstrip(b" ")
+        if scheme.lower() != b"bearer" or not token:
             return "MISSING_API_KEY", "missing bearer token (Authorization: Bearer <token>)"
-        if not hmac.compare_digest(h[7:], self.api_token):
+        if not hmac.compare_digest(token, self.api_token):
             return "INVALID_API_KEY", "invalid bearer token"
         return None
 
