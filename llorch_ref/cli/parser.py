@@ -13,6 +13,7 @@ from ..numerics import NUMERICS
 from .commands import cmd_bench, cmd_chat, cmd_convert, cmd_dump, cmd_generate, cmd_inspect, cmd_serve
 from .comparisons import cmd_diff, cmd_prove
 from .evaluate import cmd_eval
+from .sweep import cmd_sweep
 from .verify import cmd_verify
 
 
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(command_parser=sp)
         return sp
     sub.add_parser = add_command
-    for add in (_generate, _chat, _serve, _bench, _inspect, _convert, _diff, _dump, _prove, _verify, _eval):
+    for add in (_generate, _chat, _serve, _bench, _inspect, _convert, _diff, _dump, _prove, _verify, _eval, _sweep):
         add(sub)
     return p
 
@@ -215,6 +216,36 @@ def _eval(sub):
                    help="run the chunks as Ray tasks on actors that load the engines once: alone, a local Ray; "
                         "with an address (host:port or ray://...), an existing cluster")
     e.set_defaults(fn=cmd_eval)
+
+
+def _sweep(sub):
+    s = sub.add_parser("sweep", help="a matrix of checks over prompt lengths, decode steps and a subject's settings; "
+                                     "the smallest failing case as one command")
+    s.add_argument("spec", nargs="?", default=None, help="a TOML file of the sweep's options (the options given "
+                   "here override its keys)")
+    s.add_argument("--subject", default=None, help="llamacpp, or MODULE:FUNCTION called as (model_path, token_ids, "
+                   "**settings) with decode_steps=N, returning a Recorder, Dump or dump path")
+    s.add_argument("--model", default=None, help="the reference's model (default: the default model)")
+    s.add_argument("--lengths", default=None, help="prompt lengths: 1-40, 1,2,3,31-33, or boundaries:N (1, 2, 3 and "
+                   "B-1, B, B+1 for B = 8, 16, 32, ... up to N)")
+    s.add_argument("--steps", default=None, help="decode steps, the same forms (default 0)")
+    s.add_argument("--settings", action="extend", nargs="+", default=None, metavar="NAME=V1,V2",
+                   help="a subject setting and its values, the first the simplest (llamacpp: n_ubatch, threads, "
+                        "kv_dtype f32|f16, flash_attn on|off)")
+    s.add_argument("--text", default=None, help="the text whose tokens are cut or repeated to each length")
+    s.add_argument("--backend", choices=BACKENDS, default=None, help="the reference's backend (numba: faster)")
+    s.add_argument("--threads", type=int_in(1, 1024), default=None, help="the reference's threads")
+    s.add_argument("--require", default=None, metavar="WHAT", help="what a PASS requires, as diff --require")
+    s.add_argument("--no-shrink", action="store_true", help="report the failing cells without shrinking")
+    s.add_argument("--json", default=None, help="write every cell and the smallest failing case here")
+    s.add_argument("--junit", default=None, help="write JUnit XML here (one case per cell)")
+    s.add_argument("--report", default=None, help="folder for report.html (heat map), junit.xml, sweep.json and "
+                   "the failing cells' bundles")
+    s.add_argument("--overwrite", action="store_true", help="replace existing --json, --junit, --report outputs")
+    s.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run the cells as Ray tasks on actors that load the engines once: alone, a local Ray; with "
+                        "an address (host:port or ray://...), an existing cluster")
+    s.set_defaults(fn=cmd_sweep)
 
 
 def prompt_file_arg(sp):
