@@ -6,8 +6,9 @@ The rules:
 
 - A cell is (prompt length, decode steps, settings). Its prompt is the sweep text's token ids, cut or repeated
   to that length; the subject runs it with that many decode steps (the reference teacher-forced on its tokens).
-- A cell's status is its verdict's (PASS, FAIL, INCOMPLETE); a subject that raises fails its cell. The prompt's
-  tokenization (cp0) does not apply: a cell's tokens are ids, not a text.
+- A cell's status is its verdict's (PASS, FAIL, INCOMPLETE); a subject that raises fails its cell; a cell the
+  harness cannot judge (a LlorchError of the comparison: no bands for its arithmetic) is INCOMPLETE, with the
+  reason. The prompt's tokenization (cp0) does not apply: a cell's tokens are ids, not a text.
 - The sweep exits 1 when a cell fails, 3 when one is INCOMPLETE and none fails, 0 else.
 - Shrinking (as property-based testing shrinks, greedy and deterministic): from the failing cell that is
   smallest (simplest settings, fewest steps, shortest prompt, in that order), each axis in turn (length, steps,
@@ -313,8 +314,12 @@ class CellRunner:
         except Exception as e:            # the subject itself: its crash is this cell's failure
             return {**rec, "status": FAIL, "first_divergence": None, "raised": type(e).__name__,
                     "reasons": [f"the subject raised {type(e).__name__}: {e}"], "seconds": time.perf_counter() - t0}
-        res = run_subject(self.reference(sub), sub, require=self.plan.require, as_declared=False,
-                          subject_label=f"{sub.engine} ({self.plan.subject}, {cell.label()})")
+        try:
+            res = run_subject(self.reference(sub), sub, require=self.plan.require, as_declared=False,
+                              subject_label=f"{sub.engine} ({self.plan.subject}, {cell.label()})")
+        except LlorchError as e:          # the harness cannot judge this cell (no bands for its arithmetic, ...)
+            return {**rec, "status": INCOMPLETE, "first_divergence": None, "reasons": [
+                f"the comparison could not be made: {e}"], "seconds": time.perf_counter() - t0}
         res.not_applicable = sorted(set(res.not_applicable) | {"cp0"})     # ids, not a text: nothing tokenized
         v = res.verdict()
         rec.update(status=v.status, first_divergence=v.first_divergence, reasons=list(v.reasons))
@@ -424,6 +429,8 @@ def repro_command(spec: SweepSpec, cell: Cell) -> str:
         parts += ["--text", spec.text]
     if spec.backend:
         parts += ["--backend", spec.backend]
+    if spec.threads:
+        parts += ["--threads", str(spec.threads)]
     if spec.require != "auto":
         parts += ["--require", spec.require]
     return shlex.join(parts)
