@@ -4,14 +4,25 @@ log-probabilities, or in one weight matrix of the file a real engine runs, fails
 `error:` line and exit 2."""
 from __future__ import annotations
 
+import http.server
+import json
+import threading
+import time
+
 import numpy as np
 import pytest
 
 import llorch_ref
+from llorch_ref.cli import main
+from llorch_ref.errors import BlackBoxError
 from llorch_ref.harness.blackbox import compare_trace, kld_step, log_softmax64
-from llorch_ref.references.blackbox import Step, Trace
+from llorch_ref.references.blackbox import Step, Trace, openai_trace
+from llorch_ref.testing.openai_server import llama_cpp_server, server_installed
 
 PROMPT = "Once upon a time, there was a little"
+# A scale error large enough to leave the bands: one matrix's 10% stays under 10 x the clean engines' per-step KLD
+# (docs/engines-under-test.md, Black boxes); the last layer's down projection at 1.5x gives steps of KLD 1-4 nats.
+PLANT, FACTOR = "blk.29.ffn_down.weight", 1.5
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +101,118 @@ def test_another_tokenization_fails_cp0_naming_the_token(ref):
     fd = res.verdict().first_divergence
     assert fd["checkpoint"] == "0"
     assert next(r for r in res.rows if r.checkpoint == "0").metrics["first_difference"] == 4
+
+
+# -- bad input, through a stub OpenAI server ------------------------------------------------------------------
+class Stub(http.server.BaseHTTPRequestHandler):
+    """Answers /v1/completions as `mode` says: ok (a clean top-K answer from the reference), slow (never in time),
+    500, few (fewer log-probabilities than asked), vocab (a token id outside the vocabulary)."""
+    mode, answer = "ok", {}
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.path != "/v1/completions":
+            return self._send(404, {"error": "no such route"})
+        if self.mode == "slow":
+            time.sleep(3)
+            return self._send(200, self.answer)
+        if self.mode == "500":
+            return self._send(500, {"error": "engine crashed"})
+        out = json.loads(json.dumps(self.answer))
+        lp = out["choices"][0]["logprobs"]
+        if self.mode == "few":
+            lp["top_logprobs"] = [dict(list(t.items())[:3]) for t in lp["top_logprobs"]]
+        if self.mode == "vocab":
+            lp["top_logprobs"][0]["token_id:60000"] = -20.0
+        self._send(200, out)
+
+    def _send(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture(scope="module")
+def stub(ref):
+    tr = self_trace(ref, n=4, top_k=20)
+    text = lambda i: ref.tokenizer.token_bytes(i).decode("utf-8", "ignore")     # noqa: E731
+    Stub.answer = {"model": "stub", "choices": [{"text": "".join(text(s.token) for s in tr.steps), "logprobs": {
+        "tokens": [text(s.token) for s in tr.steps], "token_logprobs": [s.logprob for s in tr.steps],
+        "top_logprobs": [{text(i): v for i, v in s.top.items()} for s in tr.steps]}, "finish_reason": "length"}]}
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def run_cli(capsys, *argv):
+    rc = main(["diff", "--threads", "1", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, [ln for ln in out.err.splitlines() if ln.startswith("error:")]
+
+
+def test_a_clean_stub_passes_by_round_trip(stub, capsys):
+    Stub.mode = "ok"
+    rc, out, errors = run_cli(capsys, "--subject", f"openai:{stub}", "--decode-steps", "4")
+    assert (rc, errors) == (0, []), out
+    assert "verdict: PASS" in out
+
+
+@pytest.mark.parametrize("mode, says", [("slow", "no answer in 1 s (timeout)"), ("500", "HTTP 500"),
+                                        ("few", "fewer than the 20 asked"), ("vocab", "vocabulary of another size")])
+def test_bad_answers_are_one_error_line_and_exit_2(stub, capsys, mode, says):
+    Stub.mode = mode
+    rc, out, errors = run_cli(capsys, "--subject", f"openai:{stub}", "--decode-steps", "4", "--timeout", "1")
+    assert rc == 2 and len(errors) == 1 and says in errors[0], errors
+
+
+def test_a_server_that_is_not_there_is_one_error_line(capsys):
+    from llorch_ref.testing.openai_server import free_port
+
+    rc, out, errors = run_cli(capsys, "--subject", f"openai:http://127.0.0.1:{free_port()}", "--timeout", "2")
+    assert rc == 2 and len(errors) == 1 and "refused" in errors[0], errors
+
+
+def test_a_token_of_another_tokenizer_is_refused(ref):
+    from llorch_ref.references.blackbox import parse_completion
+
+    out = {"choices": [{"text": "x", "logprobs": {"tokens": ["\u2603snowman-piece"], "token_logprobs": [-0.1],
+                                                  "top_logprobs": [{"\u2603snowman-piece": -0.1}]}}]}
+    with pytest.raises(BlackBoxError, match="not in the reference's vocabulary"):
+        parse_completion(out, ref.tokenizer, 1, "stub")
+
+
+# -- llama-cpp-python's own OpenAI server ---------------------------------------------------------------------
+needs_server = pytest.mark.skipif(server_installed() is not None, reason=str(server_installed()))
+
+
+@pytest.fixture(scope="module")
+def planted_file(ref, tmp_path_factory):
+    from llorch_ref.testing.plant import plant_scale
+
+    return plant_scale(ref.path, tmp_path_factory.mktemp("bb") / "planted.gguf", PLANT, FACTOR)
+
+
+@needs_server
+def test_llama_cpp_server_clean_passes_and_tokenizes_through_its_route(ref, capsys):
+    with llama_cpp_server(ref.path) as url:
+        tr = openai_trace(url, PROMPT, ref.tokenizer, n_steps=8, top_k=20)
+        rc, out, errors = run_cli(capsys, "--subject", f"openai:{url}", "--decode-steps", "16")
+    assert tr.tokenized_by == "tokenize route /extras/tokenize" and tr.prompt_ids == ref.tokenizer.encode(PROMPT)
+    assert (rc, errors) == (0, []), out
+    assert "verdict: PASS" in out
+
+
+@needs_server
+def test_llama_cpp_server_on_a_planted_file_fails_at_a_named_step(ref, planted_file, capsys):
+    with llama_cpp_server(planted_file) as url:
+        rc, out, errors = run_cli(capsys, "--subject", f"openai:{url}", "--decode-steps", "16", "--json")
+    fd = json.loads(out)["verdict"]["first_divergence"]
+    assert rc == 1 and fd["checkpoint"] in ("10", "11") and isinstance(fd["step"], int), fd

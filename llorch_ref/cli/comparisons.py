@@ -12,14 +12,17 @@ from ..checkpoints import engine_band_class
 from ..dump import load_dump, parse_rows
 from ..errors import ParameterError
 from ..harness import run as harness_run
+from ..harness.blackbox import compare_trace, divergence_lines, steps_table
 from ..harness.bundle import check_bundle_target, load_signing_key, write_bundle
 from ..harness.bundle_md import simd_phrase
 from ..harness.compare import compare_dumps
 from ..harness.run import DEFAULT_PROMPT
+from ..harness.text_safety import for_terminal
+from ..references.blackbox import mistralrs_trace, openai_trace
 from ..references.engines import dump_transformers
 from ..references.llorch import engine_label, record_engine
 from .common import load_engine, log
-from .report import print_by_position, print_result
+from .report import _table, add_row, console_for, print_by_position, print_result
 
 
 def run_comparison(args):
@@ -36,6 +39,8 @@ def _run_comparison(args):
         raise ParameterError(f"{', '.join(not_here)}: for a comparison with llama.cpp (a --subject dump holds its "
                              f"own rows and micro-batches: set them when writing it, with dump)")
     args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    if is_blackbox(getattr(args, "subject", None)):
+        return run_blackbox(args)
     if getattr(args, "subject", None):
         return run_subject_dump(args)
     if getattr(args, "reference", "llamacpp") == "transformers":
@@ -96,6 +101,37 @@ def run_subject_dump(args):
                                         require=args.require, as_declared=not overridden)
 
 
+def is_blackbox(subject) -> bool:
+    """A black-box subject: openai:URL or mistralrs (anything else is a dump's path)."""
+    return bool(subject) and (subject.startswith("openai:") or subject == "mistralrs")
+
+
+def run_blackbox(args):
+    """--subject openai:URL | mistralrs: the engine runs the prompt greedily, the reference (--model, in --numerics)
+    runs teacher-forced on the prompt and the engine's tokens (harness/blackbox.py)."""
+    if args.reference != "llamacpp" or args.reference_model or args.band_class:
+        raise ParameterError("a black-box --subject is judged against llorch-ref on --model: --reference, "
+                             "--reference-model and --band-class do not apply")
+    if args.chat and args.subject == "mistralrs":
+        raise ParameterError("--chat: for --subject openai:URL (mistral.rs runs the raw prompt)")
+    if not args.prompt:
+        raise ParameterError("empty prompt")
+    eng = load_engine(args)
+    if eng.tokenizer is None:
+        raise ParameterError("this model has no vocabulary: a black box's tokens are named by it")
+    steps = args.decode_steps
+    if args.subject == "mistralrs":
+        log(f"llorch-ref: running mistral.rs on {eng.path.name}, {steps} greedy steps ...")
+        trace = mistralrs_trace(eng.path, args.prompt, eng.tokenizer, n_steps=steps, top_k=args.top_logprobs)
+    else:
+        url = args.subject[len("openai:"):]
+        log(f"llorch-ref: asking {url} for {steps} greedy steps ...")
+        trace = openai_trace(url, args.prompt, eng.tokenizer, n_steps=steps, top_k=args.top_logprobs or 20,
+                             chat=args.chat, timeout=args.timeout)
+    log(f"llorch-ref: running the reference teacher-forced on {len(trace.steps)} engine tokens ...")
+    return eng, compare_trace(eng, trace, require=args.require)
+
+
 def run_transformers(args):
     """--reference transformers: llorch-ref on --model under test; transformers on --reference-model (a
     Hugging Face folder; default: --model, converted to one if it is a GGUF file) as the reference."""
@@ -117,6 +153,21 @@ def run_transformers(args):
     return eng, res
 
 
+def print_blackbox(res, file=None):
+    """A black-box result's steps: KLD, the engine's token with its rank and logprobs on both sides, the reference's
+    top-2 margin; then the first divergence with its position and both sides' top entries."""
+    con = console_for(file)
+    t = _table(f"{res.subject_label} step by step (teacher-forced reference)",
+               ["step", "pos", "token", "KLD", "rank", "ref logprob", "engine logprob", "margin", "verdict"])
+    for s in steps_table(res):
+        add_row(t, str(s["step"]), str(s["position"]), repr(s["text"]), f"{s['kld']:.3g} ({s['kld_kind']})",
+                str(s["rank"]), f"{s['ref_logprob']:.4f}", f"{s['engine_logprob']:.4f}", f"{s['margin']:.3f}",
+                ("pass" if s["passed"] else "FAIL") + (" (near tie)" if s["near_tie"] and not s["same_top"] else ""))
+    con.print(t)
+    for line in divergence_lines(res):
+        con.print(for_terminal(line))
+
+
 def cmd_diff(args):
     eng, res = run_comparison(args)
     if args.json:
@@ -124,6 +175,8 @@ def cmd_diff(args):
         print(json.dumps(out, indent=2))
     else:
         print_result(res, args.verbose)
+        if is_blackbox(args.subject):
+            print_blackbox(res)
         if args.by_position:
             print_by_position(res)
     return res.verdict().exit_code

@@ -332,7 +332,18 @@ def harness_args(sp):
                          "to validate --backend numba|cupy; transformers: transformers (float32, eager) on "
                          "--reference-model (a Hugging Face folder; default --model, converted if GGUF)")
     sp.add_argument("--subject", metavar="DUMP", help="compare this llorch-dump file (any engine's tensors) "
-                    "against llorch-ref on --model, instead of llorch-ref against a reference")
+                    "against llorch-ref on --model, instead of llorch-ref against a reference; openai:URL (an "
+                    "OpenAI-compatible server) or mistralrs (mistral.rs on --model): a black box, judged by its greedy "
+                    "tokens and log-probabilities step by step")
+    sp.add_argument("--decode-steps", type=int_in(1, 4096), default=32,
+                    help="--subject openai:URL|mistralrs: greedy steps the engine runs (default 32)")
+    sp.add_argument("--top-logprobs", type=int_in(1, 1 << 20), default=None,
+                    help="--subject openai:URL|mistralrs: log-probabilities asked a step (default: 20 of a server, the "
+                         "whole vocabulary of mistral.rs); under the vocabulary the KLD is a lower bound")
+    sp.add_argument("--chat", action="store_true",
+                    help="--subject openai:URL: the chat route (the server's template) instead of the raw prompt")
+    sp.add_argument("--timeout", type=float, default=300.0,
+                    help="--subject openai:URL: seconds to wait for each answer (default 300)")
     sp.add_argument("--band-class", choices=CLASS_ORDER + ["ggml"], default=None,
                     help="bands to apply with --subject / --reference transformers (default: from the "
                          "weight types of --model)")

@@ -102,7 +102,7 @@ def step_metrics(ref_logp: np.ndarray, step, tokenizer, position: int) -> dict:
 def tokenization_row(engine, trace, ref_ids: list) -> Row:
     """Checkpoint 0: the engine's token ids of the prompt against the reference's (its tokenize route); where the
     engine has none, the round trip of its returned tokens: their bytes give back the text it returned (up to the
-    whitespace at its ends), and the prompt's token count where the engine tells it is the reference's."""
+    whitespace at its ends, end-of-generation tokens unrendered), and the prompt's token count where the engine tells it is the reference's."""
     band = {"agreement": 1.0}
     if trace.prompt_ids is not None:
         a, b = [int(t) for t in trace.prompt_ids], list(ref_ids)
@@ -111,7 +111,8 @@ def tokenization_row(engine, trace, ref_ids: list) -> Row:
              "how": trace.tokenized_by, "first_difference": first}
         return Row("0", "tokenizer", None, "token_ids", m, band, within(m, band), (0, 0, 0))
     tok = engine.tokenizer
-    back = b"".join(tok.token_bytes(s.token) for s in trace.steps).decode("utf-8", errors="ignore")
+    eog = set(getattr(tok, "eog_ids", ()) or ())                   # an end-of-generation token is not rendered
+    back = b"".join(tok.token_bytes(s.token) for s in trace.steps if s.token not in eog).decode("utf-8", "ignore")
     said = trace.completion_text or ""
     n = (trace.settings or {}).get("prompt_tokens")
     trip = back == said or back.strip() == said.strip()          # mistral.rs strips its message's ends
