@@ -216,3 +216,33 @@ def test_llama_cpp_server_on_a_planted_file_fails_at_a_named_step(ref, planted_f
         rc, out, errors = run_cli(capsys, "--subject", f"openai:{url}", "--decode-steps", "16", "--json")
     fd = json.loads(out)["verdict"]["first_divergence"]
     assert rc == 1 and fd["checkpoint"] in ("10", "11") and isinstance(fd["step"], int), fd
+
+
+# -- mistral.rs -----------------------------------------------------------------------------------------------
+def mistralrs_missing():
+    try:
+        import mistralrs  # noqa: F401
+    except ImportError:
+        return "mistralrs is not installed (pip install mistralrs)"
+    return None
+
+
+needs_mistralrs = pytest.mark.skipif(mistralrs_missing() is not None, reason=str(mistralrs_missing()))
+
+
+@needs_mistralrs
+def test_mistralrs_clean_passes_with_the_whole_vocabulary(ref, capsys):
+    rc, out, errors = run_cli(capsys, "--subject", "mistralrs", "--decode-steps", "8", "--json")
+    res = json.loads(out)
+    assert (rc, errors) == (0, []), res["verdict"]
+    kinds = {r["kld_kind"] for r in res["rows"] if r["checkpoint"] == "11"}
+    assert kinds == {"exact"}
+
+
+@needs_mistralrs
+def test_mistralrs_on_a_planted_file_fails_at_a_named_step(ref, planted_file):
+    from llorch_ref.references.blackbox import mistralrs_trace
+
+    tr = mistralrs_trace(planted_file, PROMPT, ref.tokenizer, n_steps=8)
+    v = compare_trace(ref, tr).verdict()              # the reference on the clean file
+    assert v.status == "FAIL" and v.first_divergence["checkpoint"] in ("10", "11"), v.line()
