@@ -143,12 +143,16 @@ def judge(res, require=None) -> Verdict:
     """The verdict of a DiffResult (rule in the module docstring). `require` as in required_keys; None takes
     the one the run recorded (res.require)."""
     require = res.require if require is None else require
-    rows, nc = res.rows, res.not_covered
-    fd = res.first_divergence
-    diverging = sum(r.diverges for r in rows)
     required, rule = required_keys(require, res.specs, res.config, res.sides) \
         if res.config is not None else ([], "not known")
-    required = [k for k in required if k not in res.not_applicable]
+    return verdict_of(res, [k for k in required if k not in res.not_applicable], rule)
+
+
+def verdict_of(res, required: list, rule: str) -> Verdict:
+    """The rule itself, on a result's rows, not-covered entries and first divergence, against the required
+    coverage keys (judge derives them from the model; verify reads them from a bundle)."""
+    rows, nc, fd = res.rows, res.not_covered, res.first_divergence
+    diverging = sum(r.diverges for r in rows)
     missing = _missing(required, rows, nc)
     reasons = []
     if fd is not None:
@@ -160,13 +164,13 @@ def judge(res, require=None) -> Verdict:
     if missing:
         reasons.append(f"{len(missing)} of {len(required)} required tensors not compared on every layer "
                        f"({rule}): {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-    empty_steps = sorted({u["tensor"] for u in nc if u["checkpoint"] == "steps"})
+    empty_steps = sorted({str(u.get("tensor")) for u in nc if u.get("checkpoint") == "steps"})
     if empty_steps:
         reasons.append(f"decode step(s) {', '.join(empty_steps)} declared but not held")
     status = FAIL if fd is not None else (INCOMPLETE if reasons else PASS)
     return Verdict(status=status, first_divergence=fd, compared=len(rows), diverging=diverging,
-                   not_covered=len(nc), required=required, missing=missing, rule=rule, band_class=res.band_class,
-                   local_declaration=res.local_declaration, reasons=reasons)
+                   not_covered=len(nc), required=list(required), missing=missing, rule=rule,
+                   band_class=str(res.band_class), local_declaration=res.local_declaration, reasons=reasons)
 
 
 def _missing(required, rows, not_covered) -> list[str]:

@@ -66,7 +66,7 @@ from .portable import expand_path
 from .repro import check_names, repro_test_source
 from .result import DiffResult, Row
 from .run import backend_bands, comparison_bytes
-from .verdict import FAIL, INCOMPLETE, PASS, Verdict, _missing
+from .verdict import FAIL, INCOMPLETE, PASS, Verdict, verdict_of
 
 HASH_CAVEAT = ("sha256 detects accidental edits, not forgery: whoever edits a bundle can recompute every hash "
                "(and make its pages agree with edited rows); the re-run checks the figures against the reference, "
@@ -400,28 +400,8 @@ def verdict_of_rows(stored: dict) -> Verdict:
     list the bundle's verdict names: a re-run derives it again from the model) is not compared on every
     layer, or a declared decode step holds nothing; PASS otherwise."""
     res = rows_of(stored)
-    rows, nc, fd = res.rows, res.not_covered, res.first_divergence
     sv = stored.get("verdict") if isinstance(stored.get("verdict"), dict) else {}
-    required, rule = [str(k) for k in sv.get("required") or []], str(sv.get("rule") or "not known")
-    missing = _missing(required, rows, nc)
-    diverging = sum(r.diverges for r in rows)
-    reasons = []
-    if fd is not None:
-        reasons.append(f"{diverging} of {len(rows)} comparisons outside their bands; first divergence: checkpoint "
-                       f"{fd['checkpoint']}, layer {fd['layer']}, tensor {fd['tensor']}, step {fd['step']} "
-                       f"(by {fd['by']})")
-    if not rows:
-        reasons.append("nothing compared (not covered is not passed)")
-    if missing:
-        reasons.append(f"{len(missing)} of {len(required)} required tensors not compared on every layer "
-                       f"({rule}): {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-    steps = sorted({str(u.get("tensor")) for u in nc if u.get("checkpoint") == "steps"})
-    if steps:
-        reasons.append(f"decode step(s) {', '.join(steps)} declared but not held")
-    status = FAIL if fd is not None else (INCOMPLETE if reasons else PASS)
-    return Verdict(status=status, first_divergence=fd, compared=len(rows), diverging=diverging, not_covered=len(nc),
-                   required=required, missing=missing, rule=rule, band_class=str(stored.get("band_class")),
-                   local_declaration=stored.get("local_declaration"), reasons=reasons)
+    return verdict_of(res, [str(k) for k in sv.get("required") or []], str(sv.get("rule") or "not known"))
 
 
 def _checkpoint_verdicts(res: DiffResult, specs) -> dict:
