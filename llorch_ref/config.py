@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field
 from .errors import UnsupportedModelError
 
 FFN_ACTS = ("silu", "gelu_tanh")
+NORMS = ("rms", "layer")            # rms: RMSNorm (Llama); layer: LayerNorm with a bias (GPT-2)
+POS_EMBDS = ("rope", "learned")     # rope: rotary Q/K; learned: a position table added to the embeddings (GPT-2)
 ROPE_STYLES = ("adjacent", "neox")  # adjacent: pairs (2i, 2i+1) (GGUF llama); neox: (i, i + n/2) (HF)
 
 
@@ -37,6 +39,11 @@ class Config:
     sliding_window: int = 0               # local layers see the last `sliding_window` positions (0: none)
     local_layers: tuple | None = None     # [L] bool: which layers are local (sliding-window) layers
     rope_base_local: float | None = None  # RoPE base of the local layers (unscaled); None: rope_base
+    # GPT-2 switches (defaults: plain Llama); rms_eps is then the LayerNorm epsilon
+    norm: str = "rms"                     # "rms" | "layer": LayerNorm (x - mean) / std * w + b, weights *_norm_b
+    pos_embd: str = "rope"                # "rope" | "learned": embeddings + pos_embd[position], no RoPE
+    ffn_gated: bool = True                # False: down(act(up(x) + b_up)) + b_down, no gate (GPT-2's MLP)
+    linear_bias: bool = False             # output projection and FFN matrices add a bias (bo, b_up, b_down)
     extra: dict = field(default_factory=dict, compare=False)  # informational metadata only
 
     def __post_init__(self):
@@ -62,6 +69,12 @@ class Config:
             problems.append(f"rope_freq_factors must be {self.rope_dim // 2} positive numbers")
         if self.ffn_act not in FFN_ACTS:
             problems.append(f"ffn_act={self.ffn_act!r} is not one of {FFN_ACTS}")
+        if self.norm not in NORMS:
+            problems.append(f"norm={self.norm!r} is not one of {NORMS}")
+        if self.pos_embd not in POS_EMBDS:
+            problems.append(f"pos_embd={self.pos_embd!r} is not one of {POS_EMBDS}")
+        if not self.ffn_gated and self.ffn_act != "gelu_tanh":
+            problems.append(f"an ungated FFN computes GELU (tanh), not ffn_act={self.ffn_act!r}")
         if self.local_layers is not None and len(self.local_layers) != self.n_layers:
             problems.append(f"local_layers has {len(self.local_layers)} entries for {self.n_layers} layers")
         if self.local_layers is not None and any(self.local_layers) and not self.sliding_window > 0:
@@ -77,6 +90,11 @@ class Config:
     @property
     def scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
+
+    @property
+    def uses_rope(self) -> bool:
+        """Whether Q and K are rotated (False: learned absolute positions, GPT-2): checkpoint 1B applies."""
+        return self.pos_embd == "rope"
 
     def is_local(self, layer: int) -> bool:
         """Whether this layer attends through the sliding window (Gemma 3's local layers)."""

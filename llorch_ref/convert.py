@@ -303,9 +303,12 @@ def _gguf_hparams(wr, cfg, metadata, src, dtype):
     if cfg.head_dim != cfg.d_model // cfg.n_heads:
         wr.add_key_length(cfg.head_dim)
         wr.add_value_length(cfg.head_dim)
-    wr.add_layer_norm_rms_eps(cfg.rms_eps)
-    wr.add_rope_freq_base(cfg.rope_base)
-    wr.add_rope_dimension_count(cfg.rope_dim)
+    if cfg.arch == "gpt2":                          # LayerNorm, learned positions: no RoPE keys
+        wr.add_layer_norm_eps(cfg.rms_eps)
+    else:
+        wr.add_layer_norm_rms_eps(cfg.rms_eps)
+        wr.add_rope_freq_base(cfg.rope_base)
+        wr.add_rope_dimension_count(cfg.rope_dim)
     if cfg.rope_freq_scale != 1.0:
         wr.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         wr.add_rope_scaling_factor(1.0 / cfg.rope_freq_scale)
@@ -348,7 +351,9 @@ def _gguf_tensors(wr, cfg, w, dtype):
     wr.add_tensor("token_embd.weight", big(np.ascontiguousarray(w.tok_embd, dtype=np.float32)))
     for i, lw in enumerate(w.layers):
         p = f"blk.{i}."
-        if cfg.arch == "phi3":                     # fused, as llama.cpp's phi3 graph reads them
+        if cfg.arch == "gpt2":                     # as llama.cpp's gpt2 graph reads them: fused Q|K|V, all biased
+            parts = gpt2_layer_tensors(lw)
+        elif cfg.arch == "phi3":                   # fused, as llama.cpp's phi3 graph reads them
             parts = (("attn_norm", lw.attn_norm), ("attn_qkv", np.concatenate([lw.wq, lw.wk, lw.wv])),
                      ("attn_output", lw.wo), ("ffn_norm", lw.ffn_norm),
                      ("ffn_up", np.concatenate([lw.w_gate, lw.w_up])), ("ffn_down", lw.w_down))
@@ -361,15 +366,30 @@ def _gguf_tensors(wr, cfg, w, dtype):
                       ("post_attention_norm", lw.post_attn_norm), ("post_ffw_norm", lw.post_ffn_norm))
         for name, arr in parts:
             a = np.ascontiguousarray(arr, dtype=np.float32)
-            wr.add_tensor(p + name + ".weight", big(a) if a.ndim == 2 else a)
-        if cfg.qkv_bias:
+            full = name if name.endswith((".weight", ".bias")) else name + ".weight"     # GPT-2's name their own
+            wr.add_tensor(p + full, big(a) if a.ndim == 2 else a)
+        if cfg.qkv_bias and cfg.arch != "gpt2":
             for name, arr in (("attn_q", lw.bq), ("attn_k", lw.bk), ("attn_v", lw.bv)):
                 wr.add_tensor(p + name + ".bias", np.ascontiguousarray(arr, dtype=np.float32))
     wr.add_tensor("output_norm.weight", np.ascontiguousarray(w.out_norm, dtype=np.float32))
+    if cfg.arch == "gpt2":
+        wr.add_tensor("output_norm.bias", np.ascontiguousarray(w.out_norm_b, dtype=np.float32))
+        wr.add_tensor("position_embd.weight", big(np.ascontiguousarray(w.pos_embd, dtype=np.float32)))
     if not cfg.tied_output:
         wr.add_tensor("output.weight", big(np.ascontiguousarray(w.output, dtype=np.float32)))
     if cfg.rope_freq_factors is not None:
         wr.add_tensor("rope_freqs.weight", np.asarray(cfg.rope_freq_factors, dtype=np.float32))
+
+
+def gpt2_layer_tensors(lw) -> tuple:
+    """(GGUF name without blk.N., array) of one GPT-2 layer: weights as ".weight", biases as ".bias"."""
+    return (("attn_norm.weight", lw.attn_norm), ("attn_norm.bias", lw.attn_norm_b),
+            ("attn_qkv.weight", np.concatenate([lw.wq, lw.wk, lw.wv])),
+            ("attn_qkv.bias", np.concatenate([lw.bq, lw.bk, lw.bv])),
+            ("attn_output.weight", lw.wo), ("attn_output.bias", lw.bo),
+            ("ffn_norm.weight", lw.ffn_norm), ("ffn_norm.bias", lw.ffn_norm_b),
+            ("ffn_up.weight", lw.w_up), ("ffn_up.bias", lw.b_up),
+            ("ffn_down.weight", lw.w_down), ("ffn_down.bias", lw.b_down))
 
 
 def default_model_copy(dtype="float32") -> Path:

@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def sources():
-    from llorch_ref.backends import cuda_blocks, cuda_fused, cupy_backend
-    return {"cupy_backend": cupy_backend._KERNELS_SRC, "cuda_blocks": cuda_blocks.SRC, "cuda_fused": cuda_fused.source()}
+    from llorch_ref.backends import cuda_blocks, cuda_fused, cuda_ops
+    return {"cuda_ops": cuda_ops._KERNELS_SRC, "cuda_blocks": cuda_blocks.SRC, "cuda_fused": cuda_fused.source()}
 
 
 def compile_ptx(lib, include, name, src, arch):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 
 import numpy as np
 
@@ -20,9 +19,8 @@ from . import Backend
 from .cuda_blocks import TYPES as BLOCK_TYPES
 from .cuda_blocks import GpuBlocks
 from .cuda_fused import FusedStep
-from .cuda_half import half_attention, half_attention_core, half_gemm
-from .cuda_source import cuda_source
-from .fused_forward import Fusions
+from .cuda_ops import CudaOps, joined
+from .cuda_ops import kernels as _kernels
 from .fused_forward import forward as fused_forward
 from .settings import settings
 
@@ -112,212 +110,18 @@ class CupyBackend(Backend):
                        output=output if output is not None else up(weights.output))
 
     def make_ops(self, base_ops):
-        """Hot kernels, written without cuBLAS where a decode step needs them so that it can be captured as a
-        CUDA graph (CuPy refuses cuBLAS calls during capture): a warp-per-row GEMV for one-token products
-        (several tokens use cuBLAS), and fused RMSNorm, RoPE, attention and gated-activation kernels."""
-        cp = self.xp
-        ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})
-        ops.static_decode = False          # True while GraphDecoder runs a step over the preallocated cache
-        K = _kernels(cp)
-        i32, f32 = cp.int32, cp.float32
-        # several-token float16 products with float32 results and generation's prefill attention in float16
-        # products (cuda_half); settings' cuda_half_prefill off: CuPy's float16 matmul cast back, attention as recorded
-        half_prefill = settings().cuda_half_prefill
-
-        def linear(xp, x, w):
-            if isinstance(w, GpuBlocks):
-                return w.matmul(x)
-            if x.shape[0] == 1 and w.ndim == 2:
-                y = cp.empty((1, w.shape[0]), dtype=cp.float32)
-                n, kdim = w.shape
-                half = w.dtype == cp.float16
-                vec = (kdim % 8 == 0) if half else (kdim % 4 == 0)
-                xv = cp.ascontiguousarray(x[0], dtype=cp.float32)
-                if not half and vec:                          # float32 rows: a block of 128 threads per row
-                    K["gemv_f32_row"]((n,), (128,), (w, xv, y, i32(n), i32(kdim)))
-                    return y
-                if half and vec:                              # a warp per row, 4 loads of 16 bytes in flight
-                    K["gemv_f16_x4"](((n + 3) // 4,), (128,), (w, xv, y, i32(n), i32(kdim)))
-                    return y
-                k = K["gemv_f16" if half else "gemv_f32"]     # a warp per row
-                k(((n + 7) // 8,), (256,), (w, xv, y, i32(n), i32(kdim)))
-                return y
-            if w.dtype == cp.float16:                         # float16 products, float32 results (cuBLAS)
-                return half_gemm(cp, x, w) if half_prefill else (x.astype(cp.float16) @ w.T).astype(cp.float32)
-            return x @ w.T
-
-        def dense(a):
-            """a as a C-contiguous float32 array (itself when it is one: no call into CuPy)."""
-            return a if a.dtype == f32 and a.flags.c_contiguous else cp.ascontiguousarray(a, dtype=f32)
-
-        def rms_norm(xp, x, w, eps):
-            x = dense(x)
-            y = cp.empty_like(x)
-            n = w.shape[0]
-            K["rms_norm_rows"]((x.size // n,), (256,), (x, w, y, i32(n), f32(eps)))
-            return y
-
-        def add_norm(xp, x, a, w, eps):
-            """A residual add and the RMSNorm after it in one kernel (Fusions.add_norm, where nobody watches): -> (x + a,
-            its RMSNorm), a None: (x, RMSNorm of x). The sum as x + a, the norm as rms_norm's, to the bit; the normed
-            rows in float16 where several-token float16 products take them next (they round them so anyway)."""
-            x = dense(x)
-            n = w.shape[0]
-            half = self.dtype == "float16" and x.shape[0] > 1
-            y = cp.empty(x.shape, dtype=cp.float16 if half else f32)
-            if a is None:
-                K["rms_norm_rows_f16" if half else "rms_norm_rows"]((x.size // n,), (256,), (x, w, y, i32(n), f32(eps)))
-                return x, y
-            s = cp.empty_like(x)
-            K["add_rms_norm_f16" if half else "add_rms_norm_f32"]((x.size // n,), (256,),
-                                                                  (x, dense(a), s, w, y, i32(n), f32(eps)))
-            return s, y
-
-        def rope(xp, x, cos, sin, style):
-            """x: [T, nh, Hd]; read in place when each token's heads are contiguous (a slice of the stacked Q/K/V
-            product's rows), else copied first."""
-            t, nh, hd, half = x.shape[0], x.shape[1], x.shape[2], cos.shape[-1]
-            if not (x.dtype == f32 and x.strides[2] == 4 and x.strides[1] == 4 * hd and x.strides[0] % 4 == 0):
-                x = cp.ascontiguousarray(x, dtype=f32)
-            y = cp.empty((t, nh, hd), dtype=f32)
-            total = t * nh * (hd - half)
-            K["rope_rows"](((total + 255) // 256,), (256,), (x, dense(cos), dense(sin), y, i32(t), i32(nh), i32(hd),
-                                                            i32(half), i32(style == "neox"),
-                                                            cp.int64(x.strides[0] // 4)))
-            return y
-
-        def parts(x, ws):
-            """The products with matrices stacked in one allocation by one GEMV (one token) or one cuBLAS product
-            (several: one cast of x, one larger GEMM); matrices apart, each on its own."""
-            whole = joined(ws, cp)
-            if whole is None:
-                return [linear(cp, x, w) for w in ws]
-            y = linear(cp, x, whole)
-            bounds = [0]
-            for w in ws:
-                bounds.append(bounds[-1] + w.shape[0])
-            return [y[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-
-        def qkv(xp, x, wq, wk, wv, h, kv, hd):
-            t = x.shape[0]
-            q, k, v = parts(x, (wq, wk, wv))
-            return q.reshape(t, h, hd), k.reshape(t, kv, hd), v.reshape(t, kv, hd)
-
-        def glu(x, w_gate, w_up, w_down, gelu):
-            """The gated FFN, act(g) * u in one kernel read from the gate/up rows where they are; on float16 input
-            (add_norm's, where nobody watches) the hidden rows come in float16 too, for the down product that
-            would round them so."""
-            g, u = parts(x, (w_gate, w_up))
-            if not (g.dtype == u.dtype == f32 and g.strides == u.strides and g.strides[1] == 4):
-                g, u = dense(g), dense(u)
-            t, nf = g.shape
-            half = x.dtype == cp.float16
-            h = cp.empty((t, nf), dtype=cp.float16 if half else f32)
-            K["glu_f16" if half else "glu_f32"](((t * nf + 255) // 256,), (256,),
-                                                (g, u, cp.int64(g.strides[0] // 4), h, i32(nf), cp.int64(t * nf),
-                                                 i32(gelu)))
-            return linear(cp, h, w_down), h
-
-        def swiglu(xp, x, w_gate, w_up, w_down):
-            return glu(x, w_gate, w_up, w_down, False)
-
-        def geglu(xp, x, w_gate, w_up, w_down):
-            return glu(x, w_gate, w_up, w_down, True)
-
-        def attention(xp, q, k, v, mask, scale, kv_head):
-            """One token: one fused kernel per layer (scores, softmax, P.V), one block per head. Every
-            forward the harness can record: kq holds every raw dot, as the reference's. A decode step over the
-            whole preallocated cache (GraphDecoder sets ops.static_decode): masked keys are not read, and kq
-            holds 0 there."""
-            if q.shape[0] != 1:                 # several tokens: batched cuBLAS products and one softmax kernel
-                return attention_rows(q, k, v, mask, scale, kv_head)
-            hd = q.shape[2]
-            threads = 1024 if hd <= 1024 else 0
-            smem = 4 * (k.shape[0] + (threads // max(hd, 1)) * hd)      # scores + partial sums (48 KB max)
-            if not threads or smem > 48 * 1024:
-                return base_ops.attention(xp, q, k, v, mask, scale, kv_head)
-            t, h = q.shape[0], q.shape[1]
-            s_len, kv = k.shape[0], k.shape[1]
-            kq = cp.empty((h, t, s_len), dtype=cp.float32)
-            probs = cp.empty((h, t, s_len), dtype=cp.float32)
-            out = cp.empty((t, h * hd), dtype=cp.float32)
-            K["attend"]((h, t), (threads,), (cp.ascontiguousarray(q, dtype=cp.float32), cp.ascontiguousarray(k),
-                                             cp.ascontiguousarray(v), cp.ascontiguousarray(mask, dtype=cp.float32),
-                                             kq, probs, out, i32(t), i32(s_len), i32(h), i32(kv), i32(hd),
-                                             f32(scale), i32(not ops.static_decode)), shared_mem=smem)
-            return out, kq, probs
-
-        def attention_rows(q, k, v, mask, scale, kv_head):
-            """The reference's attention for several tokens (layers.attention): q.k^T and P.V as batched cuBLAS
-            products (K/V heads repeated only where there are fewer of them), the softmax of kq * scale + mask
-            in one kernel (the same float32 operations, the sum in float64) instead of seven passes."""
-            t, h, hd = q.shape
-            s_len, kv = k.shape[0], k.shape[1]
-            kh = k if kv == h else k[:, kv_head, :]
-            kq = cp.matmul(q.transpose(1, 0, 2), kh.transpose(1, 2, 0))                  # [H, T, S]
-            probs = cp.empty_like(kq)
-            K["softmax_rows"]((h * t,), (256,), (cp.ascontiguousarray(kq), cp.ascontiguousarray(mask, dtype=f32),
-                                                 probs, f32(scale), i32(s_len), i32(t)))
-            vh = (v if kv == h else v[:, kv_head, :]).transpose(1, 0, 2)                  # [H, S, Hd]
-            return cp.matmul(probs, vh).transpose(1, 0, 2).reshape(t, -1), kq, probs
-
-        def attention_out(xp, q, k, v, mask, scale, kv_head):
-            """Several tokens that no recorder watches (the fused forward asks for the output only): with float16
-            weights, Q.K and P.V as float16 cuBLAS products (kq and probs never recorded), the output in float16 for
-            the output projection's float16 product; otherwise the recorded path's output."""
-            if q.shape[0] == 1 or self.dtype != "float16" or not half_prefill:
-                return attention(xp, q, k, v, mask, scale, kv_head)[0]
-            return half_attention(cp, q, k, v, mask, scale, K["softmax_rows_f16"])
-
-        def rope_store_attend(xp, q, k, v, cos, sin, style, cache, layer, window, scale, kv_head):
-            """Several tokens that no recorder watches, float16 weights, q/k/v straight from the stacked Q/K/V
-            product: RoPE, the cache write and the float16 head-major copies in one kernel (rope_store), then the
-            attention's batched products (cuda_half) -> the attention output [T, H*Hd] in float16; None where that
-            does not apply (fused_forward.attend then runs the operations one by one)."""
-            t, h, hd = q.shape
-            kv = k.shape[1]
-            row = q.strides[0]
-            if t == 1 or self.dtype != "float16" or not half_prefill or style not in ("adjacent", "neox") \
-                    or getattr(cache, "static", False) or q.dtype != f32 or cache.k.dtype not in (f32, cp.float16) \
-                    or not (k.strides[0] == v.strides[0] == row and q.strides[1:] == k.strides[1:] == v.strides[1:]
-                            == (4 * hd, 4) and k.data.ptr == q.data.ptr + 4 * h * hd
-                            and v.data.ptr == q.data.ptr + 4 * (h + kv) * hd):
-                return None
-            pos, half = cache.pos, cos.shape[-1]
-            s_len = pos + t
-            q16 = cp.empty((h, t, hd), dtype=cp.float16)
-            k16, v16 = cp.empty((kv, s_len, hd), dtype=cp.float16), cp.empty((kv, s_len, hd), dtype=cp.float16)
-            if pos:                                         # the cached prefix, as float16 in head-major order
-                k16[:, :pos] = cache.k[layer, :pos].transpose(1, 0, 2)
-                v16[:, :pos] = cache.v[layer, :pos].transpose(1, 0, 2)
-            n = t * (h + 2 * kv) * hd
-            K["rope_store_f16" if cache.k.dtype == cp.float16 else "rope_store_f32"](
-                ((n + 255) // 256,), (256,), (q, cp.int64(row // 4), dense(cos), dense(sin), cache.k[layer],
-                                              cache.v[layer], q16, k16, v16, i32(t), i32(h), i32(kv), i32(hd),
-                                              i32(half), i32(style == "neox"), i32(pos), i32(s_len)))
-            return half_attention_core(cp, q16, k16, v16, cache.mask(t, window), scale, K["softmax_rows_f16"])
-
-        kv_heads = {}
-
-        def kv_head_of(xp, n_heads, n_kv_heads):          # the same small index array for every layer
-            if (n_heads, n_kv_heads) not in kv_heads:
-                kv_heads[(n_heads, n_kv_heads)] = base_ops.kv_head_of(xp, n_heads, n_kv_heads)
-            return kv_heads[(n_heads, n_kv_heads)]
-
-        ops.linear, ops.qkv, ops.swiglu, ops.geglu, ops.attention = linear, qkv, swiglu, geglu, attention
-        ops.attention_out, ops.rope_store_attend = attention_out, rope_store_attend
-        fused_norm = settings().cuda_fused_norm              # off: the adds and norms one by one
-        ops.fusions = Fusions(attention_out=attention_out, rope_store_attend=rope_store_attend,
-                              add_norm=add_norm if fused_norm else None)
-        ops.kv_head_of = kv_head_of
-        ops.rms_norm, ops.rope = rms_norm, rope
-        return ops
+        """-> CudaOps over base_ops (cuda_ops: the hot layer functions as CUDA kernels and cuBLAS products)."""
+        return CudaOps(base_ops, self.xp, self.dtype)
 
     def forward(self, xp, cfg, weights, tokens, cache, ops, rows=None, boundary=None):
         """Where nobody watches: the reference's steps with the fusions of make_ops (the residual add with the next
         RMSNorm; with float16 weights, RoPE, the cache write and attention of a prompt, and activations that only
         feed float16 products carried in float16)."""
-        return fused_forward(xp, cfg, weights, tokens, cache, ops, ops.fusions, rows=rows, boundary=boundary)
+        ops.unwatched = True
+        try:
+            return fused_forward(xp, cfg, weights, tokens, cache, ops, ops.fusions, rows=rows, boundary=boundary)
+        finally:
+            ops.unwatched = False
 
     def synchronize(self):
         self.xp.cuda.get_current_stream().synchronize()
@@ -354,26 +158,6 @@ def stacked(ws, cp):
     for w in ws:
         bounds.append(bounds[-1] + w.shape[0])
     return [joined[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-
-
-def joined(ws, cp):
-    """Views of consecutive rows of one allocation (as stacked() leaves them) -> one matrix over all their rows,
-    or None."""
-    w0 = ws[0]
-    if isinstance(w0, GpuBlocks):
-        if not all(isinstance(w, GpuBlocks) and w.qtype == w0.qtype for w in ws):
-            return None
-        arrs = [w.blocks for w in ws]
-    elif all(isinstance(w, cp.ndarray) and w.ndim == 2 and w.dtype == w0.dtype for w in ws):
-        arrs = ws
-    else:
-        return None
-    if not all(a.flags.c_contiguous and a.shape[1:] == arrs[0].shape[1:] for a in arrs) or any(
-            a.data.ptr + a.nbytes != b.data.ptr for a, b in zip(arrs[:-1], arrs[1:])):
-        return None
-    rows = sum(a.shape[0] for a in arrs)
-    whole = cp.ndarray((rows,) + arrs[0].shape[1:], dtype=arrs[0].dtype, memptr=arrs[0].data)
-    return GpuBlocks(w0.qtype, (rows, w0.shape[1]), whole, cp) if isinstance(w0, GpuBlocks) else whole
 
 
 def _or(a, b):
@@ -577,19 +361,3 @@ class GraphDecoder:
 
 
 RING = 4            # ring slots of the steps' argmaxes (chained keeps at most two steps unread)
-
-
-_KERNELS_SRC = cuda_source("kernels.cu")
-_KERNELS = {}
-
-
-def _kernels(cp):
-    """The RawKernels above, compiled once per process."""
-    if not _KERNELS:
-        mod = cp.RawModule(code=_KERNELS_SRC, options=("-std=c++17",))
-        for name in ("gemv_f32", "gemv_f16", "gemv_f32_row", "gemv_f16_v8", "gemv_f16_x4", "rms_norm_rows",
-                     "rope_rows", "attend", "kv_store_f32", "kv_store_f16", "softmax_rows", "argmax_row", "argmax_feed",
-                     "rope_store_f32", "rope_store_f16", "softmax_rows_f16", "rms_norm_rows_f16",
-                     "add_rms_norm_f32", "add_rms_norm_f16", "glu_f32", "glu_f16", "bump_pos"):
-            _KERNELS[name] = mod.get_function(name)
-    return _KERNELS

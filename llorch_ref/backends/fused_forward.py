@@ -81,6 +81,8 @@ def forward(xp, cfg, w, tokens, cache, ops, fusions, rows=None, boundary=None):
     """tokens: [T] int -> logits [R, V] f32 for `rows` (None: all), appending the tokens to `cache`, as
     model.forward does. boundary(name, layer, None) is called with "l_out" after each block (a recorder of the
     layer boundaries only, such as generation's cancel check)."""
+    if cfg.norm != "rms" or not cfg.uses_rope:       # GPT-2 (LayerNorm, learned positions): no fusions, the steps
+        return ref.forward(xp, cfg, w, tokens, cache, rows=rows, ops=ops, **({"record": boundary} if boundary else {}))
     boundary = boundary or _no_boundary
     t = len(tokens)
     cache.check_room(t)

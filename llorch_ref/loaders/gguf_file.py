@@ -33,9 +33,11 @@ from .lazy_weights import (
 )
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "qwen2", "phi3", "gemma3")
-# qwen2: + QKV biases; phi3: fused qkv and gate|up; gemma3: see gemma3_switches; all three NeoX RoPE
-NEOX_ARCHS = ("qwen2", "phi3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "phi3", "gemma3", "gpt2")
+# qwen2: + QKV biases; phi3: fused qkv and gate|up; gemma3: see gemma3_switches; all three NeoX RoPE;
+# gpt2: see gpt2_switches (no RoPE: its Q/K rows stay as stored, as for NeoX)
+NEOX_ARCHS = ("qwen2", "phi3", "gemma3", "gpt2")
+EPS_KEY = {"gpt2": "attention.layer_norm_epsilon"}     # LayerNorm's; every other: attention.layer_norm_rms_epsilon
 GEMMA3_SWA_PERIOD = 6            # llama.cpp's default: layer i is local iff i % 6 < 5
 GEMMA3_ROPE_BASE_LOCAL = 10000.0 # llama.cpp's default when gemma3.rope.freq_base_swa is absent
 
@@ -166,7 +168,7 @@ def config_from_metadata(meta: dict, path, tensor_shapes: dict, rope_freqs=None)
         head_dim=head_dim,
         d_ff=int(_get(meta, a + "feed_forward_length", required=True, path=path)),
         context_length=int(_get(meta, a + "context_length", 2048)),        # llama.cpp's fallback
-        rms_eps=float(np.float32(_get(meta, a + "attention.layer_norm_rms_epsilon", 1e-5))),
+        rms_eps=float(np.float32(_get(meta, a + EPS_KEY.get(arch, "attention.layer_norm_rms_epsilon"), 1e-5))),
         rope_base=float(_get(meta, a + "rope.freq_base", 10000.0)),
         rope_dim=rope_dim,
         # llama: LLAMA_ROPE_TYPE_NORM, Wq/Wk rows permuted by llama.cpp's converter; others: NEOX, rows as in HF
@@ -174,10 +176,17 @@ def config_from_metadata(meta: dict, path, tensor_shapes: dict, rope_freqs=None)
         tied_output="output.weight" not in tensor_shapes,
         rope_freq_scale=freq_scale,
         rope_freq_factors=factors,
-        qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
+        qkv_bias="blk.0.attn_q.bias" in tensor_shapes or "blk.0.attn_qkv.bias" in tensor_shapes,
         extra={"general.name": meta.get("general.name"), "file_type": meta.get("general.file_type")},
         **(gemma3_switches(meta, path, d_model, n_heads, head_dim, n_layers) if arch == "gemma3" else {}),
+        **(GPT2_SWITCHES if arch == "gpt2" else {}),
     )
+
+
+# GPT-2, as llama.cpp's gpt2 graph computes it: LayerNorm with biases, learned absolute positions
+# (position_embd.weight) added to the embeddings, fused Q|K|V with a bias, biased output projection, an
+# ungated MLP up -> GELU (tanh) -> down with biases
+GPT2_SWITCHES = dict(norm="layer", pos_embd="learned", ffn_gated=False, ffn_act="gelu_tanh", linear_bias=True)
 
 
 def gemma3_switches(meta, path, d_model, n_heads, head_dim, n_layers) -> dict:
@@ -294,6 +303,8 @@ def drop_mapped(reader, arr):
 def layer_tensors(cfg) -> dict:
     """GGUF name suffix -> (field, shape fn) of one layer: LAYER_TENSORS, the projection biases where the model
     has them, and for phi3 the fused tensors (fields "_qkv", "_gate_up", split by split_fused)."""
+    if cfg.arch == "gpt2":
+        return dict(GPT2_LAYER_TENSORS)
     t = {**LAYER_TENSORS, **(BIAS_TENSORS if cfg.qkv_bias else {})}
     if cfg.qk_norm:
         t.update(QK_NORM_TENSORS)
@@ -308,13 +319,16 @@ def layer_tensors(cfg) -> dict:
 
 
 def split_fused(cfg, fields: dict) -> dict:
-    """Phi-3's fused projections -> the canonical separate ones: qkv rows are Q | K | V, gate_up rows gate | up."""
-    if "_qkv" in fields:
-        qkv = fields.pop("_qkv")
-        nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        fields["wq"], fields["wk"], fields["wv"] = (np.ascontiguousarray(qkv[:nq]),
-                                                    np.ascontiguousarray(qkv[nq:nq + nk]),
-                                                    np.ascontiguousarray(qkv[nq + nk:]))
+    """Phi-3's and GPT-2's fused projections -> the canonical separate ones: qkv rows (and GPT-2's qkv bias) are
+    Q | K | V, gate_up rows gate | up. An ungated FFN (GPT-2) has no w_gate."""
+    nq, nk = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    for fused, parts in (("_qkv", ("wq", "wk", "wv")), ("_qkv_b", ("bq", "bk", "bv"))):
+        if fused in fields:
+            qkv = fields.pop(fused)
+            for name, lo, hi in zip(parts, (0, nq, nq + nk), (nq, nq + nk, nq + 2 * nk)):
+                fields[name] = np.ascontiguousarray(qkv[lo:hi])
+    if not cfg.ffn_gated:
+        fields.setdefault("w_gate", None)
     if "_gate_up" in fields:
         gu = fields.pop("_gate_up")
         fields["w_gate"], fields["w_up"] = np.ascontiguousarray(gu[:cfg.d_ff]), np.ascontiguousarray(gu[cfg.d_ff:])
@@ -351,7 +365,8 @@ def qtensors_of(cfg, reader) -> dict:
     return out
 
 
-FUSED_OF = {"wq": "_qkv", "wk": "_qkv", "wv": "_qkv", "w_gate": "_gate_up", "w_up": "_gate_up"}
+FUSED_OF = {"wq": "_qkv", "wk": "_qkv", "wv": "_qkv", "w_gate": "_gate_up", "w_up": "_gate_up",
+            "bq": "_qkv_b", "bk": "_qkv_b", "bv": "_qkv_b"}
 
 
 LAYER_TENSORS = {  # GGUF name suffix -> LayerWeights field, expected NumPy shape (from cfg)
@@ -373,6 +388,20 @@ POST_NORM_TENSORS = {
     "post_attention_norm.weight": ("post_attn_norm", lambda c: (c.d_model,)),
     "post_ffw_norm.weight": ("post_ffn_norm", lambda c: (c.d_model,)),
 }
+GPT2_LAYER_TENSORS = {  # llama.cpp's gpt2 tensors: LayerNorm weights and biases, fused qkv, biased matrices
+    "attn_norm.weight": ("attn_norm", lambda c: (c.d_model,)),
+    "attn_norm.bias": ("attn_norm_b", lambda c: (c.d_model,)),
+    "attn_qkv.weight": ("_qkv", lambda c: ((c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.d_model)),
+    "attn_qkv.bias": ("_qkv_b", lambda c: ((c.n_heads + 2 * c.n_kv_heads) * c.head_dim,)),
+    "attn_output.weight": ("wo", lambda c: (c.d_model, c.n_heads * c.head_dim)),
+    "attn_output.bias": ("bo", lambda c: (c.d_model,)),
+    "ffn_norm.weight": ("ffn_norm", lambda c: (c.d_model,)),
+    "ffn_norm.bias": ("ffn_norm_b", lambda c: (c.d_model,)),
+    "ffn_up.weight": ("w_up", lambda c: (c.d_ff, c.d_model)),
+    "ffn_up.bias": ("b_up", lambda c: (c.d_ff,)),
+    "ffn_down.weight": ("w_down", lambda c: (c.d_model, c.d_ff)),
+    "ffn_down.bias": ("b_down", lambda c: (c.d_model,)),
+}
 BIAS_TENSORS = {
     "attn_q.bias": ("bq", lambda c: (c.n_heads * c.head_dim,)),
     "attn_k.bias": ("bk", lambda c: (c.n_kv_heads * c.head_dim,)),
@@ -388,6 +417,17 @@ def ggml_matrix(t, shape, lanes=8):
     if name in ("F32", "F16"):
         return FloatMatrix(dequantize(t), name, lanes)
     return matrix_of(QTensor(name, tuple(shape), np.asarray(t.data), t.name), what=f"tensor {t.name!r}")
+
+
+def gpt2_weights(cfg, read) -> dict:
+    """The model-level tensors beyond the Llama ones: the learned position table and the final norm's bias
+    (GPT-2). read(name, NumPy shape) -> float32 array."""
+    out = {}
+    if cfg.pos_embd == "learned":
+        out["pos_embd"] = read("position_embd.weight", (cfg.context_length, cfg.d_model))
+    if cfg.norm == "layer":
+        out["out_norm_b"] = read("output_norm.bias", (cfg.d_model,))
+    return out
 
 
 def rope_freqs_of(by_name):
@@ -421,9 +461,9 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
     by_name = {t.name: t for t in reader.tensors}
     shapes = {t.name: tuple(int(x) for x in reversed([int(s) for s in t.shape])) for t in reader.tensors}
     cfg = config_from_metadata(meta, path, shapes, rope_freqs_of(by_name))
-    if numerics == "ggml" and cfg.arch == "phi3":
-        raise UnsupportedModelError(f"{path}: numerics='ggml' does not split Phi-3's fused quantized projections; "
-                                    f"use numerics='exact'")
+    if numerics == "ggml" and cfg.arch in ("phi3", "gpt2"):
+        raise UnsupportedModelError(f"{path}: numerics='ggml' does not split {cfg.arch}'s fused quantized "
+                                    f"projections; use numerics='exact'")
     if lazy:
         return _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
     big = path.stat().st_size > (1 << 30)
@@ -470,7 +510,7 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
     else:
         out = tensor("output.weight", (cfg.n_vocab, cfg.d_model), matrix=True)
     weights = Weights(tok_embd=tok, layers=layers, out_norm=tensor("output_norm.weight", (cfg.d_model,)),
-                      output=out)
+                      output=out, **gpt2_weights(cfg, tensor))
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types,
                      qtensors=qtensors_of(cfg, reader))
@@ -526,10 +566,13 @@ def _load_lazy(path, reader, meta, by_name, shapes, cfg, weight_cache_mb, store)
     per_layer = full_layers // cfg.n_layers
 
     out_norm = deq(check("output_norm.weight", (cfg.d_model,)).name, False)
+    extra = gpt2_weights(cfg, lambda name, shape: deq(check(name, shape).name, False))
     weights = LazyWeights(LazyRows(emb, (cfg.n_vocab, cfg.d_model), dequantize_rows),
                           LazyLayers(cfg.n_layers, make_layer, deq_field, per_layer, cache), out_norm,
                           lambda: deq(out_name, True), cfg.n_vocab * cfg.d_model * store.itemsize, cache, full,
                           store)
+    for k, v in extra.items():
+        setattr(weights, k, v)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     return GGUFModel(path=path, config=cfg, weights=weights, metadata=meta, tensor_types=types,
                      qtensors=qtensors_of(cfg, reader))

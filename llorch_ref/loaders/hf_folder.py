@@ -49,7 +49,17 @@ GEMMA3_LAYER_TENSORS = {  # Gemma 3 (model_type gemma3_text): four norms per lay
 }
 GEMMA_NORMS = ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm")  # stored as w - 1
 HF_BIAS_TENSORS = {"self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv"}
-HF_ARCHS = ("llama", "mistral", "qwen2", "phi3", "gemma3_text")   # mistral, phi3: a sliding window caps the context
+HF_ARCHS = ("llama", "mistral", "qwen2", "phi3", "gemma3_text", "gpt2")   # mistral, phi3: a sliding window caps the context
+GPT2_LAYER_TENSORS = {  # GPT2LMHeadModel, under transformer.h.{i}. (hub files: h.{i}.): HF suffix -> our field
+    "ln_1.weight": "attn_norm", "ln_1.bias": "attn_norm_b",
+    "attn.c_attn.weight": "_qkv", "attn.c_attn.bias": "_qkv_b",            # fused Q | K | V
+    "attn.c_proj.weight": "wo", "attn.c_proj.bias": "bo",
+    "ln_2.weight": "ffn_norm", "ln_2.bias": "ffn_norm_b",
+    "mlp.c_fc.weight": "w_up", "mlp.c_fc.bias": "b_up",
+    "mlp.c_proj.weight": "w_down", "mlp.c_proj.bias": "b_down",
+}
+GPT2_CONV1D = ("_qkv", "wo", "w_up", "w_down")     # GPT-2's Conv1D matrices are stored [in, out]
+GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh")      # both are the tanh approximation
 HF_FUSED_TENSORS = {"self_attn.qkv_proj.weight": "_qkv", "mlp.gate_up_proj.weight": "_gate_up"}   # phi3
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
@@ -82,6 +92,8 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
                                     f"model (Gemma3ForCausalLM, model_type 'gemma3_text') is supported")
     if mt == "gemma3_text":
         return _gemma3_config(c, where)
+    if mt == "gpt2":
+        return _gpt2_config(c, where)
     if mt not in HF_ARCHS:
         raise UnsupportedModelError(f"{where}: model_type {mt!r} is not supported yet (supported: "
                                     f"{', '.join(HF_ARCHS)})")
@@ -181,6 +193,59 @@ def _gemma3_config(c: dict, where: Path) -> Config:
         extra={"general.name": c.get("_name_or_path"), "source": "hf", "qk_rows_stored": "neox",
                "model_type": "gemma3_text"},
     )
+
+
+def _gpt2_config(c: dict, where: Path) -> Config:
+    """GPT2Config -> Config: LayerNorm with biases, learned positions (n_positions of them), fused biased Q|K|V,
+    biased output projection and MLP (n_inner, default 4 D) with tanh GELU, tied output; what else would change
+    the math is refused by name."""
+    act = c.get("activation_function", "gelu_new")
+    if act not in GPT2_ACTS:
+        raise UnsupportedModelError(f"{where}: activation_function={act!r} is not implemented for gpt2 "
+                                    f"(supported: {', '.join(GPT2_ACTS)})")
+    for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                    ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
+        if c.get(key) is not None and c[key] != ok:
+            raise UnsupportedModelError(f"{where}: {key}={c[key]!r} is not implemented for gpt2 (supported: {ok!r})")
+    for key in ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"):
+        if c.get(key) is None:
+            raise ModelFileError(f"{where}: required key {key!r} is missing")
+    d, h = int(c["n_embd"]), int(c["n_head"])
+    return Config(
+        arch="gpt2", n_vocab=int(c["vocab_size"]), d_model=d, n_layers=int(c["n_layer"]), n_heads=h, n_kv_heads=h,
+        head_dim=d // h, d_ff=int(c.get("n_inner") or 4 * d), context_length=int(c["n_positions"]),
+        rms_eps=float(np.float32(c.get("layer_norm_epsilon", 1e-5))), rope_base=10000.0, rope_dim=d // h,
+        rope_style="neox", tied_output=bool(c.get("tie_word_embeddings", True)), qkv_bias=True,
+        norm="layer", pos_embd="learned", ffn_gated=False, ffn_act="gelu_tanh", linear_bias=True,
+        extra={"general.name": c.get("_name_or_path"), "source": "hf", "qk_rows_stored": "neox", "model_type": "gpt2"},
+    )
+
+
+def hf_names(cfg, tensors) -> dict:
+    """Where an architecture's folder keeps its tensors: the layers' prefix, the embedding, the final norm and
+    (GPT-2) the positions and the final norm's bias. GPT-2 files from the hub leave out "transformer."."""
+    if cfg.arch == "gpt2":
+        p = "transformer." if "transformer.wte.weight" in tensors else ""
+        return {"layer": p + "h.", "embed": p + "wte.weight", "norm": p + "ln_f.weight", "norm_b": p + "ln_f.bias",
+                "pos": p + "wpe.weight"}
+    return {"layer": "model.layers.", "embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
+
+
+def gpt2_extra(cfg, names, take) -> dict:
+    """GPT-2's model-level tensors beyond the Llama ones: the position table and the final norm's bias."""
+    if cfg.arch != "gpt2":
+        return {}
+    return {"pos_embd": take(names["pos"], (cfg.context_length, cfg.d_model)),
+            "out_norm_b": take(names["norm_b"], (cfg.d_model,))}
+
+
+def from_conv1d(cfg, fields: dict) -> dict:
+    """GPT-2's Conv1D matrices [in, out] -> the canonical [out, in]; other architectures' fields as they are."""
+    if cfg.arch == "gpt2":
+        for k in GPT2_CONV1D:
+            if k in fields:
+                fields[k] = np.ascontiguousarray(fields[k].T)
+    return fields
 
 
 def rope_scaling_from_hf(rp: dict, base: float, dim: int, where) -> tuple:
@@ -328,6 +393,12 @@ def _layer_names_and_shapes(cfg) -> tuple[dict, dict]:
               "wv": (cfg.n_kv_heads * Hd, D), "wo": (D, cfg.n_heads * Hd), "ffn_norm": (D,),
               "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
     names = dict(HF_LAYER_TENSORS)
+    if cfg.arch == "gpt2":        # stored shapes: Conv1D [in, out], fused Q | K | V with its bias
+        n = (cfg.n_heads + 2 * cfg.n_kv_heads) * Hd
+        return dict(GPT2_LAYER_TENSORS), {"attn_norm": (D,), "attn_norm_b": (D,), "_qkv": (D, n), "_qkv_b": (n,),
+                                          "wo": (cfg.n_heads * Hd, D), "bo": (D,), "ffn_norm": (D,),
+                                          "ffn_norm_b": (D,), "w_up": (D, F), "b_up": (F,), "w_down": (F, D),
+                                          "b_down": (D,)}
     if cfg.arch == "gemma3":
         names = dict(GEMMA3_LAYER_TENSORS)
         shapes.update({"post_attn_norm": (D,), "post_ffn_norm": (D,), "q_norm": (Hd,), "k_norm": (Hd,)})
@@ -370,7 +441,7 @@ def load_hf_folder(folder, qk_layout: str | None = None, lazy: bool = False, wei
     folder = Path(folder)
     c = _read_json(folder / "config.json")
     if qk_layout is None:
-        qk_layout = "neox" if c.get("model_type") in ("qwen2", "phi3", "gemma3_text") else "adjacent"
+        qk_layout = "neox" if c.get("model_type") in ("qwen2", "phi3", "gemma3_text", "gpt2") else "adjacent"
     if qk_layout not in ("adjacent", "neox"):
         raise ParameterError(f"qk_layout {qk_layout!r} must be 'adjacent' or 'neox'")
     store = storage_dtype(weight_dtype)
@@ -398,28 +469,29 @@ def load_hf_folder(folder, qk_layout: str | None = None, lazy: bool = False, wei
 
     D = cfg.d_model
     names, shapes = _layer_names_and_shapes(cfg)
+    where = hf_names(cfg, tensors)
+    pre = where["layer"]
 
     def permuted(fields):
-        return _canonical_rows(cfg, qk_layout, fields)
+        return _canonical_rows(cfg, qk_layout, split_fused(cfg, from_conv1d(cfg, fields)))
 
     def make_layer(i):
-        return LayerWeights(**permuted(split_fused(cfg, {fld: take(f"model.layers.{i}.{sfx}", shapes[fld])
-                                                         for sfx, fld in names.items()})))
+        return LayerWeights(**permuted({fld: take(f"{pre}{i}.{sfx}", shapes[fld]) for sfx, fld in names.items()}))
 
     for i in range(cfg.n_layers):                   # every shape checked at load, lazy or not
         for sfx, fld in names.items():
-            check(f"model.layers.{i}.{sfx}", shapes[fld])
+            check(f"{pre}{i}.{sfx}", shapes[fld])
     if lazy:
         return _lazy_hf(folder, c, cfg, tensors, names, shapes, take, check, make_layer, permuted, store,
-                        weight_cache_mb)
+                        weight_cache_mb, where)
     layers = [make_layer(i) for i in range(cfg.n_layers)]
-    tok_embd = take("model.embed_tokens.weight", (cfg.n_vocab, D))
+    tok_embd = take(where["embed"], (cfg.n_vocab, D))
     if cfg.tied_output:
         output = tok_embd
     else:
         output = take("lm_head.weight", (cfg.n_vocab, D))
-    weights = Weights(tok_embd=tok_embd, layers=layers, out_norm=out_norm(cfg, take("model.norm.weight", (D,))),
-                      output=output)
+    weights = Weights(tok_embd=tok_embd, layers=layers, out_norm=out_norm(cfg, take(where["norm"], (D,))),
+                      output=output, **gpt2_extra(cfg, where, take))
     tok = tokenizer_from_hf(folder)
     if tok.n_vocab > cfg.n_vocab:
         raise TokenizerError(f"{folder}: tokenizer has {tok.n_vocab} tokens but the model only {cfg.n_vocab}")
@@ -432,10 +504,11 @@ def out_norm(cfg, w):
     return (w + np.float32(1.0)).astype(np.float32) if cfg.arch == "gemma3" else w
 
 
-def _lazy_hf(folder, c, cfg, tensors, names, shapes, take, check, make_layer, permuted, store, weight_cache_mb):
+def _lazy_hf(folder, c, cfg, tensors, names, shapes, take, check, make_layer, permuted, store, weight_cache_mb,
+             where):
     V, D = cfg.n_vocab, cfg.d_model
-    check("model.embed_tokens.weight", (V, D))
-    out_name = "model.embed_tokens.weight" if cfg.tied_output else "lm_head.weight"
+    check(where["embed"], (V, D))
+    out_name = where["embed"] if cfg.tied_output else "lm_head.weight"
     check(out_name, (V, D))
     per_layer = sum(int(np.prod(shapes[f])) * (store.itemsize if len(shapes[f]) == 2 else 4) for f in names.values())
     full = per_layer * cfg.n_layers + V * D * store.itemsize
@@ -447,14 +520,16 @@ def _lazy_hf(folder, c, cfg, tensors, names, shapes, take, check, make_layer, pe
         src = FUSED_OF.get(fld) if FUSED_OF.get(fld) in by_field else fld
         if src not in by_field:
             raise AttributeError(fld)
-        fields = {src: take(f"model.layers.{i}.{by_field[src]}", shapes[src])}
-        return permuted(split_fused(cfg, fields))[fld]          # split_fused leaves unfused fields as they are
+        fields = {src: take(f"{where['layer']}{i}.{by_field[src]}", shapes[src])}
+        return permuted(fields)[fld]          # split_fused leaves unfused fields as they are
 
-    emb = LazyRows(None, (V, D), lambda _t, rows: take("model.embed_tokens.weight", (V, D), rows=rows)
+    emb = LazyRows(None, (V, D), lambda _t, rows: take(where["embed"], (V, D), rows=rows)
                    .astype(np.float32))
     weights = LazyWeights(emb, LazyLayers(cfg.n_layers, make_layer, deq_field, per_layer, cache),
-                          out_norm(cfg, take("model.norm.weight", (D,))), lambda: take(out_name, (V, D)), V * D * store.itemsize,
+                          out_norm(cfg, take(where["norm"], (D,))), lambda: take(out_name, (V, D)), V * D * store.itemsize,
                           cache, full, store)
+    for k, v in gpt2_extra(cfg, where, take).items():
+        setattr(weights, k, v)
     tok = tokenizer_from_hf(folder)
     if tok.n_vocab > cfg.n_vocab:
         raise TokenizerError(f"{folder}: tokenizer has {tok.n_vocab} tokens but the model only {cfg.n_vocab}")

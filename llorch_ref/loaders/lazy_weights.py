@@ -143,9 +143,11 @@ class LazyLayers:
 
 
 class LazyWeights:
-    """Same attributes as model.weights.Weights (tok_embd, layers, out_norm, output); arrays appear on use."""
+    """Same attributes as model.weights.Weights (tok_embd, layers, out_norm, output); arrays appear on use.
+    pos_embd and out_norm_b (GPT-2) are read at load, small as they are, and set by the loader."""
 
     lazy = True
+    pos_embd = out_norm_b = None
 
     def __init__(self, tok_embd, layers, out_norm, make_output, output_bytes, cache, full_bytes, dtype):
         self.tok_embd, self.layers, self.out_norm = tok_embd, layers, out_norm

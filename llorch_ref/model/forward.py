@@ -15,12 +15,28 @@ def _noop(name, layer, arr):
     pass
 
 
-def embed(xp, cfg, w, tokens):
-    """tokens: [T] int -> the token embeddings [T] f32 ([T, D]), scaled by sqrt(D) for Gemma."""
+def embed(xp, cfg, w, tokens, pos0=0):
+    """tokens: [T] int at positions pos0.. -> the token embeddings [T] f32 ([T, D]), scaled by sqrt(D) for Gemma,
+    plus the learned position rows for GPT-2."""
     x = w.tok_embd[xp.asarray(tokens)].astype(xp.float32, copy=False)                  # [T, D]
     if cfg.embed_scale is not None:                                                      # Gemma: x sqrt(D)
         x = x * xp.float32(cfg.embed_scale)
+    if cfg.pos_embd == "learned":                                                        # GPT-2: + wpe[p]
+        x = x + w.pos_embd[pos0:pos0 + len(tokens)]
     return x
+
+
+def norm(xp, cfg, ops, x, owner, name):
+    """x: [T, D] -> the norm by owner's weight `name`: RMSNorm, or LayerNorm with the bias `name`_b (GPT-2)."""
+    if cfg.norm == "layer":
+        return ops.layer_norm(xp, x, getattr(owner, name), getattr(owner, name + "_b"), cfg.rms_eps)
+    return ops.rms_norm(xp, x, getattr(owner, name), cfg.rms_eps)
+
+
+def out_proj(xp, cfg, ops, lw, att):
+    """att: [T, H*Hd] -> [T, D]: the output projection, plus its bias where the model has one (GPT-2)."""
+    out = ops.linear(xp, att, lw.wo)
+    return out + lw.bo if cfg.linear_bias else out
 
 
 def project_qkv(xp, cfg, ops, lw, h, layer, record=_noop):
@@ -41,11 +57,12 @@ def rope_store_attend(xp, cfg, ops, q, k, v, cache, layer, record=_noop):
     """RoPE, the cache write and attention, one operation at a time (each a checkpoint) -> [T, H*Hd]. The mask
     is asked for after the write (a cache may build it from what it holds)."""
     local = cfg.is_local(layer)
-    cos, sin = cache.rope_rows(q.shape[0], local)                                        # [T, R/2]
     kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
-    q = ops.rope(xp, q, cos, sin, cfg.rope_style)                                        # [T, H, Hd]
-    k = ops.rope(xp, k, cos, sin, cfg.rope_style)                                        # [T, KV, Hd]
-    record("q", layer, q); record("k", layer, k)
+    if cfg.uses_rope:                                                                    # GPT-2: positions learned
+        cos, sin = cache.rope_rows(q.shape[0], local)                                    # [T, R/2]
+        q = ops.rope(xp, q, cos, sin, cfg.rope_style)                                    # [T, H, Hd]
+        k = ops.rope(xp, k, cos, sin, cfg.rope_style)                                    # [T, KV, Hd]
+        record("q", layer, q); record("k", layer, k)
     k_all, v_all = cache.store(layer, k, v)                                              # [S, KV, Hd]
     record("k_cache", layer, k_all); record("v_cache", layer, v_all)
     mask = cache.mask(q.shape[0], cfg.sliding_window if local else 0)                    # [T, S]
@@ -65,9 +82,13 @@ def post_norm(xp, cfg, ops, lw, a, name, layer, record=_noop):
 
 
 def feed_forward(xp, cfg, ops, lw, h, layer, record=_noop):
-    """h: [T, D] normed -> the FFN's output [T, D] (gated SiLU or GELU, then the post-FFN norm where there is one)."""
-    glu = ops.swiglu if cfg.ffn_act == "silu" else ops.geglu
-    ffn, hidden = glu(xp, h, lw.w_gate, lw.w_up, lw.w_down)                              # [T, D], [T, F]
+    """h: [T, D] normed -> the FFN's output [T, D] (gated SiLU or GELU, or GPT-2's ungated GELU MLP with biases;
+    then the post-FFN norm where there is one)."""
+    if cfg.ffn_gated:
+        glu = ops.swiglu if cfg.ffn_act == "silu" else ops.geglu
+        ffn, hidden = glu(xp, h, lw.w_gate, lw.w_up, lw.w_down)                          # [T, D], [T, F]
+    else:
+        ffn, hidden = ops.gelu_mlp(xp, h, lw.w_up, lw.b_up, lw.w_down, lw.b_down)        # [T, D], [T, F]
     record("ffn_swiglu", layer, hidden); record("ffn_out", layer, ffn)
     return post_norm(xp, cfg, ops, lw, ffn, "ffn_post_norm", layer, record)
 
@@ -78,18 +99,19 @@ def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None)
     ops: the namespace of layer functions (default: model.layers, the reference; numerics="ggml" passes
     llama.cpp's CPU kernels). out_rows: keep only these rows after attention, as llama.cpp does in
     its last layer (the FFN then runs on the rows whose logits are wanted).
-    Architecture switches (Config): qkv_bias (Qwen2); qk_norm, post_norms, ffn_act, local layers (Gemma 3)."""
-    h = ops.rms_norm(xp, x, lw.attn_norm, cfg.rms_eps)                                   # [T, D]
+    Architecture switches (Config): qkv_bias (Qwen2); qk_norm, post_norms, ffn_act, local layers (Gemma 3);
+    norm, pos_embd, ffn_gated, linear_bias (GPT-2)."""
+    h = norm(xp, cfg, ops, x, lw, "attn_norm")                                           # [T, D]
     record("attn_norm", layer, h)
     q, k, v = project_qkv(xp, cfg, ops, lw, h, layer, record)
     att = rope_store_attend(xp, cfg, ops, q, k, v, cache, layer, record)
-    att = ops.linear(xp, att, lw.wo)                                                     # [T, D]
+    att = out_proj(xp, cfg, ops, lw, att)                                                # [T, D]
     record("attn_out", layer, att)
     if out_rows is not None:
         att, x = att[out_rows], x[out_rows]                                              # [R, D]
     att = post_norm(xp, cfg, ops, lw, att, "attn_post_norm", layer, record)
     x = x + att
-    h = ops.rms_norm(xp, x, lw.ffn_norm, cfg.rms_eps)
+    h = norm(xp, cfg, ops, x, lw, "ffn_norm")
     record("ffn_inp", layer, x); record("ffn_norm", layer, h)
     x = x + feed_forward(xp, cfg, ops, lw, h, layer, record)
     record("l_out", layer, x)
@@ -97,8 +119,8 @@ def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None)
 
 
 def head(xp, cfg, ops, w, x, record=_noop):
-    """x: [R, D], the last block's output -> logits [R, V]: the final RMSNorm and the output matrix."""
-    x = ops.rms_norm(xp, x, w.out_norm, cfg.rms_eps)
+    """x: [R, D], the last block's output -> logits [R, V]: the final norm and the output matrix."""
+    x = norm(xp, cfg, ops, x, w, "out_norm")
     record("result_norm", None, x)
     logits = ops.linear(xp, x, w.output)                                                 # [R, V]
     record("result_output", None, logits)
@@ -112,7 +134,7 @@ def forward(xp, cfg, w, tokens, cache, rows=None, record=_noop, ops=L):
     """
     t = len(tokens)
     cache.check_room(t)
-    x = embed(xp, cfg, w, tokens)
+    x = embed(xp, cfg, w, tokens, cache.pos)
     record("embd", None, x)
     last = len(w.layers) - 1
     out_rows = None if rows is None else xp.asarray(rows)

@@ -18,6 +18,19 @@ def rms_norm(xp, x, w, eps: float):
     return (x * scale) * w                                             # [T, D] f32
 
 
+def layer_norm(xp, x, w, b, eps: float):
+    """x: [T, D] f32, w, b: [D] f32 -> [T, D] f32.  y = (x - mean(x)) / sqrt(var(x) + eps) * w + b (GPT-2).
+
+    As ggml_norm: the sum and the sum of squares of the centred values in float64, mean and variance
+    rounded to float32, the scale 1/sqrtf(var + eps) in float32; then the multiply and the bias add."""
+    n = x.shape[-1]
+    mean = (xp.sum(x, axis=-1, dtype=xp.float64, keepdims=True) / n).astype(xp.float32)   # [T, 1] f32
+    c = x - mean                                                                           # [T, D] f32
+    var = (xp.sum(c * c, axis=-1, dtype=xp.float64, keepdims=True) / n).astype(xp.float32)
+    scale = xp.float32(1.0) / xp.sqrt(var + xp.float32(eps))                             # [T, 1] f32
+    return (c * scale) * w + b                                                             # [T, D] f32
+
+
 def linear(xp, x, w):
     """x: [T, in] f32, w: [out, in] f32 -> [T, out] f32.
 
@@ -126,6 +139,13 @@ def gelu_tanh(xp, x):
     """x: [...] f32 -> 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), f32 (PyTorch's gelu(approximate="tanh"))."""
     inner = xp.float32(GELU_C) * (x + xp.float32(GELU_A) * x * x * x)
     return xp.float32(0.5) * x * (xp.float32(1.0) + xp.tanh(inner))
+
+
+def gelu_mlp(xp, x, w_up, b_up, w_down, b_down):
+    """x: [T, D] -> (out [T, D], hidden [T, F]) with hidden = gelu_tanh(x Wu^T + b_up), out = hidden Wd^T + b_down
+    (GPT-2's MLP: no gate, tanh GELU, biases)."""
+    h = gelu_tanh(xp, linear(xp, x, w_up) + b_up)                      # [T, F]
+    return linear(xp, h, w_down) + b_down, h
 
 
 def geglu(xp, x, w_gate, w_up, w_down):

@@ -32,6 +32,8 @@ ARCHS = {
                            tie_word_embeddings=True, rms_norm_eps=1e-6,
                            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # GPT-2: LayerNorm with biases, learned positions, fused biased Q|K|V, biased MLP with tanh GELU, tied output
+    "gpt2": dict(model_type="gpt2", pre="gpt-2", kw={}),
 }
 
 
@@ -46,8 +48,11 @@ def write_tiny_hf(out, arch="llama2", seed=0):
     g = write_tiny_model(out.parent / f".{out.name}-vocab.gguf", vocab=spec.get("vocab", "bpe"),
                          **({"pre": spec["pre"]} if "pre" in spec else {}))
     convert_gguf_to_hf(g, out, overwrite=True)            # tokenizer.json, tokenizer_config.json from the vocabulary
+    g.unlink()
     n_vocab = json.loads((out / "config.json").read_text())["vocab_size"]
     torch.manual_seed(seed)
+    if spec["model_type"] == "gpt2":
+        return out, _save_tiny(out, _tiny_gpt2(transformers, torch, n_vocab, out), spec)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -68,9 +73,33 @@ def write_tiny_hf(out, arch="llama2", seed=0):
             for lin in [getattr(lyr.self_attn, n) for n in ("q_proj", "k_proj", "v_proj") if hasattr(lyr.self_attn, n)]:
                 if lin.bias is not None:
                     lin.bias.normal_(0.0, 0.5)
+    return out, _save_tiny(out, model, spec)
+
+
+def _tiny_gpt2(transformers, torch, n_vocab, out):
+    """GPT2LMHeadModel of the same size as the others (D 64, F 96, 4 heads, 2 layers, 128 positions): norm
+    weights, norm biases and every projection's bias randomized (transformers sets them to one and zero), the
+    MLP's bias wide enough that GELU's tanh approximation differs measurably from the exact erf form."""
+    bos, eos, _ = cfg_bos_eos(out)
+    cfg = transformers.GPT2Config(vocab_size=n_vocab, n_embd=64, n_inner=96, n_layer=2, n_head=4, n_positions=128,
+                                  activation_function="gelu_new", bos_token_id=bos, eos_token_id=eos)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for nm in [m for lyr in model.transformer.h for m in (lyr.ln_1, lyr.ln_2)] + [model.transformer.ln_f]:
+            nm.weight.normal_(1.0, 0.1)
+            nm.bias.normal_(0.0, 0.1)
+        for lyr in model.transformer.h:
+            for lin, std in ((lyr.attn.c_attn, 0.5), (lyr.attn.c_proj, 0.1), (lyr.mlp.c_fc, 1.0),
+                             (lyr.mlp.c_proj, 0.1)):
+                lin.bias.normal_(0.0, std)
+    return model
+
+
+def _save_tiny(out, model, spec):
     (out / "model.safetensors").unlink()
     (out / "config.json").unlink()
     model.save_pretrained(str(out), safe_serialization=True)
+    gemma = spec["model_type"] == "gemma3_text"
     # llama.cpp keys tokenizer tweaks on the model *name*: a name containing "phi3" makes it look up
     # </s>, <unk>, <s> and <|endoftext|>, which a real Phi-3 vocabulary has and this tiny one does not
     c = json.loads((out / "config.json").read_text())
@@ -78,8 +107,7 @@ def write_tiny_hf(out, arch="llama2", seed=0):
     if gemma:
         c["bos_token_id"], c["eos_token_id"], c["pad_token_id"] = cfg_bos_eos(out)
     (out / "config.json").write_text(json.dumps(c, indent=2))
-    g.unlink()
-    return out, model
+    return model
 
 
 def cfg_bos_eos(folder):
