@@ -106,11 +106,15 @@ def test_another_tokenization_fails_cp0_naming_the_token(ref):
 # -- bad input, through a stub OpenAI server ------------------------------------------------------------------
 class Stub(http.server.BaseHTTPRequestHandler):
     """Answers /v1/completions as `mode` says: ok (a clean top-K answer from the reference), slow (never in time),
-    500, few (fewer log-probabilities than asked), vocab (a token id outside the vocabulary)."""
-    mode, answer = "ok", {}
+    500, few (fewer log-probabilities than asked), vocab (a token id outside the vocabulary), trip (a text its
+    tokens do not spell), foreign (a token of another tokenizer); tokenizer: /extras/tokenize answers the prompt's
+    ids with one changed (another tokenizer's split)."""
+    mode, answer, other_ids = "ok", {}, []
 
     def do_POST(self):  # noqa: N802 (http.server's name)
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path == "/extras/tokenize" and self.mode == "tokenizer":
+            return self._send(200, {"tokens": self.other_ids})
         if self.path != "/v1/completions":
             return self._send(404, {"error": "no such route"})
         if self.mode == "slow":
@@ -124,9 +128,13 @@ class Stub(http.server.BaseHTTPRequestHandler):
             lp["top_logprobs"] = [dict(list(t.items())[:3]) for t in lp["top_logprobs"]]
         if self.mode == "vocab":
             lp["top_logprobs"][0]["token_id:60000"] = -20.0
-        self._send(200, out)
+        if self.mode == "trip":                         # the text the tokens do not spell
+            out["choices"][0]["text"] = out["choices"][0]["text"][:3] + "#" + out["choices"][0]["text"][4:]
+        if self.mode == "foreign":                      # a piece of another tokenizer
+            lp["tokens"][1] = "\u2603snowman-piece"
+        self._send(200, out, body)
 
-    def _send(self, code, body):
+    def _send(self, code, body, asked=None):
         data = json.dumps(body).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
@@ -145,6 +153,8 @@ def stub(ref):
     Stub.answer = {"model": "stub", "choices": [{"text": "".join(text(s.token) for s in tr.steps), "logprobs": {
         "tokens": [text(s.token) for s in tr.steps], "token_logprobs": [s.logprob for s in tr.steps],
         "top_logprobs": [{text(i): v for i, v in s.top.items()} for s in tr.steps]}, "finish_reason": "length"}]}
+    ids = ref.tokenizer.encode(PROMPT)
+    Stub.other_ids = ids[:3] + [ref.tokenizer.encode(" snow")[0]] + ids[4:]
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -166,11 +176,23 @@ def test_a_clean_stub_passes_by_round_trip(stub, capsys):
 
 
 @pytest.mark.parametrize("mode, says", [("slow", "no answer in 1 s (timeout)"), ("500", "HTTP 500"),
-                                        ("few", "fewer than the 20 asked"), ("vocab", "vocabulary of another size")])
+                                        ("few", "fewer than the 20 asked"), ("vocab", "vocabulary of another size"),
+                                        ("trip", "do not give back the text it returned"),
+                                        ("foreign", "not in the reference's vocabulary")])
 def test_bad_answers_are_one_error_line_and_exit_2(stub, capsys, mode, says):
     Stub.mode = mode
     rc, out, errors = run_cli(capsys, "--subject", f"openai:{stub}", "--decode-steps", "4", "--timeout", "1")
     assert rc == 2 and len(errors) == 1 and says in errors[0], errors
+
+
+def test_another_tokenizer_through_the_tokenize_route_fails_cp0_naming_the_token(ref, stub, capsys):
+    Stub.mode = "tokenizer"
+    rc, out, errors = run_cli(capsys, "--subject", f"openai:{stub}", "--decode-steps", "4")
+    assert (rc, errors) == (1, []), out
+    said = " ".join(out.split())                        # the console wraps its lines
+    assert "differs first at token 3: the engine's ' snow' against the reference's ' time'" in said, out
+    rc, out, errors = run_cli(capsys, "--subject", f"openai:{stub}", "--decode-steps", "4", "--json")
+    assert json.loads(out)["verdict"]["first_divergence"]["checkpoint"] == "0"
 
 
 def test_a_server_that_is_not_there_is_one_error_line(capsys):

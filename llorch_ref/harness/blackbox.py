@@ -11,8 +11,12 @@ Rows of the DiffResult, so that harness/verdict.py judges it as every other comp
   reference's log-probability and rank of the engine's token;
 - checkpoint 10, one row per step: the engine's token is the reference's argmax, or the reference's top-2 margin
   is inside the near-tie band (a legitimate flip is not a bug).
+- checkpoint 11, one row for the run ("logprobs@run", at its last step): over every step, the mean KLD and the mean
+  shift of the engine's log-probability of its own token from the reference's (signed: engine - reference). A
+  planted error a few percent large hides under the per-step band (set by the worst clean step) but moves these
+  means, which are steadier than any one step. Judged where the run has at least the band's `min_steps` steps.
 Step 0 is the distribution after the prompt (the prompt's forward); step K the one after the engine's K-th token.
-Bands per arithmetic: checkpoints/blackbox_bands.json.
+Bands per arithmetic (the run's per subject kind too): checkpoints/blackbox_bands.json.
 """
 from __future__ import annotations
 
@@ -49,6 +53,30 @@ def band_for(engine, bands: dict | None = None) -> tuple[str, dict]:
         raise HarnessError(f"no black-box band for {key!r} in blackbox_bands.json (measured: {', '.join(table)}); "
                            f"measure one with tools/blackbox_figures.py calibrate")
     return key, {k: v for k, v in table[key].items() if not k.startswith("_")}
+
+
+RUN = "logprobs@run"      # the tensor name of the run-level row
+
+
+def run_band_for(band: dict, subject_kind: str) -> dict | None:
+    """The run-level band {"mean_kld", "logprob_shift", "min_steps"} of a subject kind ('openai', 'mistral.rs')
+    under an arithmetic's band; a kind with none measured gets the widest measured (None where none is)."""
+    runs = band.get("run") or {}
+    if subject_kind in runs:
+        return dict(runs[subject_kind])
+    if not runs:
+        return None
+    return {k: max(r[k] for r in runs.values()) for k in ("mean_kld", "logprob_shift", "min_steps")}
+
+
+def run_statistics(klds, ref_logprobs, engine_logprobs) -> dict:
+    """The run-level figures of per-step lists: mean KLD, the mean signed shift engine - reference of the engine's
+    token's log-probability and its size (what the band bounds), the step count."""
+    k = np.asarray(klds, dtype=np.float64)
+    d = np.asarray(engine_logprobs, dtype=np.float64) - np.asarray(ref_logprobs, dtype=np.float64)
+    shift = float(d.mean()) if d.size else 0.0
+    return {"mean_kld": float(k.mean()) if k.size else 0.0, "mean_shift": shift, "logprob_shift": abs(shift),
+            "steps": int(k.size)}
 
 
 def log_softmax64(logits) -> np.ndarray:
@@ -109,6 +137,10 @@ def tokenization_row(engine, trace, ref_ids: list) -> Row:
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
         m = {"shape": [len(a)], "ref_shape": [len(b)], "agreement": 1.0 if a == b else 0.0, "ours": a, "reference": b,
              "how": trace.tokenized_by, "first_difference": first}
+        if first is not None:
+            name = lambda ids: repr(engine.tokenizer.token_bytes(ids[first]).decode("utf-8", "replace")) \
+                if first < len(ids) and 0 <= ids[first] < engine.tokenizer.n_vocab else "(none)"   # noqa: E731
+            m["first_difference_tokens"] = {"engine": name(a), "reference": name(b)}
         return Row("0", "tokenizer", None, "token_ids", m, band, within(m, band), (0, 0, 0))
     tok = engine.tokenizer
     eog = set(getattr(tok, "eog_ids", ()) or ())                   # an end-of-generation token is not rendered
@@ -116,7 +148,12 @@ def tokenization_row(engine, trace, ref_ids: list) -> Row:
     said = trace.completion_text or ""
     n = (trace.settings or {}).get("prompt_tokens")
     trip = back == said or back.strip() == said.strip()          # mistral.rs strips its message's ends
-    same = trip and (n is None or n == len(ref_ids))
+    if not trip:
+        at = next((i for i, (x, y) in enumerate(zip(back, said)) if x != y), min(len(back), len(said)))
+        raise BlackBoxError(f"the engine's tokens do not give back the text it returned (they differ at character "
+                            f"{at}: {back[at:at + 20]!r} against {said[at:at + 20]!r}): its tokens cannot be "
+                            f"matched to ids")
+    same = n is None or n == len(ref_ids)
     m = {"shape": [len(trace.steps)], "agreement": 1.0 if same else 0.0, "how": "round trip of the returned tokens",
          "round_trip": trip, "text": said[:200], "tokens_text": back[:200],
          **({"prompt_tokens": n, "ref_prompt_tokens": len(ref_ids)} if n is not None else {})}
@@ -130,6 +167,7 @@ def compare_trace(engine, trace, bands: dict | None = None, require="auto", subj
     if tok is None:
         raise HarnessError("a black-box comparison needs the model's vocabulary (its tokens are named by it)")
     key, band = band_for(engine, bands)
+    run_band = run_band_for(band, trace.engine)
     ref_ids = tok.encode(trace.prompt)
     ids = [int(t) for t in (trace.prompt_ids if trace.prompt_ids is not None else ref_ids)]
     if not ids:
@@ -157,6 +195,16 @@ def compare_trace(engine, trace, bands: dict | None = None, require="auto", subj
               "token": step.token, "ref_top": m["ref_top"], "position": m["position"]}
         res.rows.append(Row("10", "greedy_argmax", None, f"argmax{suffix}", am,
                             {"agreement": 1.0, "near_tie": band["near_tie"]}, same or near, (1, j, 1), step=j))
+    per_step = [r.metrics for r in res.rows if r.checkpoint == "11"]
+    stats = run_statistics([m["kld"] for m in per_step], [m["ref_logprob"] for m in per_step],
+                           [m["engine_logprob"] for m in per_step])
+    if run_band is not None and stats["steps"] >= run_band["min_steps"]:
+        rb = {"mean_kld": run_band["mean_kld"], "logprob_shift": run_band["logprob_shift"]}
+        res.rows.append(Row("11", "softmax_probs", None, RUN, {**stats, "shape": [stats["steps"]]}, rb,
+                            within(stats, rb), (2, 0, 0), step=len(trace.steps) - 1))
+    elif run_band is not None:
+        res.warnings.append(f"{stats['steps']} steps: the run-level band (mean KLD, log-probability shift) judges "
+                            f"runs of at least {run_band['min_steps']}")
     res.sides = {"subject": {"engine": {"name": KIND, "kind": trace.engine, "version": trace.version},
                              "settings": trace.settings, "top_k": trace.top_k, "whole_vocabulary": trace.whole,
                              "tokenized_by": trace.tokenized_by, "chat": trace.chat, "stop_reason": trace.stop_reason},
@@ -177,7 +225,7 @@ def steps_table(res) -> list[dict]:
     """One line per step of a black-box result: KLD, rank and logprobs of the engine's token, near-tie, verdict."""
     by_step: dict = {}
     for r in res.rows:
-        if r.checkpoint in ("10", "11"):
+        if r.checkpoint in ("10", "11") and r.tensor != RUN:
             by_step.setdefault(r.step, {})[r.checkpoint] = r
     out = []
     for j in sorted(by_step):
@@ -194,9 +242,21 @@ def steps_table(res) -> list[dict]:
 def divergence_lines(res) -> list[str]:
     """The first step outside its band, said with its position and the two distributions' top entries."""
     fd = res.first_divergence
+    if fd is not None and fd["checkpoint"] == "0":
+        m = next(r for r in res.rows if r.checkpoint == "0").metrics
+        if m.get("first_difference") is None:
+            return [f"  the prompt's tokenization: {m['how']} disagrees"]
+        t = m["first_difference_tokens"]
+        return [f"  the prompt's tokenization ({m['how']}) differs first at token {m['first_difference']}: the "
+                f"engine's {t['engine']} against the reference's {t['reference']}"]
     if fd is None or fd["checkpoint"] not in ("10", "11"):
         return []
-    row = next(r for r in res.rows if r.checkpoint == "11" and r.step == fd["step"])
+    if fd["tensor"] == RUN:
+        m, b = run_row(res).metrics, run_row(res).band
+        return [f"  the run over {m['steps']} steps: mean KLD {m['mean_kld']:.4g} nats (band {b['mean_kld']:.3g}), the "
+                f"engine's token's log-probability shifted by {m['mean_shift']:+.4f} on average from the reference's "
+                f"(band {b['logprob_shift']:.3g}); no single step left its band"]
+    row = next(r for r in res.rows if r.checkpoint == "11" and r.step == fd["step"] and r.tensor != RUN)
     m = row.metrics
 
     def said(entries):
@@ -205,3 +265,8 @@ def divergence_lines(res) -> list[str]:
             f"{row.band['kld']:.3g}), the engine's token {m['token_text']!r} ranked {m['rank']} by the reference "
             f"(logprob {m['ref_logprob']:.4f}, the engine's {m['engine_logprob']:.4f})",
             f"  reference top: {said(m['top_reference'])}; engine top: {said(m['top_engine'])}"]
+
+
+def run_row(res):
+    """The run-level row of a black-box result (None where the run was too short to judge)."""
+    return next((r for r in res.rows if r.tensor == RUN), None)
