@@ -11,14 +11,18 @@ the magic number in one LOP3, then one subtraction), not the slower int-to-float
                 octs and its blocks fetched a pass ahead: rows_dot's F::SHARES)
   dequant       several tokens (prefill): the matrix dequantized into a float32 scratch bit for bit as gguf-py
                 does (oct: products and sums rounded explicitly, __fmul_rn / __fadd_rn, so that the compiler
-                fuses nothing into an FMA), then cuBLAS (TF32 off), the same product the float32 path computes
+                fuses nothing into an FMA), then cuBLAS (TF32 off), the same product the float32 path computes;
+                or (half, for prompts nobody watches) those weights rounded to float16 and multiplied on tensor
+                cores with float16 activations, float32 accumulation (dequant16: a scratch as large as the matrix)
 
-So a blocks product differs from the numpy oracle's (float32 weights from gguf-py, BLAS) by rounding order only.
+So a blocks product (the half path aside) differs from the numpy oracle's (float32 weights from gguf-py, BLAS) by
+rounding order only.
 The one-token products are bound by the L1 pipe and their instruction issue together (about 5-9 instructions a
 weight: mask, convert, multiply-add, the scales, loads), not by DRAM: ncu in results/gpu/h200/ncu-gemv-q4_k-q4_0.txt.
 """
 from __future__ import annotations
 
+from .cuda_half import half_gemm
 from .cuda_source import cuda_source
 from .settings import settings
 
@@ -79,7 +83,7 @@ def kernels(cp):
         _MODULE["options"] = opts
         mod = cp.RawModule(code=SRC, options=opts)
         for qtype in TYPES:
-            for kind in ("gemv", "dequant"):
+            for kind in ("gemv", "dequant", "dequant16"):
                 name = f"{kind}_{qtype.lower()}"
                 _MODULE[name] = mod.get_function(name)
     return _MODULE
@@ -112,21 +116,26 @@ class GpuBlocks:
     def nbytes(self) -> int:
         return int(self.blocks.nbytes)
 
-    def dequantize(self):
-        """-> float32 [N, K] on the device."""
+    def dequantize(self, dtype="float32"):
+        """-> [N, K] on the device: float32 as gguf-py dequantizes, or those floats rounded to float16."""
         cp, n = self.cp, self.shape[0]
-        out = cp.empty(self.shape, dtype=cp.float32)
+        half = dtype == "float16"
+        out = cp.empty(self.shape, dtype=cp.float16 if half else cp.float32)
         total = n * self.units * 4
-        self._k[f"dequant_{self.qtype.lower()}"](((total + 255) // 256,), (256,),
-                                                 (self.blocks, out, cp.int32(n), cp.int32(self.units),
-                                                  cp.int64(self.blocks.shape[1])))
+        self._k[f"dequant{'16' if half else ''}_{self.qtype.lower()}"](
+            ((total + 255) // 256,), (256,), (self.blocks, out, cp.int32(n), cp.int32(self.units),
+                                              cp.int64(self.blocks.shape[1])))
         return out
 
-    def matmul(self, x):
-        """x: [T, K] float32 -> [T, N] float32: the GEMV kernel for one token, dequantize + cuBLAS for more."""
+    def matmul(self, x, half=False):
+        """x: [T, K] -> [T, N] float32: the GEMV kernel for one token; for more, the matrix dequantized into a
+        scratch and multiplied by cuBLAS: float32 (TF32 off), or with half float16 weights and activations on
+        tensor cores (float32 accumulation and results: cuda_half.half_gemm)."""
         cp = self.cp
-        x = cp.ascontiguousarray(x, dtype=cp.float32)
         n = self.shape[0]
+        if x.shape[0] != 1 and half:
+            return half_gemm(cp, x, self.dequantize("float16"))
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
         if x.shape[0] != 1:
             return x @ self.dequantize().T
         y = cp.empty((1, n), dtype=cp.float32)

@@ -3,10 +3,11 @@ kernels.cu and cuBLAS.
 
 One-token products and the decode step's operations are written without cuBLAS so that a decode step can be captured
 as a CUDA graph (CuPy refuses cuBLAS calls during capture): a warp-per-row GEMV, fused RMSNorm, RoPE, attention and
-gated-activation kernels. Several-token products use cuBLAS. With float16 weights, where nobody watches
-(CupyBackend.forward sets `unwatched`), a prompt's attention runs in float16 products (cuda_half) and the
-activations that only feed float16 products are carried in float16. settings' cuda_half_prefill off: no float16
-prompt path.
+gated-activation kernels. Several-token products use cuBLAS. Where nobody watches (CupyBackend.forward sets
+`unwatched`), several-token steps may round as float16 products do: float16 weights always (cuda_half), GGUF blocks
+dequantized into float16 for tensor-core products (GpuBlocks.matmul's half path), with the prompt's attention in
+float16 products and the activations that only feed them carried in float16. A recorder always sees the float32
+products (blocks: dequantized as gguf-py does). settings' cuda_half_prefill off: no float16 prompt path.
 """
 from __future__ import annotations
 
@@ -71,11 +72,14 @@ class CudaOps:
                                add_norm=self.add_norm if settings().cuda_fused_norm else None)
 
     def half_rows(self, t: int, norm: bool = False) -> bool:
-        """Whether t tokens' attention may round as float16 products: several tokens on float16 weights; settings'
-        cuda_half_prefill off, not, except the float16 rows add_norm hands to float16 weights' products (norm)."""
+        """Whether t tokens' products and attention may round as float16 ones: several tokens, float16 weights
+        (then the products are float16 watched or not) or blocks where nobody watches; settings' cuda_half_prefill
+        off, neither, except the float16 rows add_norm hands to float16 weights' products (norm)."""
         if t == 1:
             return False
-        return self.dtype == "float16" and (norm or self.half_prefill)
+        if self.dtype == "float16":
+            return norm or self.half_prefill
+        return self.dtype == "blocks" and self.unwatched and self.half_prefill
 
     def dense(self, a):
         """a as a C-contiguous float32 array (itself when it is one: no call into CuPy)."""
@@ -85,7 +89,7 @@ class CudaOps:
     def linear(self, xp, x, w):
         cp = self.cp
         if isinstance(w, GpuBlocks):
-            return w.matmul(x)
+            return w.matmul(x, half=self.half_rows(x.shape[0]))
         if x.shape[0] == 1 and w.ndim == 2:
             return self.gemv(x, w)
         if w.dtype == cp.float16:                         # float16 products, float32 results (cuBLAS)

@@ -116,7 +116,8 @@ class CupyBackend(Backend):
     def forward(self, xp, cfg, weights, tokens, cache, ops, rows=None, boundary=None):
         """Where nobody watches: the reference's steps with the fusions of make_ops (the residual add with the next
         RMSNorm; with float16 weights, RoPE, the cache write and attention of a prompt, and activations that only
-        feed float16 products carried in float16)."""
+        feed float16 products carried in float16; with blocks, prompts' products dequantized into float16 for
+        tensor cores, and the float16 attention)."""
         ops.unwatched = True
         try:
             return fused_forward(xp, cfg, weights, tokens, cache, ops, ops.fusions, rows=rows, boundary=boundary)

@@ -62,9 +62,26 @@ template <int T> __device__ void dequant(const u8* __restrict__ W, float* __rest
     o[1] = make_float4(w[4], w[5], w[6], w[7]);
 }
 
+// the same weights rounded to float16 (round to nearest even) [n, 32 * units], for tensor-core products
+template <int T> __device__ void dequant_half(const u8* __restrict__ W, __half* __restrict__ out, int n, int units,
+                                              long row_bytes) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)n * units * 4) return;
+    long q = i / 4;
+    int row = (int)(q / units), u = (int)(q % units), p = (int)(i % 4);
+    float w[8];
+    oct<T>(W + (size_t)row * row_bytes, u, p, w);
+    __half2 h[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) h[k] = __floats2half2_rn(w[2 * k], w[2 * k + 1]);
+    reinterpret_cast<uint4*>(out)[i] = *reinterpret_cast<uint4*>(h);
+}
+
 #define KERNELS(T, NAME) \
 extern "C" __global__ void dequant_##NAME(const u8* W, float* out, int n, int units, long rb) \
-    { dequant<T>(W, out, n, units, rb); }
+    { dequant<T>(W, out, n, units, rb); } \
+extern "C" __global__ void dequant16_##NAME(const u8* W, __half* out, int n, int units, long rb) \
+    { dequant_half<T>(W, out, n, units, rb); }
 KERNELS(0, q4_0)
 KERNELS(1, q4_1)
 KERNELS(2, q8_0)
