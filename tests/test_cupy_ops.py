@@ -1,6 +1,10 @@
 """The cupy backend's op table (cuda_ops.CudaOps), GGUF blocks dequantized into float16 for the tensor-core prompt
-products: against the numpy oracle. GPU tests skip without cupy."""
+products, and the cupy backend as eval's reference: against the numpy oracle. GPU tests skip without cupy."""
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,6 +15,8 @@ from llorch_ref.model import layers
 from llorch_ref.testing.blocks import random_qtensor
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+        "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 8
 
 
 def test_cuda_ops_carries_every_layer_function_and_overrides_the_hot_ones():
@@ -81,3 +87,34 @@ def test_blocks_prefill_nobody_watches_runs_on_float16_within_the_float16_band(t
     assert 0.0 < nmse(out[False], out[True]) < 1e-3
     assert nmse(out[True], want) < 1e-9
     assert list(eng.generate_ids(ids, 8, ignore_eos=True)) == list(ref.generate_ids(ids, 8, ignore_eos=True))
+
+
+def cli(*a):
+    return subprocess.run([sys.executable, "-m", "llorch_ref.cli", *map(str, a)], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_eval_reference_on_cupy_gives_numpy_s_statistics(tiny, tmp_path):
+    """eval --reference-backend cupy: the same chunks scored against the GPU reference as against numpy's (float32
+    both): KLD of numpy's logits against the GPU's near 0, every top token the same, perplexities equal to 1e-6."""
+    need_backend("cupy")
+    path = tiny(weight_type="Q8_0", n_layers=2, vocab="bpe", context_length=256)
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    got = {}
+    for backend in ("numpy", "cupy"):
+        r = cli("eval", "--model", path, "--subject", "numpy", "--text", text, "--ctx", 64, "--reference-backend",
+                backend, "--json", tmp_path / f"{backend}.json")
+        assert r.returncode == 0, r.stderr
+        got[backend] = json.loads((tmp_path / f"{backend}.json").read_text())
+    s = got["cupy"]["statistics"]
+    assert "cupy" in got["cupy"]["reference"] and s["Mean KLD"][0] < 1e-8 and s["Same top p"][0] == 1.0
+    assert s["Mean PPL(Q)"][0] == pytest.approx(got["numpy"]["statistics"]["Mean PPL(Q)"][0], rel=1e-6)
+
+
+def test_eval_reference_on_cupy_refuses_ggml_numerics_in_one_line(tiny, tmp_path):
+    path = tiny(weight_type="Q8_0", n_layers=2, vocab="bpe", context_length=256)
+    r = cli("eval", "--model", path, "--subject", "numpy", "--text", tmp_path / "none.txt", "--reference-backend",
+            "cupy", "--reference-numerics", "ggml")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+    assert "--reference-backend cupy" in r.stderr

@@ -62,6 +62,9 @@ def cmd_eval(args):
                                       owned=("report.md", "report.html", "kld_by_position.png", "kld_histogram.png"))
     if args.ray is not None:
         check_cluster_address(args.ray or None)
+    if args.reference_backend == "cupy" and args.reference_numerics != "exact":
+        raise ParameterError(f"--reference-backend cupy computes the exact numerics only, not "
+                             f"--reference-numerics {args.reference_numerics}")
     text_path = text_file(args.text) if args.text is not None else None
     ref = SourceSpec(args.reference_backend, str(base),
                      {} if args.reference_numerics == "exact" else {"numerics": args.reference_numerics})

