@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
+import numpy as np
 import pytest
 
 from llorch_ref.cli import main
+from llorch_ref.harness.compare import dims_of, one_token_rows, subject_getter
+from llorch_ref.harness.local import local_outputs
 from llorch_ref.harness.sweep import (
     Cell,
+    CellRunner,
     LocalExecutor,
     Plan,
     RayExecutor,
@@ -136,3 +140,27 @@ def test_a_local_ray_gives_the_in_process_cells_and_a_dead_actor_s_cell_runs_onc
     strip = lambda cells: [{k: v for k, v in c.items() if k != "seconds"} for c in cells]    # noqa: E731
     assert (tmp_path / "died").exists() and ray_ex.rerun == 1 and "1 cell(s) rerun" in there.where
     assert strip(there.cells) == strip(here.cells) and len(there.cells) == 8
+
+
+@pytest.mark.llamacpp
+def test_a_one_token_micro_batch_is_judged_by_the_product_llamacpp_used(llamacpp, default_model):
+    """8 tokens with n_ubatch 7 on an f16 cache: llama.cpp computes row 7 alone (vec_dot, not tinyBLAS), and
+    the f16 rounding of its probabilities turns that product's last-bit difference into a visible kqv_out one.
+    The reference's local attention, by each row's own micro-batch, gives llama.cpp's rows bit for bit; taken as
+    one batch of 8, row 7 differs on some layer."""
+    runner = CellRunner(Plan(subject="llamacpp", model=str(default_model), text=make_spec("llamacpp", lengths="8").text, threads=1))
+    cell = Cell(8, 0, (("n_ubatch", 7), ("kv_dtype", "float16"), ("flash_attn", False)))
+    assert runner.run(cell)["status"] == "PASS"
+    ids = runner.base[:8]
+    sub = runner.subject(str(runner.engine.path), ids, 0, cell.settings)
+    eng = runner.reference(sub)
+    assert one_token_rows(sub) == [False] * 7 + [True]
+    cfg = eng.config
+    get = subject_getter(eng, sub, dims_of(cfg, 8, past=0, n_rows=8))
+    as_one, by_batch = [], []
+    for layer in range(cfg.n_layers):
+        held = get("kqv_out", layer)
+        for flags, out in ((None, as_one), (one_token_rows(sub), by_batch)):
+            lo = local_outputs(eng, get, layer, ids, one_token=flags, only={"kqv_out"})["kqv_out"]
+            out.append(float(np.abs(lo - held).max()))
+    assert max(by_batch) == 0.0 and max(as_one) > 0.0
