@@ -194,8 +194,8 @@ def cmd_serve(args):
     if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log(f"llorch-ref: warning: serving on {args.host} without a token: anyone who can reach this address can "
              f"run generations (set $LLORCH_API_TOKEN or --api-token-file)")
-    log(f"llorch-ref: serving on http://{args.host}:{args.port} (POST /execute, /v1/completions, "
-         f"/v1/chat/completions; GET /health, /v1/models){'; bearer token required' if token else ''}")
+    log(f"llorch-ref: serving on http://{args.host}:{args.port} (POST /execute, /tokenize, "
+         f"/v1/completions, /v1/chat/completions; GET /health, /v1/models){'; bearer token required' if token else ''}")
     raise_open_file_limit()
     make_server(app, args.host, args.port, shutdown_grace=args.shutdown_grace).run()
     return 0

@@ -1,5 +1,6 @@
-"""The worker's FastAPI application: GET /health, POST /execute (SSE), POST /cancel, OpenAI-compatible
-POST /v1/completions, POST /v1/chat/completions (streaming or not), GET /v1/models.
+"""The worker's FastAPI application: GET /health, POST /execute (SSE), POST /cancel, POST /tokenize,
+OpenAI-compatible POST /v1/completions, POST /v1/chat/completions (streaming or not; log-probabilities on
+non-streaming requests, logprobs.py), GET /v1/models.
 
 Validation: unknown fields are rejected; a bad or out-of-range field is HTTP 400 with one message per
 field. With an API token, every route but /health needs `Authorization: Bearer <token>` (401 otherwise).

@@ -1,5 +1,5 @@
 """From an HTTP request to a job on the worker and back: validation against the engine (sampling values,
-max_tokens, stop strings, the prompt's length, tokenized off the event loop), admission, the job's tie to its
+max_tokens, stop strings, log-probabilities asked (logprobs.bounds_error), the prompt's length, tokenized off the event loop), admission, the job's tie to its
 connection (a client that leaves cancels its job), and the job's events as an async stream."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi import Request
 
 from ..errors import LlorchError
 from ..generate.sampling import SamplingParams
+from . import logprobs
 from .guard import error_response
 from .schemas import ChatRequest
 from .worker import JobIdInUse, QueueFull, Worker
@@ -28,6 +29,13 @@ class Gateway:
         self.worker = Worker(engine, max_queue=max_queue)
         self.default_temperature_openai = default_temperature_openai
         self.watchers: set[asyncio.Task] = set()
+        self._tokens_json = None
+
+    def tokens_json(self) -> logprobs.TokenJSON:
+        """The vocabulary's JSON pieces, made at the first request for log-probabilities."""
+        if self._tokens_json is None:
+            self._tokens_json = logprobs.TokenJSON(self.engine.tokenizer)
+        return self._tokens_json
 
     def prepare(self, req, openai: bool):
         """Request -> (Engine.generate kwargs, {field: message}). Tokenizes: runs in a thread, off the loop."""
@@ -45,6 +53,12 @@ class Gateway:
         if len(stop) > 4 or any(not s or len(s) > 100 for s in stop):
             fields["stop"] = "at most 4 non-empty strings of at most 100 characters"
         kw = dict(max_tokens=max_tokens, stop=stop, **sampling)
+        k = req.top_logprobs_asked() if openai else None
+        why = logprobs.bounds_error(k, max_tokens, self.engine.config.n_vocab, bool(getattr(req, "stream", False)))
+        if why:
+            fields["top_logprobs" if isinstance(req, ChatRequest) else "logprobs"] = why
+        elif k is not None:
+            kw["logprobs"] = k
         if isinstance(req, ChatRequest):
             kw["messages"] = [m.plain() for m in req.messages]
         else:
@@ -75,7 +89,7 @@ class Gateway:
                 return None, error_response(400, "INVALID_REQUEST", "invalid request: " + "; ".join(
                     f"{k}: {v}" for k, v in fields.items()), fields)
             try:
-                job = self.worker.submit(kw, job_id, admitted=True)
+                job = self.worker.submit(kw, job_id, admitted=True, logprobs=kw.pop("logprobs", None))
             except JobIdInUse as e:
                 return None, error_response(409, "JOB_ID_IN_USE", str(e), {"job_id": "already queued or running"})
         finally:

@@ -1,16 +1,27 @@
-"""The worker's routes: GET /health, GET /v1/models, POST /cancel, POST /execute (the llm-worker-rbee API,
-SSE); and the OpenAI-compatible POST /v1/completions and /v1/chat/completions, streaming or not."""
+"""The worker's routes: GET /health, GET /v1/models, POST /cancel, POST /tokenize, POST /execute (the
+llm-worker-rbee API, SSE); and the OpenAI-compatible POST /v1/completions and /v1/chat/completions, streaming or not."""
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 
+import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from . import logprobs
 from .gateway import Gateway, sse
 from .guard import error_response
-from .schemas import OPENAI_FINISH, STOP_REASONS, ChatRequest, CompletionRequest, ExecuteRequest
+from .schemas import (
+    OPENAI_FINISH,
+    STOP_REASONS,
+    ChatRequest,
+    CompletionRequest,
+    ExecuteRequest,
+    TokenizeRequest,
+)
 
 SSE_HEADERS = {"Cache-Control": "no-cache"}
 
@@ -39,6 +50,14 @@ def worker_routes(gw: Gateway) -> APIRouter:
         if not worker.cancel(job_id):
             return error_response(404, "NO_SUCH_JOB", f"no queued or running job has job_id {job_id[:200]!r}")
         return JSONResponse({"job_id": job_id, "status": "cancelling"}, status_code=202)
+
+    @r.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        """llama-server's route: {"content"} -> {"tokens"}, the ids the OpenAI routes run on a raw prompt."""
+        tok = gw.engine.tokenizer
+        if tok is None:
+            return error_response(400, "INVALID_REQUEST", "this model has no vocabulary: nothing to tokenize")
+        return {"tokens": await asyncio.to_thread(tok.encode, req.content)}
 
     @r.post("/execute")
     async def execute(req: ExecuteRequest, request: Request):
@@ -125,11 +144,27 @@ async def _openai(gw: Gateway, req, request: Request, chat: bool):
         return error_response(499, "CANCELLED", "cancelled: the client disconnected or the job was cancelled",
                               headers=headers)
     finish = OPENAI_FINISH[result.stop_reason]
-    ch = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
-          else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
-    return JSONResponse({"id": reply.id, "object": reply.object, "created": reply.created, "model": gw.name,
-                         "choices": [ch], "usage": reply.usage(result),
-                         "system_fingerprint": f"llorch-ref-seed-{result.seed}"}, headers=headers)
+    ch = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+          if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+    body = {"id": reply.id, "object": reply.object, "created": reply.created, "model": gw.name,
+            "choices": [ch], "usage": reply.usage(result), "system_fingerprint": f"llorch-ref-seed-{result.seed}"}
+    if job.logprobs is None:
+        return JSONResponse(body, headers=headers)
+    mark = f"logprobs-{uuid.uuid4().hex}"           # where the log-probabilities' JSON text goes
+    ch["logprobs"] = mark
+    lp = await asyncio.to_thread(_logprobs_json, gw, job, chat, len(req.prompt) if not chat else 0)
+    data = json.dumps(body, ensure_ascii=False).replace(json.dumps(mark), lp, 1)
+    return Response(data.encode(), media_type="application/json", headers=headers)
+
+
+def _logprobs_json(gw: Gateway, job, chat: bool, offset0: int) -> str:
+    """The job's log-probabilities as OpenAI's JSON (logprobs.py), in a thread: a whole vocabulary a step is
+    seconds of work."""
+    tj, tokens = gw.tokens_json(), job.result.token_ids
+    logp = job.logp if job.logp is not None else np.zeros((0, tj.n_vocab))
+    if chat:
+        return logprobs.chat_json(logp, tokens, job.logprobs, tj)
+    return logprobs.completion_json(logp, tokens, job.logprobs, tj, offset0)
 
 
 async def _openai_chunks(gw: Gateway, job, reply: _OpenAIReply):

@@ -47,6 +47,10 @@ class ExecuteRequest(Sampling):
         return v
 
 
+class TokenizeRequest(Strict):
+    content: str
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -59,25 +63,37 @@ class OpenAIRequest(Sampling):
     n: Literal[1] = 1
     user: str | None = None               # an end-user id for the provider's abuse monitoring: nothing to apply
     logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
-    logprobs: bool | int | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v not in (None, False) or v is True:     # false / 0 / null: the no-op values
-            raise ValueError("log-probabilities are not implemented by llorch-ref; send false or leave it out")
-        return v
+    repeat_penalty: float | None = None   # llama-cpp-python's name of repetition_penalty
 
     @model_validator(mode="after")
     def _options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream: true")
+        if self.repeat_penalty is not None:
+            if self.repetition_penalty is not None and self.repetition_penalty != self.repeat_penalty:
+                raise ValueError("repeat_penalty and repetition_penalty differ: give one")
+            self.repetition_penalty, self.repeat_penalty = self.repeat_penalty, None
         return self
+
+    def top_logprobs_asked(self) -> int | None:
+        """How many top log-probabilities a step the request asks for (None: none at all)."""
+        return None
 
 
 class CompletionRequest(OpenAIRequest):
     prompt: str = Field(min_length=1)
     echo: Literal[False] = False
+    logprobs: int | None = Field(default=None, ge=0)   # the top K a step (0: the chosen token's only)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _count(cls, v):
+        if v is True:
+            raise ValueError("an integer on /v1/completions: how many top log-probabilities a step (0 or more)")
+        return None if v is False else v             # false: none, as null
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
     best_of: Literal[1] | None = None
     suffix: None = None
 
@@ -112,7 +128,15 @@ class ChatRequest(OpenAIRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
     response_format: ResponseFormat | None = None
-    top_logprobs: None = None
+    logprobs: bool | None = None          # true: the chosen token's log-probability a step
+    top_logprobs: int | None = Field(default=None, ge=0)   # with logprobs: true, the top K a step beside it
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, v, info):
+        if v is not None and info.data.get("logprobs") is not True:
+            raise ValueError("only allowed with logprobs: true")
+        return v
 
     @model_validator(mode="after")
     def _one_max(self):
@@ -121,6 +145,9 @@ class ChatRequest(OpenAIRequest):
                 raise ValueError("max_tokens and max_completion_tokens differ: give one")
             self.max_tokens = self.max_completion_tokens
         return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # OpenAI fields llorch-ref does not implement: refused by name, never ignored

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..engine import GenerationResult
 from ..errors import LlorchError
+from .logprobs import teacher_forced
 
 
 class QueueFull(Exception):
@@ -40,6 +41,8 @@ class Job:
     result: GenerationResult = field(default_factory=GenerationResult)
     watch: object = None            # the server's task that cancels the job when its client goes away
     client_left: bool = False       # set by that task: tokens made after it are work for nobody
+    logprobs: int | None = None     # top log-probabilities a step asked for (None: none)
+    logp: object = None             # then: [tokens, V] float64, the teacher-forced distributions (logprobs.py)
 
     def emit(self, kind, payload=None):
         try:
@@ -80,12 +83,14 @@ class Worker:
         with self._cond:
             self.pending -= 1
 
-    def submit(self, kwargs: dict, job_id: str | None = None, admitted: bool = False) -> Job:
+    def submit(self, kwargs: dict, job_id: str | None = None, admitted: bool = False,
+               logprobs: int | None = None) -> Job:
         """Queue a job (in a slot from admit() when admitted, else one taken now: QueueFull); JobIdInUse if a
-        queued or running job has that id (an admitted slot is then still held: release() it)."""
+        queued or running job has that id (an admitted slot is then still held: release() it). logprobs: the
+        job's tokens get their teacher-forced distributions once generated (job.logp)."""
         if not admitted:
             self.admit()
-        job = Job(kwargs=kwargs, loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        job = Job(kwargs=kwargs, loop=asyncio.get_running_loop(), events=asyncio.Queue(), logprobs=logprobs)
         if job_id:
             job.job_id = job_id
         with self._cond:
@@ -134,6 +139,9 @@ class Worker:
                     job.emit("token", {"t": piece, "i": i})
                     i += 1
                     self.tokens_after_client_left += job.client_left
+                res = job.result
+                if job.logprobs is not None and res.token_ids and not job.cancel.is_set():
+                    job.logp = teacher_forced(self.engine, res.prompt_ids, res.token_ids)
                 job.emit("end", job.result)
             except LlorchError as e:
                 job.emit("error", {"code": "INVALID_REQUEST", "message": str(e)})

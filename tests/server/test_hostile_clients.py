@@ -208,7 +208,7 @@ def test_values_are_not_coerced(server, body, field):
 
 
 @pytest.mark.parametrize("extra", [{"tools": [{"type": "function", "function": {"name": "f"}}]},
-                                   {"logprobs": True}, {"response_format": {"type": "json_object"}},
+                                   {"top_logprobs": 2}, {"response_format": {"type": "json_object"}},
                                    {"metadata": {"a": "b"}}, {"stream_options": {"include_usage": True}}])
 def test_openai_fields_not_implemented_are_refused_by_name(server, extra):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}

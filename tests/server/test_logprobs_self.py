@@ -1,0 +1,90 @@
+"""`llorch-ref diff --subject openai:URL` against a running `llorch-ref serve` of the default model: the reference
+as its own black box gives KLD exactly 0 at every step, on both routes, with the top K and with the whole
+vocabulary; the same server on a file with one planted matrix fails at a named step."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+import llorch_ref
+from llorch_ref.cli import main
+from llorch_ref.testing.openai_server import free_port
+
+PROMPT = "Once upon a time, there was a little"
+
+
+@contextlib.contextmanager
+def llorch_serve(model, timeout: float = 120.0):
+    """`llorch-ref serve --model MODEL --threads 1` on 127.0.0.1 and a free port, as its own process; -> its URL
+    once /health answers; terminated on the way out."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llorch_ref.cli", "serve", "--model", str(model), "--threads", "1",
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, f"llorch-ref serve exited with {proc.returncode}"
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, f"llorch-ref serve did not answer on {url}"
+                time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llorch_ref.load(threads=1).path
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    with llorch_serve(model) as url:
+        yield url
+
+
+def diff_json(capsys, url, *extra):
+    rc = main(["diff", "--threads", "1", "--subject", f"openai:{url}", "--prompt", PROMPT, "--json", *extra])
+    out = capsys.readouterr()
+    return rc, json.loads(out.out)
+
+
+@pytest.mark.parametrize("extra", [("--decode-steps", "8"), ("--decode-steps", "3", "--top-logprobs", "49152"),
+                                   ("--decode-steps", "3", "--top-logprobs", "49152", "--chat")],
+                         ids=["top20", "whole-vocabulary", "chat-whole-vocabulary"])
+def test_the_reference_served_is_its_own_black_box_with_kld_exactly_zero(served, capsys, extra):
+    rc, res = diff_json(capsys, served, *extra)
+    rows = [r for r in res["rows"] if r["checkpoint"] == "11"]
+    assert rc == 0 and res["verdict"]["status"] == "PASS", res["verdict"]
+    assert rows and all(r["kld"] == 0.0 and r["rank"] == 1 and r["logprob_diff"] == 0.0 for r in rows), \
+        [(r["kld"], r["rank"]) for r in rows]
+    cp0 = next(r for r in res["rows"] if r["checkpoint"] == "0")
+    assert cp0["how"] == "tokenize route /tokenize" and cp0["agreement"] == 1.0
+
+
+def test_the_served_reference_on_a_planted_file_fails_at_a_named_step(model, tmp_path, capsys):
+    from llorch_ref.testing.plant import plant_scale
+
+    planted = plant_scale(model, tmp_path / "planted.gguf", "blk.29.ffn_down.weight", 1.5)
+    with llorch_serve(planted) as url:
+        rc, res = diff_json(capsys, url, "--decode-steps", "8")
+    fd = res["verdict"]["first_divergence"]
+    assert rc == 1 and fd["checkpoint"] in ("10", "11") and isinstance(fd["step"], int), fd
+    assert max(r["kld"] for r in res["rows"] if r["checkpoint"] == "11") > 0.0
