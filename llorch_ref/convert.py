@@ -158,9 +158,37 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     return out.path
 
 
+def _gpt2_hf_tensors(cfg, w) -> dict:
+    """GPT2LMHeadModel's tensors: Conv1D matrices [in, out] (ours transposed), Q | K | V fused with its bias."""
+    t = {"transformer.wte.weight": w.tok_embd, "transformer.wpe.weight": w.pos_embd,
+         "transformer.ln_f.weight": w.out_norm, "transformer.ln_f.bias": w.out_norm_b}
+    if not cfg.tied_output:
+        t["lm_head.weight"] = w.output
+    for i, lw in enumerate(w.layers):
+        p = f"transformer.h.{i}."
+        t.update({p + "ln_1.weight": lw.attn_norm, p + "ln_1.bias": lw.attn_norm_b,
+                  p + "attn.c_attn.weight": np.concatenate([lw.wq, lw.wk, lw.wv]).T,
+                  p + "attn.c_attn.bias": np.concatenate([lw.bq, lw.bk, lw.bv]),
+                  p + "attn.c_proj.weight": lw.wo.T, p + "attn.c_proj.bias": lw.bo,
+                  p + "ln_2.weight": lw.ffn_norm, p + "ln_2.bias": lw.ffn_norm_b,
+                  p + "mlp.c_fc.weight": lw.w_up.T, p + "mlp.c_fc.bias": lw.b_up,
+                  p + "mlp.c_proj.weight": lw.w_down.T, p + "mlp.c_proj.bias": lw.b_down})
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in t.items()}
+
+
+def _gpt2_hf_config(cfg, base: dict) -> dict:
+    """config.json of a GPT2LMHeadModel."""
+    keep = ("vocab_size", "bos_token_id", "eos_token_id", "_name_or_path", "torch_dtype", "tie_word_embeddings")
+    return {**{k: base[k] for k in keep}, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": cfg.d_ff,
+            "n_positions": cfg.context_length, "layer_norm_epsilon": cfg.rms_eps, "activation_function": "gelu_new"}
+
+
 def _hf_tensors(cfg, w) -> dict:
     """Our weights under Hugging Face names, float32: Q/K rows un-permuted, Gemma norms as w - 1, Phi-3's
-    projections fused."""
+    projections fused; GPT-2's as GPT2LMHeadModel holds them."""
+    if cfg.arch == "gpt2":
+        return _gpt2_hf_tensors(cfg, w)
     gemma = cfg.arch == "gemma3"
     # HF Gemma norms hold w - 1 (they compute x / rms * (1 + w)); ours hold the multiplier, as GGUF files do
     norm = (lambda a: a - np.float32(1)) if gemma else (lambda a: a)
@@ -203,8 +231,8 @@ def _hf_tensors(cfg, w) -> dict:
 
 def _hf_config(cfg, tok, metadata, src) -> dict:
     config = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[cfg.arch]],
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}[cfg.arch]],
         "model_type": cfg.arch, "torch_dtype": "float32",
         "vocab_size": cfg.n_vocab, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -221,6 +249,8 @@ def _hf_config(cfg, tok, metadata, src) -> dict:
     }
     if cfg.arch == "gemma3":
         config = _gemma3_hf_config(cfg, config)
+    if cfg.arch == "gpt2":
+        config = _gpt2_hf_config(cfg, config)
     return config
 
 

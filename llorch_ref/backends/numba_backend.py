@@ -154,6 +154,7 @@ class NumbaWeights:
     def __init__(self, weights, handles, output):
         self._w = weights
         self.tok_embd, self.out_norm = weights.tok_embd, weights.out_norm
+        self.pos_embd, self.out_norm_b = weights.pos_embd, weights.out_norm_b        # GPT-2's (else None)
         self.layers = NumbaLayers(weights.layers, handles)
         self._output = output
         self.lazy = getattr(weights, "lazy", False)

@@ -394,7 +394,8 @@ def _import_hf():
     return torch, transformers
 
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma3_text")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma3_text", "gpt2")
+NO_ROPE_TYPES = ("gpt2",)           # learned positions: no RoPE outputs to capture
 
 
 def _load_hf_model(torch, transformers, folder):
@@ -420,6 +421,8 @@ def _layer_hooks(model, rec: Recorder, at) -> list:
     """Forward (and pre-forward) hooks that add every layer tensor to rec, in the canonical names, for a
     forward of at.t tokens at step at.step."""
     c = model.config
+    if c.model_type == "gpt2":
+        return _gpt2_hooks(model, rec, at)
     h, kv = c.num_attention_heads, c.num_key_value_heads
     hd = getattr(c, "head_dim", None) or c.hidden_size // h
     gemma = c.model_type == "gemma3_text"
@@ -469,10 +472,47 @@ def _layer_hooks(model, rec: Recorder, at) -> list:
     return hooks
 
 
+def _gpt2_hooks(model, rec: Recorder, at) -> list:
+    """GPT2LMHeadModel's hooks: ln_1, the fused c_attn (Q | K | V after its bias), c_proj's input and output, ln_2's
+    input and output, the MLP's hidden (c_proj's input: GELU of c_fc) and output, the block, ln_f."""
+    h = model.config.n_head
+    hd = model.config.n_embd // h
+    hooks = []
+
+    def fwd(mod, name, i):
+        hooks.append(mod.register_forward_hook(lambda m, inp, o: rec.add(f"{name}.layer{i}", _out(o)[0], step=at.step)))
+
+    def pre(mod, name, i):
+        hooks.append(mod.register_forward_pre_hook(lambda m, inp: rec.add(f"{name}.layer{i}", inp[0][0], step=at.step)))
+
+    def split_qkv(i):
+        def hook(m, inp, o):
+            for j, name in enumerate(("cp2.q_proj", "cp2.k_proj", "cp2.v")):
+                rec.add(f"{name}.layer{i}", o[0][:, j * h * hd:(j + 1) * h * hd].reshape(at.t, h, hd), step=at.step)
+        return hook
+
+    for i, blk in enumerate(model.transformer.h):
+        fwd(blk.ln_1, "cp1.attn_norm", i)
+        hooks.append(blk.attn.c_attn.register_forward_hook(split_qkv(i)))
+        pre(blk.attn.c_proj, "cp5.kqv_out", i)
+        fwd(blk.attn.c_proj, "cp5.attn_out", i)
+        pre(blk.ln_2, "cp5.ffn_inp", i)
+        fwd(blk.ln_2, "cp1.ffn_norm", i)
+        pre(blk.mlp.c_proj, "cp6.ffn_swiglu", i)
+        fwd(blk.mlp, "cp6.ffn_out", i)
+        fwd(blk, "cp7.l_out", i)
+    hooks.append(model.transformer.ln_f.register_forward_hook(
+        lambda m, i, o: rec.add("cp8.result_norm", _out(o)[0], step=at.step)))
+    return hooks
+
+
 @contextlib.contextmanager
 def _rope_outputs(model):
     """transformers applies RoPE in a module-level function: wrapped while the forward runs, it yields the
-    (q, k) after RoPE of every layer, in order."""
+    (q, k) after RoPE of every layer, in order (none for a model without RoPE)."""
+    if model.config.model_type in NO_ROPE_TYPES:
+        yield []
+        return
     mod = importlib.import_module(type(model.model.layers[0].self_attn).__module__)
     orig, roped = mod.apply_rotary_pos_emb, []
 
@@ -489,7 +529,7 @@ def _rope_outputs(model):
 
 def _add_rope_caches_scores(rec: Recorder, c, roped, out, s: int, step: int = 0):
     """RoPE outputs, K/V caches (s positions) and attention probabilities of one forward, at `step`."""
-    if len(roped) != c.num_hidden_layers:
+    if c.model_type not in NO_ROPE_TYPES and len(roped) != c.num_hidden_layers:
         raise ReferenceError_(f"captured RoPE outputs of {len(roped)} layers, expected {c.num_hidden_layers}")
     for i, (qe, ke) in enumerate(roped):                   # [1, H, T, Hd] head-major -> token-major
         rec.add(f"cp1B.q.layer{i}", qe[0].transpose(0, 1), step=step)
