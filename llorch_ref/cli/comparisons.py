@@ -129,7 +129,9 @@ def run_blackbox(args):
         trace = openai_trace(url, args.prompt, eng.tokenizer, n_steps=steps, top_k=args.top_logprobs or 20,
                              chat=args.chat, timeout=args.timeout)
     log(f"llorch-ref: running the reference teacher-forced on {len(trace.steps)} engine tokens ...")
-    return eng, compare_trace(eng, trace, require=args.require)
+    res = compare_trace(eng, trace, require=args.require)
+    res.trace = trace                   # the subject's side a bundle keeps (prove)
+    return eng, res
 
 
 def run_transformers(args):
@@ -188,8 +190,11 @@ def cmd_prove(args):
     key = load_signing_key(args.sign) if args.sign else None
     eng, res = run_comparison(args)
     paths = write_bundle(res, eng, out_dir=out_dir, run_id=run_id, argv=["llorch-ref"] + sys.argv[1:],
-                         tensors=not args.no_tensors, plot=not args.no_plots, sign=key)
+                         tensors=not args.no_tensors, plot=not args.no_plots, sign=key,
+                         trace=getattr(res, "trace", None))
     print_result(res, False)
+    if is_blackbox(args.subject):
+        print_blackbox(res)
     print(f"proof bundle: {paths['dir']}/ (report.html, summary.md, junit.xml, manifest.json with every file's sha256"
           + (", repro/" if paths["repro"] else "") + ")")
     log(f"llorch-ref: prove took {time.perf_counter() - t0:.1f} s")

@@ -9,6 +9,8 @@
       manifest.json            versions, settings, how to re-run the reference (recipe), the sha256 of every file
       cp<id>_<name>/           report.md, report.json, subject.npz, reference.npz, error_by_layer.png
       repro/                   the first divergence as a standalone pytest case (when one diverges)
+      trace.json, trace.npz,   a black-box engine's run and the per-step table (bundle_blackbox.py)
+      steps.md
 
 Every page states the verdict where `verify` reads it: result.json's "verdict" (and each row's `order`),
 summary.md's line `**Verdict: STATUS**`, junit.xml's testsuite property llorch.verdict, report.html's element
@@ -38,7 +40,7 @@ from ..backends import cpu_flags, cpu_model
 from ..dump import model_sha256
 from ..errors import HarnessError, OutputPathError, ParameterError
 from ..output_paths import check_container, check_output, check_run_id
-from . import bundle_md, junit, plots, report_html, repro
+from . import bundle_blackbox, bundle_md, junit, plots, report_html, repro
 from .portable import portable
 
 MANIFEST = "manifest.json"
@@ -220,15 +222,19 @@ def append_step_summary(text: str):
 
 
 def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, plot=True, repro_case=True,
-                 tensors=True, sign=None) -> dict:
+                 tensors=True, sign=None, trace=None) -> dict:
     """-> {"dir", "summary", "html", "junit", "repro" (or None)}: the run's folder and its main files.
     engine: the llorch-ref engine of the run (the subject of a llama.cpp diff, the reference of a dump's).
     tensors: keep both sides' tensors (subject.npz, reference.npz); without them a bundle is small (examples,
     CI artifacts) but `verify` can check its hashes only, not redo its figures. sign: an Ed25519 private key
-    (load_signing_key) or its PEM file: manifest.json is signed (manifest.json.sig)."""
+    (load_signing_key) or its PEM file: manifest.json is signed (manifest.json.sig). trace: a black-box engine's
+    run (references/blackbox.py) that result compared: kept as the subject's side (bundle_blackbox.py), with the
+    per-step table, and the recipe re-runs the reference on it."""
     key = load_signing_key(sign) if isinstance(sign, (str, os.PathLike)) else sign
     out_dir, run_id = check_bundle_target(out_dir, run_id)
     argv = list(argv or sys.argv)
+    if trace is not None:
+        result = dataclasses.replace(result, recipe=bundle_blackbox.recipe(engine, trace))
     man = manifest(result, engine, argv, seed)
     result = dataclasses.replace(result, **portable({k: getattr(result, k) for k in (
         "warnings", "not_covered", "subject_label", "reference_label", "model", "reference_model", "recipe")}))
@@ -238,7 +244,8 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
     plot_off = None if plot else "Plots not drawn (written with --no-plots)."
     plot = plot and plots.available()
     try:
-        case = _stage(target, out_dir, run_id, result, engine, man, specs, plot, plot_off, tensors, repro_case, key)
+        case = _stage(target, out_dir, run_id, result, engine, man, specs, plot, plot_off, tensors, repro_case, key,
+                      trace)
     except OutputPathError:
         if os.path.lexists(out_dir / run_id):        # another prove of this run id wrote it meanwhile
             _refuse_taken(out_dir, run_id)
@@ -249,10 +256,13 @@ def write_bundle(result, engine, out_dir=None, run_id=None, argv=None, seed=0, p
             "repro": run / "repro" if case else None}
 
 
-def _stage(target, out_dir, run_id, result, engine, man, specs, plot, plot_off, tensors, repro_case, key):
+def _stage(target, out_dir, run_id, result, engine, man, specs, plot, plot_off, tensors, repro_case, key, trace):
     """Every file of the bundle into a staging folder, renamed into place when complete (staged_folder);
     -> the repro's case (repro.write) or None."""
     with target.staged_folder() as d:
+        if trace is not None:
+            bundle_blackbox.write_trace(d, trace)
+            (d / bundle_blackbox.STEPS_MD).write_text(bundle_blackbox.steps_md(result, run_id))
         svgs = {s.id: _write_checkpoint(d / bundle_md.checkpoint_folder(s), s, result, man, plot, tensors)
                 for s in specs}
         case = repro.write(d / "repro", result, engine, {**man, "run_id": run_id}) if repro_case else None
@@ -321,6 +331,8 @@ def result_json(result) -> dict:
     out = result.to_json()
     for j, r in zip(out["rows"], result.rows):
         j["order"] = list(r.order)
+    if bundle_blackbox.is_blackbox(result):
+        out["blackbox"] = bundle_blackbox.steps_json(result)
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from .blackbox import divergence_lines
 from .metrics import fmt, fmt_match, fmt_row_match
 from .text_safety import for_markdown as md
 from .text_safety import for_markdown_block
@@ -135,6 +136,10 @@ def summary(result, man, run_id, specs, links=True) -> str:
         lines += ["", f"Greedy text: {g['equal_prefix']}/{g['n']} tokens equal to {md(result.reference_label)} (EOS "
                   f"ignored)" + (f"; the band asks for the first {band['equal_prefix']}" if "equal_prefix" in band
                                  else "") + "."]
+    if str(result.band_class or "").startswith("blackbox:"):
+        lines += ["", "Step by step: `steps.md` (KLD, rank and log-probabilities of the engine's token each step); "
+                  "the engine's run as it answered: `trace.json`, `trace.npz`."]
+        lines += [f"- {md(d.strip())}" for d in divergence_lines(result)]
     for w in result.warnings:
         lines += ["", f"Warning: {md(w)}"]
     if result.not_covered:

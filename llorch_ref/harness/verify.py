@@ -89,7 +89,8 @@ _NUMBERS = {"type": ["object", "null"], "additionalProperties": {"type": ["numbe
 RECIPE_SCHEMA = {
     "type": "object", "required": ["kind", "model", "model_sha256", "token_ids", "n_greedy"],
     "properties": {
-        "kind": {"enum": ["llamacpp", "llorch", "transformers"]}, "model": {"type": "string", "minLength": 1},
+        "kind": {"enum": ["llamacpp", "llorch", "transformers", "blackbox"]},
+        "model": {"type": "string", "minLength": 1}, "trace": {"const": "trace.npz"},
         "model_sha256": _SHA, "token_ids": {**_IDS, "minItems": 1}, "prompt": _TEXT,
         "n_greedy": {"type": "integer", "minimum": 0}, "rows": {"type": ["array", "null"], "items": _IDS["items"]},
         "checkpoints": {"type": ["array", "null"], "items": {"type": "string"}},
@@ -97,7 +98,7 @@ RECIPE_SCHEMA = {
         "backend": {"type": "string"}, "numerics": {"type": "string"}, "ggml_simd": _TEXT,
         "decode_ids": {"type": ["array", "null"], "items": _IDS["items"]}, "local": {"type": "boolean"},
         "backend_band": _NUMBERS, "require": {"type": ["string", "array", "null"], "items": {"type": "string"}}},
-    "allOf": [{"if": {"properties": {"kind": {"const": "llorch"}}},
+    "allOf": [{"if": {"properties": {"kind": {"enum": ["llorch", "blackbox"]}}},
                "then": {"required": ["backend", "numerics", "kv_dtype"]}},
               {"if": {"properties": {"kind": {"const": "llamacpp"}}}, "then": {"required": ["kv_dtype"]}}]}
 FILES_SCHEMA = {"type": "object", "required": ["files", "recipe"],
@@ -437,7 +438,13 @@ def _check_result_json(stored: dict, res: DiffResult, v: Verdict) -> list[str]:
 def _flags_hold(j: dict) -> bool:
     """A row's passed and local_passed are its figures against its bands (metrics.within), as compare wrote them."""
     figures = {k: x for k, x in j.items() if k not in ("band", "passed")}
-    if within(figures, j.get("band") or {}) is not (j.get("passed") is True):
+    band = j.get("band") or {}
+    if "near_tie" in band:          # a black-box step's argmax (harness/blackbox.py): the same top, or a near tie
+        margin = j.get("margin")
+        ok = within({"agreement": j.get("agreement")}, {"agreement": band.get("agreement", 1.0)}) or (
+            isinstance(margin, (int, float)) and margin <= band["near_tie"])
+        return ok is (j.get("passed") is True)
+    if within(figures, band) is not (j.get("passed") is True):
         return False
     if isinstance(j.get("local"), dict) and isinstance(j.get("local_band"), dict):
         return within(j["local"], j["local_band"]) is (j.get("local_passed") is True)
@@ -666,7 +673,10 @@ def verify_bundle(folder, rerun: bool = True, model=None, log=None, key=None) ->
         v.contradictions += found
     all_held, found = tensors_present(man, files)
     v.manifest_faults += found
-    if rerun and not all_held:
+    if rerun and stored is not None and (man["recipe"] or {}).get("kind") == "blackbox":
+        v.rerun = rerun_blackbox(folder, files, man, stored, model=model, log=log)
+        v.model.update(checked=True, read=v.rerun.pop("model_read"))
+    elif rerun and not all_held:
         v.rerun = {"figures_hold": None, "why": "the bundle keeps no tensors (written with --no-tensors): its "
                                                 "figures cannot be redone, only its files and pages checked"}
     elif rerun and stored is not None:
@@ -886,6 +896,58 @@ def rerun_and_compare(folder: Path, man, stored: dict, model=None, log=None) -> 
     same = now.status == rows.status and now.first_divergence == rows.first_divergence
     out.update(verdict={**now.to_json(), "line": now.line(), "coverage": now.coverage_line()}, verdict_holds=same,
                rows_status=rows.status, figures_hold=out["figures_hold"] and same and not out["reference_faults"])
+    return out
+
+
+BLACKBOX_FIGURES = ("kld", "ref_logprob", "engine_logprob", "rank", "margin")
+
+
+def rerun_blackbox(folder: Path, files: dict, man, stored: dict, model=None, log=None) -> dict:
+    """A black-box bundle (recipe kind "blackbox"): the reference run teacher-forced again on the engine's trace
+    the bundle keeps (trace.json, trace.npz), every step compared again: each row's verdict, and each step's
+    figures (BLACKBOX_FIGURES) within 1e-6 + 1e-4 of their size of the stored ones."""
+    import llorch_ref
+
+    from .blackbox import compare_trace
+    from .bundle_blackbox import TRACE_JSON, read_trace
+
+    recipe = man["recipe"]
+    path = Path(model) if model else expand_path(recipe["model"])
+    check_model_file(path, recipe["model"])
+    sha = model_file_sha256(path)
+    if sha != recipe["model_sha256"]:
+        raise HarnessError(f"{path}: sha256 {sha[:16]}… is not the {recipe['model_sha256'][:16]}… the run used: "
+                           f"another file")
+    cfg = _model_config(recipe, path)
+    ids = recipe["token_ids"]
+    if len(ids) > cfg.context_length or any(t >= cfg.n_vocab for t in ids):
+        raise HarnessError(f"the recipe's {len(ids)} tokens do not fit the model (context {cfg.context_length}, "
+                           f"vocabulary {cfg.n_vocab}): not a run llorch-ref could have made")
+    n_steps = len([r for r in stored["rows"] if str(r["checkpoint"]) == "11"])
+    text = _read_text(folder, files, TRACE_JSON)
+    if text is None or "trace.npz" not in files:
+        raise HarnessError(f"{folder}: no {TRACE_JSON} and trace.npz: the engine's side cannot be compared again "
+                           f"(verify --no-rerun checks the hashes)")
+    trace = read_trace(folder, n_steps, cfg.n_vocab, text)
+    eng = llorch_ref.load(path, backend=recipe["backend"], numerics=recipe["numerics"], kv_dtype=recipe["kv_dtype"],
+                          ggml_simd=recipe.get("ggml_simd") or "auto")
+    res = compare_trace(eng, trace, require=man.get("require") or "auto")
+    out = _figures_against(stored, res)
+    now = {_key(r): r for r in res.to_json()["rows"]}
+    for r in stored["rows"]:
+        n = now.get(_key(r)) or {}
+        for f in BLACKBOX_FIGURES:
+            a, b = r.get(f), n.get(f)
+            if isinstance(a, (int, float)) and isinstance(b, (int, float)) and \
+                    abs(a - b) > 1e-6 + 1e-4 * max(abs(a), abs(b)):
+                out["verdicts_changed"].append(f"cp{r['checkpoint']} {r['tensor']}: {f} {a:.6g} in the bundle, "
+                                               f"{b:.6g} re-run")
+    now_v, rows = res.verdict(), verdict_of_rows(stored)
+    same = now_v.status == rows.status and now_v.first_divergence == rows.first_divergence
+    out.update(verdict={**now_v.to_json(), "line": now_v.line(), "coverage": now_v.coverage_line()},
+               verdict_holds=same, rows_status=rows.status, reference_faults=[], reference_tensors=0,
+               reference_bit_equal=0, reference_worst={"tensor": None, "nmse": 0.0}, model_read=str(path),
+               figures_hold=not out["verdicts_changed"] and out["figures_hold"] and same)
     return out
 
 

@@ -1,0 +1,153 @@
+"""The faces around the black-box comparison: `prove --subject openai:URL|mistralrs` (a bundle with the per-step
+table and the engine's trace, `verify` accepting it and failing a forged one), `eval --subject ...` (corpus
+statistics through what the engine offers, with the method and its cost said) and the pytest plugin, each against
+llama-cpp-python's own server on 127.0.0.1 (and mistral.rs where installed), on a clean and a planted file."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import llorch_ref
+from llorch_ref.cli import main
+from llorch_ref.testing.openai_server import llama_cpp_server, server_installed
+
+PROMPT = "Once upon a time, there was a little"
+PLANT, FACTOR = "blk.29.ffn_down.weight", 1.5          # as tests/test_blackbox.py: steps of KLD 1-4 nats
+
+needs_server = pytest.mark.skipif(server_installed() is not None, reason=str(server_installed()))
+
+
+def mistralrs_missing():
+    try:
+        import mistralrs  # noqa: F401
+    except ImportError:
+        return "mistralrs is not installed (pip install mistralrs)"
+    return None
+
+
+needs_mistralrs = pytest.mark.skipif(mistralrs_missing() is not None, reason=str(mistralrs_missing()))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llorch_ref.load(threads=1).path
+
+
+@pytest.fixture(scope="module")
+def planted(model, tmp_path_factory):
+    from llorch_ref.testing.plant import plant_scale
+
+    return plant_scale(model, tmp_path_factory.mktemp("faces") / "planted.gguf", PLANT, FACTOR)
+
+
+@pytest.fixture(scope="module")
+def clean_url(model):
+    if server_installed() is not None:
+        pytest.skip(str(server_installed()))
+    with llama_cpp_server(model) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def planted_url(planted):
+    if server_installed() is not None:
+        pytest.skip(str(server_installed()))
+    with llama_cpp_server(planted) as url:
+        yield url
+
+
+def prove(capsys, tmp_path, subject, run_id, *extra):
+    rc = main(["prove", "--threads", "1", "--subject", subject, "--prompt", PROMPT, "--decode-steps", "6",
+               "--out", str(tmp_path), "--run-id", run_id, "--no-plots", *extra])
+    capsys.readouterr()
+    return rc, tmp_path / run_id
+
+
+def verify(capsys, folder):
+    rc = main(["verify", str(folder), "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def rehash(folder, name):
+    """A forger's edit made to look written: the file's sha256 put in the manifest again."""
+    man = json.loads((folder / "manifest.json").read_text())
+    man["files"][name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(man, indent=2) + "\n")
+
+
+# -- prove and verify -----------------------------------------------------------------------------------------
+@needs_server
+def test_prove_a_clean_server_writes_the_steps_and_verify_accepts_it(clean_url, tmp_path, capsys):
+    rc, run = prove(capsys, tmp_path, f"openai:{clean_url}", "clean")
+    assert rc == 0
+    for name in ("report.html", "junit.xml", "summary.md", "steps.md", "trace.json", "trace.npz", "result.json"):
+        assert (run / name).is_file(), name
+    stored = json.loads((run / "result.json").read_text())
+    steps = stored["blackbox"]["steps"]
+    assert [s["step"] for s in steps] == list(range(6)) and all(s["passed"] for s in steps)
+    assert stored["blackbox"]["divergence"] is None
+    assert "| 5 |" in (run / "steps.md").read_text() and "steps.md" in (run / "summary.md").read_text()
+    assert json.loads((run / "manifest.json").read_text())["recipe"]["kind"] == "blackbox"
+    rc, v = verify(capsys, run)
+    assert rc == 0 and v["ok"] and v["rerun"]["figures_hold"], v
+    assert v["rerun"]["comparisons"] == len(stored["rows"])
+
+
+@needs_server
+def test_prove_a_planted_server_names_the_divergence_with_both_distributions(planted_url, tmp_path, capsys):
+    rc, run = prove(capsys, tmp_path, f"openai:{planted_url}", "planted")
+    assert rc == 1
+    stored = json.loads((run / "result.json").read_text())
+    at = stored["blackbox"]["divergence"]
+    fd = stored["verdict"]["first_divergence"]
+    assert at["step"] == fd["step"] and len(at["top_reference"]) == 5 and len(at["top_engine"]) == 5
+    steps_md = (run / "steps.md").read_text()
+    assert "First divergence:" in steps_md and "| rank | reference | p | engine | p |" in steps_md
+    junit = (run / "junit.xml").read_text()
+    assert 'failures="0"' not in junit.split("\n", 2)[1]
+    rc, v = verify(capsys, run)                       # a FAIL bundle, written as it ran: verify accepts it
+    assert rc == 0 and v["ok"] and v["verdict"]["status"] == "FAIL", v
+
+
+@needs_server
+def test_verify_fails_a_forged_bundle(clean_url, planted_url, tmp_path, capsys):
+    _, run = prove(capsys, tmp_path, f"openai:{planted_url}", "src")
+    forged = tmp_path / "kld"                  # one step's KLD lowered inside its band, the hash recomputed
+    shutil.copytree(run, forged)
+    stored = json.loads((forged / "result.json").read_text())
+    row = next(r for r in stored["rows"] if r["checkpoint"] == "11" and r["passed"])
+    row["kld"] = row["kld"] / 2 + 1e-3
+    (forged / "result.json").write_text(json.dumps(stored, indent=2) + "\n")
+    rehash(forged, "result.json")
+    rc, v = verify(capsys, forged)
+    assert rc == 1 and not v["ok"] and any("kld" in c for c in v["rerun"]["verdicts_changed"]), v
+
+    forged = tmp_path / "trace"                # the engine's answer made the reference's own, the hash recomputed
+    shutil.copytree(run, forged)
+    with np.load(forged / "trace.npz") as z:
+        a = {k: z[k] for k in z.files}
+    a["top_logprobs"] = a["top_logprobs"] - 0.5
+    np.savez_compressed(forged / "trace.npz", **a)
+    rehash(forged, "trace.npz")
+    rc, v = verify(capsys, forged)
+    assert rc == 1 and not v["rerun"]["figures_hold"], v
+
+    forged = tmp_path / "steps"                # the step table edited, the hash not
+    shutil.copytree(run, forged)
+    (forged / "steps.md").write_text((forged / "steps.md").read_text().replace("**FAIL**", "pass"))
+    rc, v = verify(capsys, forged)
+    assert rc == 1 and v["edited"] == ["steps.md"], v
+
+
+@needs_mistralrs
+def test_prove_mistralrs_keeps_the_whole_vocabulary_and_verifies(tmp_path, capsys):
+    rc, run = prove(capsys, tmp_path, "mistralrs", "mrs")
+    stored = json.loads((run / "result.json").read_text())
+    assert rc == 0, stored["verdict"]
+    assert {s["kld_kind"] for s in stored["blackbox"]["steps"]} == {"exact"}
+    rc, v = verify(capsys, run)
+    assert rc == 0 and v["ok"], v
