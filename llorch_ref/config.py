@@ -29,7 +29,12 @@ class Config:
     tied_output: bool         # logits use the token embedding matrix
     attention_scale: float | None = None  # None: 1/sqrt(Hd)
     rope_freq_scale: float = 1.0          # linear RoPE scaling: angles times this (1 / scaling factor)
-    rope_freq_factors: tuple | None = None  # [R/2] per-pair divisors of the angle (llama3 scaling; GGUF rope_freqs)
+    rope_freq_factors: tuple | None = None  # [R/2] per-pair divisors of the angle (llama3, YaRN; GGUF rope_freqs;
+                                            # LongRoPE's short factors)
+    rope_attn_factor: float = 1.0         # cos and sin times this (YaRN's mscale, LongRoPE's attention factor)
+    rope_orig_ctx: int = 0                # LongRoPE, dynamic NTK: the original context a sequence is measured against
+    rope_freq_factors_long: tuple | None = None  # LongRoPE: [R/2] factors once a sequence is longer than rope_orig_ctx
+    rope_ntk_factor: float = 0.0          # dynamic NTK: the base grows past rope_orig_ctx by this factor (0: off)
     qkv_bias: bool = False                # Q, K, V projections add a bias (Qwen2)
     # Gemma 3 switches (defaults: plain Llama)
     embed_scale: float | None = None      # token embeddings multiplied by this (Gemma: sqrt(D), in float32)
@@ -67,6 +72,7 @@ class Config:
         if self.rope_freq_factors is not None and (len(self.rope_freq_factors) != self.rope_dim // 2
                                                    or not all(f > 0 for f in self.rope_freq_factors)):
             problems.append(f"rope_freq_factors must be {self.rope_dim // 2} positive numbers")
+        problems += self._rope_scaling_problems()
         if self.ffn_act not in FFN_ACTS:
             problems.append(f"ffn_act={self.ffn_act!r} is not one of {FFN_ACTS}")
         if self.norm not in NORMS:
@@ -95,6 +101,26 @@ class Config:
     def uses_rope(self) -> bool:
         """Whether Q and K are rotated (False: learned absolute positions, GPT-2): checkpoint 1B applies."""
         return self.pos_embd == "rope"
+
+    def _rope_scaling_problems(self) -> list:
+        out = []
+        if not (self.rope_attn_factor > 0):
+            out.append(f"rope_attn_factor={self.rope_attn_factor} must be > 0")
+        long = self.rope_freq_factors_long
+        if long is not None and (len(long) != self.rope_dim // 2 or not all(f > 0 for f in long)):
+            out.append(f"rope_freq_factors_long must be {self.rope_dim // 2} positive numbers")
+        if long is not None and self.rope_freq_factors is None:
+            out.append("rope_freq_factors_long needs the short factors in rope_freq_factors")
+        if not (self.rope_ntk_factor == 0 or self.rope_ntk_factor >= 1):
+            out.append(f"rope_ntk_factor={self.rope_ntk_factor} must be 0 (off) or >= 1")
+        if (long is not None or self.rope_ntk_factor) and self.rope_orig_ctx <= 0:
+            out.append("LongRoPE and dynamic NTK need rope_orig_ctx > 0")
+        return out
+
+    @property
+    def rope_by_length(self) -> bool:
+        """Whether the RoPE angles of a step depend on the sequence's length (LongRoPE, dynamic NTK)."""
+        return self.rope_freq_factors_long is not None or bool(self.rope_ntk_factor)
 
     def is_local(self, layer: int) -> bool:
         """Whether this layer attends through the sliding window (Gemma 3's local layers)."""

@@ -313,6 +313,9 @@ def convert_hf_to_gguf(src, dst, dtype="float32", overwrite=False) -> Path:
     out = check_output(dst, inputs=[src], overwrite=overwrite)
     m = load_hf_folder(src)              # Wq/Wk rows already in the canonical adjacent layout = llama.cpp's
     cfg, w, tok = m.config, m.weights, m.tokenizer
+    if cfg.rope_attn_factor != 1.0 or cfg.rope_by_length:
+        raise ParameterError(f"{src}: YaRN, LongRoPE and dynamic NTK RoPE scaling are not written to GGUF by "
+                             f"this converter")
     model_json = json.loads(tok.hf.to_str())["model"]
     merges = [" ".join(x) if isinstance(x, list) else x for x in model_json.get("merges", [])]
     wr = gguf.GGUFWriter(None, cfg.arch)

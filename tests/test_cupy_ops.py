@@ -35,9 +35,11 @@ def test_cuda_ops_carries_every_layer_function_and_overrides_the_hot_ones():
 
 
 @pytest.mark.parametrize("qt", TYPES)
-def test_blocks_dequantized_to_float16_round_gguf_py_s_floats(qt):
-    """dequant16: gguf-py's float32 weights rounded to nearest float16, to the bit; the tensor-core product of three
-    rows (float16 weights and activations, float32 accumulation) within float16 rounding of the float64 product."""
+def test_blocks_dequantized_to_float16_parts_round_gguf_py_s_floats(qt):
+    """dequant16: gguf-py's float32 weights rounded to nearest float16, to the bit; dequant_split: hi that rounding
+    and lo = fp16((w - hi) * 2^11), so hi + lo * 2^-11 is w to 2^-22 relative. Three rows: the float16 product
+    within float16 rounding of the float64 product, the split product within float32's (1e-6 of sum |x w|), as the
+    float32 product."""
     need_backend("cupy")
     import cupy as cp
 
@@ -45,25 +47,32 @@ def test_blocks_dequantized_to_float16_round_gguf_py_s_floats(qt):
 
     q = random_qtensor(qt, 72, 768, 4)
     g = GpuBlocks.from_qtensor(q, cp)
+    w32 = q.dequantize()
     half = cp.asnumpy(g.dequantize("float16"))
-    assert half.dtype == np.float16
-    np.testing.assert_array_equal(half, q.dequantize().astype(np.float16))
-    deq = q.dequantize().astype(np.float64)
+    np.testing.assert_array_equal(half, w32.astype(np.float16))
+    split = cp.asnumpy(g.dequantize("split"))
+    assert split.shape == (72, 2 * 768) and split.dtype == np.float16
+    np.testing.assert_array_equal(split[:, :768], half)
+    back = split[:, :768].astype(np.float64) + split[:, 768:].astype(np.float64) / 2048
+    assert (np.abs(back - w32) <= 2.0 ** -21 * np.abs(w32) + 2.0 ** -35).all()
+    deq = w32.astype(np.float64)
     x = np.random.default_rng(5).standard_normal((3, 768)).astype(np.float32)
     want, scale = x @ deq.T, np.abs(x) @ np.abs(deq).T
-    got = cp.asnumpy(g.matmul(cp.asarray(x), half=True))
-    err = np.abs(got - want) / scale
-    assert got.dtype == np.float32 and 0 < err.max() <= 2 ** -9, float(err.max())
-    exact = cp.asnumpy(g.matmul(cp.asarray(x)))
-    assert (np.abs(exact - want) <= 1e-6 * scale).all()
+    for prompt, bound in (("float16", 2 ** -9), ("split", 1e-6), ("float32", 1e-6)):
+        got = cp.asnumpy(g.matmul(cp.asarray(x), prompt))
+        err = (np.abs(got - want) / scale).max()
+        assert got.dtype == np.float32 and err <= bound, (prompt, float(err))
+        if prompt == "float16":
+            assert err > 1e-6                         # the float16 rounding is there: this path ran
 
 
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q8_0", "k_mixed"])
-def test_blocks_prefill_nobody_watches_runs_on_float16_within_the_float16_band(tiny, weight_type):
-    """--dtype blocks: a prompt no recorder watches (generation, eval's logits) takes the float16 tensor-core products
-    and attention; a recorded one the float32 products. Logits of a prompt in two parts (the second over a cached
-    prefix) within the cupy:float16 band of the recorded path's, and not equal to them (the half path ran); the
-    recorded path against numpy within the float32 band; greedy tokens after the prompt equal numpy's."""
+def test_blocks_prompts_nobody_watches_run_on_tensor_cores_within_their_bands(tiny, weight_type):
+    """--dtype blocks: a prompt no recorder watches (generation, eval's logits) multiplies on tensor cores, a recorded
+    one in float32. Logits of a prompt in two parts (the second over a cached prefix): the split products within the
+    float32 band (1e-9) of the recorded path's and not equal to them (that path ran); blocks_prompt "float16" within
+    float16's band (1e-3) and outside float32's; the recorded path against numpy within float32's; greedy tokens
+    after the prompt equal numpy's."""
     need_backend("cupy")
     import cupy as cp
 
@@ -72,20 +81,25 @@ def test_blocks_prefill_nobody_watches_runs_on_float16_within_the_float16_band(t
     ids = [(7 * i + 3) % 200 + 1 for i in range(53)]
     eng = llorch_ref.load(path, backend="cupy", dtype="blocks")
     ref = llorch_ref.load(path)
-    out = {}
-    for watched in (False, True):
-        record = (lambda name, layer, arr: None) if watched else None
+
+    def logits(record):
         cache = eng.new_cache()
         a = eng.forward(ids[:20], cache, record=record)
         b = eng.forward(ids[20:], cache, record=record)
-        out[watched] = np.concatenate([cp.asnumpy(a), cp.asnumpy(b)]).astype(np.float64)
-    want = ref.forward(ids, ref.new_cache()).astype(np.float64)
+        return np.concatenate([cp.asnumpy(a), cp.asnumpy(b)]).astype(np.float64)
 
     def nmse(x, y):
         return float(((x - y) ** 2).sum() / (y ** 2).sum())
-    print(f"{weight_type}: unwatched {nmse(out[False], out[True]):.2e}, recorded vs numpy {nmse(out[True], want):.2e}")
-    assert 0.0 < nmse(out[False], out[True]) < 1e-3
-    assert nmse(out[True], want) < 1e-9
+    recorded, split = logits(lambda name, layer, arr: None), logits(None)
+    eng.ops.blocks_prompt = "float16"
+    half = logits(None)
+    eng.ops.blocks_prompt = "split"
+    want = ref.forward(ids, ref.new_cache()).astype(np.float64)
+    print(f"{weight_type}: split {nmse(split, recorded):.2e}, float16 {nmse(half, recorded):.2e}, "
+          f"recorded vs numpy {nmse(recorded, want):.2e}")
+    assert 0.0 < nmse(split, recorded) < 1e-9
+    assert 1e-9 < nmse(half, recorded) < 1e-3
+    assert nmse(recorded, want) < 1e-9
     assert list(eng.generate_ids(ids, 8, ignore_eos=True)) == list(ref.generate_ids(ids, 8, ignore_eos=True))
 
 

@@ -114,7 +114,7 @@ def test_bf16_and_sharded_folders(pair, tmp_path):
 @pytest.mark.parametrize("edit,err,fragment", [
     (lambda d: (d / "config.json").unlink(), ModelFileError, "config.json: missing"),
     (lambda d: _patch(d, model_type="gemma3"), UnsupportedModelError, "model_type 'gemma3'"),
-    (lambda d: _patch(d, rope_scaling={"rope_type": "dynamic", "factor": 8.0}), UnsupportedModelError, "rope scaling"),
+    (lambda d: _patch(d, rope_scaling={"rope_type": "proportional"}), UnsupportedModelError, "rope scaling"),
     (lambda d: _patch(d, rope_scaling={"rope_type": "llama3", "factor": 8.0}), ModelFileError, "lacks"),
     (lambda d: _patch(d, attention_bias=True), UnsupportedModelError, "attention_bias"),
     (lambda d: _patch(d, hidden_size=32), ModelFileError, "expected"),

@@ -4,12 +4,14 @@ the same run (one card).
     python tools/gpu_prefill.py --out DIR [--types Q4_0,Q8_0,Q4_K,Q6_K] [--shape llama2-7b] [--tokens 512]
                                 [--llama-bench PATH] [--work DIR]
 
-For each type, a random-weight GGUF of --shape (tools/make_big_model.py) is loaded with --dtype blocks, and:
-  prefill (nobody watches: the blocks dequantized into float16 and multiplied on tensor cores, float16 attention),
-  prefill recorded (a no-op recorder of every tensor: the float32 products, gguf-py's weights), both --tokens
-  tokens, medians of 3 after a warm-up, the card synchronized around each; the last row's logits of the two
-  compared (NMSE); decode: 128 greedy tokens after an 8-token prompt (CUDA graphs, the fused step).
-Then, with --llama-bench, `llama-bench -m FILE -ngl 99 -p TOKENS -n 128 -fa 0,1 -r 3 -o jsonl` on the same file.
+For each type, a random-weight GGUF of --shape (tools/make_big_model.py) is loaded with --dtype blocks, and a
+prompt of --tokens tokens timed (medians of 3 after a warm-up, the card synchronized around each) three ways:
+  split     nobody watches, the default: weights and activations in two float16 parts on tensor cores
+  float16   nobody watches, ops.blocks_prompt = "float16": float16 weights, activations and attention
+  recorded  a no-op recorder of every tensor: the float32 products of gguf-py's weights (TF32 off)
+with the last row's logits of the first two against the recorded ones (NMSE); decode: 128 greedy tokens after an
+8-token prompt (CUDA graphs, the fused step). Then, with --llama-bench (waited for up to --wait s: a build may
+still be running), `llama-bench -m FILE -ngl 99 -p TOKENS -n 128 -fa 0,1 -r 3 -o jsonl` on each same file.
 Writes prefill.json (every row, the card, the command and the commit) into --out.
 """
 from __future__ import annotations
@@ -61,12 +63,19 @@ def ours(path, tokens):
     eng = llorch_ref.load(path, backend="cupy", dtype="blocks", n_ctx=tokens + 16)
     ids = [(7 * i + 3) % 30000 + 1 for i in range(tokens)]
     noop = lambda name, layer, arr: None                               # noqa: E731
-    fast = lambda: eng.forward(ids, eng.new_cache(), rows=[tokens - 1])  # noqa: E731
-    slow = lambda: eng.forward(ids, eng.new_cache(), rows=[tokens - 1], record=noop)  # noqa: E731
-    a, b = cp.asnumpy(fast()).astype("float64"), cp.asnumpy(slow()).astype("float64")
-    row = {"prefill_tok_s": tokens / timed(fast), "prefill_recorded_tok_s": tokens / timed(slow),
-           "unwatched_vs_recorded_nmse": float(((a - b) ** 2).sum() / (b ** 2).sum()),
-           "same_argmax": bool(a.argmax() == b.argmax())}
+
+    def run(prompt, record=None):
+        eng.ops.blocks_prompt = prompt
+        return eng.forward(ids, eng.new_cache(), rows=[tokens - 1], record=record)
+    want = cp.asnumpy(run("split", noop)).astype("float64")
+    row = {}
+    for prompt in ("split", "float16"):
+        got = cp.asnumpy(run(prompt)).astype("float64")
+        row[f"prefill_{prompt}_tok_s"] = tokens / timed(lambda: run(prompt))          # noqa: B023
+        row[f"{prompt}_vs_recorded_nmse"] = float(((got - want) ** 2).sum() / (want ** 2).sum())
+        row[f"{prompt}_same_argmax"] = bool(got.argmax() == want.argmax())
+    row["prefill_recorded_tok_s"] = tokens / timed(lambda: run("split", noop))
+    eng.ops.blocks_prompt = "split"
 
     def dc():
         res = GenerationResult()
@@ -103,6 +112,7 @@ def main():
     ap.add_argument("--shape", default="llama2-7b")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (CUDA build)")
+    ap.add_argument("--wait", type=float, default=600, help="seconds to wait for --llama-bench to exist")
     ap.add_argument("--work", default="/tmp/gpu_prefill", help="where the model files are written (then removed)")
     a = ap.parse_args()
     import make_big_model
@@ -113,17 +123,28 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     doc = {"command": "python tools/gpu_prefill.py " + " ".join(sys.argv[1:]), "commit": commit(), "card": card(),
            "shape": a.shape, "tokens": a.tokens, "rows": []}
+    paths = []
     for qtype in a.types.split(","):
         path = work / f"{a.shape}.{qtype}.gguf"
         make_big_model.write(path, shape=a.shape, qtype=qtype)
         row = {"qtype": qtype, "file_gb": round(path.stat().st_size / 1e9, 2), "ours": ours(path, a.tokens)}
-        free_gpu()                                   # our engine's memory back before llama.cpp loads the file
-        if a.llama_bench:
-            row["llamacpp"] = llama_bench(a.llama_bench, path, a.tokens)
+        free_gpu()                                   # our engine's memory back before the next one
         doc["rows"].append(row)
+        paths.append(path)
         print(json.dumps(row), flush=True)
-        path.unlink()
         (out / "prefill.json").write_text(json.dumps(doc, indent=1) + "\n")
+    if a.llama_bench:
+        t0 = time.time()
+        while not Path(a.llama_bench).exists() and time.time() - t0 < a.wait:
+            time.sleep(5)
+        doc["llama_bench_waited_s"] = round(time.time() - t0, 1)
+        for row, path in zip(doc["rows"], paths):
+            row["llamacpp"] = llama_bench(a.llama_bench, path, a.tokens) if Path(a.llama_bench).exists() else {
+                "error": f"no {a.llama_bench} after {a.wait} s"}
+            print(json.dumps(row), flush=True)
+            (out / "prefill.json").write_text(json.dumps(doc, indent=1) + "\n")
+    for path in paths:
+        path.unlink()
     return 0
 
 

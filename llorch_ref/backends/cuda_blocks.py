@@ -12,17 +12,18 @@ the magic number in one LOP3, then one subtraction), not the slower int-to-float
   dequant       several tokens (prefill): the matrix dequantized into a float32 scratch bit for bit as gguf-py
                 does (oct: products and sums rounded explicitly, __fmul_rn / __fadd_rn, so that the compiler
                 fuses nothing into an FMA), then cuBLAS (TF32 off), the same product the float32 path computes;
-                or (half, for prompts nobody watches) those weights rounded to float16 and multiplied on tensor
-                cores with float16 activations, float32 accumulation (dequant16: a scratch as large as the matrix)
+                for prompts nobody watches, those weights split into two float16 parts (dequant_split) and
+                multiplied on tensor cores with split activations (cuda_half.split_gemm: float32's band), or
+                rounded to float16 alone (dequant16: float16's band)
 
-So a blocks product (the half path aside) differs from the numpy oracle's (float32 weights from gguf-py, BLAS) by
+So a recorded blocks product differs from the numpy oracle's (float32 weights from gguf-py, BLAS) by
 rounding order only.
 The one-token products are bound by the L1 pipe and their instruction issue together (about 5-9 instructions a
 weight: mask, convert, multiply-add, the scales, loads), not by DRAM: ncu in results/gpu/h200/ncu-gemv-q4_k-q4_0.txt.
 """
 from __future__ import annotations
 
-from .cuda_half import half_gemm
+from .cuda_half import half_gemm, split_gemm
 from .cuda_source import cuda_source
 from .settings import settings
 
@@ -83,7 +84,7 @@ def kernels(cp):
         _MODULE["options"] = opts
         mod = cp.RawModule(code=SRC, options=opts)
         for qtype in TYPES:
-            for kind in ("gemv", "dequant", "dequant16"):
+            for kind in ("gemv", "dequant", "dequant16", "dequant_split"):
                 name = f"{kind}_{qtype.lower()}"
                 _MODULE[name] = mod.get_function(name)
     return _MODULE
@@ -117,23 +118,29 @@ class GpuBlocks:
         return int(self.blocks.nbytes)
 
     def dequantize(self, dtype="float32"):
-        """-> [N, K] on the device: float32 as gguf-py dequantizes, or those floats rounded to float16."""
+        """-> the weights on the device: float32 [N, K] as gguf-py dequantizes them; "float16": those floats rounded
+        to float16; "split": [N, 2K] float16, [hi | lo] with w = hi + lo * 2^-11 (cuda_half.split_gemm's form)."""
         cp, n = self.cp, self.shape[0]
-        half = dtype == "float16"
-        out = cp.empty(self.shape, dtype=cp.float16 if half else cp.float32)
+        kind, shape, out_type = {"float32": ("dequant", self.shape, cp.float32),
+                                 "float16": ("dequant16", self.shape, cp.float16),
+                                 "split": ("dequant_split", (n, 2 * self.shape[1]), cp.float16)}[dtype]
+        out = cp.empty(shape, dtype=out_type)
         total = n * self.units * 4
-        self._k[f"dequant{'16' if half else ''}_{self.qtype.lower()}"](
-            ((total + 255) // 256,), (256,), (self.blocks, out, cp.int32(n), cp.int32(self.units),
-                                              cp.int64(self.blocks.shape[1])))
+        self._k[f"{kind}_{self.qtype.lower()}"](((total + 255) // 256,), (256,),
+                                                (self.blocks, out, cp.int32(n), cp.int32(self.units),
+                                                 cp.int64(self.blocks.shape[1])))
         return out
 
-    def matmul(self, x, half=False):
+    def matmul(self, x, prompt="float32"):
         """x: [T, K] -> [T, N] float32: the GEMV kernel for one token; for more, the matrix dequantized into a
-        scratch and multiplied by cuBLAS: float32 (TF32 off), or with half float16 weights and activations on
-        tensor cores (float32 accumulation and results: cuda_half.half_gemm)."""
+        scratch and multiplied by cuBLAS as `prompt` says: "float32" (TF32 off), "split" (split_gemm: float16 parts
+        on tensor cores, float32's band), "float16" (float16 weights and activations on tensor cores, float32
+        accumulation: float16's band)."""
         cp = self.cp
         n = self.shape[0]
-        if x.shape[0] != 1 and half:
+        if x.shape[0] != 1 and prompt == "split":
+            return split_gemm(cp, x, self.dequantize("split"))
+        if x.shape[0] != 1 and prompt == "float16":
             return half_gemm(cp, x, self.dequantize("float16"))
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         if x.shape[0] != 1:

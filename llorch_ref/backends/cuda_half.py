@@ -3,6 +3,8 @@ weights: cublasGemmEx / cublasGemmStridedBatchedEx with float16 inputs, float32 
 (CuPy's own matmul would round the output to float16 and need a cast pass after it).
 
 half_gemm:       y = x W^T for activations x [T, K] (cast to float16) and a float16 weight W [N, K]
+split_gemm:      y = x W^T with x and W each split into a float16 high part and a scaled low part (float32's band
+                 from tensor cores: the cupy backend's prompts on GGUF blocks)
 half_attention:  one layer's attention of T new tokens, output only (generation's prefill: no recorder watches):
                  Q.K^T of each KV head's group of query heads in one batched product (Q, K in float16, scores in
                  float32, times the scale), the softmax kernel over the scores plus the mask (float32, the sum in
@@ -42,6 +44,46 @@ def half_gemm(cp, x, w):
     cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, t, k, _ONE.ctypes.data, w.data.ptr, r16, k,
                   x16.data.ptr, r16, k, _ZERO.ctypes.data, y.data.ptr, r32, n, cublas.CUBLAS_COMPUTE_32F,
                   cublas.CUBLAS_GEMM_DEFAULT)
+    return y
+
+
+def _gemm(cp, w, x, y, n, t, k, ldw, ldx, alpha, beta):
+    """y [T, N] float32 (ld N) = alpha * x w^T + beta * y for float16 w (k columns read of each row, ld ldw) and x
+    (ld ldx), through column-major cublasGemmEx (float32 accumulation); w, x: device pointers."""
+    cublas, handle = _cublas(cp)
+    r16, r32 = cp.cuda.runtime.CUDA_R_16F, cp.cuda.runtime.CUDA_R_32F
+    al = _ALPHA.get(alpha)
+    if al is None:
+        al = _ALPHA.setdefault(alpha, np.full(1, alpha, np.float32))
+    cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, t, k, al.ctypes.data, w, r16, ldw, x, r16, ldx,
+                  (_ONE if beta else _ZERO).ctypes.data, y.data.ptr, r32, n, cublas.CUBLAS_COMPUTE_32F,
+                  cublas.CUBLAS_GEMM_DEFAULT)
+
+
+LO_SCALE = 2048.0          # the low parts of split products are stored times 2^11 (away from float16's subnormals)
+
+
+def split_x(cp, x):
+    """x [T, K] -> [T, 2K] float16: [lo | hi], hi = fp16(x), lo = fp16((x - hi) * 2^11)."""
+    x = x if x.dtype == cp.float32 and x.flags.c_contiguous else cp.ascontiguousarray(x, dtype=cp.float32)
+    t, k = x.shape
+    hi = x.astype(cp.float16)
+    out = cp.empty((t, 2 * k), dtype=cp.float16)
+    out[:, k:] = hi
+    out[:, :k] = (x - hi.astype(cp.float32)) * cp.float32(LO_SCALE)
+    return out
+
+
+def split_gemm(cp, x, w2):
+    """x: [T, K] (any float) times a weight given as its split float16 parts w2 [N, 2K] = [hi | lo] (w = hi + lo *
+    2^-11) -> [T, N] float32: x_hi w_hi^T + 2^-11 (x_lo w_hi^T + x_hi w_lo^T) in two tensor-core products (three times
+    the float16 work), which leaves out x_lo w_lo^T (2^-22 relative): float32's band from float16 products."""
+    t, k2 = x.shape[0], w2.shape[1]
+    k, n = k2 // 2, w2.shape[0]
+    x2 = split_x(cp, x)                                                  # [lo | hi]
+    y = cp.empty((t, n), dtype=cp.float32)
+    _gemm(cp, w2.data.ptr, x2.data.ptr + 2 * k, y, n, t, k, k2, k2, 1.0, False)           # hi . hi
+    _gemm(cp, w2.data.ptr, x2.data.ptr, y, n, t, k2, k2, k2, 1.0 / LO_SCALE, True)       # [lo|hi] . [hi|lo]
     return y
 
 

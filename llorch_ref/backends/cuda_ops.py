@@ -4,10 +4,11 @@ kernels.cu and cuBLAS.
 One-token products and the decode step's operations are written without cuBLAS so that a decode step can be captured
 as a CUDA graph (CuPy refuses cuBLAS calls during capture): a warp-per-row GEMV, fused RMSNorm, RoPE, attention and
 gated-activation kernels. Several-token products use cuBLAS. Where nobody watches (CupyBackend.forward sets
-`unwatched`), several-token steps may round as float16 products do: float16 weights always (cuda_half), GGUF blocks
-dequantized into float16 for tensor-core products (GpuBlocks.matmul's half path), with the prompt's attention in
-float16 products and the activations that only feed them carried in float16. A recorder always sees the float32
-products (blocks: dequantized as gguf-py does). settings' cuda_half_prefill off: no float16 prompt path.
+`unwatched`), prompts take tensor cores: float16 weights' attention in float16 products with the activations that
+only feed float16 products carried in float16 (cuda_half); GGUF blocks as CudaOps.blocks_prompt says ("split":
+weights and activations in two float16 parts each, float32's band; "float16": as float16 weights, with their
+attention). A recorder sees the float32 products (blocks: dequantized as gguf-py does). settings' cuda_half_prefill
+off: neither.
 """
 from __future__ import annotations
 
@@ -58,7 +59,10 @@ class CudaOps:
     """The layer-function table of the cupy backend: every public name of base_ops, with the methods below in place
     of theirs. static_decode: True while GraphDecoder runs a step over the whole preallocated cache; unwatched: True
     while CupyBackend.forward runs (no recorder), which lets prompts take the float16 paths; fusions: the
-    fused_forward.Fusions the backend's own forward uses."""
+    fused_forward.Fusions the backend's own forward uses; blocks_prompt: how a prompt nobody watches multiplies
+    GGUF blocks (GpuBlocks.matmul's prompt: "split" by default, "float16" faster in float16's band)."""
+
+    blocks_prompt = "split"
 
     def __init__(self, base_ops, cp, dtype):
         own = set(dir(type(self)))
@@ -73,13 +77,13 @@ class CudaOps:
 
     def half_rows(self, t: int, norm: bool = False) -> bool:
         """Whether t tokens' products and attention may round as float16 ones: several tokens, float16 weights
-        (then the products are float16 watched or not) or blocks where nobody watches; settings' cuda_half_prefill
+        (then the products are float16 watched or not) or blocks in float16 where nobody watches; cuda_half_prefill
         off, neither, except the float16 rows add_norm hands to float16 weights' products (norm)."""
         if t == 1:
             return False
         if self.dtype == "float16":
             return norm or self.half_prefill
-        return self.dtype == "blocks" and self.unwatched and self.half_prefill
+        return self.dtype == "blocks" and self.unwatched and self.half_prefill and self.blocks_prompt == "float16"
 
     def dense(self, a):
         """a as a C-contiguous float32 array (itself when it is one: no call into CuPy)."""
@@ -89,7 +93,8 @@ class CudaOps:
     def linear(self, xp, x, w):
         cp = self.cp
         if isinstance(w, GpuBlocks):
-            return w.matmul(x, half=self.half_rows(x.shape[0]))
+            fast = x.shape[0] > 1 and self.unwatched and self.half_prefill
+            return w.matmul(x, self.blocks_prompt if fast else "float32")
         if x.shape[0] == 1 and w.ndim == 2:
             return self.gemv(x, w)
         if w.dtype == cp.float16:                         # float16 products, float32 results (cuBLAS)

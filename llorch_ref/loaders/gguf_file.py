@@ -17,6 +17,7 @@ import numpy as np
 
 from ..config import Config
 from ..errors import ModelFileError, ParameterError, UnsupportedModelError
+from ..model.layers import yarn_attn_factor, yarn_freq_factors
 from ..model.qtensor import QTensor
 from ..model.weights import LayerWeights, Weights
 from ..numerics import NUMERICS
@@ -122,7 +123,8 @@ def _get(meta, key, default=None, *, required=False, path=""):
 
 
 def config_from_metadata(meta: dict, path, tensor_shapes: dict, rope_freqs=None) -> Config:
-    """rope_freqs: the float32 values of the rope_freqs.weight tensor, where the file has one."""
+    """rope_freqs: the float32 values of the rope_freqs.weight tensor, where the file has one, or (rope_freqs_of)
+    a dict of the RoPE factor tensors the file has by name."""
     arch = _get(meta, "general.architecture", required=True, path=path)
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
@@ -140,24 +142,10 @@ def config_from_metadata(meta: dict, path, tensor_shapes: dict, rope_freqs=None)
         raise ModelFileError(f"{path}: {a}vocab_size={n_vocab} but token_embd.weight has {emb[0]} rows")
     n_layers = int(_get(meta, a + "block_count", required=True, path=path))
     rope_dim = int(_get(meta, a + "rope.dimension_count", head_dim))
-    scaling = _get(meta, a + "rope.scaling.type", "none")
-    freq_scale = 1.0
-    if scaling == "linear":
-        factor = float(_get(meta, a + "rope.scaling.factor", 1.0))
-        if not factor > 0:
-            raise ModelFileError(f"{path}: {a}rope.scaling.factor={factor} must be > 0")
-        freq_scale = 1.0 / factor
-    elif scaling not in ("none", None):
-        raise UnsupportedModelError(f"{path}: RoPE scaling {scaling!r} is not implemented (supported: none, "
-                                    f"linear, and per-pair frequency factors in rope_freqs.weight)")
-    factors = None
-    if "rope_freqs.weight" in tensor_shapes:          # llama3-style scaling, as llama.cpp's converter writes it
-        if tensor_shapes["rope_freqs.weight"] != (rope_dim // 2,):
-            raise ModelFileError(f"{path}: rope_freqs.weight has shape {tensor_shapes['rope_freqs.weight']}, "
-                                 f"expected ({rope_dim // 2},)")
-        if rope_freqs is None:
-            raise ModelFileError(f"{path}: rope_freqs.weight present but not read")
-        factors = tuple(float(x) for x in np.asarray(rope_freqs, dtype=np.float32).ravel())
+    tensors = rope_freqs if isinstance(rope_freqs, dict) else {"rope_freqs.weight": rope_freqs}
+    rope = rope_fields_from_gguf(meta, a, path, tensor_shapes, tensors, rope_dim,
+                                 float(_get(meta, a + "rope.freq_base", 10000.0)),
+                                 int(_get(meta, a + "context_length", 2048)))
     return Config(
         arch=arch,
         n_vocab=n_vocab,
@@ -174,8 +162,7 @@ def config_from_metadata(meta: dict, path, tensor_shapes: dict, rope_freqs=None)
         # llama: LLAMA_ROPE_TYPE_NORM, Wq/Wk rows permuted by llama.cpp's converter; others: NEOX, rows as in HF
         rope_style="neox" if arch in NEOX_ARCHS else "adjacent",
         tied_output="output.weight" not in tensor_shapes,
-        rope_freq_scale=freq_scale,
-        rope_freq_factors=factors,
+        **rope,
         qkv_bias="blk.0.attn_q.bias" in tensor_shapes or "blk.0.attn_qkv.bias" in tensor_shapes,
         extra={"general.name": meta.get("general.name"), "file_type": meta.get("general.file_type")},
         **(gemma3_switches(meta, path, d_model, n_heads, head_dim, n_layers) if arch == "gemma3" else {}),
@@ -430,9 +417,65 @@ def gpt2_weights(cfg, read) -> dict:
     return out
 
 
-def rope_freqs_of(by_name):
-    t = by_name.get("rope_freqs.weight")
-    return None if t is None else dequantize(t)
+ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+
+
+def rope_freqs_of(by_name) -> dict:
+    """The RoPE factor tensors of a file (rope_freqs: llama3's; rope_factors_short/long: LongRoPE's) by name,
+    as float32 values."""
+    return {n: dequantize(by_name[n]) for n in ROPE_FACTOR_TENSORS if n in by_name}
+
+
+def _rope_factor_tensor(path, name, tensor_shapes, tensors, rope_dim):
+    if name not in tensor_shapes:
+        return None
+    if tensor_shapes[name] != (rope_dim // 2,):
+        raise ModelFileError(f"{path}: {name} has shape {tensor_shapes[name]}, expected ({rope_dim // 2},)")
+    if tensors.get(name) is None:
+        raise ModelFileError(f"{path}: {name} present but not read")
+    return tuple(float(x) for x in np.asarray(tensors[name], dtype=np.float32).ravel())
+
+
+def rope_fields_from_gguf(meta, a, path, tensor_shapes, tensors, rope_dim, base, n_ctx_train) -> dict:
+    """GGUF RoPE scaling -> the Config's RoPE fields, as llama.cpp reads it (llama_model::load_hparams,
+    llama_context's cparams): {a}rope.scaling.type none | linear | yarn | longrope; factor
+    {a}rope.scaling.factor (freq_scale = 1 / factor); {a}rope.scaling.attn_factor multiplies cos and sin
+    whatever the type; YaRN over {a}rope.scaling.original_context_length (default: the context length) with
+    llama.cpp's defaults ext_factor 1, beta_fast 32, beta_slow 1, its magnitude attn_factor x (1 + 0.1
+    ln factor); rope_freqs.weight: llama3's per-pair factors; rope_factors_short/long.weight (phi3): LongRoPE's
+    two sets, chosen here by the sequence's length as transformers chooses them (llama.cpp chooses by the
+    allocated context per sequence, ggml-org/llama.cpp#24823)."""
+    scaling = _get(meta, a + "rope.scaling.type", "none") or "none"
+    if scaling not in ("none", "linear", "yarn", "longrope"):
+        raise UnsupportedModelError(f"{path}: RoPE scaling {scaling!r} is not implemented (supported: none, "
+                                    f"linear, yarn, longrope, and per-pair frequency factors in rope_freqs.weight)")
+    for key in ("rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor",
+                "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow"):
+        if a + key in meta:        # llama.cpp reads these for a few other architectures only
+            raise UnsupportedModelError(f"{path}: {a}{key} is not implemented")
+    factor = float(_get(meta, a + "rope.scaling.factor", 1.0) or 1.0)
+    if not factor > 0:
+        raise ModelFileError(f"{path}: {a}rope.scaling.factor={factor} must be > 0")
+    attn = float(_get(meta, a + "rope.scaling.attn_factor", 1.0))
+    if not attn > 0:
+        raise ModelFileError(f"{path}: {a}rope.scaling.attn_factor={attn} must be > 0")
+    orig = int(_get(meta, a + "rope.scaling.original_context_length", 0) or n_ctx_train)
+    out = dict(rope_freq_scale=1.0 / factor if scaling in ("linear", "longrope") else 1.0,
+               rope_freq_factors=_rope_factor_tensor(path, "rope_freqs.weight", tensor_shapes, tensors, rope_dim),
+               rope_attn_factor=attn)
+    short, long = (_rope_factor_tensor(path, f"rope_factors_{s}.weight", tensor_shapes, tensors, rope_dim)
+                   for s in ("short", "long"))
+    if (short is None) != (long is None) or (short is not None and (a != "phi3." or out["rope_freq_factors"])):
+        raise UnsupportedModelError(f"{path}: rope_factors_short/long.weight are read as a pair, for phi3 alone "
+                                    f"and without rope_freqs.weight")
+    if short is not None:
+        out.update(rope_freq_factors=short, rope_freq_factors_long=long, rope_orig_ctx=orig)
+    if scaling == "yarn":
+        if out["rope_freq_factors"] is not None:
+            raise UnsupportedModelError(f"{path}: YaRN with per-pair frequency factors is not implemented")
+        out.update(rope_freq_factors=yarn_freq_factors(rope_dim, base, factor, orig),
+                   rope_attn_factor=attn * yarn_attn_factor(factor))
+    return out
 
 
 def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb: float | None = None,

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..config import Config
 from ..errors import ModelFileError, ParameterError, TokenizerError, UnsupportedModelError
+from ..model.layers import longrope_attn_factor, yarn_attn_factor, yarn_freq_factors
 from ..model.weights import LayerWeights, Weights
 from ..tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer
 from .gguf_file import FUSED_OF, split_fused
@@ -113,13 +114,14 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
     hd = int(c.get("head_dim") or d // h)
     rp = c.get("rope_scaling") or c.get("rope_parameters") or {}         # transformers 5 writes rope_parameters
     base = float(rp.get("rope_theta", c.get("rope_theta", 10000.0)))
-    freq_scale, factors = rope_scaling_from_hf(rp, base, hd, where)
-    ctx = int(c.get("max_position_embeddings", 2048))
+    rope_dim = int(hd * float(rp.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))))
+    rope = rope_fields_from_hf(c, rp, base, rope_dim, where)
+    ctx = rope.pop("context_length", int(c.get("max_position_embeddings", 2048)))
     if window:      # Mistral's sliding window: exact as long as no sequence is longer than the window
         ctx = min(ctx, int(window))
     return Config(
         arch="llama" if mt == "mistral" else mt,          # llama.cpp runs Mistral as llama, so do we
-        rope_dim=int(hd * float(rp.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))),
+        rope_dim=rope_dim,
         qkv_bias=(mt == "qwen2"),
         n_vocab=int(c["vocab_size"]),
         d_model=d,
@@ -131,8 +133,7 @@ def config_from_hf(c: dict, where: Path, qk_layout: str = "adjacent") -> Config:
         context_length=ctx,
         rms_eps=float(np.float32(c.get("rms_norm_eps", 1e-6))),  # LlamaConfig's default
         rope_base=base,
-        rope_freq_scale=freq_scale,
-        rope_freq_factors=factors,
+        **rope,
         rope_style=qk_layout,                                    # stored: HF rotate_half pairs (i, i + Hd/2)
         tied_output=bool(c.get("tie_word_embeddings", False)),   # LlamaConfig's default
         attention_scale=None,
@@ -248,6 +249,67 @@ def from_conv1d(cfg, fields: dict) -> dict:
     return fields
 
 
+def rope_fields_from_hf(c: dict, rp: dict, base: float, rope_dim: int, where) -> dict:
+    """config.json's RoPE scaling -> the Config's RoPE fields, as transformers' rope init functions read it
+    (modeling_rope_utils): default, linear and llama3 (rope_scaling_from_hf); yarn (factor, or
+    max_position_embeddings / original; attention_factor, or one from factor, mscale and mscale_all_dim;
+    beta_fast, beta_slow, truncate) as per-pair factors and a magnitude; longrope (short_factor, long_factor,
+    chosen per step by the sequence's length; attention_factor, or one from factor) and dynamic (NTK, the base
+    grown past max_position_embeddings) as step-dependent tables (Cache.tables). Phi3Config reads 'su' and
+    'yarn' as longrope. original_max_position_embeddings: config.json's top-level key first (Phi3Config's
+    default 4096), as transformers' standardize_rope_params. context_length where a scaling extends it: yarn
+    to factor x original, dynamic to factor x max_position_embeddings."""
+    kind = rp.get("rope_type") or rp.get("type") or "default"
+    phi3 = c.get("model_type") == "phi3"
+    if phi3 and kind in ("su", "yarn"):
+        kind = "longrope"
+    if kind in ("default", "linear", "llama3"):
+        freq_scale, factors = rope_scaling_from_hf(rp, base, rope_dim, where)
+        return dict(rope_freq_scale=freq_scale, rope_freq_factors=factors)
+    if kind not in ("yarn", "longrope", "dynamic"):
+        raise UnsupportedModelError(f"{where}: rope scaling {kind!r} is not implemented (supported: default, "
+                                    f"linear, llama3, yarn, longrope, dynamic)")
+    max_pos = int(c.get("max_position_embeddings", 2048))
+    if kind == "dynamic":
+        factor = _positive(rp, "factor", where, kind)
+        return dict(rope_ntk_factor=factor, rope_orig_ctx=max_pos, context_length=int(max_pos * factor))
+    top = c.get("original_max_position_embeddings")
+    orig = int(top if top is not None else 4096 if phi3 else rp.get("original_max_position_embeddings", max_pos))
+    if orig <= 1:
+        raise ModelFileError(f"{where}: {kind} rope scaling: original_max_position_embeddings={orig} must be > 1")
+    factor = float(rp["factor"]) if rp.get("factor") is not None else max_pos / orig
+    if not factor > 0:
+        raise ModelFileError(f"{where}: {kind} rope scaling: factor={factor} must be > 0")
+    af = rp.get("attention_factor")
+    if kind == "yarn":
+        if af is None:
+            af = yarn_attn_factor(factor, rp.get("mscale"), rp.get("mscale_all_dim"))
+        factors = yarn_freq_factors(rope_dim, base, factor, orig, float(rp.get("beta_fast") or 32),
+                                    float(rp.get("beta_slow") or 1), bool(rp.get("truncate", True)))
+        return dict(rope_freq_factors=factors, rope_attn_factor=float(af),
+                    context_length=max(max_pos, int(factor * orig)))
+    sets = []
+    for key in ("short_factor", "long_factor"):
+        f = rp.get(key)
+        if not isinstance(f, list) or len(f) != rope_dim // 2:
+            raise ModelFileError(f"{where}: longrope rope scaling needs {key} as a list of {rope_dim // 2} numbers")
+        sets.append(tuple(float(x) for x in f))
+    if af is None:
+        af = longrope_attn_factor(factor, orig)
+    return dict(rope_freq_factors=sets[0], rope_freq_factors_long=sets[1], rope_attn_factor=float(af),
+                rope_orig_ctx=orig)
+
+
+def _positive(rp, key, where, kind) -> float:
+    try:
+        v = float(rp[key])
+    except (KeyError, TypeError, ValueError):
+        raise ModelFileError(f"{where}: {kind} rope scaling lacks a numeric {key!r}") from None
+    if not v > 0:
+        raise ModelFileError(f"{where}: {kind} rope scaling: {key}={v} must be > 0")
+    return v
+
+
 def rope_scaling_from_hf(rp: dict, base: float, dim: int, where) -> tuple:
     """Hugging Face rope scaling -> (freq_scale, per-pair frequency factors or None), as llama.cpp's converter
     expresses it: 'linear' divides every angle by the factor; 'llama3' divides low frequencies by the factor,
@@ -260,7 +322,7 @@ def rope_scaling_from_hf(rp: dict, base: float, dim: int, where) -> tuple:
     if kind == "linear":
         return 1.0 / float(rp["factor"]), None
     if kind != "llama3":
-        raise UnsupportedModelError(f"{where}: rope scaling {kind!r} is not implemented (supported: default, "
+        raise UnsupportedModelError(f"{where}: rope scaling {kind!r} is not implemented here (supported: default, "
                                     f"linear, llama3)")
     try:
         factor, lo, hi = float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"])

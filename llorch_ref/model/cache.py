@@ -35,17 +35,19 @@ def visible_mask(xp, q_pos, k_pos, window: int = 0):
     return xp.where(seen, xp.float32(0.0), xp.float32(-xp.inf)).astype(xp.float32)
 
 
-def rope_tables(rope_angles, xp, n_ctx: int, rope_dim: int, base: float, freq_scale: float = 1.0, factors=None):
-    """rope_angles(xp, n_ctx, rope_dim, base, freq_scale, factors) built once per set of arguments and shared,
-    read-only, by every cache of that shape: a new cache per prompt rebuilt them (6 ms of the default model's
-    128-token prefill, 3% of it, on AMD EPYC Zen 5)."""
+def rope_tables(rope_angles, xp, n_ctx: int, rope_dim: int, base: float, freq_scale: float = 1.0, factors=None,
+                attn_factor: float = 1.0):
+    """rope_angles(xp, n_ctx, rope_dim, base, freq_scale, factors), times attn_factor (layers.rope_magnitude),
+    built once per set of arguments and shared, read-only, by every cache of that shape: a new cache per prompt
+    rebuilt them (6 ms of the default model's 128-token prefill, 3% of it, on AMD EPYC Zen 5)."""
     key = None if factors is None else tuple(float(f) for f in factors)
-    return _rope_tables(rope_angles, xp, int(n_ctx), int(rope_dim), float(base), float(freq_scale), key)
+    return _rope_tables(rope_angles, xp, int(n_ctx), int(rope_dim), float(base), float(freq_scale), key,
+                        float(attn_factor))
 
 
 @functools.lru_cache(maxsize=8)
-def _rope_tables(rope_angles, xp, n_ctx, rope_dim, base, freq_scale, factors):
-    cos, sin = rope_angles(xp, n_ctx, rope_dim, base, freq_scale, factors)
+def _rope_tables(rope_angles, xp, n_ctx, rope_dim, base, freq_scale, factors, attn_factor=1.0):
+    cos, sin = layers.rope_magnitude(xp, *rope_angles(xp, n_ctx, rope_dim, base, freq_scale, factors), attn_factor)
     for t in (cos, sin):
         if isinstance(t, np.ndarray):
             t.flags.writeable = False
@@ -65,8 +67,9 @@ class Cache:
         shape = (cfg.n_layers, self.n_ctx, cfg.n_kv_heads, cfg.head_dim)
         self.k = zeros_paged(xp, shape, self.kv_dtype)
         self.v = zeros_paged(xp, shape, self.kv_dtype)
+        self.rope_angles = ops.rope_angles
         self.cos, self.sin = rope_tables(ops.rope_angles, xp, self.n_ctx, cfg.rope_dim, cfg.rope_base,
-                                         cfg.rope_freq_scale, cfg.rope_freq_factors)
+                                         cfg.rope_freq_scale, cfg.rope_freq_factors, cfg.rope_attn_factor)
         # local (sliding-window) layers with their own RoPE base (Gemma 3): a second table, unscaled
         self.cos_local = self.sin_local = None
         if cfg.rope_base_local is not None:
@@ -91,18 +94,34 @@ class Cache:
         """-> [T] int positions of the next n_new tokens."""
         return self.xp.arange(self.pos, self.pos + n_new)
 
-    def tables(self, local: bool = False):
-        """-> the (cos, sin) tables [n_ctx, R/2] of a global layer, or of a local layer (local=True)."""
+    def tables(self, local: bool = False, seq_len: int | None = None):
+        """-> the (cos, sin) tables [n_ctx, R/2] of a global layer, or of a local layer (local=True). seq_len: the
+        sequence's length after the step the rows are for (default pos + 1, a one-token step); it picks
+        LongRoPE's factor set and dynamic NTK's base (layers.step_rope), whose tables then hold the rows of
+        positions below seq_len."""
         if local and self.cos_local is not None:
             return self.cos_local, self.sin_local
-        return self.cos, self.sin
+        cfg = self.cfg
+        if not cfg.rope_by_length:
+            return self.cos, self.sin
+        n = self.pos + 1 if seq_len is None else int(seq_len)
+        base, factors = layers.step_rope(n, cfg.rope_base, cfg.rope_dim, cfg.rope_freq_factors,
+                                         cfg.rope_freq_factors_long, cfg.rope_ntk_factor, cfg.rope_orig_ctx)
+        if base == cfg.rope_base and factors is cfg.rope_freq_factors:
+            return self.cos, self.sin
+        return rope_tables(self.rope_angles, self.xp, self.n_ctx if base == cfg.rope_base else n, cfg.rope_dim,
+                           base, cfg.rope_freq_scale, factors, cfg.rope_attn_factor)
+
+    def rope_seq_len(self, n_new: int) -> int:
+        """The sequence's length after a step of n_new tokens: what LongRoPE and dynamic NTK are chosen by."""
+        return self.pos + n_new
 
     def rope_rows(self, n_new: int, local: bool = False):
         """-> cos, sin: [T, R/2] f32 for the next n_new positions (local: the local layers' table)."""
         key = ("rope", self.pos, n_new, local)
         if key not in self._memo:
             p = self.positions(n_new)
-            cos, sin = self.tables(local)
+            cos, sin = self.tables(local, self.rope_seq_len(n_new))
             self._memo[key] = (cos[p], sin[p])
         return self._memo[key]
 

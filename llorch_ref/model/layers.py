@@ -1,4 +1,5 @@
-"""Layer functions. Every function takes the array module `xp` first and is pure (no hidden state).
+"""Layer functions. Every function takes the array module `xp` first and is pure (no hidden state); the RoPE
+scaling functions after rope_angles work on plain numbers (a model's scaling parameters).
 
 Shapes: T new tokens, S = positions seen so far incl. the new ones, D hidden, H query heads, KV kv-heads,
 Hd head dim, F feed-forward, V vocab. Every array is float32 unless a comment says otherwise.
@@ -6,6 +7,8 @@ Numerics follow ggml's CPU path where it is cheap to do so (RMSNorm sum in float
 softmax sum in float64), so that the reference disagrees with llama.cpp only by summation order.
 """
 from __future__ import annotations
+
+import math
 
 F32 = "float32"
 
@@ -64,6 +67,75 @@ def rope_angles(xp, n_pos: int, rope_dim: int, base: float, freq_scale: float = 
         ang = ang * xp.float32(freq_scale)
     ang64 = ang.astype(xp.float64)  # cos/sin of the f32 angle, correctly rounded back to f32
     return xp.cos(ang64).astype(xp.float32), xp.sin(ang64).astype(xp.float32)
+
+
+def rope_magnitude(xp, cos, sin, attn_factor: float):
+    """cos, sin: [P, R/2] f32 -> both times attn_factor, in float32 (YaRN's mscale, LongRoPE's attention factor:
+    transformers' `cos * attention_scaling`, ggml's `cosf(theta) * mscale`). Q.K then grows by attn_factor^2."""
+    if attn_factor == 1.0:
+        return cos, sin
+    f = xp.float32(attn_factor)
+    return cos * f, sin * f
+
+
+def yarn_freq_factors(rope_dim: int, base: float, factor: float, orig_ctx: int, beta_fast: float = 32.0,
+                      beta_slow: float = 1.0, truncate: bool = True) -> tuple:
+    """YaRN's frequencies as [R/2] per-pair divisors of the angle (the form rope_angles takes). Pair i turns
+    (orig_ctx / wavelength) times over the original context; pairs turning more than beta_fast times keep their
+    frequency (extrapolation), pairs turning fewer than beta_slow times are divided by `factor` (interpolation),
+    and a linear ramp over the pair index blends between: inv_freq = inv / factor * (1 - e) + inv * e with e the
+    extrapolation weight, so the divisor is 1 / ((1 - e) / factor + e). The ramp's ends are floored and ceiled
+    (truncate, transformers' default and ggml's ggml_rope_yarn_corr_dims) and clamped to [0, R - 1]."""
+    def corr_dim(n_rot):           # the pair dimension that turns n_rot times over orig_ctx positions
+        return rope_dim * math.log(orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    span = high - low if high != low else 0.001
+    out = []
+    for i in range(rope_dim // 2):
+        e = 1.0 - min(1.0, max(0.0, (i - low) / span))              # extrapolation weight of pair i
+        out.append(1.0 / ((1.0 - e) / factor + e))
+    return tuple(out)
+
+
+def yarn_attn_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """YaRN's magnitude correction of cos and sin: 0.1 ln(factor) + 1 (the paper's sqrt(1/t)); with DeepSeek's
+    mscale and mscale_all_dim, get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) (1 where they are
+    equal); 1 for factor <= 1."""
+    def get_mscale(s, m=1.0):
+        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+    if mscale and mscale_all_dim:
+        return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    return get_mscale(factor)
+
+
+def longrope_attn_factor(factor: float, orig_ctx: int) -> float:
+    """LongRoPE's magnitude correction of cos and sin: sqrt(1 + ln(factor) / ln(orig_ctx)); 1 for factor <= 1."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1.0 + math.log(factor) / math.log(orig_ctx))
+
+
+def dynamic_ntk_base(base: float, rope_dim: int, factor: float, orig_ctx: int, seq_len: int) -> float:
+    """Dynamic NTK: the RoPE base for a sequence of seq_len positions, base * (factor * s / orig_ctx - (factor -
+    1))^(R / (R - 2)) with s = max(seq_len, orig_ctx) (so the base is unchanged up to orig_ctx)."""
+    s = max(int(seq_len), int(orig_ctx))
+    return base * ((factor * s / orig_ctx) - (factor - 1)) ** (rope_dim / (rope_dim - 2))
+
+
+def step_rope(seq_len: int, base: float, rope_dim: int, factors=None, factors_long=None, ntk_factor: float = 0.0,
+              orig_ctx: int = 0) -> tuple:
+    """-> (base, per-pair factors) of a forward step after which the sequence holds seq_len positions, chosen
+    as transformers chooses them on every forward call (seq_len = max(position_ids) + 1): LongRoPE takes its
+    long factor set once seq_len > orig_ctx and its short set (`factors`) otherwise; dynamic NTK grows the base
+    for seq_len > orig_ctx. Every other scaling: (base, factors) whatever the length."""
+    if factors_long is not None and seq_len > orig_ctx:
+        return base, factors_long
+    if ntk_factor and seq_len > orig_ctx:
+        return dynamic_ntk_base(base, rope_dim, ntk_factor, orig_ctx, seq_len), factors
+    return base, factors
 
 
 def rope(xp, x, cos, sin, style: str):

@@ -77,11 +77,35 @@ template <int T> __device__ void dequant_half(const u8* __restrict__ W, __half* 
     reinterpret_cast<uint4*>(out)[i] = *reinterpret_cast<uint4*>(h);
 }
 
+// the same weights as two float16 parts a row, hi = fp16(w) in columns [0, K) and lo = fp16((w - hi) * 2^11) in
+// [K, 2K) (w = hi + lo * 2^-11 to about 22 bits), for split products that keep float32's band on tensor cores
+template <int T> __device__ void dequant_split(const u8* __restrict__ W, __half* __restrict__ out, int n, int units,
+                                               long row_bytes) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)n * units * 4) return;
+    long q = i / 4;
+    int row = (int)(q / units), u = (int)(q % units), p = (int)(i % 4);
+    float w[8];
+    oct<T>(W + (size_t)row * row_bytes, u, p, w);
+    __half2 h[4], l[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        h[k] = __floats2half2_rn(w[2 * k], w[2 * k + 1]);
+        float2 b = __half22float2(h[k]);
+        l[k] = __floats2half2_rn((w[2 * k] - b.x) * 2048.f, (w[2 * k + 1] - b.y) * 2048.f);
+    }
+    long k = 32L * units, at = (long)row * 2 * k + (long)u * 32 + 8 * p;     // halves
+    *reinterpret_cast<uint4*>(out + at) = *reinterpret_cast<uint4*>(h);
+    *reinterpret_cast<uint4*>(out + at + k) = *reinterpret_cast<uint4*>(l);
+}
+
 #define KERNELS(T, NAME) \
 extern "C" __global__ void dequant_##NAME(const u8* W, float* out, int n, int units, long rb) \
     { dequant<T>(W, out, n, units, rb); } \
 extern "C" __global__ void dequant16_##NAME(const u8* W, __half* out, int n, int units, long rb) \
-    { dequant_half<T>(W, out, n, units, rb); }
+    { dequant_half<T>(W, out, n, units, rb); } \
+extern "C" __global__ void dequant_split_##NAME(const u8* W, __half* out, int n, int units, long rb) \
+    { dequant_split<T>(W, out, n, units, rb); }
 KERNELS(0, q4_0)
 KERNELS(1, q4_1)
 KERNELS(2, q8_0)
