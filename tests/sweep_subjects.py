@@ -73,3 +73,13 @@ def holds_no_ffn(model_path, token_ids, decode_steps=0, **settings):
     rec = _run(model_path, token_ids, decode_steps)
     rec.tensors = {k: v for k, v in rec.tensors.items() if not k.startswith("cp6.")}
     return rec
+
+
+def wrong_for_the_second_sequence(model_path, token_ids, decode_steps=0, n_seq=1, **settings):
+    """Several sequences in one batch (token_ids one list per sequence, n_seq > 1): each run alone, clean, but
+    the second sequence's logits wrong whenever the batch holds two or more; one sequence is always clean."""
+    if n_seq == 1:
+        return _run(model_path, token_ids, decode_steps)
+    recs = [_run(model_path, ids, decode_steps) for ids in token_ids]
+    _spoil(recs[1], "cp8.logits")
+    return recs

@@ -12,6 +12,7 @@ import pytest
 from llorch_ref.cli import main
 from llorch_ref.harness.compare import dims_of, one_token_rows, subject_getter
 from llorch_ref.harness.local import local_outputs
+from llorch_ref.harness.run import run_subject
 from llorch_ref.harness.sweep import (
     Cell,
     CellRunner,
@@ -24,6 +25,8 @@ from llorch_ref.harness.sweep import (
     parse_int_list,
     run_sweep,
 )
+from llorch_ref.harness.sweep_batch import dump_llamacpp_batch, sequence_prompts
+from llorch_ref.references.engines import dump_llamacpp
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +167,44 @@ def test_a_one_token_micro_batch_is_judged_by_the_product_llamacpp_used(llamacpp
             lo = local_outputs(eng, get, layer, ids, one_token=flags, only={"kqv_out"})["kqv_out"]
             out.append(float(np.abs(lo - held).max()))
     assert max(by_batch) == 0.0 and max(as_one) > 0.0
+
+
+def test_wrong_for_the_second_sequence_is_shrunk_to_two_sequences_of_one_token(capsys, tmp_path, model):
+    rc, out = sweep(capsys, tmp_path, model, "--subject", "sweep_subjects:wrong_for_the_second_sequence",
+                    "--lengths", "4,6", "--settings", "n_seq=1,4")
+    assert rc == 1
+    failing = [c for c in out["cells"] if c["status"] == "FAIL"]
+    assert [(c["length"], c["settings"]["n_seq"]) for c in failing] == [(4, 4), (6, 4)]
+    assert all(c["sequence"] == 1 and c["sequences"].count("FAIL") == 1 and c["sequences"][1] == "FAIL"
+               for c in failing)
+    assert all("sequence" not in c for c in out["cells"] if c["settings"]["n_seq"] == 1)
+    s = out["smallest_failing"]
+    assert s["label"] == "L1 s0 n_seq=2" and s["cell"]["first_divergence"]["tensor"] == "logits"
+    assert s["cell"]["reasons"][0].startswith("sequence 1 of 2: ")
+
+
+@pytest.mark.llamacpp
+def test_each_sequence_of_a_llamacpp_batch_holds_what_it_holds_alone(llamacpp, default_model):
+    """Two sequences of 5 tokens in one batch, a decode step each (f32 cache): every tensor of each sequence's
+    dump (its rows, its own cache cells, its rows' scores against its own cells, its logits) equals the same
+    sequence's run alone to the bit, but the softmax and P.V, whose sums run over the sequence's cache cells
+    (elsewhere in a shared cache): a few f32 ulps. The local reference, the keys placed at those cells, gives
+    every tensor to the bit. A mask that let one sequence see the other's keys, or a row or cell taken from
+    the wrong sequence, would differ far beyond that."""
+    runner = CellRunner(Plan(subject="llamacpp", model=str(default_model), text=make_spec("llamacpp", lengths="5").text,
+                             threads=1))
+    seqs = sequence_prompts(runner.base, 5, 2)
+    assert seqs[0] != seqs[1]
+    both = dump_llamacpp_batch(default_model, seqs, decode_steps=1, n_threads=1)
+    summed = ("cp4.kq_soft_max.", "cp5.kqv_out.")
+    for ids, rec in zip(seqs, both):
+        alone = dump_llamacpp(default_model, token_ids=ids, n_greedy=0, decode_steps=1, n_threads=1)
+        names = set(alone.tensors) & set(rec.tensors)
+        assert len(names) > 200 and {n for n in alone.tensors if n.startswith("cp")} <= names | {"cp0.token_ids"}
+        diff = {n: float(np.abs(rec.tensors[n] - alone.tensors[n]).max()) for n in names}
+        assert max(d for n, d in diff.items() if not n.startswith(summed)) == 0.0
+        assert max(diff.values()) < 1e-6
+        assert rec.extra["decode_token_ids"] == alone.extra["decode_token_ids"]
+        sub = rec.to_dump()
+        res = run_subject(runner.reference(sub), sub, as_declared=False)
+        assert [r for r in res.rows if r.local and r.local.get("nmse", 0) > 0] == []

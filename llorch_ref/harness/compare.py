@@ -483,14 +483,14 @@ def fused_attention(sub: Dump) -> bool:
 
 def one_token_rows(sub: Dump) -> list | None:
     """Per row the subject holds, whether llama.cpp computed it in a micro-batch of one token (then by its
-    vec_dot, not by tinyBLAS's tiles): from the dump's arithmetic batch_tokens ({"prompt": the size of the
+    vec_dot, not by tinyBLAS's tiles): from the dump's arithmetic settings batch_tokens ({"prompt": the size of the
     micro-batch of each prompt token, "decode": the tokens of each decode step's batch}), else from its
     n_ubatch (a prompt cut into micro-batches of n_ubatch tokens, one token a decode step). None for a
     dump not in ggml numerics."""
     ar = sub.arithmetic or {}
     if ar.get("numerics") != "ggml":
         return None
-    sizes = ar.get("batch_tokens") or {}
+    sizes = (ar.get("settings") or {}).get("batch_tokens") or {}
     if sub.past_token_ids:
         return [int(sizes.get("decode", 1)) == 1] * len(sub.rows)
     t = len(sub.token_ids)
@@ -513,7 +513,8 @@ def _local_reader(engine, sub: Dump, cat: dict, dims: dict, positions):
             memo[key] = (model_outputs(engine, last_row(get) if cp == "9" else get) if layer is None else
                          local_outputs(engine, get, layer, [sub.token_ids[r] for r in sub.rows],
                                        fused_attention=fused_attention(sub), past=len(sub.past_token_ids),
-                                       positions=positions, one_token=one_token_rows(sub)))
+                                       positions=positions, one_token=one_token_rows(sub),
+                                       cells=((sub.arithmetic or {}).get("settings") or {}).get("cells")))
         lo = memo[key].get(tensor)
         if cp == "9" and lo is not None:            # the last row alone, from the subject's own result_norm
             return lo[-1]                           # (computed on that row alone: see local.last_row)

@@ -72,12 +72,25 @@ def _cache_rows(engine, get, layer: int, name: str, new, positions, cache):
     return rows.astype(xp.float32)
 
 
-def attention_by_batch(engine, q, k, v, mask, kv_head, one_token=None):
+def attention_by_batch(engine, q, k, v, mask, kv_head, one_token=None, cells=None):
     """engine.ops.attention on the rows held, each by the product llama.cpp used for it: a row computed in a
     micro-batch of one token (one_token[i]) by its vec_dot, every other row by the tiles of a batch (tinyBLAS),
     as the rows' own micro-batches chose (ggml numerics; the rows are independent given the cache, so only
-    the kind of product matters). one_token None: all rows as one batch of the rows held."""
+    the kind of product matters). one_token None: all rows as one batch of the rows held. cells: the cache
+    cell of each position (a sequence sharing its cache with others in one batch): the keys are then placed
+    at their cells, the others hidden, so the sums of the softmax and of P.V run over the lanes llama.cpp's
+    did (a hidden key adds an exact 0), and kq and probs are taken back at the positions."""
     ops, xp, cfg = engine.ops, engine.xp, engine.config
+    s = k.shape[0]
+    if cells is not None and list(cells[:s]) != list(range(s)):
+        at = xp.asarray(list(cells[:s]))
+        n = int(max(cells[:s])) + 1
+        kc, vc = (xp.zeros((n,) + a.shape[1:], dtype=a.dtype) for a in (k, v))
+        kc[at], vc[at] = k, v
+        mc = xp.full((mask.shape[0], n), -xp.inf, dtype=mask.dtype)
+        mc[:, at] = mask
+        att, kq, probs = attention_by_batch(engine, q, kc, vc, mc, kv_head, one_token)
+        return att, kq[..., at], probs[..., at]
     t = q.shape[0]
     if one_token is None or len(set(one_token)) == 1 and bool(one_token[0]) == (t == 1):
         return ops.attention(xp, q, k, v, mask, cfg.scale, kv_head)
@@ -86,17 +99,17 @@ def attention_by_batch(engine, q, k, v, mask, kv_head, one_token=None):
     for rows in (g for g in groups if g):
         sel = rows * 2 if len(rows) == 1 and not one_token[rows[0]] else rows    # a batch's row: t >= 2
         ix = xp.asarray(sel)
-        a, s, p = ops.attention(xp, q[ix], k, v, mask[ix], cfg.scale, kv_head)
+        a, sc, p = ops.attention(xp, q[ix], k, v, mask[ix], cfg.scale, kv_head)
         if att is None:
             att = xp.zeros((t,) + a.shape[1:], dtype=a.dtype)
-            kq, probs = (xp.zeros(x.shape[:1] + (t,) + x.shape[2:], dtype=x.dtype) for x in (s, p))
+            kq, probs = (xp.zeros(x.shape[:1] + (t,) + x.shape[2:], dtype=x.dtype) for x in (sc, p))
         n, dst = len(rows), xp.asarray(rows)
-        att[dst], kq[:, dst], probs[:, dst] = a[:n], s[:, :n], p[:, :n]
+        att[dst], kq[:, dst], probs[:, dst] = a[:n], sc[:, :n], p[:, :n]
     return att, kq, probs
 
 
 def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = False, past: int = 0,
-                  positions=None, only=None, one_token=None) -> dict:
+                  positions=None, only=None, one_token=None, cells=None) -> dict:
     """get(name, layer) -> the subject's canonical array or None. -> {name: reference op on the subject's
     inputs} for every tensor of this layer whose inputs the subject holds. fused_attention: the subject ran
     llama.cpp's flash attention (ggml numerics, F16 cache): attn_out is then checked through its emulation.
@@ -105,7 +118,8 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
     The cache rows not written by these rows are the subject's own (its k_cache/v_cache), so only the rows
     written are checked. only: the names to compute (default every one whose inputs are held): a repro runs
     one operation. one_token: per row held, whether the subject computed it in a micro-batch of one token
-    (attention_by_batch; default: the rows held as one batch)."""
+    (attention_by_batch; default: the rows held as one batch). cells: the cache cell of each position, where
+    the subject's sequence shared its cache (attention_by_batch; default: cell = position)."""
     cfg, ops, xp = engine.config, engine.ops, engine.xp
     lw = engine.weights.layers[layer]
     t = len(token_ids)
@@ -150,7 +164,7 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
     if (want("kq", "kq_soft_max", "kqv_out") or fused) and (a := have("q", "k_cache", "v_cache")) is not None:
         kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
         mask = comparison_mask(xp, cfg, layer, asx(positions), a[1].shape[0])
-        att, kq, probs = attention_by_batch(engine, a[0], a[1], a[2], mask, kv_head, one_token)
+        att, kq, probs = attention_by_batch(engine, a[0], a[1], a[2], mask, kv_head, one_token, cells)
         out.update(kq=kq, kq_soft_max=probs, kqv_out=att)
     if not want("attn_out"):
         pass

@@ -13,8 +13,12 @@ The rules:
 - Shrinking (as property-based testing shrinks, greedy and deterministic): from the failing cell that is
   smallest (simplest settings, fewest steps, shortest prompt, in that order), each axis in turn (length, steps,
   then each setting) takes the smallest value below its own that still fails with the same first divergence
-  (checkpoint and tensor), until no axis moves. Lengths and steps try every integer below, settings the values
-  listed before (the first listed is the simplest); at most `shrink_budget` cells beyond the matrix are run.
+  (checkpoint and tensor), until no axis moves. Lengths, steps and n_seq try every integer below, other
+  settings the values listed before (the first listed is the simplest); at most `shrink_budget` cells beyond
+  the matrix are run.
+- n_seq (a setting of the llamacpp subject and of any subject that takes it): the cell's sequences run in one
+  batch, sequence j's prompt the sweep text from its 7*j-th token on (harness/sweep_batch.py); each sequence is
+  judged against the reference run of it alone, the cell by its first failing sequence.
 """
 from __future__ import annotations
 
@@ -34,15 +38,17 @@ from ..references.engines import dump_llamacpp
 from .bundle import write_bundle
 from .ray_eval import check_cluster_address
 from .run import declared_engine, run_subject
+from .sweep_batch import dump_llamacpp_batch, sequence_prompts
 from .verdict import EXIT_CODES, FAIL, INCOMPLETE, PASS
 
 # the sweep's text: its tokens are cut or repeated to each cell's length
 SWEEP_TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the sun. "
               "The quick brown fox jumps over the lazy dog. The capital of France is Paris, and the capital of "
               "Italy is Rome. In 1969, 3 astronauts flew 384,400 km to the Moon and back again.")
-LLAMACPP_SETTINGS = ("n_ubatch", "threads", "kv_dtype", "flash_attn")
+LLAMACPP_SETTINGS = ("n_ubatch", "threads", "kv_dtype", "flash_attn", "n_seq")
 BOUNDARY_BASES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 SHRINK_BUDGET = 64
+COUNT_SETTINGS = ("n_seq",)      # settings shrunk as lengths are: every integer >= 1 below their own
 
 
 class SweepError(LlorchError):
@@ -148,8 +154,12 @@ def parse_setting(text: str) -> tuple[str, list]:
 
 
 def check_settings(subject: str, settings: dict) -> dict:
-    """The llamacpp subject takes n_ubatch, threads (integers >= 1), kv_dtype (f32/f16/float32/float16) and
-    flash_attn (on/off); kv_dtype values are named in full. Other subjects take any names."""
+    """The llamacpp subject takes n_ubatch, threads, n_seq (integers >= 1), kv_dtype (f32/f16/float32/float16)
+    and flash_attn (on/off); kv_dtype values are named in full. Other subjects take any names (n_seq, where
+    given, integers >= 1: the sequences of one batch)."""
+    if "n_seq" in settings and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                                       for v in settings["n_seq"]):
+        raise ParameterError("--settings n_seq: integers >= 1")
     if subject != "llamacpp":
         return settings
     out = {}
@@ -157,7 +167,7 @@ def check_settings(subject: str, settings: dict) -> dict:
         if name not in LLAMACPP_SETTINGS:
             raise ParameterError(f"--settings {name}: not a setting of the llamacpp subject "
                                  f"({', '.join(LLAMACPP_SETTINGS)})")
-        if name in ("n_ubatch", "threads") and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        if name in ("n_ubatch", "threads", "n_seq") and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
                                                        for v in vals):
             raise ParameterError(f"--settings {name}: integers >= 1")
         if name == "flash_attn" and not all(isinstance(v, bool) for v in vals):
@@ -252,19 +262,27 @@ def as_dump(out, spec: str):
 
 
 def make_subject(spec: str):
-    """-> f(model_path, token_ids, steps, settings) -> Dump. llamacpp: dump_llamacpp with the cell's settings
-    (no greedy text: the decode steps are the generation checked); MODULE:FUNCTION: called as
-    (model_path, token_ids, **settings), with decode_steps=N where N > 0, as the pytest plugin calls it."""
+    """-> f(model_path, token_ids, steps, settings) -> Dump, or a list of Dumps (one per sequence) where the
+    cell's n_seq > 1 and token_ids is then one list of ids per sequence. llamacpp: dump_llamacpp with the cell's
+    settings (no greedy text: the decode steps are the generation checked), or with n_seq > 1
+    dump_llamacpp_batch (the sequences in one batch); MODULE:FUNCTION: called as (model_path, token_ids,
+    **settings), with decode_steps=N where N > 0, as the pytest plugin calls it; with n_seq > 1 it returns a
+    list of dumps, one per sequence, in order."""
     if spec == "llamacpp":
         def llamacpp(model_path, ids, steps, settings):
             s = dict(settings)
-            return dump_llamacpp(model_path, token_ids=ids, n_greedy=0, decode_steps=steps,
-                                 n_ubatch=s.get("n_ubatch", 512), n_threads=s.get("threads", 2),
-                                 kv_dtype=s.get("kv_dtype", "float32"), flash_attn=s.get("flash_attn", False)).to_dump()
+            kw = {"n_ubatch": s.get("n_ubatch", 512), "n_threads": s.get("threads", 2),
+                  "kv_dtype": s.get("kv_dtype", "float32"), "flash_attn": s.get("flash_attn", False)}
+            if s.get("n_seq", 1) > 1:
+                return [r.to_dump() for r in dump_llamacpp_batch(model_path, ids, decode_steps=steps, **kw)]
+            return dump_llamacpp(model_path, token_ids=ids, n_greedy=0, decode_steps=steps, **kw).to_dump()
         return llamacpp
     fn = load_callable(spec)
-    return lambda model_path, ids, steps, settings: as_dump(
-        fn(model_path, list(ids), **({"decode_steps": steps} if steps else {}), **dict(settings)), spec)
+
+    def call(model_path, ids, steps, settings):
+        out = fn(model_path, list(ids), **({"decode_steps": steps} if steps else {}), **dict(settings))
+        return [as_dump(o, spec) for o in out] if isinstance(out, (list, tuple)) else as_dump(out, spec)
+    return call
 
 
 # ---- running cells -------------------------------------------------------------------------------------------------
@@ -305,28 +323,48 @@ class CellRunner:
 
     def run(self, cell: Cell) -> dict:
         """-> the cell's record: length, steps, settings, status, first divergence, reasons, seconds (and the
-        bundle's folder, relative to bundle_dir, for a failing cell when the plan writes bundles)."""
+        bundle's folder, relative to bundle_dir, for a failing cell when the plan writes bundles). With n_seq
+        > 1 every sequence is judged against the reference run of it alone: the cell takes the first failing
+        sequence's verdict (else the first incomplete one's), named in `sequence`; `sequences` lists each
+        sequence's status."""
         t0 = time.perf_counter()
-        ids = cell_tokens(self.base, cell.length)
+        n_seq = int(dict(cell.settings).get("n_seq", 1))
+        seqs = sequence_prompts(self.base, cell.length, n_seq)
         rec = {"length": cell.length, "steps": cell.steps, "settings": {k: v for k, v in cell.settings}}
         try:
-            sub = self.subject(str(self.engine.path), ids, cell.steps, cell.settings)
+            out = self.subject(str(self.engine.path), seqs[0] if n_seq == 1 else seqs, cell.steps, cell.settings)
+            subs = [out] if n_seq == 1 else list(out)
+            if len(subs) != n_seq:
+                raise TypeError(f"{len(subs)} dumps returned for {n_seq} sequences")
         except Exception as e:            # the subject itself: its crash is this cell's failure
             return {**rec, "status": FAIL, "first_divergence": None, "raised": type(e).__name__,
                     "reasons": [f"the subject raised {type(e).__name__}: {e}"], "seconds": time.perf_counter() - t0}
-        try:
-            res = run_subject(self.reference(sub), sub, require=self.plan.require, as_declared=False,
-                              subject_label=f"{sub.engine} ({self.plan.subject}, {cell.label()})")
-        except LlorchError as e:          # the harness cannot judge this cell (no bands for its arithmetic, ...)
-            return {**rec, "status": INCOMPLETE, "first_divergence": None, "reasons": [
-                f"the comparison could not be made: {e}"], "seconds": time.perf_counter() - t0}
-        res.not_applicable = sorted(set(res.not_applicable) | {"cp0"})     # ids, not a text: nothing tokenized
-        v = res.verdict()
-        rec.update(status=v.status, first_divergence=v.first_divergence, reasons=list(v.reasons))
+        judged = []
+        for j, sub in enumerate(subs):
+            said = "" if n_seq == 1 else f"sequence {j} of {n_seq}: "
+            try:
+                res = run_subject(self.reference(sub), sub, require=self.plan.require, as_declared=False,
+                                  subject_label=f"{sub.engine} ({self.plan.subject}, {cell.label()}"
+                                                + ("" if n_seq == 1 else f", sequence {j}") + ")")
+            except LlorchError as e:      # the harness cannot judge this cell (no bands for its arithmetic, ...)
+                return {**rec, "status": INCOMPLETE, "first_divergence": None, **self.which(j, n_seq, None),
+                        "reasons": [f"{said}the comparison could not be made: {e}"],
+                        "seconds": time.perf_counter() - t0}
+            res.not_applicable = sorted(set(res.not_applicable) | {"cp0"})     # ids, not a text: nothing tokenized
+            judged.append((j, res, res.verdict(), said))
+        order = {FAIL: 0, INCOMPLETE: 1, PASS: 2}
+        j, res, v, said = min(judged, key=lambda x: (order[x[2].status], x[0]))
+        rec.update(status=v.status, first_divergence=v.first_divergence, reasons=[said + r for r in v.reasons],
+                   **self.which(j if v.status != PASS else None, n_seq, [x[2].status for x in judged]))
         if v.status == FAIL and self.plan.bundle_dir:
             rec["bundle"] = self.bundle(res, cell)
         rec["seconds"] = time.perf_counter() - t0
         return rec
+
+    @staticmethod
+    def which(j, n_seq: int, statuses) -> dict:
+        """The record's sequence fields (a cell of several sequences only): the sequence named, each one's status."""
+        return {} if n_seq == 1 else {"sequence": j, **({"sequences": statuses} if statuses else {})}
 
     def bundle(self, res, cell: Cell) -> str:
         """A failing cell's proof bundle under the plan's bundle folder -> its folder name."""
@@ -413,7 +451,8 @@ def candidates(cell: Cell, spec: SweepSpec):
     for s in range(0, cell.steps):
         yield Cell(cell.length, s, cell.settings)
     for i, (name, v) in enumerate(cell.settings):
-        for simpler in spec.settings[name][:spec.settings[name].index(v)]:
+        below = range(1, v) if name in COUNT_SETTINGS else spec.settings[name][:spec.settings[name].index(v)]
+        for simpler in below:
             yield Cell(cell.length, cell.steps, cell.settings[:i] + ((name, simpler),) + cell.settings[i + 1:])
 
 

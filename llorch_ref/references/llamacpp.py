@@ -159,9 +159,10 @@ class LlamaCpp:
     """One llama.cpp model + context. eval(tokens) runs a fresh sequence and returns logits [T, V]."""
 
     def __init__(self, path, n_ctx=512, kv_dtype="float32", n_threads=2, n_ubatch=512, seed=0, flash_attn=False,
-                 n_batch=None):
+                 n_batch=None, n_seq=1):
         """n_batch: the most tokens one eval takes (default n_ubatch); llama.cpp computes a batch longer than
-        n_ubatch as micro-batches of n_ubatch tokens, one graph each."""
+        n_ubatch as micro-batches of n_ubatch tokens, one graph each. n_seq: the sequences one batch may hold
+        (decode_rows); more than one share one unified K/V cache of n_ctx cells, filled in batch order."""
         llama_cpp, _ = _import()
         self.llama_cpp = llama_cpp
         kv_dtype = dtype_name(kv_dtype, tuple(KV_TYPES), "kv_dtype")
@@ -191,6 +192,8 @@ class LlamaCpp:
         cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                               else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         cp.type_k = cp.type_v = KV_TYPES[kv_dtype]
+        cp.n_seq_max = int(n_seq)
+        cp.kv_unified = int(n_seq) > 1
         cp.offload_kqv = False
         self._capture: Capture | None = None
         self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval_cb)   # kept alive on self
@@ -203,6 +206,8 @@ class LlamaCpp:
                          "flash_attn": bool(flash_attn), "type_k": SHORT[kv_dtype], "type_v": SHORT[kv_dtype], "use_extra_bufts": False,
                          "logits": "all tokens (llama_batch_init)", "llama_cpp_python": llama_cpp.__version__,
                          "GGML_CPU_TILED_MM": os.environ.get("GGML_CPU_TILED_MM"), "build": build_features()}
+        if n_seq > 1:
+            self.settings.update(n_seq_max=int(n_seq), kv_unified=True)
         self.n_ctx, self.n_ubatch, self.n_batch, self.path = n_ctx, n_ubatch, n_batch, str(path)
 
     @staticmethod
@@ -278,6 +283,42 @@ class LlamaCpp:
                 p = lc.llama_get_logits_ith(self.ctx, i)
                 out[j] = np.ctypeslib.as_array(p, shape=(self.n_vocab,))
             return out
+        finally:
+            lc.llama_batch_free(batch)
+
+    def clear(self):
+        """Every sequence's K/V memory cleared (the next batch starts at cell 0)."""
+        self.llama_cpp.llama_memory_clear(self.llama_cpp.llama_get_memory(self.ctx), True)
+
+    def decode_rows(self, rows, capture: Capture | None = None, outputs=None) -> np.ndarray:
+        """One llama_batch of rows (token, position, sequence id), in that order: several sequences in one
+        batch, each attending to its own positions only. outputs: the rows whose logits are computed (default
+        every row) -> their logits [len(outputs), V]."""
+        lc = self.llama_cpp
+        n = len(rows)
+        if n == 0 or n > self.n_batch:
+            raise PromptError(f"{n} rows in one batch: 1 to n_batch ({self.n_batch})")
+        want = set(range(n)) if outputs is None else set(outputs)
+        batch = lc.llama_batch_init(n, 0, 1)
+        try:
+            for i, (tok, pos, seq) in enumerate(rows):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(tok), int(pos), 1
+                batch.seq_id[i][0] = int(seq)
+                batch.logits[i] = 1 if i in want else 0
+            batch.n_tokens = n
+            self._capture = capture
+            if capture is not None:
+                capture.error = None
+            rc = lc.llama_decode(self.ctx, batch)
+            self._capture = None
+            if capture is not None:
+                capture.done()
+                if capture.error is not None:
+                    raise ReferenceError_(f"llama.cpp capture failed: {capture.error}")
+            if rc != 0:
+                raise ReferenceError_(f"llama_decode returned {rc}")
+            return np.stack([np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+                             for i in sorted(want)]).astype(np.float32)
         finally:
             lc.llama_batch_free(batch)
 
