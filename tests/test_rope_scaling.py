@@ -345,3 +345,24 @@ def test_llamacpp_picks_longrope_factors_by_its_allocated_context(llamacpp, phi3
     p = _longrope_gguf(phi3_gguf, tmp_path / "lr.gguf", 300)
     fd, nmse = _llamacpp_divergence(p, LONG_IDS[:20], 512)
     assert (fd["checkpoint"], fd["layer"], fd["tensor"]) == ("1B", 0, "q") and nmse > 1e-6
+
+
+def test_hf_longrope_decode_steps_switch_sets_where_transformers_does(tmp_path, monkeypatch):
+    """Decode steps crossing the original 32 positions (a 28-token prompt, 8 teacher-forced steps): each step
+    takes the set of the length it ends at, keys already cached keep theirs, as transformers' forward calls
+    on its cache do; every checkpoint of every step compared."""
+    from llorch_ref.harness.compare import compare_dumps
+    from llorch_ref.model.cache import Cache
+    from llorch_ref.references.engines import dump_transformers
+    from llorch_ref.references.llorch import record_engine
+    folder, _ = _phi3_longrope(tmp_path)
+    eng = llorch_ref.load(folder)
+    ids, steps = _ids(28), _ids(36)[28:]
+    want = dump_transformers(folder, token_ids=ids, n_greedy=0, decode_ids=steps)
+    res = compare_dumps(record_engine(eng, ids, n_greedy=0, decode_ids=steps), want, eng.config, "F32")
+    assert res.first_divergence is None
+    assert {r.step for r in res.rows if r.checkpoint == "1B"} == set(range(9))
+    # planted: the set fixed by the prompt's length for the whole sequence (steps 5..8 end past 32 positions)
+    monkeypatch.setattr(Cache, "rope_seq_len", lambda self, n_new: min(self.pos + n_new, 28))
+    fd = compare_dumps(record_engine(eng, ids, n_greedy=0, decode_ids=steps), want, eng.config, "F32").first_divergence
+    assert fd is not None and (fd["checkpoint"], fd["step"]) == ("1B", 5)
