@@ -1,6 +1,11 @@
 """Measure every checkpoint across several prompts and model copies, and write the bands into checkpoints/.
 
     python tools/calibrate_bands.py [--write] [--margin 10]
+    python tools/calibrate_bands.py --blackbox [--write]     # checkpoints/blackbox_bands.json
+
+--blackbox: the black-box bands per arithmetic and subject kind, from clean engines' log-probabilities
+(tools/blackbox_figures.py calibrate: the runs it keeps in its cache are reused, their false alarms measured on
+held-out prompts), written to results/blackbox/clean.{md,json}.
 
 Each band class is measured on a copy of the default model with that weight type (see
 tools/make_quant_copies.py). The band for NMSE is margin x the worst value measured; agreement bands
@@ -39,7 +44,11 @@ def main():
                          "copy stored as bfloat16. Other classes' bands are kept.")
     ap.add_argument("--ggml", action="store_true",
                     help="measure numerics='ggml' (F32/F16 K/V) instead and write the 'ggml' band class")
+    ap.add_argument("--blackbox", action="store_true",
+                    help="the black-box bands (tools/blackbox_figures.py calibrate, 8 prompts x 64 steps)")
     a = ap.parse_args()
+    if a.blackbox:
+        return calibrate_blackbox(a)
     if a.ggml:
         return calibrate_ggml(a)
     sys.path.insert(0, str(Path(__file__).parent))
@@ -123,6 +132,16 @@ def main():
         s.path.write_text(json.dumps(d, indent=2) + "\n")
     print("bands written to", specs[0].path.parent, file=sys.stderr)
     return 0
+
+
+def calibrate_blackbox(a):
+    """The black-box bands: tools/blackbox_figures.py calibrate, its per-step band a.margin x the worst clean step."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import blackbox_figures
+
+    argv = ["calibrate", "--out", "results/blackbox/clean", "--prompts", "8", "--steps", "64",
+            "--margin", f"{a.margin:g}"] + (["--write-bands"] if a.write else [])
+    blackbox_figures.main(argv)
 
 
 def calibrate_ggml(a):

@@ -267,6 +267,28 @@ def divergence_lines(res) -> list[str]:
             f"  reference top: {said(m['top_reference'])}; engine top: {said(m['top_engine'])}"]
 
 
+def judge_table(table: list, band: dict, run_band: dict | None) -> dict:
+    """The verdict's rule on a steps_table (kept figures, no reference run): the first step whose KLD leaves the
+    band or whose token is neither the reference's top nor a near tie, and whether the run-level row fails (judged
+    where the run has run_band's min_steps) -> {"step", "by": "kld" | "argmax" | "run" | None, "run_failed",
+    "stats"}."""
+    first, by = None, None
+    for s in table:
+        if s["kld"] > band["kld"]:
+            first, by = s["step"], "kld"
+        elif not s["same_top"] and s["margin"] > band["near_tie"]:
+            first, by = s["step"], "argmax"
+        if first is not None:
+            break
+    stats = run_statistics([s["kld"] for s in table], [s["ref_logprob"] for s in table],
+                           [s["engine_logprob"] for s in table])
+    run_failed = run_band is not None and stats["steps"] >= run_band["min_steps"] and not within(
+        stats, {"mean_kld": run_band["mean_kld"], "logprob_shift": run_band["logprob_shift"]})
+    if first is None and run_failed:
+        first, by = table[-1]["step"], "run"
+    return {"step": first, "by": by, "run_failed": run_failed, "stats": stats}
+
+
 def run_row(res):
     """The run-level row of a black-box result (None where the run was too short to judge)."""
     return next((r for r in res.rows if r.tensor == RUN), None)
