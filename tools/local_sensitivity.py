@@ -11,8 +11,9 @@ the raw figures, and reports whether any clean run diverges (a false alarm).
 sweep: for each matrix, layer and factor, a copy of the model with that matrix's block scales multiplied
 (llorch_ref.testing.plant), each subject run on the copy, and `compare_dumps` against the reference on the
 original with the local comparison: where the first divergence is named, and whether it is the right
-checkpoint and layer. Subjects: llamacpp, llamacpp-f16 and llamacpp-fa (llama.cpp through its eval callback,
-K/V cache f32, f16, and f16 with flash attention as llama.cpp runs by default; all declare ggml arithmetic),
+checkpoint and layer. Subjects: llamacpp, llamacpp-f16, llamacpp-fa and llamacpp-fa32 (llama.cpp through its
+eval callback, K/V cache f32, f16, f16 with flash attention as llama.cpp runs by default, and f32 with flash
+attention; all declare ggml arithmetic),
 numba (llorch-ref's numba backend, exact), transformers (the copy converted to a Hugging Face folder, exact).
 """
 from __future__ import annotations
@@ -59,10 +60,10 @@ class References:
 
 def subject_dump(kind, model_path, ids, work: Path):
     """-> (Recorder, declaration) of one subject engine run on model_path."""
-    if kind in ("llamacpp", "llamacpp-f16", "llamacpp-fa"):
+    if kind in ("llamacpp", "llamacpp-f16", "llamacpp-fa", "llamacpp-fa32"):
         from llorch_ref.references.engines import dump_llamacpp
-        kv = "float32" if kind == "llamacpp" else "float16"
-        fa = kind == "llamacpp-fa"
+        kv = "float32" if kind in ("llamacpp", "llamacpp-fa32") else "float16"
+        fa = kind in ("llamacpp-fa", "llamacpp-fa32")
         return (dump_llamacpp(model_path, token_ids=ids, n_greedy=2, kv_dtype=kv, flash_attn=fa),
                 f"ggml/{kv}" + ("+flash_attn" if fa else ""))
     if kind == "numba":
@@ -120,6 +121,9 @@ def calibrate(args, refs, tok):
     path = catalogue_path() / "local_bands.json"
     if path.exists():                               # keep the declarations this run did not measure
         old = json.loads(path.read_text())
+        if set(old.get("bands", {})) - set(bands):     # the others' command stays named
+            out["about"] = (f"{old['about']} Then python {' '.join(sys.argv)} on {cpu_model()} for "
+                            f"{', '.join(sorted(bands))}.")
         out["bands"] = {**old.get("bands", {}), **out["bands"]}
         out["measured"] = {**old.get("measured", {}), **out["measured"]}
     path.write_text(json.dumps(out, indent=1) + "\n")
@@ -141,7 +145,7 @@ def check(args, refs, tok):
             if res.first_divergence is not None:
                 alarms.append((kind, prompt, res.first_divergence))
             w = max(((r.local["nmse"] / r.local_band["nmse"], r.tensor) for r in res.rows
-                     if r.local and "nmse" in r.local), default=(0, "-"))
+                     if r.local and "nmse" in r.local and "nmse" in (r.local_band or {})), default=(0, "-"))
             worst[kind] = max(worst.get(kind, (0, "-")), w)
     line = (f"false alarms on the clean model ({Path(refs.model).name}): {len(alarms)} of "
             f"{len(args.subjects) * len(PROMPTS)} runs {alarms}; largest local NMSE / band per subject: "

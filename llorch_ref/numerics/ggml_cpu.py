@@ -433,8 +433,10 @@ def make_attention(kv_dtype: str, lanes: int = 8):
 def flash_attention(xp, q, k, v, mask, scale, kv_head):
     """llama.cpp's CPU flash attention on an F16 K/V cache (the fused FLASH_ATTN_EXT op): Q rounded to f16;
     per query, the keys in order with the online softmax (running max M and sum S, libm expf); the weighted
-    sum of V kept in f16, every multiply-add and rescale rounded to f16; divided by S at the end.
-    q: [T, H, Hd]; k, v: [S, KV, Hd] (f16 values); mask: [T, S] -> [T, H*Hd] (no kq or probs: fused)."""
+    sum of V kept in f16, every multiply-add and rescale rounded to f16; divided by S at the end. An F32
+    cache is cast to f16 first (llama.cpp's graph casts K and V for flash attention, build_attn_mha).
+    q: [T, H, Hd]; k, v: [S, KV, Hd]; mask: [T, S] -> [T, H*Hd] (no kq or probs: fused)."""
+    k, v = (np.asarray(a).astype(F16).astype(F32) for a in (k, v))
     t, h, hd = q.shape
     q16 = q.astype(F16).astype(F64)
     kh = k[:, kv_head, :].astype(F64)                                       # [S, H, Hd]
