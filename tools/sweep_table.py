@@ -26,6 +26,8 @@ def main(raw, out, command, cpu=""):
         fd = r.get("first_divergence")
         why = (f"cp{fd['checkpoint']} {fd['tensor']} (by {fd['by']})" if fd else
                "; ".join(r.get("reasons", []))[:160] or "-")
+        if r.get("sequence") is not None and fd:
+            why = f"sequence {r['sequence']}: {why}"
         sets = " ".join(f"{k}={v}" for k, v in r["settings"].items())
         lines.append(f"| {r['length']} | {r['steps']} | {sets} | {r['status']} | {why} | {r['seconds']:.1f} |")
     s = data.get("smallest_failing")
