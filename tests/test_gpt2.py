@@ -86,7 +86,12 @@ def plant(mp, eng, bug):
     """Plant one GPT-2 bug in an engine with eager weights."""
     from llorch_ref.model import layers
     w = eng.weights
-    if bug == "gelu_exact":
+    if bug == "gelu_exact" and eng.numerics == "ggml":        # its own GELU (llama.cpp's table) in its ops
+        def erf_mlp(xp, x, w_up, b_up, w_down, b_down):
+            h = gelu_erf(xp, layers.linear(xp, x, w_up) + b_up)
+            return layers.linear(xp, h, w_down) + b_down, h
+        mp.setattr(eng.ops, "gelu_mlp", erf_mlp)
+    elif bug == "gelu_exact":
         mp.setattr(layers, "gelu_tanh", gelu_erf)
     elif bug == "no_positions":
         w.pos_embd = np.zeros_like(w.pos_embd)
@@ -145,7 +150,7 @@ def test_a_planted_bug_fails_against_transformers_at_its_checkpoint(gpt2, transf
 @pytest.mark.parametrize("bug", BUGS)
 def test_a_planted_bug_against_llamacpp(llamacpp, gpt2, bug, monkeypatch):
     """What `llorch-ref diff` (run_diff) says of a planted bug. The exact GELU is within llama.cpp's float16 GELU
-    table's own rounding (F16 bands from ffn_gelu on): it passes there, and only transformers catches it."""
+    table's own rounding (F16 bands from ffn_gelu on): it passes there; --numerics ggml catches it (below)."""
     from llorch_ref.harness.run import run_diff
     from llorch_ref.harness.verdict import judge
     _, g, _ = gpt2
@@ -154,6 +159,22 @@ def test_a_planted_bug_against_llamacpp(llamacpp, gpt2, bug, monkeypatch):
     res = run_diff(eng, prompt=PROMPT, n_greedy=0)
     assert where(res.first_divergence) == BUGS[bug][1]
     assert judge(res).status == ("INCOMPLETE" if BUGS[bug][1] is None else "FAIL")
+
+
+@pytest.mark.llamacpp
+def test_ggml_numerics_reproduce_llamacpp_bit_for_bit_and_catch_the_exact_gelu(llamacpp, gpt2, monkeypatch):
+    """numerics='ggml' (ggml_norm's sums, GELU from the float16 table, the biases as ggml_add) gives every tensor
+    and the logits bit-equal to llama.cpp's; the exact GELU planted there fails at ffn_swiglu, layer 0."""
+    from llorch_ref.harness.run import run_diff
+    _, g, _ = gpt2
+    res = run_diff(llorch_ref.load(g, numerics="ggml"), prompt=PROMPT, n_greedy=8)
+    assert res.band_class == "ggml" and res.first_divergence is None and res.greedy["equal_prefix"] == 8
+    floats = [r for r in res.rows if "max_abs" in r.metrics]
+    assert len(floats) > 30 and all(r.metrics["max_abs"] == 0.0 for r in floats)
+    assert {r.tensor for r in floats} >= {"attn_norm", "ffn_swiglu", "result_norm", "logits"}
+    eng = llorch_ref.load(g, numerics="ggml")
+    plant(monkeypatch, eng, "gelu_exact")
+    assert where(run_diff(eng, prompt=PROMPT, n_greedy=0).first_divergence) == ("6", 0, "ffn_swiglu")
 
 
 def test_lazy_eager_and_numba_agree(gpt2):

@@ -496,7 +496,7 @@ class NumbaBackend(Backend):
         self.prompts_in_place = self.n_matrices > 0
         self.info["prompts"] = "ggml kernels on the blocks" if self.prompts_in_place else "ggml_cpu's NumPy emulation"
         return type(weights)(tok_embd=weights.tok_embd, layers=layers, out_norm=weights.out_norm,
-                             output=swap(weights.output))
+                             output=swap(weights.output), pos_embd=weights.pos_embd, out_norm_b=weights.out_norm_b)
 
     def prepare_weights(self, weights, qtensors=None, numerics="exact"):
         """qtensors: (layer, field) and "output" -> QTensor from the GGUF loader.

@@ -313,7 +313,7 @@ def split_fused(cfg, fields: dict) -> dict:
         if fused in fields:
             qkv = fields.pop(fused)
             for name, lo, hi in zip(parts, (0, nq, nq + nk), (nq, nq + nk, nq + 2 * nk)):
-                fields[name] = np.ascontiguousarray(qkv[lo:hi])
+                fields[name] = qkv.rows(lo, hi) if hasattr(qkv, "rows") else np.ascontiguousarray(qkv[lo:hi])
     if not cfg.ffn_gated:
         fields.setdefault("w_gate", None)
     if "_gate_up" in fields:
@@ -504,7 +504,9 @@ def load_gguf(path, numerics: str = "exact", lazy: bool = False, weight_cache_mb
     by_name = {t.name: t for t in reader.tensors}
     shapes = {t.name: tuple(int(x) for x in reversed([int(s) for s in t.shape])) for t in reader.tensors}
     cfg = config_from_metadata(meta, path, shapes, rope_freqs_of(by_name))
-    if numerics == "ggml" and cfg.arch in ("phi3", "gpt2"):
+    fused_q = [t for t in reader.tensors if t.name.endswith(("attn_qkv.weight", "ffn_up.weight"))
+               and t.tensor_type.name not in ("F32", "F16")] if cfg.arch in ("phi3", "gpt2") else []
+    if numerics == "ggml" and (cfg.arch == "phi3" or fused_q):   # F32/F16 fused rows split (FloatMatrix.rows)
         raise UnsupportedModelError(f"{path}: numerics='ggml' does not split {cfg.arch}'s fused quantized "
                                     f"projections; use numerics='exact'")
     if lazy:

@@ -165,6 +165,10 @@ class FloatMatrix:
     def dtype(self):
         return np.dtype(F32)
 
+    def rows(self, lo: int, hi: int) -> "FloatMatrix":
+        """Rows lo..hi as their own matrix (a fused projection's part: each output is its row's own dot product)."""
+        return FloatMatrix(self.w[lo:hi], self.qtype, self.lanes)
+
     def matmul(self, x, rows_per_chunk=16):
         x = np.asarray(x, dtype=F32)
         if self.qtype == "F16":
@@ -245,6 +249,25 @@ def rms_norm(xp, x, w, eps: float):
     return (x * scale) * w
 
 
+def layer_norm(xp, x, w, b, eps: float, lanes: int = 8):
+    """ggml_norm, then mul by w and add b: the mean by ggml_vec_sum_f32 (float64 in order, rounded to float, / n
+    in float), the variance by ggml_vec_cvar_f32 (the centred values' squares summed `lanes` at a time by hsum, the
+    chunk sums and the leftovers accumulated in float64, / n), the scale 1/sqrtf(var + eps)."""
+    n = x.shape[-1]
+    mean = (np.cumsum(x, axis=-1, dtype=F64)[..., -1:].astype(F32) / F32(n)).astype(F32)
+    c = (x - mean).astype(F32)
+    sq = (c * c).astype(F32)
+    body = n // lanes * lanes
+    chunks = hsum(sq[..., :body].reshape(sq.shape[:-1] + (body // lanes, lanes)))
+    total = np.zeros(sq.shape[:-1] + (1,), dtype=F64)
+    for i in range(body // lanes):
+        total = total + chunks[..., i:i + 1].astype(F64)
+    for i in range(body, n):
+        total = total + sq[..., i:i + 1].astype(F64)
+    scale = (F32(1) / np.sqrt((total / n).astype(F32) + F32(eps))).astype(F32)
+    return ((c * scale) * w + b).astype(F32)
+
+
 def silu(xp, x, lanes: int = 8):
     """ggml_v_silu: x / (1 + v_expf(-x)), float32."""
     return (x / (F32(1) + v_expf((F32(0) - x).astype(F32), lanes))).astype(F32)
@@ -271,6 +294,13 @@ def geglu_act(x, g):
     table at float16(x); x <= -10 gives 0, x >= 10 gives x * g."""
     y = gelu_table()[x.astype(F16).view(np.uint16)] * g
     return np.where(x <= -10, F32(0), np.where(x >= 10, x * g, y)).astype(F32)
+
+
+def gelu(x):
+    """ggml_vec_gelu_f32 (GGML_GELU_FP16 build): x [...] f32 -> gelu read from the float16 table at float16(x);
+    x <= -10 gives 0, x >= 10 gives x."""
+    y = gelu_table()[x.astype(F16).view(np.uint16)]
+    return np.where(x <= -10, F32(0), np.where(x >= 10, x, y)).astype(F32)
 
 
 def softmax(xp, s, lanes: int = 8):
@@ -481,9 +511,17 @@ def make_ops(kv_dtype: str = "float32", lanes: int = 8):
         h = geglu_act(layers.linear(xp, x, w_gate), layers.linear(xp, x, w_up))
         return layers.linear(xp, h, w_down), h
 
+    def gelu_mlp(xp, x, w_up, b_up, w_down, b_down):                # GPT-2: ggml_add of each bias, GELU's table
+        h = gelu((layers.linear(xp, x, w_up) + b_up).astype(F32))
+        return (layers.linear(xp, h, w_down) + b_down).astype(F32), h
+
+    def layer_norm_(xp, x, w, b, eps):
+        return layer_norm(xp, x, w, b, eps, lanes)
+
     ops = types.SimpleNamespace(**{n: getattr(layers, n) for n in dir(layers) if not n.startswith("_")})
     ops.rope_angles, ops.rope, ops.softmax, ops.silu, ops.rms_norm = rope_angles, rope, softmax_, silu_, rms_norm
     ops.attention, ops.swiglu, ops.geglu = make_attention(kv_dtype, lanes), swiglu, geglu
+    ops.layer_norm, ops.gelu_mlp = layer_norm_, gelu_mlp
     ops.name, ops.kv_dtype, ops.lanes = f"ggml (kv {kv_dtype}, {lanes} lanes)", kv_dtype, lanes
     return ops
 
