@@ -151,3 +151,41 @@ def test_prove_mistralrs_keeps_the_whole_vocabulary_and_verifies(tmp_path, capsy
     assert {s["kld_kind"] for s in stored["blackbox"]["steps"]} == {"exact"}
     rc, v = verify(capsys, run)
     assert rc == 0 and v["ok"], v
+
+
+# -- eval ---------------------------------------------------------------------------------------------------
+def eval_json(capsys, tmp_path, subject, *extra):
+    tmp_path.mkdir(exist_ok=True)
+    out = tmp_path / "eval.json"
+    rc = main(["eval", "--subject", subject, "--ctx", "16", "--chunks", "1", "--threads", "1", "--json", str(out),
+               *extra])
+    text = capsys.readouterr().out
+    return rc, json.loads(out.read_text()), text
+
+
+@needs_server
+def test_eval_through_llama_cpp_servers_echo_says_its_method_and_cost(clean_url, planted_url, tmp_path, capsys):
+    rc, clean, text = eval_json(capsys, tmp_path / "c", f"openai:{clean_url}")
+    how = clean["blackbox"]
+    assert rc == 0 and how["method"] == "echo" and how["requests"] == 1 and how["positions"] == 7
+    assert how["engine_s"] > 0 and "lower bound" in how["kld"] and "method: echo" in text
+    assert clean["statistics"]["scored tokens"] == 7
+    rc, bad, _ = eval_json(capsys, tmp_path / "p", f"openai:{planted_url}")
+    assert bad["statistics"]["Mean KLD"][0] > 10 * clean["statistics"]["Mean KLD"][0]
+
+
+@needs_mistralrs
+def test_eval_mistralrs_asks_one_token_a_position_over_the_whole_vocabulary(tmp_path, capsys):
+    rc, out, text = eval_json(capsys, tmp_path, "mistralrs", "--top-logprobs", "49152")
+    how = out["blackbox"]
+    assert rc == 0 and how["method"] == "prefix" and how["kld"] == "exact"
+    assert how["requests"] == how["positions"] == 7 and how["chunks_dropped"] == 0
+    assert "one-token requests" in text
+
+
+def test_eval_refuses_settings_a_black_box_does_not_have(capsys):
+    rc = main(["eval", "--subject", "openai:http://127.0.0.1:9", "--subject-model", "x.gguf"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "not a setting of a black-box --subject" in err
+    rc = main(["eval", "--subject", "numpy", "--top-logprobs", "5"])
+    assert rc == 2 and "--top-logprobs" in capsys.readouterr().err

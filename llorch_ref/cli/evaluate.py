@@ -6,12 +6,14 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 from rich.table import Table
 
 from ..errors import ParameterError
-from ..harness.corpus_eval import check_memory, corpus_ids, make_chunks, run_eval, text_file
+from ..harness.corpus_eval import EvalResult, check_memory, corpus_ids, make_chunks, run_eval, text_file
+from ..harness.eval_blackbox import round_trips, run_blackbox_eval
 from ..harness.eval_report import write_report
 from ..harness.ray_eval import check_cluster_address, run_eval_ray
 from ..harness.text_safety import for_terminal
@@ -21,6 +23,7 @@ from ..loaders.default_model import resolve_model
 from ..output_paths import check_output
 from ..references.logit_sources import ENGINE_KINDS, SourceSpec
 from .common import log
+from .comparisons import is_blackbox
 from .report import console_for
 
 NAMED = ENGINE_KINDS + ("llamacpp", "transformers", "onnxruntime")
@@ -52,14 +55,12 @@ def cmd_eval(args):
     """Every check that can refuse the run comes before any work and any output: the outputs, the Ray
     address, the text file, the memory one chunk needs; then the text is read only as far as the chunks need."""
     base = resolve_model(args.model)
+    if is_blackbox(args.subject):
+        return cmd_eval_blackbox(args, base)
     spec = subject_spec(args, base)
-    outs = {}
-    if args.json:
-        outs["json"] = check_output(args.json, inputs=[base], overwrite=args.overwrite, what="--json")
-    if args.report:
-        outs["report"] = check_output(args.report, kind="folder", inputs=[base], overwrite=args.overwrite,
-                                      what="--report",
-                                      owned=("report.md", "report.html", "kld_by_position.png", "kld_histogram.png"))
+    outs = check_outputs(args, base)
+    if args.top_logprobs is not None:
+        raise ParameterError("--top-logprobs: for a black-box --subject (openai:URL)")
     if args.ray is not None:
         check_cluster_address(args.ray or None)
     if args.reference_backend == "cupy" and args.reference_numerics != "exact":
@@ -101,6 +102,85 @@ def cmd_eval(args):
         write_report(out, outs["report"])
         log(f"llorch-ref: wrote {args.report}/report.md and report.html")
     return 0
+
+
+def check_outputs(args, base) -> dict:
+    """--json and --report checked before any work."""
+    outs = {}
+    if args.json:
+        outs["json"] = check_output(args.json, inputs=[base], overwrite=args.overwrite, what="--json")
+    if args.report:
+        outs["report"] = check_output(args.report, kind="folder", inputs=[base], overwrite=args.overwrite,
+                                      what="--report",
+                                      owned=("report.md", "report.html", "kld_by_position.png", "kld_histogram.png"))
+    return outs
+
+
+def cmd_eval_blackbox(args, base: Path):
+    """eval --subject openai:URL | mistralrs: the scored positions' distributions from what the engine serves
+    (harness/eval_blackbox.py), against llorch-ref on --model in --reference-numerics; the method and its cost
+    said beside the statistics."""
+    import tempfile
+
+    import llorch_ref
+
+    given = [f for f, on in (("--subject-model", args.subject_model), ("--numerics", args.numerics),
+                             ("--kv-dtype", args.kv_dtype), ("--flash-attn", args.flash_attn),
+                             ("--ubatch", args.ubatch), ("--precision", args.precision), ("--ray", args.ray is not None),
+                             ("--reference-backend", args.reference_backend != "numpy")) if on]
+    if given:
+        raise ParameterError(f"{', '.join(given)}: not a setting of a black-box --subject (the engine runs as it "
+                             f"is served; mistral.rs loads --model)")
+    outs = check_outputs(args, base)
+    text_path = text_file(args.text) if args.text is not None else None
+    eng = llorch_ref.load(base, numerics=args.reference_numerics, threads=args.threads)
+    if eng.tokenizer is None:
+        raise ParameterError(f"{base}: no vocabulary: eval needs a tokenizer for the text")
+    if text_path is None:
+        text_path, text_name = default_corpus_path(), DEFAULT_TEXT_NAME
+    else:
+        text_name = str(text_path)
+    tok = eng.tokenizer
+    want = None if args.chunks is None else 2 * args.chunks * args.ctx      # room for chunks that do not round trip
+    ids = corpus_ids(text_path, tok, want)
+    chunks, left = round_trips(tok, make_chunks(ids, args.ctx, None, tok.bos_id if tok.add_bos else None), args.chunks)
+    if not chunks:
+        raise ParameterError(f"no chunk of {args.ctx} tokens of {text_name} tokenizes back from its text: a black box "
+                             f"is sent text")
+    log(f"llorch-ref: {len(chunks)} chunks of {args.ctx} tokens from {text_name} ({left} left out whose text "
+        f"tokenizes otherwise); subject {args.subject}, reference llorch-ref {args.reference_numerics}")
+    t0 = time.perf_counter()
+    with _progress(len(chunks) * args.ctx) as bar, tempfile.TemporaryDirectory() as d:
+        scores, how = run_blackbox_eval(args.subject, eng, chunks, args.top_logprobs, args.timeout, d, progress=bar)
+    dt = time.perf_counter() - t0
+    how["chunks_left_out"] = left
+    res = EvalResult(args.subject, f"llorch-ref numpy ({args.reference_numerics})", text_name, args.ctx, scores,
+                     {"load_s": 0.0, "eval_s": dt, "tokens_per_s": None, "engine_s": how["engine_s"],
+                      "reference_s": how["reference_s"]})
+    out = {**res.to_json(), "blackbox": how}
+    print_statistics(out)
+    console_for(None).print(for_terminal(method_line(how)))
+    if "json" in outs:
+        with outs["json"].staged_file() as tmp:
+            tmp.write_text(json.dumps(out, indent=2) + "\n")
+        log(f"llorch-ref: wrote {args.json}")
+    if "report" in outs:
+        write_report(out, outs["report"])
+        log(f"llorch-ref: wrote {args.report}/report.md and report.html")
+    return 0
+
+
+def method_line(how: dict) -> str:
+    """How a black box's distributions were had, and what it cost."""
+    what = {"echo": "echo (one request a chunk: the prompt's own log-probabilities)",
+            "prefix": "one-token requests over each scored position's prefix"}[how["method"]]
+    return (f"method: {what}; {how['requests']} requests" + (f" and {how['tokenize_requests']} tokenize checks"
+            if how.get("tokenize_requests") else "") + f", {how['engine_s']:.1f} s waiting for the engine, "
+            f"{how['reference_s']:.1f} s for the reference; {how['positions']} positions scored, "
+            f"{how['chunks_dropped']} chunks left out ({how['skipped_positions']} positions tokenized otherwise); "
+            f"KLD {how['kld']}; -log q(target) bounded (not listed) at {how['nll_bounded']}"
+            + (f"; echo refused: {how['echo_refused']}" if how["method"] == "prefix" and how.get("echo_refused")
+               else ""))
 
 
 def _memory_check(args, eng, spec):

@@ -192,7 +192,13 @@ def _eval(sub):
                                     "the default model)")
     e.add_argument("--subject", required=True, metavar="SUBJECT",
                    help="llamacpp | transformers | onnxruntime | numpy | numba | cupy (on --subject-model, default "
-                        "--model), or a llorch-dump file or folder of them (one per chunk, cp8.logits)")
+                        "--model), a llorch-dump file or folder of them (one per chunk, cp8.logits), or a black box: "
+                        "openai:URL | mistralrs (its log-probabilities: echo where served, else one-token requests)")
+    e.add_argument("--top-logprobs", type=int_in(0, 1 << 20), default=None,
+                   help="--subject openai:URL|mistralrs: log-probabilities asked a position (default 20 of a "
+                        "server, the whole vocabulary of mistral.rs)")
+    e.add_argument("--timeout", type=float, default=300.0,
+                   help="--subject openai:URL: seconds to wait for each answer (default 300)")
     e.add_argument("--subject-model", help="the file the subject runs (a quantized copy against its F32 parent)")
     e.add_argument("--numerics", choices=NUMERICS, default=None, help="a llorch-ref subject's arithmetic")
     e.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="the subject's K/V cache type")

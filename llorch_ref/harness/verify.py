@@ -57,7 +57,9 @@ from ..errors import HarnessError, ParameterError
 from ..loaders.lazy_weights import mem_available
 from ..references.engines import dump_llamacpp, dump_transformers, gguf_config
 from ..references.llorch import record_engine
+from .blackbox import compare_trace
 from .bundle import FORMAT, MANIFEST, SIGNATURE, ed25519_modules, public_key_id
+from .bundle_blackbox import TRACE_JSON, read_trace
 from .bundle_md import checkpoint_folder
 from .compare import compare_dumps, dims_of
 from .junit import _case_name
@@ -907,9 +909,6 @@ def rerun_blackbox(folder: Path, files: dict, man, stored: dict, model=None, log
     the bundle keeps (trace.json, trace.npz), every step compared again: each row's verdict, and each step's
     figures (BLACKBOX_FIGURES) within 1e-6 + 1e-4 of their size of the stored ones."""
     import llorch_ref
-
-    from .blackbox import compare_trace
-    from .bundle_blackbox import TRACE_JSON, read_trace
 
     recipe = man["recipe"]
     path = Path(model) if model else expand_path(recipe["model"])

@@ -59,6 +59,9 @@ class Gateway:
             fields["top_logprobs" if isinstance(req, ChatRequest) else "logprobs"] = why
         elif k is not None:
             kw["logprobs"] = k
+        echo = bool(getattr(req, "echo", False))
+        if echo and req.stream:
+            fields["echo"] = "the prompt is echoed on non-streaming requests only (send stream: false)"
         if isinstance(req, ChatRequest):
             kw["messages"] = [m.plain() for m in req.messages]
         else:
@@ -69,8 +72,13 @@ class Gateway:
                 ids = self.engine.encode_prompt(kw.get("prompt"), messages=kw.get("messages"))
                 if len(ids) + 1 > n_ctx:
                     fields[where] = f"{len(ids)} tokens leave no room in the context of {n_ctx}"
+                elif k is not None:
+                    why = logprobs.prompt_error(k, len(ids), max_tokens, self.engine.config.n_vocab, echo)
+                    if why:
+                        fields["echo" if echo else where] = why
             except LlorchError as e:    # the tokenizer or the chat template
                 fields[where] = str(e)
+        kw["echo"] = echo
         return kw, fields
 
     async def start(self, req, request: Request, openai: bool, job_id: str):
@@ -89,7 +97,8 @@ class Gateway:
                 return None, error_response(400, "INVALID_REQUEST", "invalid request: " + "; ".join(
                     f"{k}: {v}" for k, v in fields.items()), fields)
             try:
-                job = self.worker.submit(kw, job_id, admitted=True, logprobs=kw.pop("logprobs", None))
+                job = self.worker.submit(kw, job_id, admitted=True, logprobs=kw.pop("logprobs", None),
+                                         echo=kw.pop("echo"))
             except JobIdInUse as e:
                 return None, error_response(409, "JOB_ID_IN_USE", str(e), {"job_id": "already queued or running"})
         finally:

@@ -144,6 +144,8 @@ async def _openai(gw: Gateway, req, request: Request, chat: bool):
         return error_response(499, "CANCELLED", "cancelled: the client disconnected or the job was cancelled",
                               headers=headers)
     finish = OPENAI_FINISH[result.stop_reason]
+    if not chat and req.echo:
+        text = req.prompt + text
     ch = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
           if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
     body = {"id": reply.id, "object": reply.object, "created": reply.created, "model": gw.name,
@@ -152,7 +154,7 @@ async def _openai(gw: Gateway, req, request: Request, chat: bool):
         return JSONResponse(body, headers=headers)
     mark = f"logprobs-{uuid.uuid4().hex}"           # where the log-probabilities' JSON text goes
     ch["logprobs"] = mark
-    lp = await asyncio.to_thread(_logprobs_json, gw, job, chat, len(req.prompt) if not chat else 0)
+    lp = await asyncio.to_thread(_logprobs_json, gw, job, chat, 0 if chat or req.echo else len(req.prompt))
     data = json.dumps(body, ensure_ascii=False).replace(json.dumps(mark), lp, 1)
     return Response(data.encode(), media_type="application/json", headers=headers)
 
@@ -160,10 +162,13 @@ async def _openai(gw: Gateway, req, request: Request, chat: bool):
 def _logprobs_json(gw: Gateway, job, chat: bool, offset0: int) -> str:
     """The job's log-probabilities as OpenAI's JSON (logprobs.py), in a thread: a whole vocabulary a step is
     seconds of work."""
-    tj, tokens = gw.tokens_json(), job.result.token_ids
+    tj, tokens, res = gw.tokens_json(), job.result.token_ids, job.result
     logp = job.logp if job.logp is not None else np.zeros((0, tj.n_vocab))
     if chat:
         return logprobs.chat_json(logp, tokens, job.logprobs, tj)
+    if job.echo:
+        return logprobs.completion_json(logp, res.prompt_ids[1:] + list(tokens), job.logprobs, tj, offset0,
+                                        echo_first=res.prompt_ids[0])
     return logprobs.completion_json(logp, tokens, job.logprobs, tj, offset0)
 
 

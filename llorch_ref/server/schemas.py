@@ -82,7 +82,7 @@ class OpenAIRequest(Sampling):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str = Field(min_length=1)
-    echo: Literal[False] = False
+    echo: bool = False                    # the prompt before the completion (with logprobs: its tokens' too)
     logprobs: int | None = Field(default=None, ge=0)   # the top K a step (0: the chosen token's only)
 
     @field_validator("logprobs", mode="before")

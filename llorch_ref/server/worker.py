@@ -43,6 +43,7 @@ class Job:
     client_left: bool = False       # set by that task: tokens made after it are work for nobody
     logprobs: int | None = None     # top log-probabilities a step asked for (None: none)
     logp: object = None             # then: [tokens, V] float64, the teacher-forced distributions (logprobs.py)
+    echo: bool = False              # the prompt's tokens are answered too (with logprobs: their distributions)
 
     def emit(self, kind, payload=None):
         try:
@@ -84,13 +85,14 @@ class Worker:
             self.pending -= 1
 
     def submit(self, kwargs: dict, job_id: str | None = None, admitted: bool = False,
-               logprobs: int | None = None) -> Job:
+               logprobs: int | None = None, echo: bool = False) -> Job:
         """Queue a job (in a slot from admit() when admitted, else one taken now: QueueFull); JobIdInUse if a
         queued or running job has that id (an admitted slot is then still held: release() it). logprobs: the
         job's tokens get their teacher-forced distributions once generated (job.logp)."""
         if not admitted:
             self.admit()
-        job = Job(kwargs=kwargs, loop=asyncio.get_running_loop(), events=asyncio.Queue(), logprobs=logprobs)
+        job = Job(kwargs=kwargs, loop=asyncio.get_running_loop(), events=asyncio.Queue(), logprobs=logprobs,
+                  echo=echo)
         if job_id:
             job.job_id = job_id
         with self._cond:
@@ -140,8 +142,8 @@ class Worker:
                     i += 1
                     self.tokens_after_client_left += job.client_left
                 res = job.result
-                if job.logprobs is not None and res.token_ids and not job.cancel.is_set():
-                    job.logp = teacher_forced(self.engine, res.prompt_ids, res.token_ids)
+                if job.logprobs is not None and (res.token_ids or job.echo) and not job.cancel.is_set():
+                    job.logp = teacher_forced(self.engine, res.prompt_ids, res.token_ids, echo=job.echo)
                 job.emit("end", job.result)
             except LlorchError as e:
                 job.emit("error", {"code": "INVALID_REQUEST", "message": str(e)})

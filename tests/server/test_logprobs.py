@@ -132,3 +132,33 @@ def test_a_response_past_the_entry_limit_is_refused_before_any_work(server, tiny
     r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": steps, "logprobs": n})
     assert r.status_code == 400 and f"at most {steps - 1} tokens" in r.json()["error"]["fields"]["logprobs"]
     assert httpx.get(server.url + "/health").json()["served"] == served          # nothing was queued
+
+
+def test_echo_gives_every_prompt_token_its_distribution(server, tiny_engine):
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "logprobs": 1,
+                                         "echo": True})
+    ch = r.json()["choices"][0]
+    lp = ch["logprobs"]
+    ids = tiny_engine.tokenizer.encode(PROMPT)
+    gen = list(tiny_engine.generate_ids(ids, max_tokens=2))
+    ref = logp_of(tiny_engine, ids[:1], ids[1:] + gen)             # every token after the first, teacher-forced
+    assert ch["text"].startswith(PROMPT) and lp["tokens"] == [text_of(tiny_engine, t) for t in ids + gen]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+    assert np.allclose(lp["token_logprobs"][1:], [ref[j, t] for j, t in enumerate(ids[1:] + gen)], atol=1e-9)
+
+
+def test_echo_with_stream_is_refused(server):
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "logprobs": 2, "echo": True,
+                                         "stream": True})
+    assert r.status_code == 400 and "echo" in r.json()["error"]["fields"]
+
+
+def test_the_prompt_bounds_follow_the_forward_and_the_response():
+    from llorch_ref.server.logprobs import FORWARD_VALUES, MAX_ENTRIES, prompt_error
+
+    v = 49152
+    most = FORWARD_VALUES // v
+    assert prompt_error(20, most - 1, 1, v, echo=False) is None
+    assert f"at most {most} tokens" in prompt_error(20, most, 1, v, echo=False)
+    assert prompt_error(v, 30, 1, v, echo=False) is None
+    assert f"over the {MAX_ENTRIES}" in prompt_error(v, 30, 1, v, echo=True)

@@ -88,3 +88,14 @@ def test_the_served_reference_on_a_planted_file_fails_at_a_named_step(model, tmp
     fd = res["verdict"]["first_divergence"]
     assert rc == 1 and fd["checkpoint"] in ("10", "11") and isinstance(fd["step"], int), fd
     assert max(r["kld"] for r in res["rows"] if r["checkpoint"] == "11") > 0.0
+
+
+def test_eval_of_the_served_reference_by_echo_gives_kld_exactly_zero(served, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    rc = main(["eval", "--subject", f"openai:{served}", "--ctx", "16", "--chunks", "2", "--threads", "1",
+               "--json", str(out)])
+    capsys.readouterr()
+    res = json.loads(out.read_text())
+    st, how = res["statistics"], res["blackbox"]
+    assert rc == 0 and how["method"] == "echo" and how["requests"] == 2 and how["nll_bounded"] == 0, how
+    assert st["Maximum KLD"] == 0.0 and st["Mean PPL(Q)"] == st["Mean PPL(base)"] and st["Same top p"][0] == 1.0
