@@ -2,6 +2,7 @@
 
     pytest --llorch-subject=my_package.module:make_dump [--llorch-model PATH] [--llorch-bundle-dir DIR]
     pytest --llorch-dump=dump.safetensors [--llorch-model PATH]
+    pytest --llorch-subject=openai:URL|mistralrs [--llorch-decode-steps N] [--llorch-top-logprobs K] [--llorch-chat]
 
 The subject MODULE is imported by its import path (importlib.import_module): from the current folder under
 `python -m pytest` (which puts it on sys.path), else from PYTHONPATH or an installed package; the `pytest`
@@ -17,6 +18,12 @@ reference is llorch-ref (numpy, exact) on --llorch-model (default: the default m
 checkpoint and layer ('llorch::cp2_qkv[layer3]'); a test fails when a tensor leaves its band, and is
 skipped, with the reason, where the subject does not cover it. Without either option the plugin adds
 nothing.
+
+A black-box subject, spelled as for `llorch-ref diff --subject`: `openai:URL` (an OpenAI-compatible server's
+greedy tokens and top-K log-probabilities) or `mistralrs` (mistral.rs on --llorch-model, the whole vocabulary),
+compared step by step with the reference teacher-forced on the engine's tokens (harness/blackbox.py): one test per
+checkpoint it gives (cp0 the tokenization, cp10 the argmax, cp11 the log-probabilities; a failure names the
+first step outside its band with both distributions' top entries) and the verdict, the same as diff's.
 """
 from __future__ import annotations
 
@@ -44,6 +51,13 @@ def pytest_addoption(parser):
     g.addoption("--llorch-require", default="auto", metavar="WHAT",
                 help="what must be compared for a PASS, as diff --require: auto (every tensor the subject's engine "
                      "kind can provide), all, or checkpoint ids, names and cp<id>.<tensor> keys")
+    g.addoption("--llorch-top-logprobs", type=int, default=None, metavar="K",
+                help="a black-box subject: log-probabilities asked a step (default: 20 of a server, the whole "
+                     "vocabulary of mistral.rs)")
+    g.addoption("--llorch-chat", action="store_true",
+                help="--llorch-subject openai:URL: the chat route (the server's template) instead of the raw prompt")
+    g.addoption("--llorch-timeout", type=float, default=300.0,
+                help="--llorch-subject openai:URL: seconds to wait for each answer (default 300)")
     g.addoption("--llorch-greedy", type=int, default=0,
                 help="greedy tokens the reference generates to compare with the subject's cp12 (default: as many "
                      "as the subject recorded)")
@@ -75,12 +89,51 @@ def _load_subject(spec: str):
     return obj
 
 
+def is_blackbox(subject) -> bool:
+    """openai:URL or mistralrs (cli's rule: anything else is MODULE:CALLABLE)."""
+    return bool(subject) and (subject.startswith("openai:") or subject == "mistralrs")
+
+
+def _compute_blackbox(config, eng):
+    """A black box's greedy run, compared step by step with the reference teacher-forced on its tokens."""
+    from .errors import ParameterError
+    from .harness.blackbox import compare_trace
+    from .harness.run import DEFAULT_PROMPT
+    from .references.blackbox import mistralrs_trace, openai_trace
+
+    opt = config.getoption
+    subject, steps = opt("llorch_subject"), opt("llorch_decode_steps") or 32
+    unused = [f for f, on in (("--llorch-rows", opt("llorch_rows")), ("--llorch-ubatch", opt("llorch_ubatch")),
+                              ("--llorch-band-class", opt("llorch_band_class")),
+                              ("--llorch-chat", opt("llorch_chat") and subject == "mistralrs")) if on]
+    if unused:
+        raise ParameterError(f"{', '.join(unused)}: not a setting of --llorch-subject {subject}")
+    if eng.tokenizer is None:
+        raise ParameterError("this model has no vocabulary: a black box's tokens are named by it")
+    prompt = _prompt(opt) or DEFAULT_PROMPT
+    if subject == "mistralrs":
+        trace = mistralrs_trace(eng.path, prompt, eng.tokenizer, n_steps=steps, top_k=opt("llorch_top_logprobs"))
+    else:
+        trace = openai_trace(subject[len("openai:"):], prompt, eng.tokenizer, n_steps=steps,
+                             top_k=opt("llorch_top_logprobs") or 20, chat=opt("llorch_chat"),
+                             timeout=opt("llorch_timeout"))
+    res = compare_trace(eng, trace, require=opt("llorch_require"))
+    res.verdict()
+    if opt("llorch_bundle_dir"):
+        from .harness.bundle import write_bundle
+        _State.bundle = write_bundle(res, eng, out_dir=opt("llorch_bundle_dir"),
+                                     argv=["pytest"] + list(config.invocation_params.args), plot=False, trace=trace)
+    return res, eng.config
+
+
 def _compute(config, eng):
     """Run the subject (or read the dump), run the reference, compare; once per session."""
     from .dump import Dump, Recorder, check_rows, load_dump, parse_rows
     from .harness.run import DEFAULT_PROMPT, run_subject
 
     opt = config.getoption
+    if is_blackbox(opt("llorch_subject")):
+        return _compute_blackbox(config, eng)
     if opt("llorch_dump"):
         sub = load_dump(opt("llorch_dump"))
         label = f"{sub.engine} (dump {opt('llorch_dump')})"
@@ -200,7 +253,16 @@ class CheckpointFailure(AssertionError):
         fd = res.first_divergence
         lines.append(f"first divergence of the run: checkpoint {fd['checkpoint']}, layer {fd['layer']}, "
                      f"tensor {fd['tensor']}, step {fd['step']} (by {fd['by']})")
+        lines += _divergence_lines(res)
         super().__init__("\n".join(lines))
+
+
+def _divergence_lines(res) -> list[str]:
+    """A black-box result's first step outside its band, with both distributions' top entries (else none)."""
+    if not str(res.band_class or "").startswith("blackbox:"):
+        return []
+    from .harness.blackbox import divergence_lines
+    return divergence_lines(res)
 
 
 class CheckpointSuite(pytest.Collector):
@@ -227,7 +289,11 @@ def pytest_collection_modifyitems(session, config, items):
         _State.error = e
     suite = CheckpointSuite.from_parent(session, name="llorch", nodeid="llorch")
     items.append(VerdictItem.from_parent(suite, name="verdict"))
+    given = {r.checkpoint for r in _State.result.rows} if _State.result is not None else set()
+    black = is_blackbox(config.getoption("llorch_subject"))
     for s in load_specs():
+        if black and s.id not in given:        # a black box gives tokens and log-probabilities only
+            continue
         for layer in (range(cfg.n_layers) if s.scope == "layer" else [None]):
             name = f"cp{s.id}_{s.name}" + ("" if layer is None else f"[layer{layer}]")
             items.append(CheckpointItem.from_parent(suite, name=name, spec=s, layer=layer))
@@ -248,6 +314,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     fd = res.first_divergence
     tr.write_line("first divergence: " + ("none" if fd is None else
                                           f"checkpoint {fd['checkpoint']}, layer {fd['layer']}, {fd['tensor']}"))
+    for line in _divergence_lines(res):
+        tr.write_line(line)
     for w in res.warnings:
         tr.write_line(f"warning: {w}")
     v = res.verdict()

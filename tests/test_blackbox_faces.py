@@ -189,3 +189,39 @@ def test_eval_refuses_settings_a_black_box_does_not_have(capsys):
     assert rc == 2 and "not a setting of a black-box --subject" in err
     rc = main(["eval", "--subject", "numpy", "--top-logprobs", "5"])
     assert rc == 2 and "--top-logprobs" in capsys.readouterr().err
+
+
+# -- the pytest plugin ----------------------------------------------------------------------------------------
+def pytest_in(project, *args):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           *args], cwd=project, capture_output=True, text=True, env=env, timeout=600)
+
+
+@needs_server
+def test_the_plugin_renders_a_black_boxs_verdict(clean_url, planted_url, tmp_path):
+    import re
+
+    r = pytest_in(tmp_path, f"--llorch-subject=openai:{clean_url}", "--llorch-decode-steps=6",
+                  f"--llorch-prompt={PROMPT}", "-vv", f"--llorch-bundle-dir={tmp_path / 'b'}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    for name in ("verdict", "cp0_tokenizer", "cp10_greedy_argmax", "cp11_softmax_probs"):
+        assert re.search(rf"llorch::{name} +PASSED", r.stdout), r.stdout[-3000:]
+    assert "cp2_qkv" not in r.stdout and "verdict: PASS" in r.stdout
+    assert len(list((tmp_path / "b").glob("*/steps.md"))) == 1
+    r = pytest_in(tmp_path, f"--llorch-subject=openai:{planted_url}", "--llorch-decode-steps=6",
+                  f"--llorch-prompt={PROMPT}", "-vv")
+    assert r.returncode == 1 and "verdict: FAIL" in r.stdout, r.stdout[-3000:]
+    assert re.search(r"llorch::verdict +FAILED", r.stdout) and "reference top:" in r.stdout, r.stdout[-3000:]
+
+
+def test_the_plugin_refuses_a_black_box_it_cannot_reach(tmp_path):
+    from llorch_ref.testing.openai_server import free_port
+
+    r = pytest_in(tmp_path, f"--llorch-subject=openai:http://127.0.0.1:{free_port()}", "--llorch-timeout=2")
+    assert r.returncode != 0 and "llorch:" in r.stderr and "refused" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
