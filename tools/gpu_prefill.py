@@ -118,11 +118,14 @@ def main():
     import make_big_model
     from gpu_roofline import card, free_gpu
 
+    from llorch_ref.backends import cpu_model
+
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    doc = {"command": "python tools/gpu_prefill.py " + " ".join(sys.argv[1:]), "commit": commit(), "card": card(),
-           "shape": a.shape, "tokens": a.tokens, "rows": []}
+    doc = {"made_by": {"command": "python tools/gpu_prefill.py " + " ".join(sys.argv[1:]), "commit": commit(),
+                       "machine": f"{card()['name']}, host CPU {cpu_model()}"},
+           "card": card(), "shape": a.shape, "tokens": a.tokens, "rows": []}
     paths = []
     for qtype in a.types.split(","):
         path = work / f"{a.shape}.{qtype}.gguf"
