@@ -52,7 +52,8 @@ def main():
                            eng.config, "F32")
         c = eng.config
         lines += [f"## {arch} (`{c.arch}`: KV heads {c.n_kv_heads}/{c.n_heads}, tied {c.tied_output}, QKV bias "
-                  f"{c.qkv_bias}, RoPE {c.rope_style}, theta {c.rope_base:g}"
+                  f"{c.qkv_bias}, " + (f"RoPE {c.rope_style}, theta {c.rope_base:g}" if c.uses_rope else
+                                        "learned positions, LayerNorm, GELU MLP with biases")
                   + (", llama3 frequency factors" if c.rope_freq_factors else "") + ")", "",
                   (f"first divergence vs llama.cpp: {lc.first_divergence or 'none'}; " if lc else
                    f"llama.cpp: not run ({lc_error}); ")
@@ -66,9 +67,9 @@ def main():
                   "(max abs) | band |", "|---|---|---|---|---|---|"]
         by_gg = {s["checkpoint"]: s for s in gg.summary()} if gg else {}
         if lc and lc.warnings:        # a reduced-precision llama.cpp node: what came before it met the F32 bands
-            from llorch_ref.harness.run import reduced_precision_from
+            from llorch_ref.harness.compare import reduced_precision_from
             fl = reduced_precision_from(lc.specs, c, "F32")
-            early = [r for r in lc.rows if r.layer is not None and r.order < fl["pos"]]
+            early = [r for r in lc.rows if r.layer is not None and (r.layer, r.order[-1]) < fl["pos"][1:]]
             worst = max(early, key=lambda r: r.metrics["nmse"])
             lines.insert(len(lines) - 3, f"before that node (layer 0 up to {fl['pos']}): {len(early)} comparisons "
                          f"at F32 bands, all {'passed' if all(r.passed for r in early) else 'NOT passed'}, worst "
