@@ -37,6 +37,18 @@ def test_kld_and_delta_p_on_a_hand_computed_case():
     assert same.kld[0] == 0.0 and same.same_top[0]
 
 
+def test_top_k_membership_matches_a_stable_sort_with_ties():
+    rng = np.random.default_rng(3)
+    sub = rng.integers(0, 4, size=(400, 16)).astype(np.float64)        # few distinct values: ties everywhere
+    ref = rng.normal(size=sub.shape)
+    s = score_chunk(0, sub, ref, rng.integers(0, 16, 400))
+    order = np.argsort(-sub, axis=-1, kind="stable")                    # the subject's ranking, ties by index
+    ref_top = ref.argmax(-1)
+    for k in (1, 5, 10):
+        want = (order[:, :k] == ref_top[:, None]).any(-1)
+        assert np.array_equal(s.ref_top_in[k], want), k
+
+
 def test_summary_matches_numpy_percentiles_and_standard_errors():
     rng = np.random.default_rng(0)
     ref = rng.normal(size=(300, 50))
