@@ -251,3 +251,26 @@ def test_what_changes_the_math_is_refused_in_one_line(gpt2, tmp_path, key, value
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1000:]
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and key in lines[0] and "gpt2" in lines[0]
+
+
+@pytest.mark.llamacpp
+def test_a_q8_0_file_passes_and_ggml_numerics_refuse_its_fused_blocks(llamacpp, gpt2, tmp_path):
+    """llama.cpp's own quantizer makes a Q8_0 gpt2 file: exact numerics meet the Q8_0 bands; numerics='ggml' does
+    not split quantized fused Q/K/V blocks and says so in one line (exit 2)."""
+    import ctypes
+
+    import llama_cpp
+
+    from llorch_ref.harness.run import run_diff
+    _, g, _ = gpt2
+    q8 = tmp_path / "gpt2-q8_0.gguf"
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype, p.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, 2
+    assert llama_cpp.llama_model_quantize(str(g).encode(), str(q8).encode(), ctypes.byref(p)) == 0
+    res = run_diff(llorch_ref.load(q8), prompt=PROMPT, n_greedy=8)
+    assert res.band_class == "Q8_0" and res.first_divergence is None and res.greedy["equal_prefix"] == 8
+    r = subprocess.run([sys.executable, "-m", "llorch_ref.cli", "diff", "--model", str(q8), "--numerics", "ggml"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] == [
+        f"error: {q8}: numerics='ggml' does not split gpt2's fused quantized projections; use numerics='exact'"]
