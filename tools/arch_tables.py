@@ -12,7 +12,7 @@ from pathlib import Path
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--archs", default="llama2,llama3,mistral,qwen2,phi3,gemma3")
+    ap.add_argument("--archs", default="llama2,llama3,mistral,qwen2,phi3,gemma3,gpt2")
     ap.add_argument("--out")
     a = ap.parse_args()
     import llorch_ref
