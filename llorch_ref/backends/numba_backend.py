@@ -9,7 +9,6 @@ import itertools
 import os
 import re
 import time
-import types
 from collections import Counter
 from dataclasses import replace
 
@@ -362,6 +361,143 @@ class GgmlKQuantMatrix(_GgmlMatrix):
         G.kquant_rows(S.TYPE_CODE[self.qtype], self.rows, qa, da, bsums, out)
 
 
+class NumbaOps:
+    """numerics "exact"'s layer functions on the numba backend: model.layers' (base) with the numba kernels where
+    they serve. Matrix products: KernelMatrix handles by their kernels (see KernelMatrix.matmul), stacked groups in
+    one call, other float matrices by BLAS split over the threads (cpu_split). One-token steps: RMSNorm, RoPE,
+    SwiGLU's silu(gate) * up and attention by the kernels. Several rows: RMSNorm and RoPE by the kernels (serial;
+    RoPE the same to the bit), the rest as the reference computes it (numpy, BLAS), whose threads would otherwise
+    compete with numba's. Every other public name of base is base's own."""
+
+    def __init__(self, base, backend):
+        own = set(dir(type(self)))
+        self.__dict__.update({n: getattr(base, n) for n in dir(base) if not n.startswith("_") and n not in own})
+        self._base, self._backend = base, backend
+        self.fusions = Fusions(attention_out=self.attention_out)
+
+    def linear(self, xp, x, w):
+        if isinstance(w, KernelMatrix):
+            return w.matmul(x)
+        PATHS[(str(getattr(w, "dtype", "?")), "NumPy/BLAS (no kernel for this type)",
+               "1 row" if x.shape[0] == 1 else "several rows")] += 1
+        if x.shape[0] != 1 and isinstance(w, np.ndarray):
+            return SPLIT.product(x, w if w.dtype == np.float32 else w.astype(np.float32))
+        return self._base.linear(xp, x, w)
+
+    def _stacked(self, x, *ws):
+        """-> the outputs of a stacked group, one [T, N_i] array per weight, from one kernel call (for one row, or
+        for several when the kernel serves them: see KernelMatrix.matmul), or None."""
+        if not all(isinstance(w, KernelMatrix) for w in ws) or not all(w.blocks is ws[0].blocks for w in ws) \
+                or ws[-1].hi != ws[0].blocks.n or (x.shape[0] != 1 and ws[0].dense_ready()):
+            return None
+        y = ws[0].blocks.matmul(x)
+        rows = "1 row" if x.shape[0] == 1 else "several rows"
+        PATHS[(ws[0].blocks.qtype, f"numba kernel ({ws[0].blocks.kind}), {len(ws)} matrices stacked", rows)] += 1
+        return [y[:, w.lo:w.hi] for w in ws]
+
+    def _products(self, xp, x, *ws):
+        """x times each of ws: one stacked kernel call where _stacked takes them, else one product each."""
+        return self._stacked(x, *ws) or [self.linear(xp, x, w) for w in ws]
+
+    def rms_norm(self, xp, x, w, eps):
+        rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])          # [T, D], or [T, heads, Hd] (QK-norm)
+        out = np.empty_like(rows)
+        K.rms_norm_rows(rows, w, eps, out)
+        return out.reshape(x.shape)
+
+    def qkv(self, xp, x, wq, wk, wv, h, kv, hd):
+        t = x.shape[0]
+        q, k, v = self._products(xp, x, wq, wk, wv)
+        return q.reshape(t, h, hd), k.reshape(t, kv, hd), v.reshape(t, kv, hd)
+
+    def swiglu(self, xp, x, w_gate, w_up, w_down):
+        g, u = self._products(xp, x, w_gate, w_up)
+        if x.shape[0] != 1:                                                   # the reference's arithmetic
+            h = self._base.silu(xp, g) * u
+        else:
+            h = np.empty_like(g)
+            K.silu_mul(np.ascontiguousarray(g[0]), np.ascontiguousarray(u[0]), h[0])
+        return self.linear(xp, h, w_down), h
+
+    def geglu(self, xp, x, w_gate, w_up, w_down):
+        if x.shape[0] == 1:
+            return self._base.geglu(xp, x, w_gate, w_up, w_down)
+        h = self._base.gelu_tanh(xp, self.linear(xp, x, w_gate)) * self.linear(xp, x, w_up)   # the reference's
+        return self.linear(xp, h, w_down), h
+
+    def rope(self, xp, x, cos, sin, style):
+        if style not in ("adjacent", "neox"):
+            return self._base.rope(xp, x, cos, sin, style)         # (which rejects an unknown style)
+        out = np.empty_like(x)
+        if x.shape[0] == 1:
+            K.rope_one(np.ascontiguousarray(x[0]), cos[0], sin[0], style == "neox", out[0])
+        else:
+            K.rope_rows(np.ascontiguousarray(x), np.ascontiguousarray(cos), np.ascontiguousarray(sin),
+                        style == "neox", out)
+        return out
+
+    def attention(self, xp, q, k, v, mask, scale, kv_head):
+        """One token on a float32 cache by the kernel (parallel over heads where every product runs on the
+        kernels, else serial), -> (out [1, H*Hd], kq, probs); otherwise the reference's attention."""
+        if q.shape[0] != 1 or k.dtype != np.float32:
+            return self._base.attention(xp, q, k, v, mask, scale, kv_head)
+        h, hd = q.shape[1], q.shape[2]
+        n_pos = k.shape[0]
+        out = np.empty((h, hd), np.float32)
+        kq, probs = np.empty((h, 1, n_pos), np.float32), np.empty((h, 1, n_pos), np.float32)
+        attend = K.attend_one if self._backend.all_kernels else K.attend_one_serial
+        attend(np.ascontiguousarray(q[0]), k, v, mask[0], scale, kv_head, out, kq[:, 0], probs[:, 0])
+        return out.reshape(1, h * hd), kq, probs
+
+    def attention_out(self, xp, q, k, v, mask, scale, kv_head):
+        """The output alone, where nobody watches: one token by the kernel, several by the reference's attention
+        on groups of KV heads over the threads (cpu_split)."""
+        if q.shape[0] == 1:
+            return self.attention(xp, q, k, v, mask, scale, kv_head)[0]
+        return SPLIT.attention_out(self._base.attention, xp, q, k, v, mask, scale, kv_head)
+
+
+def _f32(a):
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+class NumbaGgmlOps:
+    """numerics "ggml"'s layer functions on the numba backend: ggml_cpu.make_ops's (base), with numba kernels that
+    compute the same bits (tests/test_ggml_numerics.py): several new tokens' attention by numba_ggml.attend_rows,
+    SwiGLU's silu(gate) * up by numba_ggml.silu_mul_rows, RMSNorm by numba_ggml.rms_norm_rows, RoPE's tables by
+    the same C calls from numba; one token's attention, and everything else, as base computes it."""
+
+    def __init__(self, base):
+        own = set(dir(type(self)))
+        self.__dict__.update({n: v for n, v in vars(base).items() if n not in own})
+        self._base, self._half = base, base.kv_dtype == "float16"
+        self._attend_rows = G.attend_rows16 if base.lanes == 16 else G.attend_rows8
+        self.fusions = Fusions(attention_out=self.attention_out)
+
+    def attention(self, xp, q, k, v, mask, scale, kv_head, skip=False):
+        """skip: masked positions left out where numba_ggml.can_skip_masked finds that no bit changes."""
+        if q.shape[0] == 1 or q.shape[2] % self._base.lanes:
+            return self._base.attention(xp, q, k, v, mask, scale, kv_head)
+        q, k, v = _f32(q), _f32(k), _f32(v)
+        return self._attend_rows(q, k, v, _f32(mask), np.float32(scale), np.ascontiguousarray(kv_head, dtype=np.int64),
+                                 self._half, skip and G.can_skip_masked(q, k, v, self._half))
+
+    def attention_out(self, xp, q, k, v, mask, scale, kv_head):     # nobody sees kq or probs: masked positions skipped
+        return self.attention(xp, q, k, v, mask, scale, kv_head, skip=True)[0]
+
+    def swiglu(self, xp, x, w_gate, w_up, w_down):
+        h = G.silu_mul_rows(_f32(self.linear(xp, x, w_gate)), _f32(self.linear(xp, x, w_up)), self._base.lanes)
+        return self.linear(xp, h, w_down), h
+
+    def rms_norm(self, xp, x, w, eps):                 # [..., D]: every row by G.rms_norm_rows
+        rows = _f32(x).reshape(-1, x.shape[-1])
+        return G.rms_norm_rows(rows, _f32(w), np.float32(eps)).reshape(x.shape)
+
+    def rope_angles(self, xp, *a, **k):
+        """base's tables, with the C library's cosf/sinf called from machine code (numba_ggml.map_c_float)."""
+        return self._base.rope_angles(xp, *a, map_c=G.map_c_float, **k)
+
+
 def vector_registers(names=None) -> dict:
     """{kernel: the widest vector registers its machine code uses (zmm: AVX-512, ymm: AVX2/AVX, xmm: SSE), with
     counts}, read from code numba compiles for this CPU now (a fresh, uncached copy: cached code keeps no
@@ -577,125 +713,12 @@ class NumbaBackend(Backend):
         return fused(engine, cache, plans)
 
     def make_ggml_ops(self, ggml_ops):
-        """numerics "ggml": several new tokens' attention by numba_ggml.attend_rows, SwiGLU's silu(gate) * up by
-        numba_ggml.silu_mul_rows and RMSNorm by numba_ggml.rms_norm_rows (ggml_cpu's bit for bit,
-        tests/test_ggml_numerics.py), RoPE's tables by the same C calls from numba; one token's attention, and
-        everything else, as ggml_cpu computes it."""
-        ops = types.SimpleNamespace(**vars(ggml_ops))
-        emulated, half = ggml_ops.attention, ggml_ops.kv_dtype == "float16"
-        attend_rows = G.attend_rows16 if ggml_ops.lanes == 16 else G.attend_rows8
-        f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)          # noqa: E731
-
-        def attention(xp, q, k, v, mask, scale, kv_head, skip=False):
-            if q.shape[0] == 1 or q.shape[2] % ggml_ops.lanes:
-                return emulated(xp, q, k, v, mask, scale, kv_head)
-            q, k, v = f32(q), f32(k), f32(v)
-            return attend_rows(q, k, v, f32(mask), np.float32(scale), np.ascontiguousarray(kv_head, dtype=np.int64),
-                               half, skip and G.can_skip_masked(q, k, v, half))
-
-        def attention_out(xp, q, k, v, mask, scale, kv_head):      # nobody sees kq or probs: masked positions skipped
-            return attention(xp, q, k, v, mask, scale, kv_head, skip=True)[0]
-
-        def swiglu(xp, x, w_gate, w_up, w_down):
-            h = G.silu_mul_rows(f32(ops.linear(xp, x, w_gate)), f32(ops.linear(xp, x, w_up)), ggml_ops.lanes)
-            return ops.linear(xp, h, w_down), h
-
-        def rms_norm(xp, x, w, eps):                 # [..., D]: every row by G.rms_norm_rows
-            rows = f32(x).reshape(-1, x.shape[-1])
-            return G.rms_norm_rows(rows, f32(w), np.float32(eps)).reshape(x.shape)
-        ops.attention, ops.attention_out, ops.swiglu, ops.rms_norm = attention, attention_out, swiglu, rms_norm
-        ops.fusions = Fusions(attention_out=attention_out)
-        # RoPE tables: the C library's cosf/sinf called from machine code (numba_ggml.map_c_float), the same values
-        ops.rope_angles = lambda xp, *a, **k: ggml_ops.rope_angles(xp, *a, map_c=G.map_c_float, **k)   # noqa: E731
-        return ops
+        """-> NumbaGgmlOps over ggml_ops (ggml_cpu.make_ops's)."""
+        return NumbaGgmlOps(ggml_ops)
 
     def make_ops(self, base_ops):
-        ops = types.SimpleNamespace(**{n: getattr(base_ops, n) for n in dir(base_ops) if not n.startswith("_")})
-
-        def linear(xp, x, w):
-            if isinstance(w, KernelMatrix):
-                return w.matmul(x)
-            PATHS[(str(getattr(w, "dtype", "?")), "NumPy/BLAS (no kernel for this type)",
-                   "1 row" if x.shape[0] == 1 else "several rows")] += 1
-            if x.shape[0] != 1 and isinstance(w, np.ndarray):
-                return SPLIT.product(x, w if w.dtype == np.float32 else w.astype(np.float32))
-            return base_ops.linear(xp, x, w)
-
-        def stacked(x, *ws):
-            """-> the outputs of a stacked group, one [T, N_i] array per weight, from one kernel call (for one
-            row, or for several when the kernel serves them: see KernelMatrix.matmul), or None."""
-            if not all(isinstance(w, KernelMatrix) for w in ws) or not all(w.blocks is ws[0].blocks for w in ws) \
-                    or ws[-1].hi != ws[0].blocks.n or (x.shape[0] != 1 and ws[0].dense_ready()):
-                return None
-            y = ws[0].blocks.matmul(x)
-            rows = "1 row" if x.shape[0] == 1 else "several rows"
-            PATHS[(ws[0].blocks.qtype, f"numba kernel ({ws[0].blocks.kind}), {len(ws)} matrices stacked", rows)] += 1
-            return [y[:, w.lo:w.hi] for w in ws]
-
-        # The elementwise and attention kernels serve one-token steps, RMSNorm's and RoPE's several rows too (serial:
-        # 1.6x and 8-10x NumPy's on a 128-token prompt of the default model, RoPE the same to the bit); the rest of
-        # several rows goes to the reference (numpy, BLAS), whose threads would otherwise compete with numba's.
-        def rms_norm(xp, x, w, eps):
-            rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])      # [T, D], or [T, heads, Hd] (QK-norm)
-            out = np.empty_like(rows)
-            K.rms_norm_rows(rows, w, eps, out)
-            return out.reshape(x.shape)
-
-        def swiglu(xp, x, w_gate, w_up, w_down):
-            if x.shape[0] != 1:                                               # the reference's arithmetic
-                g, u = stacked(x, w_gate, w_up) or (linear(xp, x, w_gate), linear(xp, x, w_up))
-                h = base_ops.silu(xp, g) * u
-                return linear(xp, h, w_down), h
-            g, u = stacked(x, w_gate, w_up) or (linear(xp, x, w_gate), linear(xp, x, w_up))
-            h = np.empty_like(g)
-            K.silu_mul(np.ascontiguousarray(g[0]), np.ascontiguousarray(u[0]), h[0])
-            return linear(xp, h, w_down), h
-
-        def rope(xp, x, cos, sin, style):
-            if style not in ("adjacent", "neox"):
-                return base_ops.rope(xp, x, cos, sin, style)      # (which rejects an unknown style)
-            out = np.empty_like(x)
-            if x.shape[0] == 1:
-                K.rope_one(np.ascontiguousarray(x[0]), cos[0], sin[0], style == "neox", out[0])
-            else:
-                K.rope_rows(np.ascontiguousarray(x), np.ascontiguousarray(cos), np.ascontiguousarray(sin),
-                            style == "neox", out)
-            return out
-
-        def qkv(xp, x, wq, wk, wv, h, kv, hd):
-            t = x.shape[0]
-            q, k, v = stacked(x, wq, wk, wv) or (linear(xp, x, wq), linear(xp, x, wk), linear(xp, x, wv))
-            return q.reshape(t, h, hd), k.reshape(t, kv, hd), v.reshape(t, kv, hd)
-
-        def attention(xp, q, k, v, mask, scale, kv_head):
-            if q.shape[0] != 1 or k.dtype != np.float32:
-                return base_ops.attention(xp, q, k, v, mask, scale, kv_head)
-            h, hd = q.shape[1], q.shape[2]
-            n_pos = k.shape[0]
-            out = np.empty((h, hd), np.float32)
-            kq, probs = np.empty((h, 1, n_pos), np.float32), np.empty((h, 1, n_pos), np.float32)
-            attend = K.attend_one if self.all_kernels else K.attend_one_serial
-            attend(np.ascontiguousarray(q[0]), k, v, mask[0], scale, kv_head, out, kq[:, 0], probs[:, 0])
-            return out.reshape(1, h * hd), kq, probs
-
-        def geglu(xp, x, w_gate, w_up, w_down):
-            if x.shape[0] == 1:
-                return base_ops.geglu(xp, x, w_gate, w_up, w_down)
-            h = base_ops.gelu_tanh(xp, linear(xp, x, w_gate)) * linear(xp, x, w_up)      # the reference's arithmetic
-            return linear(xp, h, w_down), h
-
-        def attention_out(xp, q, k, v, mask, scale, kv_head):
-            """The output alone, where nobody watches: one token by the kernel, several by the reference's attention
-            on groups of KV heads over the threads (cpu_split)."""
-            if q.shape[0] == 1:
-                return attention(xp, q, k, v, mask, scale, kv_head)[0]
-            return SPLIT.attention_out(base_ops.attention, xp, q, k, v, mask, scale, kv_head)
-
-        for name, fn in (("linear", linear), ("rms_norm", rms_norm), ("swiglu", swiglu), ("geglu", geglu), ("qkv", qkv),
-                         ("attention", attention), ("attention_out", attention_out), ("rope", rope)):
-            setattr(ops, name, fn)
-        ops.fusions = Fusions(attention_out=attention_out)
-        return ops
+        """-> NumbaOps over base_ops (model.layers), reading this backend's all_kernels at each attention."""
+        return NumbaOps(base_ops, self)
 
     def forward(self, xp, cfg, weights, tokens, cache, ops, rows=None, boundary=None):
         """Where nobody watches: the reference's steps with attention's output alone (attention_out: one token by
