@@ -39,6 +39,7 @@ STEP_RE = re.compile(r"^(?P<base>.+)\.step(?P<step>[1-9][0-9]*)$")   # a decode 
 CANONICAL_LAYOUTS = {"rope_pairs": "adjacent", "heads": "token_major", "array_order": "numpy"}
 # what our own forward records but no checkpoint compares (the Recorder's hook form skips exactly these)
 NOT_A_CHECKPOINT = {"embd"}
+SCORE_TENSORS = ("kq", "kq_soft_max")          # [H, T, S]: a long prompt holds them at sampled rows (score_rows)
 FORWARD_NAMES = {"result_output": ("8", "logits")}
 
 
@@ -110,10 +111,14 @@ class Recorder:
 
     def __init__(self, engine: str, version: str = "", *, model_path=None, model_sha256_: str | None = None,
                  token_ids=None, prompt: str | None = None, layouts: dict | None = None, notes: str | None = None,
-                 extra: dict | None = None, rows=None, keep=None):
+                 extra: dict | None = None, rows=None, keep=None, store=None, score_rows=None):
+        """store: where the tensors go (default a dict in memory; a tensor_file.SpillStore writes each one to a
+        temporary file as it is added, for a long prompt's dump). score_rows: the rows (among `rows`) at which
+        the attention scores are kept (default: every row kept)."""
         self.engine, self.version = str(engine), str(version)
         self.keep = None if keep is None else {tuple(k) for k in keep}    # (cp, tensor) to keep; None: all
         self.rows = None if rows is None else [int(r) for r in rows]     # the prompt rows held (manifest "rows")
+        self.score_rows = None if score_rows is None else [int(r) for r in score_rows]
         self.model_path = None if model_path is None else str(model_path)
         self._model_sha = model_sha256_
         self.token_ids = None if token_ids is None else [int(t) for t in token_ids]
@@ -122,7 +127,7 @@ class Recorder:
         if bad:
             raise DumpError(f"unknown layout key(s) {', '.join(sorted(bad))}; known: {', '.join(CANONICAL_LAYOUTS)}")
         self.layouts = {**CANONICAL_LAYOUTS, **(layouts or {})}
-        self.tensors: dict[str, np.ndarray] = {}
+        self.tensors: dict[str, np.ndarray] = {} if store is None else store
         self._cat = catalogue()
         self._by_tensor = {}
         for cp, t in self._cat:
@@ -137,13 +142,16 @@ class Recorder:
         cp, t, _ = _parse_name(split_step(name)[0], self._cat)        # raises on an unknown name
         if self.keep is not None and (cp, t) not in self.keep:
             return
-        a = self._kept_rows(cp, t, _to_numpy(array), step)
+        src = array if isinstance(array, np.ndarray) else _to_numpy(array)
+        a = self._kept_rows(cp, t, src, step)
         if self._cat[(cp, t)]["dtype"] == "int":
             if a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):
                 raise DumpError(f"tensor {name!r} holds token ids: got non-integer values")
-            a = a.astype(np.int64)
+            a = a.astype(np.int64, copy=False)
         else:
-            a = a.astype(np.float32)
+            a = a.astype(np.float32, copy=False)
+        if isinstance(array, np.ndarray) and type(self.tensors) is dict and np.may_share_memory(a, array):
+            a = a.copy()                 # held in memory: a copy (a store on disk writes it out at once)
         self.tensors[name] = a           # returns None: safe to call from torch hooks (a return value replaces outputs)
 
     def _kept_rows(self, cp, t, a, step):
@@ -151,11 +159,26 @@ class Recorder:
         to the rows kept (one already cut, e.g. a forward's last layer asked for these rows only, is kept)."""
         e = self._cat[(cp, t)]
         ax = token_axis(e)
+        if self.score_rows is not None and t in SCORE_TENSORS and not step:
+            return self._score_rows_of(e, a, ax)
         if (self.rows is None or step or ax is None or a.ndim <= ax or self.token_ids is None
                 or len(self.rows) == len(self.token_ids) or a.shape[ax] != len(self.token_ids)
                 or self.layouts["array_order"] != "numpy" or (e.get("head_major") and self.layouts["heads"] != "token_major")):
             return a
         return select_rows(e, a, self.rows)
+
+    def _score_rows_of(self, e, a, ax):
+        """Attention scores of every row, or of the rows held -> the score rows (one already cut is kept)."""
+        n = a.shape[ax] if a.ndim > ax else 0
+        held = list(range(len(self.token_ids))) if self.rows is None else self.rows
+        if n == len(self.score_rows) or self.layouts["array_order"] != "numpy":
+            return a
+        if n == len(self.token_ids):
+            return select_rows(e, a, self.score_rows)
+        if n == len(held):
+            where = {r: i for i, r in enumerate(held)}
+            return select_rows(e, a, [where[r] for r in self.score_rows])
+        return a
 
     def __setitem__(self, name, array):
         self.add(name, array)
@@ -191,6 +214,8 @@ class Recorder:
             m["prompt"] = self.prompt
         if self.rows is not None:
             m["rows"] = self.rows
+        if self.score_rows is not None:
+            m["score_rows"] = self.score_rows
         if self.notes:
             m["notes"] = self.notes
         m.update(self.extra)
@@ -199,7 +224,8 @@ class Recorder:
     def to_dump(self) -> "Dump":
         man = self.manifest()
         validate_manifest(man, "<recorder>")
-        return Dump(manifest=man, tensors=dict(self.tensors), source="<recorder>")
+        held = dict(self.tensors) if type(self.tensors) is dict else self.tensors
+        return Dump(manifest=man, tensors=held, source="<recorder>")
 
     def save(self, path, overwrite: bool = True) -> Path:
         """Write the dump atomically (a unique staging file renamed into place); an existing file is
@@ -270,6 +296,10 @@ class Dump:
         if rows is not None and (rows != sorted(set(rows)) or rows[-1] >= len(self.manifest["token_ids"])):
             raise DumpError(f"{self.source}: 'rows' must be increasing indices into token_ids "
                             f"(0..{len(self.manifest['token_ids']) - 1})")
+        sr = self.manifest.get("score_rows")
+        if sr is not None and (not isinstance(sr, list) or not sr or not set(sr) <= set(self.rows)
+                               or sr != sorted(set(sr))):
+            raise DumpError(f"{self.source}: 'score_rows' must be increasing indices among the rows held")
         fed = self.manifest.get("decode_token_ids") or []
         if self.steps and max(self.steps) > len(fed):
             raise DumpError(f"{self.source}: tensors of decode step {max(self.steps)}, but the manifest's "
@@ -336,7 +366,7 @@ class Dump:
         """Decode step k (1-based) as a dump of its own: one token fed after the prompt and the k-1 tokens
         before it (past_token_ids), holding that step's tensors under their plain names."""
         fed = self.decode_token_ids
-        man = {key: v for key, v in self.manifest.items() if key not in ("decode_token_ids", "rows")}
+        man = {key: v for key, v in self.manifest.items() if key not in ("decode_token_ids", "rows", "score_rows")}
         man.update(token_ids=fed[k - 1:k], past_token_ids=self.past_token_ids + self.token_ids + fed[:k - 1])
         man.pop("prompt", None)
         return Dump(manifest=man, tensors=dict(self.steps.get(k, {})), source=f"{self.source} (decode step {k})")
@@ -355,6 +385,29 @@ class Dump:
 
     def raw(self, cp, tensor, layer=None):
         return np.asarray(self.tensors[self.index[(cp, tensor, layer)]])
+
+    def read_rows(self, cp, tensor, a: int, b: int, n_rows: int, layer=None) -> np.ndarray:
+        """Rows a..b-1 of a [n_rows, X] tensor as [b - a, X], read alone where the tensors lie in a file or a
+        store (a long prompt's logits are compared a span of rows at a time). The bytes of such a tensor are
+        the same in NumPy and ggml order."""
+        name = self.index[(cp, tensor, layer)]
+        if hasattr(self.tensors, "read_rows"):
+            return self.tensors.read_rows(name, a, b, n_rows)
+        return np.asarray(self.tensors[name]).reshape(n_rows, -1)[a:b]
+
+    def shape_of(self, cp, tensor, layer=None) -> list:
+        """The stored shape, without reading the tensor where it lies in a file or a store."""
+        name = self.index[(cp, tensor, layer)]
+        if hasattr(self.tensors, "shape"):
+            return list(self.tensors.shape(name))
+        return list(np.shape(self.tensors[name]))
+
+    @property
+    def score_rows(self) -> list:
+        """The rows (indices into token_ids, among `rows`) at which the attention scores (kq, kq_soft_max) are
+        held: `rows` unless the manifest samples fewer (a long prompt: its T x S scores are large)."""
+        sr = self.manifest.get("score_rows")
+        return self.rows if sr is None else list(sr)
 
     def get(self, cp, tensor, layer=None, dims=None, layouts=None):
         """The tensor in the canonical layout (None if the dump does not hold it). `layouts` overrides the
@@ -504,9 +557,35 @@ def _manifest_json(raw, where: str) -> dict:
     return man
 
 
-def capture_invariance(captured, uncaptured) -> dict:
+def capture_invariance(captured, uncaptured, chunk: int = 256) -> dict:
     """Logits of the captured run against a run without the capture: they should be equal (a capture is an
-    observer); a difference is reported in the manifest and, by the comparison, as a warning."""
-    a, b = np.asarray(captured, dtype=np.float64), np.asarray(uncaptured, dtype=np.float64)
-    return {"logits_max_abs_diff": float(np.max(np.abs(a - b))) if a.shape == b.shape else float("inf"),
+    observer); a difference is reported in the manifest and, by the comparison, as a warning. Compared a span
+    of rows at a time (a long prompt's logits are large; the maximum is the same)."""
+    a, b = np.asarray(captured), np.asarray(uncaptured)
+    if a.shape != b.shape:
+        d = float("inf")
+    else:
+        a2, b2 = a.reshape(a.shape[0], -1) if a.ndim else a.reshape(1, 1), b.reshape(b.shape[0], -1) if b.ndim else b.reshape(1, 1)
+        d = max((max_abs_diff(a2[i:i + chunk], b2[i:i + chunk]) for i in range(0, a2.shape[0], chunk)), default=0.0)
+    return invariance_figure(d)
+
+
+def max_abs_diff(a, b) -> float:
+    """max |a - b| in float64 (0 for empty arrays)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+def invariance_figure(d: float) -> dict:
+    return {"logits_max_abs_diff": float(d),
             "what": "logits of the captured forward minus those of the same forward without the capture"}
+
+
+def default_score_rows(rows: list, n_tokens: int, limit: int = 1024, n_sampled: int = 128) -> list | None:
+    """The query rows at which a dump holds its attention scores by default: every row held (None) while the
+    T x S scores are small (n_tokens <= limit); else about n_sampled of the rows held, evenly spaced, the last
+    among them."""
+    if n_tokens <= limit or len(rows) <= n_sampled:
+        return None
+    step = -(-len(rows) // n_sampled)
+    return sorted(set(rows[::step]) | {rows[-1]})

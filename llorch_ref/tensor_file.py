@@ -10,6 +10,9 @@ an 8-byte little-endian header length, a JSON header {name: {"dtype", "shape", "
 from __future__ import annotations
 
 import json
+import mmap
+import tempfile
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -101,24 +104,43 @@ def _as_array(raw: np.ndarray, dt: str, shape: list) -> np.ndarray:
     return a.reshape(shape)
 
 
+def _read_span(path: Path, begin: int, end: int) -> np.ndarray:
+    """Bytes [begin, end) of a file as a fresh uint8 array, through a memory map of that span alone (unmapped
+    when it is copied out, so the file's pages never stay in the process's resident set)."""
+    if end <= begin:
+        return np.zeros(0, np.uint8)
+    page = mmap.ALLOCATIONGRANULARITY
+    at = begin - begin % page
+    m = np.memmap(path, dtype=np.uint8, mode="r", offset=at, shape=(end - at,))
+    out = np.array(m[begin - at:], copy=True)
+    del m
+    return out
+
+
 class LazyTensors(dict):
-    """name -> array, read from the memory-mapped file the first time a name is looked up (dict's other views
-    read every tensor). The file is checked whole when opened; the bytes are only read where asked for."""
+    """name -> array, read from the file each time a name is looked up (dict's other views read every tensor),
+    and never kept: a comparison holds one tensor at a time, whatever the file's size. The file is checked
+    whole when opened; the bytes are only read where asked for (read_rows: a span of rows)."""
 
     def __init__(self, path: Path, entries: dict, start: int):
         super().__init__({name: None for name in entries})
         self._path, self._entries, self._start = path, entries, start
-        self._map = None
 
     def __getitem__(self, name):
-        a = super().__getitem__(name)
-        if a is None:
-            dt, shape, b, e = self._entries[name]
-            if self._map is None:
-                self._map = np.memmap(self._path, dtype=np.uint8, mode="r")
-            a = _as_array(np.asarray(self._map[self._start + b:self._start + e]), dt, shape)
-            super().__setitem__(name, a)
-        return a
+        super().__getitem__(name)                         # KeyError for a name the file does not hold
+        dt, shape, b, e = self._entries[name]
+        return _as_array(_read_span(self._path, self._start + b, self._start + e), dt, shape)
+
+    def read_rows(self, name, a: int, b: int, n_rows: int) -> np.ndarray:
+        """Rows a..b-1 of a tensor whose bytes hold n_rows equal rows (its first axis in C order, or its last
+        in ggml's order, which is the same bytes) -> float32/int64 [b - a, row size]."""
+        dt, shape, b0, e0 = self._entries[name]
+        per = (e0 - b0) // n_rows
+        raw = _read_span(self._path, self._start + b0 + a * per, self._start + b0 + b * per)
+        return _as_array(raw, dt, [b - a, per // WIDTH[dt]])
+
+    def __iter__(self):                    # dict(lazy) then reads each tensor (not dict's stored placeholders)
+        return iter(self.keys())
 
     def shape(self, name) -> list:
         """The tensor's shape as its header gives it, without reading it."""
@@ -153,3 +175,89 @@ def read_tensors(path) -> tuple[LazyTensors, dict]:
     data_size = path.stat().st_size - start
     entries = {name: _entry(path, name, e, data_size) for name, e in header.items()}
     return LazyTensors(path, entries, start), meta
+
+
+class SpillStore(dict):
+    """name -> array kept in a temporary folder (one .npy file each) instead of memory: a long prompt's dump
+    (every row of every layer) is written as it is recorded and read back one tensor at a time. Looking a
+    name up reads the file into a fresh array (never kept); read_rows reads a span of rows; write_rows
+    writes a tensor chunk by chunk (its rows never all in memory). `live`/`peak_live`: the arrays read from
+    the store still alive now and at most (what a test of bounded memory counts). The folder is removed when
+    the store is garbage-collected."""
+
+    def __init__(self, prefix: str = "llorch-spill-"):
+        super().__init__()
+        self._tmp = tempfile.TemporaryDirectory(prefix=prefix)
+        self._dir = Path(self._tmp.name)
+        self._n = 0
+        self.live = self.peak_live = 0
+
+    def _path(self) -> Path:
+        self._n += 1
+        return self._dir / f"{self._n}.npy"
+
+    def __setitem__(self, name, a):
+        a = np.ascontiguousarray(a)
+        path = self._path()
+        np.save(path, a, allow_pickle=False)
+        super().__setitem__(name, (path, tuple(a.shape), a.dtype.str))
+
+    def write_rows(self, name, shape, dtype, chunks):
+        """A tensor of `shape` written from `chunks` (arrays whose rows follow each other in C order)."""
+        path, dt = self._path(), np.dtype(dtype)
+        with open(path, "wb") as f:
+            np.lib.format.write_array_header_2_0(f, {"descr": dt.str, "fortran_order": False, "shape": tuple(shape)})
+            for c in chunks:
+                f.write(np.ascontiguousarray(c, dtype=dt).tobytes())
+        super().__setitem__(name, (path, tuple(shape), dt.str))
+
+    def _track(self, a):
+        self.live += 1
+        self.peak_live = max(self.peak_live, self.live)
+        weakref.finalize(a, self._untrack)
+        return a
+
+    def _untrack(self):
+        self.live -= 1
+
+    def __getitem__(self, name):
+        path, _, _ = super().__getitem__(name)
+        return self._track(np.load(path, allow_pickle=False))
+
+    def read_rows(self, name, a: int, b: int, n_rows: int) -> np.ndarray:
+        """Rows a..b-1 of a tensor whose bytes hold n_rows equal rows -> [b - a, row size] in its dtype."""
+        path, shape, dt = super().__getitem__(name)
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        start = path.stat().st_size - size                   # the data follows the .npy header
+        per = size // n_rows
+        raw = _read_span(path, start + a * per, start + b * per)
+        return self._track(raw.view(np.dtype(dt)).reshape(b - a, -1))
+
+    def shape(self, name) -> list:
+        return list(super().__getitem__(name)[1])
+
+    def kind(self, name) -> str:
+        return np.dtype(super().__getitem__(name)[2]).kind
+
+    def nbytes(self) -> int:
+        """The bytes the store holds on disk."""
+        return sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for _, s, d in super().values())
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def items(self):
+        return [(k, self[k]) for k in self.keys()]
+
+    def values(self):
+        return [self[k] for k in self.keys()]
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def pop(self, name, *default):
+        if name not in self:
+            return super().pop(name, *default)
+        a = self[name]
+        super().pop(name)
+        return a

@@ -7,7 +7,11 @@ llama.cpp with its default n_ubatch 512: micro-batches), end-to-end figures unde
 arithmetic: local and end-to-end errors by position; the ggml emulation of attention is slow on long prompts).
 
     python tools/long_context.py [--model M] [--tokens 4096] [--rows every:64] [--text FILE] [--mode diff|subject]
-        [--settings f32|production] [--backend numpy|numba] --out-dir results/long
+        [--settings f32|production] [--backend numpy|numba] --out-dir results/long [--memory-points FILE.json]
+
+--memory-points FILE.json: the run's peak resident memory and wall time are added to FILE.json (one point per
+prompt length, rows and backend; a later run of the same key replaces its point), and FILE.png/FILE.md are
+drawn again from every point held: memory by prompt length, grown one run at a time.
 """
 from __future__ import annotations
 
@@ -87,6 +91,7 @@ def main():
     ap.add_argument("--mode", choices=["diff", "subject"], default="diff")
     ap.add_argument("--greedy", type=int, default=16)
     ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--memory-points", default=None, help="add this run's peak memory to FILE.json and redraw it")
     a = ap.parse_args()
     path = resolve_model(a.model)
     out = Path(a.out_dir)
@@ -118,6 +123,64 @@ def main():
     png = out / f"{stem}-{a.mode}.png"
     plot(bp, png, f"{path.name}: llama.cpp ({a.settings}) vs llorch-ref, {n} tokens, {len(bp['positions'])} rows")
     write_report(out / f"{stem}-{a.mode}.md", a, path, n, res, steps, png, js)
+    if a.memory_points:
+        add_memory_point(Path(a.memory_points), a, path, n, res, steps)
+
+
+def add_memory_point(pf: Path, a, path, n, res, steps):
+    """This run's peak RSS and wall time as a point of pf (JSON), then pf's plot and table drawn again."""
+    import subprocess as sp
+
+    pts = json.loads(pf.read_text()) if pf.exists() else {"points": []}
+    commit = sp.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    t = steps[-1][1]
+    key = {"tokens": n, "rows": a.rows, "backend": a.backend, "mode": a.mode, "settings": a.settings}
+    pts["points"] = [p for p in pts["points"] if {k: p.get(k) for k in key} != key]
+    rows_held = len(res["by_position"]["positions"])
+    pts["points"].append({**key, "model": path.name, "peak_rss_mb": round(t["peak_rss_mb"], 1),
+                          "wall_s": round(t["wall_s"], 1), "rows_held": rows_held, "passed": res["passed"],
+                          "first_divergence": res["first_divergence"], "commit": commit, "cpu": cpu_model(),
+                          "command": f"python tools/long_context.py --tokens {a.tokens} --rows {a.rows} "
+                                     f"--settings {a.settings} --backend {a.backend} --mode {a.mode} "
+                                     f"--out-dir {a.out_dir} --memory-points {pf}"})
+    pts["points"].sort(key=lambda p: (p["mode"], p["backend"], p["rows"], p["tokens"]))
+    pf.write_text(json.dumps(pts, indent=1) + "\n")
+    draw_memory(pts["points"], pf.with_suffix(".png"))
+    lines = [f"# Peak resident memory by prompt length ({path.name})", "",
+             "Each point: one `llorch-ref diff --prompt-file` run (llama.cpp's dump and llorch-ref's, compared), "
+             "peak RSS of the whole process tree read by `/usr/bin/time`, one run at a time, niced, on a machine "
+             "shared with other work. Points added by `--memory-points`; the command and commit of each are below.",
+             "", f"![memory by prompt length]({pf.with_suffix('.png').name})", "",
+             "| tokens | rows | backend | peak RSS (MB) | wall (s) | rows held | passed | commit | CPU |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in pts["points"]:
+        lines.append(f"| {p['tokens']} | {p['rows']} | {p['backend']} | {p['peak_rss_mb']:.0f} | {p['wall_s']:.0f} | "
+                     f"{p['rows_held']} | {p['passed']} | {p['commit']} | {p['cpu']} |")
+    lines += ["", "Commands:", ""] + [f"- `{p['command']}` (commit {p['commit']})" for p in pts["points"]]
+    pf.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"added a point to {pf}; drew {pf.with_suffix('.png')}")
+
+
+def draw_memory(points, png: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    series = {}
+    for p in points:
+        series.setdefault(f"rows {p['rows']}, {p['backend']}", []).append(p)
+    for label, ps in series.items():
+        ax.plot([p["tokens"] for p in ps], [p["peak_rss_mb"] / 1024 for p in ps], "o-", label=label)
+    ax.axhline(4.0, color="grey", ls="--", lw=1, label="4 GB target")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("peak RSS (GB)")
+    ax.set_title("llorch-ref diff --prompt-file against llama.cpp: peak memory")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
 
 
 def write_report(md: Path, a, path, n, res, steps, png, js):
@@ -140,9 +203,13 @@ def write_report(md: Path, a, path, n, res, steps, png, js):
         lines.append(f"| {s['checkpoint']} {s['name']} | {s['rows']} | {s['failed']} | {fmt(s['worst_nmse'])} | "
                      f"{fmt(s['worst_max_abs'])} | {'' if at['layer'] is None else 'L' + str(at['layer']) + ' '}"
                      f"{at['tensor']} | {'pass' if s['passed'] else 'FAIL' if s['passed'] is False else 'not covered'} |")
-    lines += ["", "## Error by position", "", "| position | worst NMSE | at | worst local NMSE | at (local) |",
+    shown = range(0, len(bp["positions"]), max(1, len(bp["positions"]) // 128))   # at most about 128 lines
+    lines += ["", "## Error by position", "", f"{len(shown)} of the {len(bp['positions'])} rows held, evenly spaced "
+              "(every row's figures are in the raw result).", "",
+              "| position | worst NMSE | at | worst local NMSE | at (local) |",
               "|---|---|---|---|---|"]
-    for i, p in enumerate(bp["positions"]):
+    for i in shown:
+        p = bp["positions"][i]
         loc = (fmt(bp["worst_local_nmse"][i]), bp["local_worst_at"][i]) if bp["worst_local_nmse"] else ("-", "-")
         lines.append(f"| {p} | {fmt(bp['worst_nmse'][i])} | {bp['worst_at'][i]} | {loc[0]} | {loc[1]} |")
     lines += ["", f"Raw result: `{js.name}`."]

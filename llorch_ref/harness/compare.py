@@ -8,12 +8,13 @@ divergence where end-to-end errors are inherited.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
 from ..checkpoints import coarser, declaration, greedy_band, load_specs, local_band
-from ..dump import Dump, Recorder, catalogue, expected_shape, neox_pairs, to_canonical, token_axis
+from ..dump import SCORE_TENSORS, Dump, Recorder, catalogue, expected_shape, neox_pairs, to_canonical, token_axis
 from ..errors import HarnessError
 from .local import last_row, local_outputs, model_outputs, visible
 from .metrics import compare, nmse_by_row, within
@@ -88,16 +89,25 @@ def compare_dumps(subject, reference, cfg, band_class: str, checkpoints=None, su
     res.positions = [int(p) for p in c.positions]
     band_at = bands or c.default_bands(specs, band_class)
     for spec in specs:
-        if spec.scope == "layer":
-            for layer in range(cfg.n_layers):
+        if spec.scope != "layer" and spec.id not in _MODEL_CASES:
+            raise HarnessError(f"{spec.path}: checkpoint {spec.id} has no dump comparison")
+    rank = {}                      # row -> its spec's place: the rows come out in spec order, as the specs list them
+    for layer in range(cfg.n_layers):              # layer by layer: one layer's tensors (and local outputs) at a time
+        for i, spec in enumerate(specs):
+            if spec.scope == "layer":
                 for t in spec.tensors_for(cfg):
                     pos = (1, layer, t.order)
+                    n = len(res.rows)
                     c.tensor(spec, t.ours, layer, band_at(spec, pos), c.order(*pos))
-        elif spec.id in _MODEL_CASES:
+                    rank.update({id(r): i for r in res.rows[n:]})
+        c.done_with_layer(layer)
+    for i, spec in enumerate(specs):
+        if spec.scope != "layer":
             pos = (2, 0, spec.order - 0.5) if spec.after_last_layer else None
+            n = len(res.rows)
             _MODEL_CASES[spec.id](c, spec, band_at(spec, pos), spec.order)
-        else:
-            raise HarnessError(f"{spec.path}: checkpoint {spec.id} has no dump comparison")
+            rank.update({id(r): i for r in res.rows[n:]})
+    res.rows.sort(key=lambda r: rank.get(id(r), len(specs)))
     res.captures_ours, res.captures_ref = c.cap_sub, c.cap_ref
     for k in sorted(set(sub.steps) | set(ref.steps)):
         _compare_step(sub, ref, k, cfg, res, specs, band_at, local_engine, local_bands, written)
@@ -139,6 +149,9 @@ def _check_same_run(sub: Dump, ref: Dump):
     if ref.rows != sub.rows:
         raise HarnessError(f"the two dumps hold different rows of the forward ({len(sub.rows)} vs {len(ref.rows)}; "
                            f"a comparison runs the reference with the subject's rows)")
+    if ref.score_rows != sub.score_rows:
+        raise HarnessError(f"the two dumps hold the attention scores at different rows ({len(sub.score_rows)} vs "
+                           f"{len(ref.score_rows)}; a comparison runs the reference with the subject's score rows)")
     if ref.past_token_ids != sub.past_token_ids:
         raise HarnessError(f"the two dumps ran different pasts ({len(sub.past_token_ids)} vs "
                            f"{len(ref.past_token_ids)} cached tokens before this forward)")
@@ -157,11 +170,19 @@ class _Comparison:
         self.past = len(sub.past_token_ids)
         self.positions = np.asarray(sub.rows) + self.past        # the absolute position of each row held
         self.dims = dims_of(cfg, len(sub.token_ids), past=self.past, n_rows=self.n)
-        self.cap_sub, self.cap_ref = {}, {}
+        self.score_positions = np.asarray(sub.score_rows) + self.past
+        self.score_dims = {**self.dims, "T": len(sub.score_rows)}
+        self.sampled_scores = len(sub.score_rows) != self.n
+        self.score_index = [sub.rows.index(r) for r in sub.score_rows] if self.sampled_scores else None
+        # with a dump on disk (a file, a store), tensors are read when compared and dropped: the captures
+        # are read again when asked for (a bundle), never held
+        self.on_disk = any(type(d.tensors) is not dict for d in (sub, ref))
+        self.cap_sub, self.cap_ref = (LazyCaptures(), LazyCaptures()) if self.on_disk else ({}, {})
+        self.keep_written = step > 0 or bool(sub.steps or ref.steps)      # decode steps read the cache rows
         self.local_engine, self.local_bands = local_engine, local_bands
         self.local_of, self.local_decl = None, None
         if local_engine is not None:
-            self.local_of = _local_reader(local_engine, sub, self.cat, self.dims, self.positions)
+            self.local_of = _LocalReader(local_engine, sub, self.cat, self.dims, self.positions)
             self.local_decl = res.local_declaration = declaration(local_engine, sub.arithmetic)
         for d, who in ((sub, res.subject_label), (ref, res.reference_label)):
             diff = (d.manifest.get("capture_invariance") or {}).get("logits_max_abs_diff", 0.0)
@@ -209,8 +230,11 @@ class _Comparison:
         if not self.both_hold(spec, t, layer):
             return
         e, sub = self.cat[(spec.id, t)], self.sub
-        want = expected_shape(e, self.dims)
-        r = self.ref.get(spec.id, t, layer, self.dims)
+        dims = self.dims_for(t)
+        want = expected_shape(e, dims)
+        if self.by_spans(e, t, layer, want):
+            return self.tensor_by_spans(spec, t, layer, band, order, e, want)
+        r = self.ref.get(spec.id, t, layer, dims)
         if list(r.shape) != want:
             raise HarnessError(f"reference {self.res.reference_label}: {t} layer {layer} has shape "
                                f"{list(r.shape)}, the model needs {want}")
@@ -224,11 +248,19 @@ class _Comparison:
                 m["hint"] = hint
                 m["error"] = (m.get("error", "") + "; " if m.get("error") else "") + hint
         key = f"cp{spec.id}.{t}" + ("" if layer is None else f".layer{layer}")
-        self.cap_ref[key] = r
-        if s is not None:
-            self.cap_sub[key] = s
+        if self.on_disk:
+            self.cap_ref.later(key, self.reader(self.ref, spec.id, t, layer))
+            if s is not None:
+                self.cap_sub.later(key, self.reader(self.sub, spec.id, t, layer))
+        else:
+            self.cap_ref[key] = r
+            if s is not None:
+                self.cap_sub[key] = s
         row = Row(spec.id, spec.name, layer, t, m, band, ok, order)
         lo = self.local_of(spec.id, t, layer) if self.local_of is not None and s is not None else None
+        if lo is not None and t in SCORE_TENSORS and self.sampled_scores and np.ndim(lo) == 3 \
+                and lo.shape[1] == self.n:
+            lo = lo[:, self.score_index]               # the local op ran on every row held: the score rows of it
         if lo is not None and t == "kq":
             lo = self.seen_scores(lo, layer)
         if lo is not None and t in ("k_cache", "v_cache"):
@@ -239,9 +271,72 @@ class _Comparison:
             row.local_passed = within(row.local, row.local_band)
         ax = token_axis(e)
         if ax is not None and s is not None and self.step == 0:
-            row.by_position = {"nmse": nmse_by_row(s, r, ax)}
+            row.by_position = self.spread({"nmse": nmse_by_row(s, r, ax)}, t)
             if lo is not None and np.shape(lo) == np.shape(s):
-                row.by_position["local_nmse"] = nmse_by_row(s, lo, ax)
+                row.by_position["local_nmse"] = self.spread({"x": nmse_by_row(s, lo, ax)}, t)["x"]
+        self.res.rows.append(row)
+
+    def dims_for(self, t: str) -> dict:
+        """The dims of a tensor: the attention scores' T is the score rows' count where they are sampled."""
+        return self.score_dims if t in SCORE_TENSORS else self.dims
+
+    def spread(self, figs: dict, t: str) -> dict:
+        """Per-row figures of the score rows -> one per row held (None where the scores were not held)."""
+        if t not in SCORE_TENSORS or not self.sampled_scores:
+            return figs
+        at = {int(p): i for i, p in enumerate(self.score_positions)}
+        return {k: [v[at[int(p)]] if int(p) in at else None for p in self.positions] for k, v in figs.items()}
+
+    def reader(self, d: Dump, cp, t, layer):
+        """-> a function reading the tensor again in the canonical layout (a lazy capture)."""
+        dims = self.dims_for(t)
+
+        def read():
+            a = d.get(cp, t, layer, dims)
+            return self.seen_scores(a, layer) if t == "kq" else a
+        return read
+
+    def done_with_layer(self, layer):
+        """Every case of this layer compared: its local outputs are dropped."""
+        if self.local_of is not None:
+            self.local_of.forget(layer)
+
+    def by_spans(self, e, t, layer, want) -> bool:
+        """Whether a tensor is compared a span of rows at a time: a model tensor [T, X] (logits, probabilities)
+        over SPAN_BYTES, without a local figure, whose canonical layout is its bytes (no Q/K pairs, no heads)."""
+        return (layer is None and len(want) == 2 and 4 * want[0] * want[1] > SPAN_BYTES and self.step == 0
+                and self.local_engine is None and not e.get("rope_pairs") and not e.get("head_major")
+                and self.sub.shape_of(*self.key_of(t), layer) in (want, want[::-1])
+                and self.ref.shape_of(*self.key_of(t), layer) in (want, want[::-1]))
+
+    def probs_by_spans(self) -> bool:
+        """Whether checkpoint 11 is compared a span of rows at a time (by_spans' rule, on the logits [T, V])."""
+        if self.step or self.local_engine is not None or not self.ref.has("8", "logits"):
+            return False
+        want = [self.n, self.cfg.n_vocab]
+        if 4 * want[0] * want[1] <= SPAN_BYTES or self.ref.shape_of("8", "logits") not in (want, want[::-1]):
+            return False
+        name = ("11", "probs") if self.sub.has("11", "probs") else ("8", "logits")
+        return self.sub.has(*name) and self.sub.shape_of(*name) in (want, want[::-1])
+
+    def key_of(self, t):
+        return next(k for k in self.cat if k[1] == t)
+
+    def tensor_by_spans(self, spec, t, layer, band, order, e, want):
+        """tensor(), a span of rows at a time (compare_by_spans: the same figures); the capture read again
+        when asked for."""
+        n = want[0]
+        m, per_row = compare_by_spans(lambda a, b: self.sub.read_rows(spec.id, t, a, b, n, layer),
+                                      lambda a, b: self.ref.read_rows(spec.id, t, a, b, n, layer), n)
+        key = f"cp{spec.id}.{t}"
+        for caps, d in ((self.cap_ref, self.ref), (self.cap_sub, self.sub)):
+            if self.on_disk:
+                caps.later(key, self.reader(d, spec.id, t, layer))
+            else:
+                caps[key] = d.get(spec.id, t, layer, self.dims)
+        row = Row(spec.id, spec.name, layer, t, m, band, within(m, band), order)
+        if self.step == 0:
+            row.by_position = {"nmse": per_row}
         self.res.rows.append(row)
 
     def cache_local(self, row, s, r, lo, t, layer):
@@ -282,15 +377,16 @@ class _Comparison:
                                       f"the end-to-end band against the reference (NMSE {m['nmse']:.3g})")
         if bad:
             row.local["bad_positions"] = sorted(set(bad))[:64]
-        self.written[(t, layer)] = np.array(s, dtype=np.float32, copy=True)
+        if self.keep_written:
+            self.written[(t, layer)] = np.array(s, dtype=np.float32, copy=True)
 
     def _subject_tensor(self, spec, t, layer, e, want, r):
         """-> (the subject's tensor in the canonical layout, or None where it cannot be brought there or has
         the wrong shape; the figures, infinite with the reason in that case)."""
-        stored = list(self.sub.raw(spec.id, t, layer).shape)
+        stored = self.sub.shape_of(spec.id, t, layer)
         bad = {"shape": stored, "ref_shape": want, "max_abs": float("inf"), "nmse": float("inf")}
         try:
-            s = self.sub.get(spec.id, t, layer, self.dims)
+            s = self.sub.get(spec.id, t, layer, self.dims_for(t))
         except ValueError as ex:                                       # e.g. a reshape that cannot fit
             return None, {**bad, "error": f"cannot bring to the canonical layout: {ex}"}
         if list(s.shape) != want:
@@ -315,7 +411,8 @@ class _Comparison:
         """Raw scores [H, T, S] with the entries no query may see set to 0: a query's scores against later
         positions (or outside a local layer's window) are no part of the result, and an engine that fed the
         prompt in micro-batches never computes them."""
-        seen = visible(self.cfg, layer, self.positions, a.shape[-1])
+        pos = self.score_positions if a.shape[-2] == len(self.score_positions) else self.positions
+        seen = visible(self.cfg, layer, pos, a.shape[-1])
         return np.where(seen[None], a, np.float32(0)).astype(np.float32)
 
     def own_logits(self):
@@ -376,6 +473,8 @@ def _case_argmax(c: _Comparison, spec, band, num):
 
 
 def _case_probs(c: _Comparison, spec, band, num):
+    if c.probs_by_spans():
+        return _case_probs_by_spans(c, spec, band, num)
     a, how = _probs(c.sub, c.dims)
     b, _ = _probs(c.ref, c.dims, float64=True)
     if a is None or b is None:
@@ -393,8 +492,35 @@ def _case_probs(c: _Comparison, spec, band, num):
         row.local_passed = within(row.local, row.local_band)
     c.res.rows.append(row)
     c.cap_ref["cp11.probs"] = np.asarray(b, np.float32)
-    if how == "probs":                        # what the subject stored (derived probabilities come from its logits)
+    if how == "probs" and c.on_disk:          # what the subject stored (derived probabilities come from its logits)
+        c.cap_sub.later("cp11.probs", lambda: c.sub.get("11", "probs", None, c.dims))
+    elif how == "probs":
         c.cap_sub["cp11.probs"] = a
+
+
+def _case_probs_by_spans(c: _Comparison, spec, band, num):
+    """_case_probs a span of rows at a time (a long prompt's [T, V]): the subject's probabilities (or the
+    softmax of its logits) against the float64 softmax of the reference's logits, the same figures."""
+    n = c.n
+    sub_probs = c.sub.has("11", "probs")
+
+    def ours(a, b):
+        if sub_probs:
+            return c.sub.read_rows("11", "probs", a, b, n)
+        return softmax64(c.sub.read_rows("8", "logits", a, b, n))
+
+    def theirs(a, b):
+        p = softmax64(c.ref.read_rows("8", "logits", a, b, n))
+        return p.astype(np.float32) if sub_probs else p
+    m, per_row = compare_by_spans(ours, theirs, n)
+    row = Row("11", spec.name, None, "probs" if sub_probs else "softmax(cp8.logits)", m, band, within(m, band),
+              c.order(2, 0, num))
+    c.res.rows.append(row)
+    if c.on_disk:
+        c.cap_ref.later("cp11.probs", lambda: np.concatenate([theirs(a, min(n, a + SPAN_ROWS)).astype(np.float32)
+                                                             for a in range(0, n, SPAN_ROWS)]))
+        if sub_probs:
+            c.cap_sub.later("cp11.probs", lambda: c.sub.get("11", "probs", None, c.dims))
 
 
 def _case_greedy(c: _Comparison, spec, band, num):
@@ -501,34 +627,43 @@ def one_token_rows(sub: Dump) -> list | None:
     return [int(per[r]) == 1 for r in sub.rows]
 
 
-def _local_reader(engine, sub: Dump, cat: dict, dims: dict, positions):
-    """-> local(cp, tensor, layer): the engine's op on the subject's inputs, or None (inputs not held).
-    Layers are computed once, on first use."""
-    memo = {}
-    get = subject_getter(engine, sub, dims)
+class _LocalReader:
+    """local(cp, tensor, layer): the engine's op on the subject's inputs, or None (inputs not held). A layer's
+    outputs are computed once, on first use, and kept until forget(layer) (the comparison runs layer by layer:
+    one layer's at a time)."""
 
-    def local(cp, tensor, layer):
+    def __init__(self, engine, sub: Dump, cat: dict, dims: dict, positions):
+        self.engine, self.sub, self.cat, self.dims, self.positions = engine, sub, cat, dims, positions
+        self.memo = {}
+        self.get = subject_getter(engine, sub, dims)
+
+    def forget(self, layer):
+        self.memo.pop(layer, None)
+
+    def __call__(self, cp, tensor, layer):
+        engine, sub, get = self.engine, self.sub, self.get
         key = ("head9" if cp == "9" else "head") if layer is None else layer
-        if key not in memo:
-            memo[key] = (model_outputs(engine, last_row(get) if cp == "9" else get) if layer is None else
-                         local_outputs(engine, get, layer, [sub.token_ids[r] for r in sub.rows],
-                                       fused_attention=fused_attention(sub), past=len(sub.past_token_ids),
-                                       positions=positions, one_token=one_token_rows(sub),
-                                       cells=((sub.arithmetic or {}).get("settings") or {}).get("cells")))
-        lo = memo[key].get(tensor)
+        if key not in self.memo:
+            self.memo[key] = (model_outputs(engine, last_row(get) if cp == "9" else get) if layer is None else
+                              local_outputs(engine, get, layer, [sub.token_ids[r] for r in sub.rows],
+                                            fused_attention=fused_attention(sub), past=len(sub.past_token_ids),
+                                            positions=self.positions, one_token=one_token_rows(sub),
+                                            cells=((sub.arithmetic or {}).get("settings") or {}).get("cells")))
+        lo = self.memo[key].get(tensor)
         if cp == "9" and lo is not None:            # the last row alone, from the subject's own result_norm
             return lo[-1]                           # (computed on that row alone: see local.last_row)
         if lo is not None and neox_rows(engine, cp, tensor):
-            lo = to_canonical(lo, cat[(cp, tensor)], {"rope_pairs": "neox"}, dims)
+            lo = to_canonical(lo, self.cat[(cp, tensor)], {"rope_pairs": "neox"}, self.dims)
         return lo
-    return local
 
 
 def _argmax(d: Dump):
     if d.has("10", "argmax"):
         return d.raw("10", "argmax").astype(np.int64), "argmax"
     if d.has("8", "logits"):
-        return d.raw("8", "logits").reshape(len(d.rows), -1).argmax(-1), "argmax(cp8.logits)"
+        n = len(d.rows)
+        return np.concatenate([d.read_rows("8", "logits", a, min(n, a + SPAN_ROWS), n).argmax(-1)
+                               for a in range(0, n, SPAN_ROWS)]), "argmax(cp8.logits)"
     return None, None
 
 
@@ -541,6 +676,82 @@ def _probs(d: Dump, dims, float64=False):
         return d.get("11", "probs", None, dims), "probs"
     return None, None
 
+
+
+SPAN_BYTES = 256 * 2**20     # a model tensor [T, X] larger than this is compared a span of rows at a time
+SPAN_ROWS = 256
+
+
+class LazyCaptures(dict):
+    """The captures of a comparison whose dumps lie on disk: key -> array, read again each time it is asked for
+    (a bundle's writer, the HTML report), never held. later(key, read) registers one; plain items too."""
+
+    def later(self, key, read):
+        super().__setitem__(key, _Later(read))
+
+    def __getitem__(self, key):
+        v = super().__getitem__(key)
+        return v.read() if isinstance(v, _Later) else v
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def items(self):
+        return [(k, self[k]) for k in self.keys()]
+
+    def values(self):
+        return [self[k] for k in self.keys()]
+
+
+class _Later:
+    def __init__(self, read):
+        self.read = read
+
+
+def compare_by_spans(read_ours, read_ref, n: int, span: int = SPAN_ROWS) -> tuple[dict, list]:
+    """metrics.compare of two [n, X] tensors, read a span of rows at a time (read(a, b) -> rows a..b-1), without
+    either whole in memory: the same figures (sums in float64, added span by span), and each row's NMSE. ->
+    (figures, per-row NMSE)."""
+    peak_ref, spans = 0.0, range(0, n, span)
+    for a in spans:
+        b = np.asarray(read_ref(a, min(n, a + span)), dtype=np.float64)
+        fin = b[np.isfinite(b)]
+        peak_ref = max(peak_ref, float(np.max(np.abs(fin))) if fin.size else 0.0)
+    floor = max(1e-3 * peak_ref, 1e-12)
+    sq = den = dot = na = nb = 0.0
+    max_abs = max_rel = 0.0
+    per_row, shape, any_diff = [], None, False
+    for a in spans:
+        x = np.asarray(read_ours(a, min(n, a + span)), dtype=np.float64)
+        y = np.asarray(read_ref(a, min(n, a + span)), dtype=np.float64)
+        shape = [n, x.shape[1]]
+        if x.shape != y.shape:
+            return ({"shape": list(x.shape), "ref_shape": list(y.shape), "max_abs": math.inf, "max_rel": math.inf,
+                     "nmse": math.inf, "cosine": float("nan"), "error": f"shape {x.shape} != reference {y.shape}"},
+                    [math.inf] * n)
+        per_row += nmse_by_row(x, y, 0)
+        fin = np.isfinite(x) & np.isfinite(y)
+        if not fin.all():
+            if not np.array_equal(x[~fin], y[~fin], equal_nan=True):
+                return ({"shape": shape, "max_abs": math.inf, "max_rel": math.inf, "nmse": math.inf,
+                         "cosine": float("nan"), "error": "non-finite values differ"}, [math.inf] * n)
+            x, y = x[fin], y[fin]
+        d = x - y
+        absd = np.abs(d)
+        any_diff = any_diff or bool(d.any())
+        if d.size:
+            max_abs = max(max_abs, float(absd.max()))
+            max_rel = max(max_rel, float((absd / np.maximum(np.abs(y), floor)).max()))
+        sq, den = sq + float(np.sum(d * d)), den + float(np.sum(y * y))
+        dot, na, nb = dot + float(np.dot(x.ravel(), y.ravel())), na + float(np.sum(x * x)), nb + float(np.sum(y * y))
+    na, nb = math.sqrt(na), math.sqrt(nb)
+    return ({"shape": shape, "max_abs": max_abs, "max_rel": max_rel,
+             "nmse": sq / den if den > 0 else (0.0 if not any_diff else math.inf),
+             "cosine": 1.0 if not any_diff else (dot / (na * nb) if na > 0 and nb > 0 else 0.0),
+             "by_spans": span}, per_row)
 
 
 def band_schedule(specs, cfg, band_class, llamacpp: bool = True):

@@ -137,13 +137,13 @@ class DiffResult:
                              ("worst_local_nmse", "local_worst_at", "local_by_tensor")):
             fig = "nmse" if key == "worst_nmse" else "local_nmse"
             have = [r for r in rows if fig in r.by_position]
-            for i in range(len(self.positions) if have else 0):
-                r = max(have, key=lambda r: r.by_position[fig][i])
-                out[key].append(r.by_position[fig][i])
+            for i in range(len(self.positions) if have else 0):      # None: a row not held (sampled scores)
+                r = max(have, key=lambda r: -1.0 if r.by_position[fig][i] is None else r.by_position[fig][i])
+                out[key].append(r.by_position[fig][i] or 0.0)
                 out[at].append(f"cp{r.checkpoint} {r.tensor}" + (f" L{r.layer}" if r.layer is not None else ""))
             for r in have:
                 cur = out[per].setdefault(r.tensor, [0.0] * len(self.positions))
-                out[per][r.tensor] = [max(a, b) for a, b in zip(cur, r.by_position[fig])]
+                out[per][r.tensor] = [a if b is None else max(a, b) for a, b in zip(cur, r.by_position[fig])]
         return out
 
     def to_json(self) -> dict:

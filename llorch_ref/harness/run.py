@@ -12,13 +12,16 @@ import time
 
 import numpy as np
 
+from ..backends import available
 from ..checkpoints import band_class_of, catalogue_path, coarser, engine_band_class, load_specs
-from ..dump import Dump, catalogue, expected_shape, load_dump, model_sha256
+from ..dump import Dump, catalogue, default_score_rows, expected_shape, load_dump, model_sha256
 from ..errors import DumpError, HarnessError, PromptError
 from ..loaders.gguf_file import open_reader
 from ..loaders.lazy_weights import mem_available
+from ..model.attention_chunks import CHUNK_ELEMENTS
 from ..references.engines import dump_llamacpp
 from ..references.llorch import engine_label, record_engine
+from ..tensor_file import SpillStore
 from .compare import compare_dumps, dims_of
 from .result import DiffResult
 
@@ -61,10 +64,13 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     ids = engine.tokenizer.encode(prompt) if token_ids is None else list(token_ids)
     timings = {}
     t0 = time.perf_counter()
+    score_rows = default_score_rows(rows if rows is not None else list(range(len(ids))), len(ids))
+    spill = on_disk(engine.config, len(ids) if rows is None else len(rows))
     theirs = _timed(timings, "llamacpp_s", dump_llamacpp, ref_path, prompt=prompt, token_ids=ids, n_greedy=n_greedy,
                     kv_dtype=engine.kv_dtype, checkpoints=checkpoints, context=context, rows=rows,
-                    n_ubatch=n_ubatch)
-    ours = _timed(timings, "ours_s", record_engine, engine, ids, prompt=prompt, n_greedy=n_greedy, rows=rows)
+                    n_ubatch=n_ubatch, store=SpillStore() if spill else None, score_rows=score_rows)
+    ours = _timed(timings, "ours_s", record_engine, engine, ids, prompt=prompt, n_greedy=n_greedy, rows=rows,
+                  store=SpillStore() if spill else None, score_rows=score_rows)
     res = compare_dumps(ours, theirs, engine.config, band_class, checkpoints=checkpoints,
                         subject_label=engine_label(engine), reference_label="llama.cpp", model=str(engine.path),
                         reference_model=ref_path)
@@ -73,6 +79,21 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     res.recipe = recipe("llamacpp", ref_path, ids, prompt=prompt, n_greedy=n_greedy, rows=rows, checkpoints=checkpoints,
                         kv_dtype=engine.kv_dtype, n_ubatch=n_ubatch)
     return res
+
+
+ON_DISK_BYTES = 512 * 2**20      # a dump whose per-token tensors take more goes to disk as it is recorded
+
+
+def per_token_bytes(cfg, n_rows: int) -> int:
+    """About the bytes of one dump's per-token tensors (float32, every layer) and logits at n_rows rows."""
+    d, f, kv = cfg.d_model, cfg.d_ff, cfg.n_kv_heads * cfg.head_dim
+    return 4 * n_rows * (cfg.n_layers * (10 * d + 4 * kv + 2 * f) + 2 * cfg.n_vocab)
+
+
+def on_disk(cfg, n_rows: int) -> bool:
+    """Whether a comparison's dumps are written to disk as they are recorded (tensor_file.SpillStore) and read
+    back one tensor at a time: where they would take more than ON_DISK_BYTES in memory."""
+    return per_token_bytes(cfg, n_rows) > ON_DISK_BYTES
 
 
 def backend_band(engine) -> tuple[str, dict]:
@@ -165,7 +186,9 @@ def run_subject(engine, sub: Dump, band_class: str | None = None, checkpoints=No
             + (f" and {n} greedy tokens" if n else "") + " ...")
     ref = record_engine(engine, sub.token_ids, prompt=sub.manifest.get("prompt"), n_greedy=n,
                         decode_ids=sub.decode_token_ids or None,      # teacher-forced: the subject's tokens
-                        rows=sub.manifest.get("rows"), keep=keep)      # and the rows and tensors it holds
+                        rows=sub.manifest.get("rows"), keep=keep,      # and the rows and tensors it holds
+                        store=SpillStore() if on_disk(engine.config, len(sub.rows)) else None,
+                        score_rows=sub.manifest.get("score_rows"))
     res = compare_dumps(sub, ref, engine.config, band_class, checkpoints=checkpoints,
                         subject_label=subject_label or sub.engine, reference_label=engine_label(engine),
                         model=sub.source, reference_model=str(engine.path), local_engine=engine)
@@ -220,16 +243,18 @@ def comparison_bytes(sub: Dump, cfg, keep: set) -> int:
     t, n_rows = len(sub.token_ids), len(sub.rows)
     steps = len(sub.decode_token_ids)
     cat, total = catalogue(), 0
+    # a long dump's tensors go to disk as they are recorded and are compared one layer at a time
+    per_layer = 1 if on_disk(cfg, n_rows) else cfg.n_layers
     for d, layers in ((dims_of(cfg, t, n_rows=n_rows), 1), (dims_of(cfg, 1, past=t + steps), steps)):
         for (cp, name) in keep:
             e = cat.get((cp, name))
             if e is None or not layers:
                 continue
             shape = expected_shape(e, d) or [1]             # a shape over unknown sizes (N tokens): small
-            per = int(np.prod(shape, dtype=np.int64)) * (cfg.n_layers if e["scope"] == "layer" else 1)
+            per = int(np.prod(shape, dtype=np.int64)) * (per_layer if e["scope"] == "layer" else 1)
             total += 2 * 4 * per * layers
     s = t + steps
-    total += 4 * 4 * cfg.n_heads * t * s                          # scores, probabilities and their temporaries
+    total += 4 * 4 * min(cfg.n_heads * t * s, CHUNK_ELEMENTS)      # one chunk's scores, probabilities, temporaries
     total += 2 * 4 * cfg.n_layers * s * cfg.n_kv_heads * cfg.head_dim + 3 * 4 * t * cfg.n_vocab
     return int(total)
 

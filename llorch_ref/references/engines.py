@@ -12,11 +12,22 @@ import numpy as np
 from ..checkpoints import load_specs
 from ..convert import convert_gguf_to_hf
 from ..dtypes import KV_DTYPES, SHORT, dtype_name
-from ..dump import Recorder, capture_invariance, catalogue, check_rows, select_rows, token_axis
+from ..dump import (
+    SCORE_TENSORS,
+    Recorder,
+    capture_invariance,
+    catalogue,
+    check_rows,
+    invariance_figure,
+    max_abs_diff,
+    select_rows,
+    token_axis,
+)
 from ..errors import ParameterError, PromptError, ReferenceError_
 from ..loaders.default_model import home, sha256_file
 from ..loaders.gguf_file import config_from_metadata, open_reader, read_metadata, rope_freqs_of
 from ..numerics.ggml_build import simd_of
+from ..tensor_file import SpillStore
 from .llamacpp import Capture, LlamaCpp, tokenize
 
 
@@ -48,13 +59,16 @@ def check_token_ids(token_ids, n_vocab: int, n_ctx: int) -> list[int]:
 
 def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="float32", array_order="ggml",
                   checkpoints=None, flash_attn=False, n_ubatch=512, n_threads=2, context=None, decode_steps=0,
-                  decode_ids=None, rows=None) -> Recorder:
+                  decode_ids=None, rows=None, store=None, score_rows=None) -> Recorder:
     """llama.cpp on a GGUF file -> Recorder. Tensors are written as ggml holds them (array_order "ggml":
     shapes listed as ne[], innermost first), K/V views cut to the positions written, kq to its columns.
     Decode steps after the prompt (each one token, every layer tensor and the logits captured): the tokens
     decode_ids when given (teacher forcing), else decode_steps greedy tokens of llama.cpp's own.
     A prompt longer than n_ubatch runs as llama.cpp's micro-batches (one graph each), put together.
-    rows: the prompt's rows to keep (indices into the ids; default all), to bound a long prompt's memory.
+    rows: the prompt's rows to keep (indices into the ids; default all), to bound a long prompt's memory;
+    score_rows: the rows among them whose attention scores are kept (default: those rows); store: where the
+    tensors go (a tensor_file.SpillStore: to disk, each node as it is read). A prompt longer than 2,048 tokens
+    is fed in batches of 2,048 (llama.cpp's default n_batch), each as micro-batches of n_ubatch.
     context: an open LlamaCpp on the same file to reuse (its settings must be those asked for); it is left
     open. Else one is made for this dump and closed."""
     kv_dtype = dtype_name(kv_dtype, KV_DTYPES, "kv_dtype")
@@ -77,26 +91,29 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
     rec = Recorder("llama.cpp", f"{llama_cpp_version()} (llama-cpp-python)", model_path=path, token_ids=ids,
                    prompt=prompt, layouts={"array_order": array_order, "rope_pairs": cfg.rope_style},
                    notes=f"K/V cache {kv_dtype}, flash attention {'on' if flash_attn else 'off'}, n_ubatch {n_ubatch}, "
-                         f"{n_threads} threads", rows=rows)
+                         f"{n_threads} threads", rows=rows, store=store, score_rows=score_rows)
     need = t + max(n_greedy, steps)
     if context is not None:
         _check_context(context, path, n_ctx=need, type_k=SHORT[kv_dtype], flash_attn=flash_attn, n_ubatch=n_ubatch)
     ref = context or LlamaCpp(path, n_ctx=max(256, 64 * ((need + 63) // 64)), kv_dtype=kv_dtype,
-                              flash_attn=flash_attn, n_ubatch=n_ubatch, n_batch=t, n_threads=n_threads)
+                              flash_attn=flash_attn, n_ubatch=n_ubatch, n_batch=min(t, DEFAULT_N_BATCH),
+                              n_threads=n_threads)
     rec.extra["arithmetic"] = {"numerics": "ggml", "ggml_simd": simd_of(ref.settings.get("build", ())),
                                "kv_dtype": kv_dtype,
                                "settings": dict(ref.settings)}     # numerics ggml reproduces this build's sums
-    capture = _LlamaCppCapture(rec, specs, cfg, flash_attn, array_order, rows=rows)
+    capture = _LlamaCppCapture(rec, specs, cfg, flash_attn, array_order, rows=rows, score_rows=score_rows)
     try:
         if prompt is not None and any(s.id == "0" for s in specs):
             rec.add("cp0.token_ids", np.array(tokenize(path, prompt), dtype=np.int64))
-        logits = capture.run(ref, ids, pos=0)
+        logits = capture.run(ref, ids, pos=0)              # the rows kept only
+        last = np.array(logits[-1], copy=True)
         if steps:
-            capture.decode(ref, t, logits[-1], steps, decode_ids)
-        rec.extra["capture_invariance"] = capture_invariance(logits, ref.eval(ids))
+            capture.decode(ref, t, last, steps, decode_ids)
+        rec.extra["capture_invariance"] = _invariance(ref, ids, rows, logits)
         ids_of = {s.id for s in specs}
         if "8" in ids_of or "10" in ids_of or "11" in ids_of:
-            capture.put("cp8.logits", logits if rows is None else logits[rows])
+            capture.put("cp8.logits", logits)
+        del logits
         if "9" in ids_of:
             capture.put("cp9.logits", ref.eval_last(ids))
         if "12" in ids_of and n_greedy > 0:
@@ -107,6 +124,27 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
     return rec
 
 
+DEFAULT_N_BATCH = 2048         # llama.cpp's default n_batch: the most tokens one llama_decode takes
+
+
+def _invariance(ref, ids, rows, kept) -> dict:
+    """capture_invariance of the captured forward's kept rows against an uncaptured forward's, batch by batch
+    (a long prompt's [T, V] logits never twice in memory)."""
+    worst = [0.0]
+    where = {r: i for i, r in enumerate(rows)} if rows is not None else None
+
+    def sink(a, out):
+        n = len(out)
+        if where is None:
+            worst[0] = max(worst[0], max_abs_diff(out, kept[a:a + n]))
+            return
+        mine = [r for r in range(a, a + n) if r in where]
+        if mine:
+            worst[0] = max(worst[0], max_abs_diff(out[[r - a for r in mine]], kept[[where[r] for r in mine]]))
+    ref.eval(ids, sink=sink)
+    return invariance_figure(worst[0])
+
+
 class _LlamaCppCapture:
     """The checkpoint tensors of llama.cpp forwards, captured through its eval callback and written to a
     Recorder in the declared array order: the prompt's forward (step 0) and decode steps after it. A prompt
@@ -114,9 +152,11 @@ class _LlamaCppCapture:
     prompt's tensors, the caches taken after the last. With rows, only those rows of the prompt are kept,
     as each node is read."""
 
-    def __init__(self, rec: Recorder, specs, cfg, flash_attn: bool, array_order: str, rows=None):
+    def __init__(self, rec: Recorder, specs, cfg, flash_attn: bool, array_order: str, rows=None, score_rows=None):
         self.rec, self.specs, self.cfg, self.flash_attn, self.array_order = rec, specs, cfg, flash_attn, array_order
-        self.rows = rows
+        self.rows, self.score_rows = rows, score_rows
+        self.score_names = set()               # the nodes of kq/kq_soft_max (kept at score_rows where given)
+        self.spill = SpillStore(prefix="llorch-capture-") if isinstance(rec.tensors, SpillStore) else None
         self.names = {"result_output"}
         self.axis = {"result_output": 0}      # node name -> its rows' axis as read (NumPy order), None: a cache
         cat = catalogue()
@@ -129,6 +169,8 @@ class _LlamaCppCapture:
                 for i in range(cfg.n_layers):
                     name = ts.node(cfg)["name"].replace("{L}", str(i))
                     self.names.add(name)
+                    if ts.ours in SCORE_TENSORS:
+                        self.score_names.add(name)
                     self.axis[name] = raw if self.axis.get(name, raw) == raw else "whole"
 
     def put(self, name, a, step: int = 0):
@@ -159,28 +201,45 @@ class _LlamaCppCapture:
             out.append((a, b, None if rows is None else [r - a for r in rows if a <= r < b]))
         return out
 
-    def _keeper(self, plan):
-        """Capture.keep: a node's kept rows as it is read; a cache only from the last micro-batch."""
+    def _plan_of(self, name, plan, splan):
+        return splan if splan is not None and name in self.score_names else plan
+
+    def _keeper(self, plan, splan=None):
+        """Capture.keep: a node's kept rows as it is read (the score rows for kq/kq_soft_max where given); a
+        cache only from the last micro-batch; with a store on disk, each part written out at once."""
         def keep(g, name, arr):
             ax = self.axis.get(name, "whole")
             if ax is None:
-                return arr if g == len(plan) - 1 else None
-            sel = plan[g][2] if g < len(plan) else None
+                return self._spilled(arr if g == len(plan) - 1 else None)
+            p = self._plan_of(name, plan, splan)
+            sel = p[g][2] if g < len(p) else None
             if ax == "whole" or sel is None:
-                return arr
+                return self._spilled(arr)
             if not sel:
                 return None
-            if plan[g][1] - plan[g][0] == 1:           # one token: ggml dropped its size-1 axis
-                return arr
-            return np.take(arr, sel, axis=ax)
+            if p[g][1] - p[g][0] == 1:                 # one token: ggml dropped its size-1 axis
+                return self._spilled(arr)
+            return self._spilled(np.take(arr, sel, axis=ax))
         return keep
+
+    def _spilled(self, arr):
+        """A captured part, written to the capture's store where there is one (read back by _parts)."""
+        if arr is None or self.spill is None:
+            return arr
+        key = str(len(self.spill))
+        self.spill[key] = arr
+        return _Spilled(self.spill, key)
 
     def run(self, ref, tokens, pos: int, step: int = 0):
         """One forward of `tokens` at `pos` (pos 0: a fresh sequence), every checkpoint node written at `step`;
         -> its logits [T, V]."""
         plan = self._plan(len(tokens), ref.n_ubatch, self.rows if step == 0 else None)
-        cap = Capture(names=self.names, keep=self._keeper(plan))
-        logits = ref.eval(tokens, cap) if pos == 0 else ref.eval_at(tokens, pos, cap)
+        splan = self._plan(len(tokens), ref.n_ubatch, self.score_rows) if step == 0 and self.score_rows else None
+        cap = Capture(names=self.names, keep=self._keeper(plan, splan))
+        if pos == 0:
+            logits = self._kept_logits(ref, tokens, cap)
+        else:
+            logits = ref.eval_at(tokens, pos, cap)
         if len(cap.graphs) != len(plan):
             raise ReferenceError_(f"llama.cpp ran {len(cap.graphs)} graph(s) for {len(tokens)} tokens with n_ubatch "
                                   f"{ref.n_ubatch}; {len(plan)} were expected")
@@ -195,7 +254,7 @@ class _LlamaCppCapture:
                 for layer in (range(cfg.n_layers) if s.scope == "layer" else [None]):
                     name = lc["name"].replace("{L}", str(layer))
                     key = (name, lc["op"], int(lc.get("occurrence", 0)))
-                    parts = self._parts(cap, plan, key, ts, pos)
+                    parts = self._parts(cap, self._plan_of(name, plan, splan), key, ts, pos)
                     if parts is None:
                         if self.flash_attn and ts.ours in FUSED_BY_FLASH_ATTN:
                             continue                   # fused into one op: not covered, never passed
@@ -212,11 +271,27 @@ class _LlamaCppCapture:
         for g, (a, b, sel) in enumerate(plan):
             arr = cap.graphs[g].get(key)
             n = (b - a) if sel is None or self.axis.get(key[0]) == "whole" else len(sel)
+            if isinstance(arr, _Spilled):
+                arr = arr.load()
             if arr is not None:
                 fn = self.canonical(n, pos + b).get(ts.ours, lambda x, n=n: x.reshape(n, -1))
                 parts.append((kept, fn(ts.from_llamacpp(self.cfg, arr))))
             kept += n
         return parts or None
+
+    def _kept_logits(self, ref, tokens, cap) -> np.ndarray:
+        """A fresh forward of the prompt -> the logits of the rows kept [R, V], gathered batch by batch."""
+        rows = self.rows
+        keep = list(range(len(tokens))) if rows is None else rows
+        out = np.empty((len(keep), ref.n_vocab), dtype=np.float32)
+        where = {r: i for i, r in enumerate(keep)}
+
+        def sink(a, part):
+            mine = [r for r in range(a, a + len(part)) if r in where]
+            if mine:
+                out[[where[r] for r in mine]] = part[[r - a for r in mine]]
+        ref.eval(tokens, cap, sink=sink)
+        return out
 
     def decode(self, ref, t: int, last_logits, steps: int, decode_ids):
         """Decode steps on the prompt's cache: step k feeds decode_ids[k-1] (or llama.cpp's greedy pick)."""
@@ -227,6 +302,16 @@ class _LlamaCppCapture:
             last_logits = self.run(ref, fed[k - 1:k], pos=t + k - 1, step=k)[-1]
             self.put("cp8.logits", last_logits[None, :], step=k)
         self.rec.extra["decode_token_ids"] = fed
+
+
+class _Spilled:
+    """A captured part held in a SpillStore: load() reads it back."""
+
+    def __init__(self, store, key):
+        self.store, self.key = store, key
+
+    def load(self):
+        return self.store[self.key]
 
 
 def _join(parts, ours: str, axis, s: int) -> np.ndarray:

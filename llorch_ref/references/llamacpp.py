@@ -123,6 +123,12 @@ class Capture:
             self.graphs.append({})
             self._seen = {}
 
+    def open_graph(self):
+        """Before a batch after another: its first node starts a graph of its own."""
+        if self.graphs[-1]:
+            self.graphs.append({})
+            self._seen = {}
+
     def done(self):
         """After the batch: drop the empty graph opened by the last result_output."""
         if len(self.graphs) > 1 and not self.graphs[-1]:
@@ -234,17 +240,29 @@ class LlamaCpp:
             cap.error = e
         return True
 
-    def eval(self, tokens, capture: Capture | None = None) -> np.ndarray:
-        """tokens: [T] -> logits [T, V] float32 of a fresh sequence (KV memory cleared first)."""
+    def eval(self, tokens, capture: Capture | None = None, sink=None) -> np.ndarray | None:
+        """tokens: [T] -> logits [T, V] float32 of a fresh sequence (KV memory cleared first). More than n_batch
+        tokens are fed as consecutive batches of n_batch (llama.cpp's own prompt loop), each computed as
+        micro-batches of n_ubatch; a capture sees one graph per micro-batch either way. sink(first row,
+        logits [n, V]): each batch's logits handed over as it is computed (then None is returned: a long
+        prompt's [T, V] never held whole)."""
         lc = self.llama_cpp
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise PromptError("empty token list")
-        if len(tokens) > min(self.n_ctx, self.n_batch):
-            raise PromptError(f"{len(tokens)} tokens exceed llama.cpp's n_ctx/n_batch "
-                              f"({self.n_ctx}/{self.n_batch})")
+        if len(tokens) > self.n_ctx:
+            raise PromptError(f"{len(tokens)} tokens exceed llama.cpp's n_ctx ({self.n_ctx})")
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
-        return self._decode(tokens, 0, capture, all_logits=True)
+        parts = []
+        for a in range(0, len(tokens), self.n_batch):
+            out = self._decode(tokens[a:a + self.n_batch], a, capture, all_logits=True)
+            if sink is not None:
+                sink(a, out)
+            else:
+                parts.append(out)
+        if sink is not None:
+            return None
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
 
     def eval_at(self, tokens, pos: int, capture: Capture | None = None) -> np.ndarray:
         """tokens: [T] appended at positions pos.. of the sequence held (no clearing: a decode step after
@@ -269,6 +287,7 @@ class LlamaCpp:
             self._capture = capture
             if capture is not None:
                 capture.error = None
+                capture.open_graph()
             rc = lc.llama_decode(self.ctx, batch)
             self._capture = None
             if capture is not None:
@@ -324,19 +343,23 @@ class LlamaCpp:
 
     def eval_last(self, tokens) -> np.ndarray:
         """tokens: [T] -> logits [V] of the last position only (llama.cpp then computes one output row)."""
+        return self._prefill_last([int(t) for t in tokens])[-1]
+
+    def _prefill_last(self, tokens) -> np.ndarray:
+        """A fresh sequence fed in batches of n_batch, the last token's logits only -> [1, V]."""
         lc = self.llama_cpp
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
-        return self._decode([int(t) for t in tokens], 0, None, all_logits=False)[-1]
+        for a in range(0, len(tokens), self.n_batch):
+            out = self._decode(tokens[a:a + self.n_batch], a, None, all_logits=False)
+        return out
 
     def greedy(self, tokens, max_tokens: int, stop_ids=(), timing=None) -> list[int]:
         """Greedy continuation (argmax of llama.cpp's logits = its temperature-0 sampler), token by token.
 
         timing: a dict; gets "decode_s", the time from the end of the prompt's forward to the last token
         (as GenerationResult.decode_s measures llorch-ref's)."""
-        lc = self.llama_cpp
-        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
         tokens = [int(t) for t in tokens]
-        logits = self._decode(tokens, 0, None, all_logits=False)
+        logits = self._prefill_last(tokens)
         t0 = time.perf_counter()
         out, pos = [], len(tokens)
         for _ in range(max_tokens):

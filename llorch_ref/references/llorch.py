@@ -5,17 +5,19 @@ from __future__ import annotations
 import numpy as np
 
 from .. import __version__
-from ..dump import Recorder, capture_invariance, check_rows
+from ..dump import Recorder, capture_invariance, check_rows, invariance_figure, max_abs_diff
 from ..generate import sampling
+from ..model.attention_chunks import with_chunked_attention
 
 # run through the cache (then reset) before the recorded forward: a cache leaking state between sequences
 # then shows up as a divergence
 WARMUP_PROMPT = "The quick brown fox jumps over the lazy dog, again and again and again."
 
 
-def _recorder(engine, token_ids, prompt=None, rows=None, **extra) -> Recorder:
+def _recorder(engine, token_ids, prompt=None, rows=None, store=None, score_rows=None, **extra) -> Recorder:
     return Recorder("llorch-ref", f"{__version__} ({engine.backend.name}, {engine.numerics})",
-                    model_path=engine.path, token_ids=token_ids, prompt=prompt, rows=rows,
+                    model_path=engine.path, token_ids=token_ids, prompt=prompt, rows=rows, store=store,
+                    score_rows=score_rows,
                     layouts={"rope_pairs": engine.qk_rows},       # Q/K rows as loaded (not as the forward rotates)
                     extra={"arithmetic": {"numerics": engine.numerics, "kv_dtype": engine.kv_dtype,
                                           **({"ggml_simd": engine.ggml_simd} if engine.ggml_simd else {}),
@@ -23,17 +25,30 @@ def _recorder(engine, token_ids, prompt=None, rows=None, **extra) -> Recorder:
 
 
 def record_engine(engine, token_ids, prompt=None, n_greedy=32, decode_steps=0, decode_ids=None,
-                  rows=None, keep=None) -> Recorder:
+                  rows=None, keep=None, store=None, score_rows=None) -> Recorder:
     """llorch-ref as a dump (canonical layout): every checkpoint tensor of one forward over token_ids on a
     cache that first ran (and reset after) a warm-up sequence; the last row alone as generation asks for
     it; its argmax and softmax; n_greedy greedy tokens (EOS ignored). Then decode steps on the same cache,
     one token each, every layer tensor and the logits of each: the tokens decode_ids when given (teacher
     forcing: another engine's tokens), else decode_steps greedy tokens of its own. rows: the prompt's rows
     to keep (indices; default all), to bound a long prompt's memory; keep: the (checkpoint, tensor) pairs to
-    record (default all): a comparison records only what the subject holds."""
-    rec = _recorder(engine, token_ids, prompt, rows=check_rows(rows, len(token_ids)))
+    record (default all): a comparison records only what the subject holds. store: where the tensors go
+    (a tensor_file.SpillStore: to disk as they are recorded); score_rows: the rows (among `rows`) whose
+    attention scores are kept (default: the rows kept). Attention runs in query-row chunks wherever
+    H x T x S is large (model/attention_chunks.py: the same values), so no forward holds a long prompt's
+    scores whole."""
+    rec = _recorder(engine, token_ids, prompt, rows=check_rows(rows, len(token_ids)), store=store,
+                    score_rows=score_rows)
     rec.keep = None if keep is None else {tuple(k) for k in keep}
-    ids = list(token_ids)
+    ops = engine.ops
+    try:
+        engine.ops = with_chunked_attention(ops)        # a long forward's scores only where they are recorded
+        return _record(engine, rec, list(token_ids), prompt, n_greedy, decode_steps, decode_ids, ops)
+    finally:
+        engine.ops = ops
+
+
+def _record(engine, rec: Recorder, ids, prompt, n_greedy, decode_steps, decode_ids, ops) -> Recorder:
     if prompt is not None and engine.tokenizer is not None:
         rec.add("cp0.token_ids", np.array(engine.tokenizer.encode(prompt), dtype=np.int64))
     cache = engine.new_cache()
@@ -42,19 +57,54 @@ def record_engine(engine, token_ids, prompt=None, n_greedy=32, decode_steps=0, d
         engine.forward(warm, cache, rows=[len(warm) - 1])
         cache.reset()
     b = engine.backend
-    # the logits of the rows kept only (the last among them), as llama.cpp computes its output rows
-    logits = b.to_numpy(engine.forward(ids, cache, rows=rec.rows, record=lambda n, l, a: rec(n, l, b.to_numpy(a))))
+    held = rec.score_rows if rec.score_rows is not None else rec.rows   # the query rows whose scores are kept
+    plain = engine.ops
+    engine.ops = with_chunked_attention(ops, keep=held)
+    try:
+        # the logits of the rows kept only (the last among them), as llama.cpp computes its output rows
+        logits = b.to_numpy(engine.forward(ids, cache, rows=rec.rows, record=lambda n, l, a: rec(n, l, b.to_numpy(a))))
+    finally:
+        engine.ops = plain
     rec.add("cp8.logits", logits)
-    _decode_steps(engine, cache, rec, logits[-1], decode_steps, decode_ids)
-    rec.extra["capture_invariance"] = capture_invariance(
-        logits, b.to_numpy(engine.forward(ids, engine.new_cache(), rows=rec.rows)))
+    last = np.array(logits[-1], copy=True)
+    rec.add("cp10.argmax", np.argmax(logits, axis=-1).astype(np.int64))      # np.argmax: sampling.greedy's rule
+    _add_probs(rec, logits)
+    spilled = hasattr(rec.tensors, "read_rows") and "cp8.logits" in rec.tensors
+    kept = None if spilled else logits    # a long prompt's [T, V] on disk: read back a span of rows at a time
+    del logits
+    _decode_steps(engine, cache, rec, last, decode_steps, decode_ids)
+    again = b.to_numpy(engine.forward(ids, engine.new_cache(), rows=rec.rows))
+    rec.extra["capture_invariance"] = capture_invariance(kept, again) if kept is not None else _invariance(rec, again)
+    del again, kept
     rec.add("cp9.logits", b.to_numpy(engine.forward(ids, engine.new_cache(), rows=[len(ids) - 1]))[-1])
-    rec.add("cp10.argmax", np.array([sampling.greedy(r) for r in logits], dtype=np.int64))
-    rec.add("cp11.probs", sampling.softmax(logits))
     if n_greedy > 0:
         rec.add("cp12.greedy_tokens", np.array(list(engine.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True)),
                                               dtype=np.int64))
     return rec
+
+
+SPAN = 256             # rows of a [T, V] tensor handled at once (softmax, capture invariance)
+
+
+def _add_probs(rec: Recorder, logits):
+    """cp11.probs: sampling.softmax of each row (float64, stored as float32), a span of rows at a time (the same
+    values: the softmax is per row), written chunk by chunk where the store is on disk."""
+    if rec.keep is not None and ("11", "probs") not in rec.keep:
+        return
+    spans = (sampling.softmax(logits[i:i + SPAN]).astype(np.float32) for i in range(0, len(logits), SPAN))
+    if hasattr(rec.tensors, "write_rows"):
+        rec.tensors.write_rows("cp11.probs", logits.shape, np.float32, spans)
+    else:
+        rec.add("cp11.probs", np.concatenate(list(spans), axis=0))
+
+
+def _invariance(rec: Recorder, again) -> dict:
+    """capture_invariance of the recorded logits, read back from the store on disk a span of rows at a time,
+    against an uncaptured forward's."""
+    n = len(again)
+    d = max((max_abs_diff(rec.tensors.read_rows("cp8.logits", i, min(n, i + SPAN), n), again[i:i + SPAN])
+             for i in range(0, n, SPAN)), default=0.0)
+    return invariance_figure(d)
 
 
 def _decode_steps(engine, cache, rec: Recorder, last_logits, n: int, decode_ids):

@@ -1,0 +1,237 @@
+"""Long contexts at bounded memory: attention in query-row chunks (bit-equal to one call), dumps written to disk
+as they are recorded and read back one tensor at a time (the arrays held do not grow with the layers), the
+attention scores held at sampled rows, model tensors [T, V] compared a span of rows at a time (compare's
+figures), and llama.cpp fed in batches (the same tensors)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import llorch_ref
+from llorch_ref.dump import default_score_rows
+from llorch_ref.errors import HarnessError
+from llorch_ref.harness import compare as C
+from llorch_ref.harness.compare import compare_by_spans, compare_dumps
+from llorch_ref.harness.metrics import compare
+from llorch_ref.harness.run import run_subject
+from llorch_ref.model import layers as L
+from llorch_ref.model.attention_chunks import attention_in_chunks, chunk_rows
+from llorch_ref.model.cache import visible_mask
+from llorch_ref.numerics.ggml_cpu import make_attention
+from llorch_ref.references.llorch import record_engine
+from llorch_ref.tensor_file import SpillStore
+
+TEXT = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
+        "Constantinople in 1453, and its")
+
+
+def qkv(t, s, h=9, kv=3, hd=64, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((t, h, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((s, kv, hd)).astype(np.float32) for _ in range(2))
+    mask = visible_mask(np, np.arange(s - t, s)[:, None], np.arange(s)[None, :], 0).astype(np.float32)
+    return q, k, v, mask, L.kv_head_of(np, h, kv)
+
+
+@pytest.mark.parametrize("attention", [L.attention, make_attention("float32"), make_attention("float16")],
+                         ids=["exact", "ggml-f32", "ggml-f16"])
+def test_attention_in_query_row_chunks_is_bit_equal_to_one_call(attention):
+    q, k, v, mask, kvh = qkv(300, 400)
+    whole = attention(np, q, k, v, mask, 0.125, kvh)
+    keep = [0, 5, 131, 200, 299]
+    for limit in (9 * 400 * 64, 9 * 400 * 150):
+        assert chunk_rows(9, 300, 400, limit) < 300                       # it does run in chunks
+        out, kq, probs = attention_in_chunks(np, attention, q, k, v, mask, 0.125, kvh, limit=limit)
+        assert np.array_equal(out, whole[0]) and np.array_equal(kq, whole[1]) and np.array_equal(probs, whole[2])
+        out, kq, probs = attention_in_chunks(np, attention, q, k, v, mask, 0.125, kvh, keep=keep, limit=limit)
+        assert np.array_equal(out, whole[0])
+        assert np.array_equal(kq, whole[1][:, keep]) and np.array_equal(probs, whole[2][:, keep])
+    out, kq, probs = attention_in_chunks(np, attention, q, k, v, mask, 0.125, kvh, keep=(), limit=9 * 400 * 64)
+    assert np.array_equal(out, whole[0]) and kq is None and probs is None
+
+
+def test_a_planted_change_in_one_chunk_is_not_bit_equal():
+    q, k, v, mask, kvh = qkv(300, 300)
+    whole = L.attention(np, q, k, v, mask, 0.125, kvh)
+
+    calls = []
+
+    def off_in_second_chunk(xp, q_, k_, v_, m_, scale, kvh_):
+        calls.append(1)
+        return L.attention(xp, q_, k_, v_, m_, scale * (1.001 if len(calls) == 2 else 1.0), kvh_)
+    out, _, _ = attention_in_chunks(np, off_in_second_chunk, q, k, v, mask, 0.125, kvh, limit=9 * 300 * 100)
+    bad = np.flatnonzero(np.any(out != whole[0], axis=1))
+    assert bad.size and bad.min() >= 100 and bad.max() < 200          # the second chunk's rows, and only them
+
+
+def test_a_spill_store_reads_back_what_it_holds_and_keeps_nothing():
+    st = SpillStore()
+    a = np.arange(24, dtype=np.float32).reshape(6, 4)
+    st["x"] = a
+    st.write_rows("y", (6, 4), np.float32, [a[:2], a[2:]])
+    assert np.array_equal(st["x"], a) and np.array_equal(st["y"], a)
+    assert np.array_equal(st.read_rows("x", 2, 5, 6), a[2:5]) and st.shape("y") == [6, 4]
+    assert st.live == 0 and st.peak_live >= 1                         # what was read is gone when dropped
+    b = st["x"]
+    assert st.live == 1
+    del b
+    assert st.live == 0
+
+
+@pytest.fixture(scope="module")
+def models(tiny):
+    return {n: tiny(weight_type="F32", n_layers=n, vocab="bpe") for n in (2, 6)}
+
+
+def spilled_comparison(path, planted=None):
+    eng = llorch_ref.load(path, weights="eager")
+    ids = eng.tokenizer.encode(TEXT)
+    stores = SpillStore(), SpillStore()
+    ref = record_engine(eng, ids, prompt=TEXT, n_greedy=0, store=stores[1])
+    sub = record_engine(eng, ids, prompt=TEXT, n_greedy=0, store=stores[0])
+    if planted:
+        stores[0][planted[0]] = planted[1](stores[0][planted[0]])
+    res = compare_dumps(sub, ref, eng.config, "F32")
+    return res, stores
+
+
+def test_a_comparison_from_disk_holds_one_tensor_at_a_time_whatever_the_layers(models):
+    peaks = {}
+    for n, path in models.items():
+        res, stores = spilled_comparison(path)
+        assert res.first_divergence is None and all(r.metrics.get("max_abs", 0.0) == 0.0 for r in res.rows
+                                                    if r.checkpoint != "11")
+        assert sum(r.layer is not None for r in res.rows) > 10 * n            # every layer compared
+        assert all(s.live == 0 for s in stores)                              # nothing read is still held
+        held = {k: v for k, v in dict.items(res.captures_ours) if ".layer" in k}
+        assert len(held) > 10 * n and not any(isinstance(v, np.ndarray) for v in held.values())   # read when asked
+        peaks[n] = max(s.peak_live for s in stores)
+    assert peaks[2] == peaks[6] <= 3, peaks                # one tensor (and a view of it) per side at a time
+
+
+def test_a_comparison_from_disk_gives_the_in_memory_figures(models):
+    eng = llorch_ref.load(models[2], weights="eager")
+    ids = eng.tokenizer.encode(TEXT)
+    ref = record_engine(eng, ids, prompt=TEXT, n_greedy=0)
+    held = compare_dumps(record_engine(eng, ids, prompt=TEXT, n_greedy=0), ref, eng.config, "F32")
+    res, _ = spilled_comparison(models[2])
+    assert [(r.checkpoint, r.layer, r.tensor) for r in res.rows] == [(r.checkpoint, r.layer, r.tensor)
+                                                                     for r in held.rows]
+    assert [r.metrics for r in res.rows] == [r.metrics for r in held.rows]
+    key = "cp2.q_proj.layer1"
+    assert np.array_equal(res.captures_ours[key], held.captures_ours[key])   # a capture is read when asked for
+
+
+def test_a_planted_change_in_a_spilled_dump_is_the_first_divergence(models):
+    res, _ = spilled_comparison(models[6], planted=("cp6.ffn_out.layer4", lambda a: a * np.float32(1.01)))
+    assert res.first_divergence["layer"] == 4 and res.first_divergence["tensor"] == "ffn_out"
+
+
+def test_scores_are_sampled_only_where_t_by_s_is_large():
+    assert default_score_rows(list(range(1024)), 1024) is None
+    rows = default_score_rows(list(range(8000)), 8000)
+    assert 100 <= len(rows) <= 130 and rows[0] == 0 and rows[-1] == 7999 and rows == sorted(set(rows))
+    held = list(range(0, 4096, 64)) + [4095]
+    assert default_score_rows(held, 4096) is None                      # 65 rows held: all of them
+
+
+def test_scores_held_at_sampled_rows_are_compared_there(models, monkeypatch):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent / "checkpoints"))
+    import planted_bugs as B
+
+    ref = llorch_ref.load(models[2], weights="eager")
+    ids = ref.tokenizer.encode(TEXT)
+    score_rows = [0, 9, len(ids) - 1]
+    clean = run_subject(ref, record_engine(ref, ids, n_greedy=0, score_rows=score_rows).to_dump(), "F32")
+    assert clean.first_divergence is None
+    kq = [r for r in clean.rows if r.tensor == "kq"]
+    assert kq and all(r.metrics["shape"][1] == 3 and r.local_passed for r in kq)
+    bp = clean.by_position()
+    assert len(bp["by_tensor"]["kq"]) == len(ids) and bp["positions"] == list(range(len(ids)))
+    subject = llorch_ref.load(models[2], weights="eager")
+    B.wrong_attention_scale(monkeypatch, subject)
+    bad = run_subject(ref, record_engine(subject, ids, n_greedy=0, score_rows=score_rows).to_dump(), "F32")
+    assert bad.first_divergence["checkpoint"] == "4" and bad.first_divergence["layer"] == 0
+
+
+def test_two_dumps_with_other_score_rows_are_refused(models):
+    eng = llorch_ref.load(models[2], weights="eager")
+    ids = eng.tokenizer.encode(TEXT)
+    a = record_engine(eng, ids, n_greedy=0, score_rows=[0, len(ids) - 1])
+    b = record_engine(eng, ids, n_greedy=0)
+    with pytest.raises(HarnessError, match="attention scores at different rows"):
+        compare_dumps(a, b, eng.config, "F32")
+
+
+def test_compare_by_spans_gives_compare_s_figures():
+    rng = np.random.default_rng(3)
+    b = rng.standard_normal((1000, 77))
+    a = b + 1e-4 * rng.standard_normal(b.shape)
+    a[5, 3] = b[5, 3] = np.inf
+    m, per_row = compare_by_spans(lambda i, j: a[i:j], lambda i, j: b[i:j], 1000, span=64)
+    want = compare(a, b)
+    for k in ("max_abs", "max_rel", "nmse", "cosine"):
+        assert math.isclose(m[k], want[k], rel_tol=1e-9), k
+    assert m["shape"] == [1000, 77] and len(per_row) == 1000
+    a[700] *= 1.5                                                       # a planted change in one row
+    m, per_row = compare_by_spans(lambda i, j: a[i:j], lambda i, j: b[i:j], 1000, span=64)
+    finite = [x if i != 5 else 0.0 for i, x in enumerate(per_row)]   # row 5 holds an infinity (infinite per row)
+    assert int(np.argmax(finite)) == 700 and m["nmse"] > 100 * want["nmse"] and per_row[5] == math.inf
+    c = a.copy()
+    c[5, 3] = -np.inf
+    assert compare_by_spans(lambda i, j: c[i:j], lambda i, j: b[i:j], 1000)[0]["error"] == "non-finite values differ"
+
+
+def test_logits_and_probabilities_compared_by_spans_catch_a_planted_row(models, monkeypatch):
+    monkeypatch.setattr(C, "SPAN_BYTES", 0)                            # every [T, X] model tensor by spans
+    monkeypatch.setattr(C, "SPAN_ROWS", 4)
+    res, _ = spilled_comparison(models[2])
+    spans = [r for r in res.rows if r.metrics.get("by_spans")]
+    assert {r.tensor for r in spans} >= {"logits", "probs"} and res.first_divergence is None
+    n = len(res.token_ids)
+
+    def plant(a):
+        a = np.array(a)
+        a[n - 3] += np.float32(3.0)
+        return a
+    res, _ = spilled_comparison(models[2], planted=("cp8.logits", plant))
+    bad = {r.tensor for r in res.rows if r.diverges}
+    assert "logits" in bad
+    row = next(r for r in res.rows if r.tensor == "logits" and r.checkpoint == "8")
+    assert int(np.argmax(row.by_position["nmse"])) == n - 3
+
+
+@pytest.fixture(scope="module")
+def q8(tiny):
+    return tiny(weight_type="Q8_0", n_layers=3, d_model=128, d_ff=192, vocab="bpe")
+
+
+@pytest.mark.llamacpp
+def test_llamacpp_fed_in_batches_and_spilled_gives_the_same_dump(llamacpp, q8):
+    from llorch_ref.references.engines import dump_llamacpp
+    from llorch_ref.references.llamacpp import LlamaCpp
+
+    eng = llorch_ref.load(q8, numerics="ggml")
+    ids = eng.tokenizer.encode(TEXT)
+    one = dump_llamacpp(q8, token_ids=ids, n_greedy=0, n_ubatch=7)
+    ctx = LlamaCpp(q8, n_ctx=256, kv_dtype="float32", n_ubatch=7, n_batch=14)     # several llama_decode calls
+    try:
+        store = SpillStore()
+        fed = dump_llamacpp(q8, token_ids=ids, n_greedy=0, n_ubatch=7, context=ctx, store=store,
+                            score_rows=[0, 13, len(ids) - 1])
+    finally:
+        ctx.close()
+    assert fed.manifest()["score_rows"] == [0, 13, len(ids) - 1] and dict.__len__(store) == len(one.tensors)
+    for name, a in one.tensors.items():
+        b = store[name]
+        if name.startswith(("cp4.kq.", "cp4.kq_soft_max.")):
+            a = a.reshape(a.shape[::-1])[:, [0, 13, len(ids) - 1]]      # ggml order: [H, T, S] reversed
+            b = b.reshape(b.shape[::-1])
+        assert np.array_equal(a, b), name
+    assert fed.extra["capture_invariance"]["logits_max_abs_diff"] == 0.0
+    res = run_subject(eng, fed.to_dump(), "Q8_0")
+    assert res.first_divergence is None, res.first_divergence
