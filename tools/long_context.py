@@ -43,15 +43,22 @@ def prompt_of(tokenizer, text: str, n: int) -> str:
     return text[:lo]
 
 
-def timed(cmd: list, out=None) -> dict:
+def timed(cmd: list, out=None, env=None) -> dict:
     """Run a command under /usr/bin/time -> {"wall_s", "peak_rss_mb", "rc"}; stdout to `out` if given."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
         full = [shutil.which("time") or "/usr/bin/time", "-f", "%e %M", "-o", tf.name] + cmd
         print("+ " + " ".join(map(str, cmd)), flush=True)
         with open(out, "w") if out else open("/dev/null", "w") as so:
-            rc = subprocess.run(full, stdout=so, stderr=sys.stderr).returncode
+            rc = subprocess.run(full, stdout=so, stderr=sys.stderr, env=env).returncode
         wall, kb = tf.read().split()[-2:]
     return {"wall_s": float(wall), "peak_rss_mb": int(kb) / 1024, "rc": rc}
+
+
+def blas_env(n):
+    """The environment of the measured command: OPENBLAS_NUM_THREADS=n where given."""
+    import os
+
+    return None if n is None else {**os.environ, "OPENBLAS_NUM_THREADS": str(n), "OMP_NUM_THREADS": str(n)}
 
 
 def plot(bp: dict, path: Path, title: str):
@@ -92,6 +99,8 @@ def main():
     ap.add_argument("--greedy", type=int, default=16)
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--memory-points", default=None, help="add this run's peak memory to FILE.json and redraw it")
+    ap.add_argument("--blas-threads", type=int, default=None,
+                    help="OPENBLAS_NUM_THREADS for the run (1 on a machine whose cores other work holds)")
     a = ap.parse_args()
     path = resolve_model(a.model)
     out = Path(a.out_dir)
@@ -110,7 +119,7 @@ def main():
                 raise SystemExit("--mode diff runs llama.cpp with an F32 cache (the exact-numerics bands' setting)")
             steps.append(("`diff --prompt-file --rows` (llama.cpp's dump and llorch-ref's, compared)", timed(
                 cli + ["diff", "--model", path, "--prompt-file", pf, "--rows", a.rows, "--greedy", str(a.greedy),
-                       "--backend", a.backend, "--json"], out=js), ""))
+                       "--backend", a.backend, "--json"], out=js, env=blas_env(a.blas_threads)), ""))
         else:
             t = timed(cli + ["dump", "--engine", "llamacpp", "--model", path, "--prompt-file", pf, "--rows", a.rows,
                              "--greedy", str(a.greedy), "--out", dump] + SETTINGS[a.settings])
@@ -142,7 +151,8 @@ def add_memory_point(pf: Path, a, path, n, res, steps):
                           "first_divergence": res["first_divergence"], "commit": commit, "cpu": cpu_model(),
                           "command": f"python tools/long_context.py --tokens {a.tokens} --rows {a.rows} "
                                      f"--settings {a.settings} --backend {a.backend} --mode {a.mode} "
-                                     f"--out-dir {a.out_dir} --memory-points {pf}"})
+                                     f"--out-dir {a.out_dir} --memory-points {pf}"
+                                     + (f" --blas-threads {a.blas_threads}" if a.blas_threads else "")})
     pts["points"].sort(key=lambda p: (p["mode"], p["backend"], p["rows"], p["tokens"]))
     pf.write_text(json.dumps(pts, indent=1) + "\n")
     draw_memory(pts["points"], pf.with_suffix(".png"))
