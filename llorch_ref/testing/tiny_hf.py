@@ -79,10 +79,12 @@ def write_tiny_hf(out, arch="llama2", seed=0):
 def _tiny_gpt2(transformers, torch, n_vocab, out):
     """GPT2LMHeadModel of the same size as the others (D 64, F 96, 4 heads, 2 layers, 128 positions): norm
     weights, norm biases and every projection's bias randomized (transformers sets them to one and zero), the
-    MLP's bias wide enough that GELU's tanh approximation differs measurably from the exact erf form."""
+    MLP's bias wide enough that GELU's tanh approximation differs measurably from the exact erf form; weights
+    drawn at std 0.2 (GPT-2's own 0.02 leaves the tied logits to one token: greedy text repeats it)."""
     bos, eos, _ = cfg_bos_eos(out)
     cfg = transformers.GPT2Config(vocab_size=n_vocab, n_embd=64, n_inner=96, n_layer=2, n_head=4, n_positions=128,
-                                  activation_function="gelu_new", bos_token_id=bos, eos_token_id=eos)
+                                  activation_function="gelu_new", bos_token_id=bos, eos_token_id=eos,
+                                  initializer_range=0.2)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():
         for nm in [m for lyr in model.transformer.h for m in (lyr.ln_1, lyr.ln_2)] + [model.transformer.ln_f]:
