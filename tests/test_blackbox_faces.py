@@ -60,15 +60,15 @@ def planted_url(planted):
         yield url
 
 
-def prove(capsys, tmp_path, subject, run_id, *extra):
-    rc = main(["prove", "--threads", "1", "--subject", subject, "--prompt", PROMPT, "--decode-steps", "6",
+def prove(capsys, tmp_path, subject, run_id, *extra, steps=6):
+    rc = main(["prove", "--threads", "1", "--subject", subject, "--prompt", PROMPT, "--decode-steps", str(steps),
                "--out", str(tmp_path), "--run-id", run_id, "--no-plots", *extra])
     capsys.readouterr()
     return rc, tmp_path / run_id
 
 
-def verify(capsys, folder):
-    rc = main(["verify", str(folder), "--json"])
+def verify(capsys, folder, *extra):
+    rc = main(["verify", str(folder), "--json", *extra])
     return rc, json.loads(capsys.readouterr().out)
 
 
@@ -97,9 +97,18 @@ def test_prove_a_clean_server_writes_the_steps_and_verify_accepts_it(clean_url, 
     assert v["rerun"]["comparisons"] == len(stored["rows"])
 
 
+@pytest.fixture(scope="module")
+def planted_bundle(planted_url, tmp_path_factory):
+    """prove of the planted server, once: -> (exit code, its run folder)."""
+    out = tmp_path_factory.mktemp("planted-bundle")
+    rc = main(["prove", "--threads", "1", "--subject", f"openai:{planted_url}", "--prompt", PROMPT, "--decode-steps",
+               "6", "--out", str(out), "--run-id", "planted", "--no-plots"])
+    return rc, out / "planted"
+
+
 @needs_server
-def test_prove_a_planted_server_names_the_divergence_with_both_distributions(planted_url, tmp_path, capsys):
-    rc, run = prove(capsys, tmp_path, f"openai:{planted_url}", "planted")
+def test_prove_a_planted_server_names_the_divergence_with_both_distributions(planted_bundle, capsys):
+    rc, run = planted_bundle
     assert rc == 1
     stored = json.loads((run / "result.json").read_text())
     at = stored["blackbox"]["divergence"]
@@ -114,8 +123,8 @@ def test_prove_a_planted_server_names_the_divergence_with_both_distributions(pla
 
 
 @needs_server
-def test_verify_fails_a_forged_bundle(clean_url, planted_url, tmp_path, capsys):
-    _, run = prove(capsys, tmp_path, f"openai:{planted_url}", "src")
+def test_verify_fails_a_forged_bundle(planted_bundle, tmp_path, capsys):
+    _, run = planted_bundle
     forged = tmp_path / "kld"                  # one step's KLD lowered inside its band, the hash recomputed
     shutil.copytree(run, forged)
     stored = json.loads((forged / "result.json").read_text())
@@ -139,13 +148,13 @@ def test_verify_fails_a_forged_bundle(clean_url, planted_url, tmp_path, capsys):
     forged = tmp_path / "steps"                # the step table edited, the hash not
     shutil.copytree(run, forged)
     (forged / "steps.md").write_text((forged / "steps.md").read_text().replace("**FAIL**", "pass"))
-    rc, v = verify(capsys, forged)
+    rc, v = verify(capsys, forged, "--no-rerun")
     assert rc == 1 and v["edited"] == ["steps.md"], v
 
 
 @needs_mistralrs
 def test_prove_mistralrs_keeps_the_whole_vocabulary_and_verifies(tmp_path, capsys):
-    rc, run = prove(capsys, tmp_path, "mistralrs", "mrs")
+    rc, run = prove(capsys, tmp_path, "mistralrs", "mrs", steps=3)
     stored = json.loads((run / "result.json").read_text())
     assert rc == 0, stored["verdict"]
     assert {s["kld_kind"] for s in stored["blackbox"]["steps"]} == {"exact"}
@@ -175,10 +184,10 @@ def test_eval_through_llama_cpp_servers_echo_says_its_method_and_cost(clean_url,
 
 
 @needs_mistralrs
-def test_eval_mistralrs_asks_one_token_a_position_over_the_whole_vocabulary(tmp_path, capsys):
-    rc, out, text = eval_json(capsys, tmp_path, "mistralrs", "--top-logprobs", "49152")
+def test_eval_mistralrs_asks_one_token_a_position(tmp_path, capsys):
+    rc, out, text = eval_json(capsys, tmp_path, "mistralrs", "--top-logprobs", "200")
     how = out["blackbox"]
-    assert rc == 0 and how["method"] == "prefix" and how["kld"] == "exact"
+    assert rc == 0 and how["method"] == "prefix" and how["top_k"] == 200 and "lower bound" in how["kld"]
     assert how["requests"] == how["positions"] == 7 and how["chunks_dropped"] == 0
     assert "one-token requests" in text
 
@@ -189,6 +198,15 @@ def test_eval_refuses_settings_a_black_box_does_not_have(capsys):
     assert rc == 2 and "not a setting of a black-box --subject" in err
     rc = main(["eval", "--subject", "numpy", "--top-logprobs", "5"])
     assert rc == 2 and "--top-logprobs" in capsys.readouterr().err
+
+
+def test_eval_of_a_server_that_is_not_there_is_one_error_line(capsys):
+    from llorch_ref.testing.openai_server import free_port
+
+    rc = main(["eval", "--subject", f"openai:http://127.0.0.1:{free_port()}", "--ctx", "16", "--chunks", "1",
+               "--timeout", "2"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert rc == 2 and len(err) == 1 and "refused" in err[0], err
 
 
 # -- the pytest plugin ----------------------------------------------------------------------------------------
@@ -206,7 +224,7 @@ def pytest_in(project, *args):
 def test_the_plugin_renders_a_black_boxs_verdict(clean_url, planted_url, tmp_path):
     import re
 
-    r = pytest_in(tmp_path, f"--llorch-subject=openai:{clean_url}", "--llorch-decode-steps=6",
+    r = pytest_in(tmp_path, f"--llorch-subject=openai:{clean_url}", "--llorch-decode-steps=4",
                   f"--llorch-prompt={PROMPT}", "-vv", f"--llorch-bundle-dir={tmp_path / 'b'}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     for name in ("verdict", "cp0_tokenizer", "cp10_greedy_argmax", "cp11_softmax_probs"):
