@@ -35,6 +35,7 @@ class Config:
     rope_orig_ctx: int = 0                # LongRoPE, dynamic NTK: the original context a sequence is measured against
     rope_freq_factors_long: tuple | None = None  # LongRoPE: [R/2] factors once a sequence is longer than rope_orig_ctx
     rope_ntk_factor: float = 0.0          # dynamic NTK: the base grows past rope_orig_ctx by this factor (0: off)
+    rope_yarn_ramp: tuple | None = None   # YaRN: [R/2] extrapolation weights; angle t fs (1 - r) + t r (fs: 1/factor)
     qkv_bias: bool = False                # Q, K, V projections add a bias (Qwen2)
     # Gemma 3 switches (defaults: plain Llama)
     embed_scale: float | None = None      # token embeddings multiplied by this (Gemma: sqrt(D), in float32)
@@ -111,6 +112,9 @@ class Config:
             out.append(f"rope_freq_factors_long must be {self.rope_dim // 2} positive numbers")
         if long is not None and self.rope_freq_factors is None:
             out.append("rope_freq_factors_long needs the short factors in rope_freq_factors")
+        ramp = self.rope_yarn_ramp
+        if ramp is not None and (len(ramp) != self.rope_dim // 2 or not all(0 <= r <= 1 for r in ramp)):
+            out.append(f"rope_yarn_ramp must be {self.rope_dim // 2} numbers in [0, 1]")
         if not (self.rope_ntk_factor == 0 or self.rope_ntk_factor >= 1):
             out.append(f"rope_ntk_factor={self.rope_ntk_factor} must be 0 (off) or >= 1")
         if (long is not None or self.rope_ntk_factor) and self.rope_orig_ctx <= 0:

@@ -145,6 +145,9 @@ def convert_gguf_to_hf(src, dst, overwrite=False) -> Path:
     if cfg.rope_freq_factors is not None:
         raise ParameterError(f"{src}: per-pair RoPE frequency factors (rope_freqs.weight) have no exact Hugging Face "
                              f"rope_scaling form (llama3 scaling keeps its parameters, not the factors)")
+    if cfg.rope_yarn_ramp is not None or cfg.rope_attn_factor != 1.0:
+        raise ParameterError(f"{src}: YaRN and RoPE attention factors are not written to a Hugging Face config by "
+                             f"this converter")
     tok = from_gguf_metadata(m.metadata, source=str(src))
     if tok is None:
         raise ParameterError(f"{src}: the model has no vocabulary (no_vocab); an HF folder needs a tokenizer")
@@ -313,7 +316,7 @@ def convert_hf_to_gguf(src, dst, dtype="float32", overwrite=False) -> Path:
     out = check_output(dst, inputs=[src], overwrite=overwrite)
     m = load_hf_folder(src)              # Wq/Wk rows already in the canonical adjacent layout = llama.cpp's
     cfg, w, tok = m.config, m.weights, m.tokenizer
-    if cfg.rope_attn_factor != 1.0 or cfg.rope_by_length:
+    if cfg.rope_attn_factor != 1.0 or cfg.rope_by_length or cfg.rope_yarn_ramp is not None:
         raise ParameterError(f"{src}: YaRN, LongRoPE and dynamic NTK RoPE scaling are not written to GGUF by "
                              f"this converter")
     model_json = json.loads(tok.hf.to_str())["model"]

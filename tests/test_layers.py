@@ -153,7 +153,8 @@ def test_a_large_cache_commits_memory_only_for_the_positions_written():
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(n_layers=32, n_kv_heads=8, head_dim=128, rope_dim=128, rope_base=10000.0,
-                          rope_freq_scale=1.0, rope_freq_factors=None, rope_attn_factor=1.0, rope_base_local=None)
+                          rope_freq_scale=1.0, rope_freq_factors=None, rope_attn_factor=1.0, rope_yarn_ramp=None,
+                          rope_base_local=None)
     before = _anon_mib()
     c = Cache(np, cfg, 2048)
     k = np.ones((1, 8, 128), np.float32)

@@ -149,7 +149,7 @@ def test_hf_yarn_matches_transformers_and_a_missing_mscale_is_caught(tmp_path, s
     kind, rs = YARN[style]
     folder, model = _tiny_hf(tmp_path, kind, rope_scaling=dict(rs, rope_theta=10000.0))
     eng = llorch_ref.load(folder)
-    assert eng.config.rope_attn_factor != 1.0 and eng.config.rope_freq_factors is not None
+    assert eng.config.rope_attn_factor != 1.0 and eng.config.rope_yarn_ramp is not None
     ids = _ids(100)                                     # positions 0..99, the original context is 32
     assert _logits_nmse(eng, model, ids) < 1e-10
     assert _first_divergence(eng, folder, ids) is None
@@ -287,14 +287,22 @@ LONG_IDS = [3 + i % 50 for i in range(100)]
 @pytest.mark.llamacpp
 def test_gguf_yarn_matches_llamacpp_and_a_missing_mscale_is_caught(llamacpp, tiny, tmp_path):
     """YaRN as llama.cpp reads it from {arch}.rope.scaling.* (type, factor, original_context_length,
-    attn_factor), 100 positions over an original context of 64: every checkpoint, and the logits."""
+    attn_factor), 100 positions over an original context of 64: every checkpoint, and the logits; with
+    numerics "ggml" the logits are bit-equal."""
     p = _regguf(tiny(), tmp_path / "yarn.gguf",
                 kv=_gguf_kv(type="yarn", factor=4.0, original_context_length=64, attn_factor=0.9))
     c = llorch_ref.load(p).config
     assert c.rope_attn_factor == pytest.approx(float(np.float32(0.9)) * (1 + 0.1 * math.log(4.0)))
-    assert len(set(c.rope_freq_factors)) > 2                          # kept, ramped and interpolated pairs
+    assert len(set(c.rope_yarn_ramp)) > 2 and c.rope_freq_scale == 0.25  # kept, ramped, interpolated pairs
     fd, nmse = _llamacpp_divergence(p, LONG_IDS, 128)
     assert fd is None and nmse < 1e-10
+    from llorch_ref.references.llamacpp import LlamaCpp
+    ref = LlamaCpp(p, n_ctx=128)
+    try:
+        want = ref.eval(LONG_IDS)
+    finally:
+        ref.close()
+    np.testing.assert_array_equal(llorch_ref.load(p, numerics="ggml").logits(LONG_IDS), want)   # ggml's rope_yarn
     fd, nmse = _llamacpp_divergence(p, LONG_IDS, 128,                 # planted: YaRN's mscale missing
                                     lambda c: dataclasses.replace(c, rope_attn_factor=float(np.float32(0.9))))
     assert (fd["checkpoint"], fd["layer"], fd["tensor"]) == ("1B", 0, "q") and nmse > 1e-3

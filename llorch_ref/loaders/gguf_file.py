@@ -17,7 +17,7 @@ import numpy as np
 
 from ..config import Config
 from ..errors import ModelFileError, ParameterError, UnsupportedModelError
-from ..model.layers import yarn_attn_factor, yarn_freq_factors
+from ..model.layers import yarn_attn_factor, yarn_ramp
 from ..model.qtensor import QTensor
 from ..model.weights import LayerWeights, Weights
 from ..numerics import NUMERICS
@@ -473,8 +473,9 @@ def rope_fields_from_gguf(meta, a, path, tensor_shapes, tensors, rope_dim, base,
     if scaling == "yarn":
         if out["rope_freq_factors"] is not None:
             raise UnsupportedModelError(f"{path}: YaRN with per-pair frequency factors is not implemented")
-        out.update(rope_freq_factors=yarn_freq_factors(rope_dim, base, factor, orig),
-                   rope_attn_factor=attn * yarn_attn_factor(factor))
+        mscale = np.float32(attn) * np.float32(yarn_attn_factor(factor))        # float32, as ggml's rope_yarn
+        out.update(rope_freq_scale=1.0 / factor, rope_yarn_ramp=yarn_ramp(rope_dim, base, orig),
+                   rope_attn_factor=float(mscale))
     return out
 
 

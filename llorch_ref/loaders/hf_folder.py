@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import Config
 from ..errors import ModelFileError, ParameterError, TokenizerError, UnsupportedModelError
-from ..model.layers import longrope_attn_factor, yarn_attn_factor, yarn_freq_factors
+from ..model.layers import longrope_attn_factor, yarn_attn_factor, yarn_ramp
 from ..model.weights import LayerWeights, Weights
 from ..tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer
 from .gguf_file import FUSED_OF, split_fused
@@ -253,7 +253,7 @@ def rope_fields_from_hf(c: dict, rp: dict, base: float, rope_dim: int, where) ->
     """config.json's RoPE scaling -> the Config's RoPE fields, as transformers' rope init functions read it
     (modeling_rope_utils): default, linear and llama3 (rope_scaling_from_hf); yarn (factor, or
     max_position_embeddings / original; attention_factor, or one from factor, mscale and mscale_all_dim;
-    beta_fast, beta_slow, truncate) as per-pair factors and a magnitude; longrope (short_factor, long_factor,
+    beta_fast, beta_slow, truncate) as a ramp between interpolated and kept pairs and a magnitude; longrope (short_factor, long_factor,
     chosen per step by the sequence's length; attention_factor, or one from factor) and dynamic (NTK, the base
     grown past max_position_embeddings) as step-dependent tables (Cache.tables). Phi3Config reads 'su' and
     'yarn' as longrope. original_max_position_embeddings: config.json's top-level key first (Phi3Config's
@@ -284,9 +284,9 @@ def rope_fields_from_hf(c: dict, rp: dict, base: float, rope_dim: int, where) ->
     if kind == "yarn":
         if af is None:
             af = yarn_attn_factor(factor, rp.get("mscale"), rp.get("mscale_all_dim"))
-        factors = yarn_freq_factors(rope_dim, base, factor, orig, float(rp.get("beta_fast") or 32),
-                                    float(rp.get("beta_slow") or 1), bool(rp.get("truncate", True)))
-        return dict(rope_freq_factors=factors, rope_attn_factor=float(af),
+        ramp = yarn_ramp(rope_dim, base, orig, float(rp.get("beta_fast") or 32), float(rp.get("beta_slow") or 1),
+                         bool(rp.get("truncate", True)))
+        return dict(rope_freq_scale=1.0 / factor, rope_yarn_ramp=ramp, rope_attn_factor=float(af),
                     context_length=max(max_pos, int(factor * orig)))
     sets = []
     for key in ("short_factor", "long_factor"):

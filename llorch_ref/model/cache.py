@@ -36,18 +36,21 @@ def visible_mask(xp, q_pos, k_pos, window: int = 0):
 
 
 def rope_tables(rope_angles, xp, n_ctx: int, rope_dim: int, base: float, freq_scale: float = 1.0, factors=None,
-                attn_factor: float = 1.0):
-    """rope_angles(xp, n_ctx, rope_dim, base, freq_scale, factors), times attn_factor (layers.rope_magnitude),
+                attn_factor: float = 1.0, ramp=None):
+    """rope_angles(xp, n_ctx, rope_dim, base, freq_scale, factors[, ramp=YaRN's]), times attn_factor
+    (layers.rope_magnitude),
     built once per set of arguments and shared, read-only, by every cache of that shape: a new cache per prompt
     rebuilt them (6 ms of the default model's 128-token prefill, 3% of it, on AMD EPYC Zen 5)."""
     key = None if factors is None else tuple(float(f) for f in factors)
     return _rope_tables(rope_angles, xp, int(n_ctx), int(rope_dim), float(base), float(freq_scale), key,
-                        float(attn_factor))
+                        float(attn_factor), None if ramp is None else tuple(float(r) for r in ramp))
 
 
 @functools.lru_cache(maxsize=8)
-def _rope_tables(rope_angles, xp, n_ctx, rope_dim, base, freq_scale, factors, attn_factor=1.0):
-    cos, sin = layers.rope_magnitude(xp, *rope_angles(xp, n_ctx, rope_dim, base, freq_scale, factors), attn_factor)
+def _rope_tables(rope_angles, xp, n_ctx, rope_dim, base, freq_scale, factors, attn_factor=1.0, ramp=None):
+    yarn = {} if ramp is None else {"ramp": ramp}
+    cos, sin = layers.rope_magnitude(xp, *rope_angles(xp, n_ctx, rope_dim, base, freq_scale, factors, **yarn),
+                                     attn_factor)
     for t in (cos, sin):
         if isinstance(t, np.ndarray):
             t.flags.writeable = False
@@ -69,7 +72,8 @@ class Cache:
         self.v = zeros_paged(xp, shape, self.kv_dtype)
         self.rope_angles = ops.rope_angles
         self.cos, self.sin = rope_tables(ops.rope_angles, xp, self.n_ctx, cfg.rope_dim, cfg.rope_base,
-                                         cfg.rope_freq_scale, cfg.rope_freq_factors, cfg.rope_attn_factor)
+                                         cfg.rope_freq_scale, cfg.rope_freq_factors, cfg.rope_attn_factor,
+                                         cfg.rope_yarn_ramp)
         # local (sliding-window) layers with their own RoPE base (Gemma 3): a second table, unscaled
         self.cos_local = self.sin_local = None
         if cfg.rope_base_local is not None:
@@ -110,7 +114,7 @@ class Cache:
         if base == cfg.rope_base and factors is cfg.rope_freq_factors:
             return self.cos, self.sin
         return rope_tables(self.rope_angles, self.xp, self.n_ctx if base == cfg.rope_base else n, cfg.rope_dim,
-                           base, cfg.rope_freq_scale, factors, cfg.rope_attn_factor)
+                           base, cfg.rope_freq_scale, factors, cfg.rope_attn_factor, cfg.rope_yarn_ramp)
 
     def rope_seq_len(self, n_new: int) -> int:
         """The sequence's length after a step of n_new tokens: what LongRoPE and dynamic NTK are chosen by."""

@@ -9,6 +9,7 @@ softmax sum in float64), so that the reference disagrees with llama.cpp only by 
 from __future__ import annotations
 
 import math
+import struct
 
 F32 = "float32"
 
@@ -46,13 +47,14 @@ def linear(xp, x, w):
     return x @ w.T
 
 
-def rope_angles(xp, n_pos: int, rope_dim: int, base: float, freq_scale: float = 1.0, factors=None):
+def rope_angles(xp, n_pos: int, rope_dim: int, base: float, freq_scale: float = 1.0, factors=None, ramp=None):
     """-> cos, sin: [n_pos, rope_dim/2] f32, built once per cache.
 
     Angle of pair i at position p is freq_scale * (p * base^(-2i/rope_dim)) / factors[i]. ggml builds
     p * base^(-2i/rope_dim) by repeated float32 multiplication (theta *= theta_scale), then divides by the
     pair's frequency factor and multiplies by freq_scale, each in float32; we do the same, so the tables
-    match ggml bit for bit up to the cos/sin rounding.
+    match ggml bit for bit up to the cos/sin rounding. ramp: YaRN's [R/2] extrapolation weights r (yarn_ramp):
+    the angle is then t * freq_scale * (1 - r) + t * r (ggml's rope_yarn with ext_factor 1).
     """
     theta_scale = xp.float32(base ** (-2.0 / rope_dim))
     theta = xp.arange(n_pos, dtype=xp.float32)                         # [P] f32
@@ -63,7 +65,10 @@ def rope_angles(xp, n_pos: int, rope_dim: int, base: float, freq_scale: float = 
     ang = xp.stack(cols, axis=1)                                       # [P, rope_dim/2] f32
     if factors is not None:
         ang = ang / xp.asarray(factors, dtype=xp.float32)[None, :]
-    if freq_scale != 1.0:
+    if ramp is not None:
+        r = xp.asarray(ramp, dtype=xp.float32)[None, :]
+        ang = (ang * xp.float32(freq_scale)) * (xp.float32(1.0) - r) + ang * r
+    elif freq_scale != 1.0:
         ang = ang * xp.float32(freq_scale)
     ang64 = ang.astype(xp.float64)  # cos/sin of the f32 angle, correctly rounded back to f32
     return xp.cos(ang64).astype(xp.float32), xp.sin(ang64).astype(xp.float32)
@@ -78,27 +83,29 @@ def rope_magnitude(xp, cos, sin, attn_factor: float):
     return cos * f, sin * f
 
 
-def yarn_freq_factors(rope_dim: int, base: float, factor: float, orig_ctx: int, beta_fast: float = 32.0,
-                      beta_slow: float = 1.0, truncate: bool = True) -> tuple:
-    """YaRN's frequencies as [R/2] per-pair divisors of the angle (the form rope_angles takes). Pair i turns
-    (orig_ctx / wavelength) times over the original context; pairs turning more than beta_fast times keep their
-    frequency (extrapolation), pairs turning fewer than beta_slow times are divided by `factor` (interpolation),
-    and a linear ramp over the pair index blends between: inv_freq = inv / factor * (1 - e) + inv * e with e the
-    extrapolation weight, so the divisor is 1 / ((1 - e) / factor + e). The ramp's ends are floored and ceiled
-    (truncate, transformers' default and ggml's ggml_rope_yarn_corr_dims) and clamped to [0, R - 1]."""
+def yarn_ramp(rope_dim: int, base: float, orig_ctx: int, beta_fast: float = 32.0, beta_slow: float = 1.0,
+              truncate: bool = True) -> tuple:
+    """YaRN's [R/2] extrapolation weights e, one a pair (rope_angles' ramp, with freq_scale = 1 / factor). Pair i
+    turns (orig_ctx / wavelength) times over the original context; pairs turning more than beta_fast times keep
+    their frequency (e = 1), pairs turning fewer than beta_slow times are divided by the factor (e = 0), and a
+    linear ramp over the pair index blends between: inv_freq = inv / factor * (1 - e) + inv * e
+    (transformers' _compute_yarn_parameters, ggml's rope_yarn). The ramp's ends are floored and ceiled
+    (truncate, transformers' default and ggml_rope_yarn_corr_dims) and clamped to [0, R - 1]; e in float32
+    arithmetic, as both compute it."""
     def corr_dim(n_rot):           # the pair dimension that turns n_rot times over orig_ctx positions
         return rope_dim * math.log(orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = corr_dim(beta_fast), corr_dim(beta_slow)
     if truncate:
         low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rope_dim - 1)
-    span = high - low if high != low else 0.001
-    out = []
-    for i in range(rope_dim // 2):
-        e = 1.0 - min(1.0, max(0.0, (i - low) / span))              # extrapolation weight of pair i
-        out.append(1.0 / ((1.0 - e) / factor + e))
-    return tuple(out)
+    low, high = _f32(max(low, 0)), _f32(min(high, rope_dim - 1))
+    span = _f32(high - low) if high != low else _f32(0.001)
+    return tuple(_f32(1.0 - min(1.0, max(0.0, _f32(_f32(i - low) / span)))) for i in range(rope_dim // 2))
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32 (one float32 operation's result, where x is a double's exact-enough value)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def yarn_attn_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:

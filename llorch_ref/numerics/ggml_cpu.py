@@ -323,14 +323,17 @@ def softmax(xp, s, lanes: int = 8):
     return (e[..., :n] * (1.0 / total).astype(F32)[..., None]).astype(F32)
 
 
-def rope_angles(xp, n_pos: int, rope_dim: int, base: float, freq_scale: float = 1.0, factors=None, map_c=None):
+def rope_angles(xp, n_pos: int, rope_dim: int, base: float, freq_scale: float = 1.0, factors=None, map_c=None,
+                ramp=None):
     """ggml_rope_cache_init: theta *= theta_scale in float32, theta / freq_factor, * freq_scale, cos/sin from
-    the C library's cosf/sinf. Built once per set of arguments (a quarter of a million distinct angles in an
+    the C library's cosf/sinf; with YaRN's ramp (ext_factor 1), rope_yarn's mix as compiled (FMA-contracted):
+    fma(theta * freq_scale, 1 - r, theta * r). Built once per set of arguments (a quarter of a million distinct angles in an
     8192-position table): every cache, and every layer of a local check, shares the read-only tables. map_c(f, xs):
     the C function f (float -> float) applied to float32 xs, where a caller has a faster way to call it than one
     ctypes call a value (the numba backend's numba_ggml.map_c_float); the same calls, the same values."""
     key = (int(n_pos), int(rope_dim), float(base), float(freq_scale),
-           None if factors is None else tuple(float(f) for f in np.asarray(factors, dtype=F32)))
+           None if factors is None else tuple(float(f) for f in np.asarray(factors, dtype=F32)),
+           None if ramp is None else tuple(float(r) for r in np.asarray(ramp, dtype=F32)))
     if key not in _ROPE_TABLES:             # keyed without map_c: its tables are the same, whoever builds them
         c, s = _rope_tables_uncached(*key, map_c)
         c.flags.writeable = s.flags.writeable = False
@@ -355,7 +358,7 @@ def libm_cosf_sinf():
     return cosf, sinf
 
 
-def _rope_tables_uncached(n_pos, rope_dim, base, freq_scale, factors, map_c=None):
+def _rope_tables_uncached(n_pos, rope_dim, base, freq_scale, factors, ramp=None, map_c=None):
     cosf, sinf = libm_cosf_sinf()
     theta_scale = F32(base ** (-2.0 / rope_dim))
     theta = np.arange(n_pos, dtype=F32)
@@ -366,7 +369,10 @@ def _rope_tables_uncached(n_pos, rope_dim, base, freq_scale, factors, map_c=None
     ang = np.stack(cols, axis=1)
     if factors is not None:
         ang = (ang / np.asarray(factors, dtype=F32)[None, :]).astype(F32)
-    if freq_scale != 1.0:
+    if ramp is not None:
+        r = np.asarray(ramp, dtype=F32)[None, :]
+        ang = fma((ang * F32(freq_scale)).astype(F32), (F32(1) - r).astype(F32), (ang * r).astype(F32))
+    elif freq_scale != 1.0:
         ang = (ang * F32(freq_scale)).astype(F32)
     uniq, inv = np.unique(ang, return_inverse=True)
     if map_c is None:                   # one ctypes call a distinct angle, mapped over a list
