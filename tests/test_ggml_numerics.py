@@ -89,6 +89,30 @@ def test_numba_ggml_products_equal_the_numpy_emulation(qt):
         gguf.quants.quantize(w, gguf.GGMLQuantizationType[qt]), gguf.GGMLQuantizationType[qt]).T)
 
 
+@pytest.mark.parametrize("qt", ["F32", "F16"])
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_numba_float_products_equal_the_numpy_emulation(qt, lanes):
+    """numba_ggml.float_rows (GgmlFloatMatrix) against ggml_cpu.FloatMatrix, bit for bit: one row (vec_dot) and
+    several (tinyBLAS), K a multiple of 4 lanes and not (vec_dot's leftovers), N not a multiple of 4 (tinyBLAS
+    declines), activations of very different scales; the two paths swapped must not pass."""
+    need_backend("numba")
+    from llorch_ref.backends import numba_ggml as G
+    from llorch_ref.backends.numba_backend import GgmlFloatMatrix
+
+    rng = np.random.default_rng(5)
+    scales = np.array([[1e-4], [1], [50], [1], [3e3]])
+    for n, k in ((12, 256), (10, 256), (12, 272), (9, 200)):
+        w = rng.standard_normal((n, k)).astype(np.float16 if qt == "F16" else np.float32).astype(np.float32)
+        fm = ggml_cpu.FloatMatrix(w, qt, lanes)
+        fast = GgmlFloatMatrix(fm)
+        x = (rng.standard_normal((5, k)) * scales).astype(np.float32)
+        for rows in (x[:1], x):
+            assert np.array_equal(fast.matmul(rows), fm.matmul(rows)), (n, k, len(rows))
+    x, w, swapped = (rng.standard_normal(s).astype(np.float32) for s in ((5, 256), (12, 256), (5, 12)))
+    G.float_rows(x, w, False, lanes, swapped)                               # vec_dot where tinyBLAS runs
+    assert not np.array_equal(swapped, ggml_cpu.FloatMatrix(w, "F32", lanes).matmul(x))
+
+
 BUILD_PROBE = """
 import json, sys
 import numpy as np

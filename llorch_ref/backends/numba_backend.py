@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..numerics.ggml_cpu import ACT_TYPE, KQuantMatrix, LegacyQuantMatrix
+from ..numerics.ggml_cpu import ACT_TYPE, FloatMatrix, KQuantMatrix, LegacyQuantMatrix
 from . import Backend, cpu_threads, l2_bytes, limit_blas
 from . import numba_ggml as G
 from . import numba_kernels as K
@@ -457,6 +457,32 @@ class NumbaOps:
         return SPLIT.attention_out(self._base.attention, xp, q, k, v, mask, scale, kv_head)
 
 
+class GgmlFloatMatrix:
+    """numerics="ggml": an F32 or F16 weight (ggml_cpu.FloatMatrix, whose float32 values it reads) multiplied by
+    numba_ggml.float_rows, bit for bit FloatMatrix.matmul: tinyBLAS's lanes for several rows, ggml_vec_dot_f32 for
+    one row or shapes tinyBLAS declines. ggml_vec_dot_f16's leftovers (K not a multiple of 4 lanes), summed in
+    float64, stay with the emulation."""
+
+    def __init__(self, fm):
+        self.fm, self.qtype, self.shape, self.lanes = fm, fm.qtype, tuple(fm.shape), fm.lanes
+        self.w = np.ascontiguousarray(fm.w, dtype=np.float32)
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32)
+
+    def matmul(self, x):
+        n, k = self.shape
+        if self.qtype == "F16" and k % (4 * self.lanes):
+            return self.fm.matmul(x)
+        PATHS[(self.qtype, "numba ggml kernel (float values)", "1 row" if x.shape[0] == 1 else "several rows")] += 1
+        x = np.asarray(x, dtype=np.float32)
+        x = np.ascontiguousarray(x.astype(np.float16).astype(np.float32) if self.qtype == "F16" else x)
+        out = np.empty((x.shape[0], n), np.float32)
+        G.float_rows(x, self.w, x.shape[0] > 1 and k % self.lanes == 0 and n % 4 == 0, self.lanes, out)
+        return out
+
+
 def _f32(a):
     return np.ascontiguousarray(a, dtype=np.float32)
 
@@ -619,18 +645,23 @@ class NumbaBackend(Backend):
 
     def _prepare_ggml(self, weights):
         """numerics="ggml": the legacy-quant matrices (ggml_cpu.LegacyQuantMatrix) get the numba kernel ggml_rows on
-        the blocks of the QTensor each carries, Q2_K..Q6_K ones (ggml_cpu.KQuantMatrix) kquant_rows; float matrices
-        keep their NumPy emulation."""
+        the blocks of the QTensor each carries, Q2_K..Q6_K ones (ggml_cpu.KQuantMatrix) kquant_rows, F32 and F16
+        ones (ggml_cpu.FloatMatrix) float_rows (GgmlFloatMatrix)."""
         def swap(a):
             if isinstance(a, LegacyQuantMatrix):
                 return GgmlKernelMatrix(a.qt)
+            if isinstance(a, FloatMatrix):
+                return GgmlFloatMatrix(a)
             return GgmlKQuantMatrix(a.qt) if isinstance(a, KQuantMatrix) and a.qtype in G.KQUANT_TYPES else a
         layers = [type(lw)(**{k: swap(v) for k, v in vars(lw).items()}) for lw in weights.layers]
-        self.n_matrices = sum(isinstance(a, _GgmlMatrix) for lw in layers for a in vars(lw).values())
-        if any(isinstance(a, GgmlKernelMatrix) for lw in layers for a in vars(lw).values()):
+        mats = [a for lw in layers for a in vars(lw).values()]
+        self.n_matrices = sum(isinstance(a, (_GgmlMatrix, GgmlFloatMatrix)) for a in mats)
+        if any(isinstance(a, GgmlKernelMatrix) for a in mats):
             self._warm_up("ggml_rows")
         self.prompts_in_place = self.n_matrices > 0
-        self.info["prompts"] = "ggml kernels on the blocks" if self.prompts_in_place else "ggml_cpu's NumPy emulation"
+        self.info["prompts"] = ("ggml kernels on the blocks" if any(isinstance(a, _GgmlMatrix) for a in mats)
+                                else "ggml kernels on the float values" if self.n_matrices
+                                else "ggml_cpu's NumPy emulation")
         return type(weights)(tok_embd=weights.tok_embd, layers=layers, out_norm=weights.out_norm,
                              output=swap(weights.output), pos_embd=weights.pos_embd, out_norm_b=weights.out_norm_b)
 

@@ -491,6 +491,19 @@ def _dot_f32(a, b, n, lanes):
     return S.vec_dot_f32(a, b, n, 8)
 
 
+@nb.njit(parallel=True, cache=True)
+def float_rows(x, w, tiny, lanes, out):
+    """x: [T, K] f32, w: [N, K] f32 (F16 weights and activations as float32 values) -> out [T, N]: ggml_cpu's
+    FloatMatrix.matmul on float32 values: tinyBLAS's `lanes` FMA lanes over K, then hsum, where tiny; else
+    ggml_vec_dot_f32 (leftovers in float32). One output row a thread: the bits do not depend on the count."""
+    t_n, k = x.shape
+    xa, wa = x.ctypes.data, w.ctypes.data
+    for j in nb.prange(w.shape[0]):
+        for t in range(t_n):
+            a, b = xa + 4 * t * k, wa + 4 * j * k
+            out[t, j] = _lanes_dot(a, b, k, lanes) if tiny else _dot_f32(a, b, k, lanes)
+
+
 @nb.njit(inline="always")
 def _seen_until(mask, t, skip):
     """The positions row t of a prefill's attention computes: all (mask's width), or with `skip` up to its last
