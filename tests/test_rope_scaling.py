@@ -91,6 +91,22 @@ def test_hf_unknown_rope_scaling_is_rejected(tmp_path):
     json.dumps(c)
 
 
+@pytest.mark.parametrize("rs, match", [
+    ({"rope_type": "dynamic"}, "dynamic rope scaling lacks a numeric 'factor'"),
+    ({"rope_type": "dynamic", "factor": 0.5}, "rope_ntk_factor=0.5 must be 0 .off. or >= 1"),
+    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 2.0]}, "short_factor as a list of 2"),
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1}, "must be > 1"),
+    ({"rope_type": "yarn", "factor": -2.0}, "factor=-2.0 must be > 0")])
+def test_hf_bad_rope_scaling_gives_one_clear_error(tmp_path, rs, match):
+    from llorch_ref.errors import LlorchError
+    from llorch_ref.loaders.hf_folder import config_from_hf
+    c = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "intermediate_size": 16, "rope_scaling": rs}
+    with pytest.raises(LlorchError, match=match) as e:
+        config_from_hf(c, tmp_path)
+    assert "\n" not in str(e.value)
+
+
 # -- YaRN, LongRoPE and dynamic NTK against transformers, at positions past the original context --------------
 
 def _tiny_hf(tmp_path, kind, **kw):
