@@ -238,7 +238,7 @@ def _sweep(sub):
     s.add_argument("--steps", default=None, help="decode steps, the same forms (default 0)")
     s.add_argument("--settings", action="extend", nargs="+", default=None, metavar="NAME=V1,V2",
                    help="a subject setting and its values, the first the simplest (llamacpp: n_ubatch, threads, "
-                        "kv_dtype f32|f16, flash_attn on|off)")
+                        "kv_dtype f32|f16, flash_attn on|off, n_seq: sequences in one batch)")
     s.add_argument("--text", default=None, help="the text whose tokens are cut or repeated to each length")
     s.add_argument("--backend", choices=BACKENDS, default=None, help="the reference's backend (numba: faster)")
     s.add_argument("--threads", type=int_in(1, 1024), default=None, help="the reference's threads")
