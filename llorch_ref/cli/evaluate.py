@@ -143,7 +143,8 @@ def cmd_eval_blackbox(args, base: Path):
     tok = eng.tokenizer
     want = None if args.chunks is None else 2 * args.chunks * args.ctx      # room for chunks that do not round trip
     ids = corpus_ids(text_path, tok, want)
-    chunks, left = round_trips(tok, make_chunks(ids, args.ctx, None, tok.bos_id if tok.add_bos else None), args.chunks)
+    chunks, left = round_trips(tok, make_chunks(ids, args.ctx, None, tok.bos_id if tok.add_bos else None), args.chunks,
+                               prefixes=args.subject == "mistralrs")     # mistral.rs is asked prefix by prefix
     if not chunks:
         raise ParameterError(f"no chunk of {args.ctx} tokens of {text_name} tokenizes back from its text: a black box "
                              f"is sent text")
@@ -179,6 +180,8 @@ def method_line(how: dict) -> str:
             f"{how['reference_s']:.1f} s for the reference; {how['positions']} positions scored, "
             f"{how['chunks_dropped']} chunks left out ({how['skipped_positions']} positions tokenized otherwise); "
             f"KLD {how['kld']}; -log q(target) bounded (not listed) at {how['nll_bounded']}"
+            + (" (PPL(Q) and the Δp figures are then bounds too: ask more --top-logprobs)" if how["nll_bounded"]
+               else "")
             + (f"; echo refused: {how['echo_refused']}" if how["method"] == "prefix" and how.get("echo_refused")
                else ""))
 

@@ -9,9 +9,8 @@ How the distributions are had, the first that works:
   after token i (the answer holds the prompt's tokens only): both read by that count.
 - prefix: one request a scored position, the chunk's text up to it, one greedy token with its K log-probabilities
   (a server with a prefix cache computes the new token only); mistral.rs always so (one model loaded), by default
-  with the whole vocabulary. The prefix's tokenization is checked through the server's tokenize route where it has one: a
-  chunk with a position whose prefix the engine tokenizes otherwise is left out (counted), so that every chunk
-  scores the same positions.
+  with the whole vocabulary. A chunk with a scored prefix whose text the reference's tokenizer, or the server's
+  tokenize route, gives back as other ids is left out (counted), so that every chunk scores the same positions.
 
 Per scored position: KLD exact over the vocabulary, or with the top K the lower bound of harness/blackbox.kld_step
 (the rest lumped); -log q(target) exact where the engine lists the target, else -log(its unlisted mass), a lower
@@ -41,17 +40,21 @@ def chunk_text(tok, ids) -> str:
     return b"".join(tok.token_bytes(int(i)) for i in ids).decode("utf-8", errors="ignore")
 
 
-def round_trips(tok, chunks, n: int | None = None) -> tuple[list, int]:
-    """-> (the first n chunks (None: all) whose text, and the text of every scored position's prefix, the
-    reference's tokenizer gives back as the same ids; how many were left out on the way): a black box is sent
-    text, so a chunk or a prefix cut where its text tokenizes otherwise ('\n' '\n' against '\n\n') cannot be
-    asked for; every method scores the same chunks."""
+def prefixes_round_trip(tok, c) -> bool:
+    """Every scored position's prefix of chunk c tokenizes back from its text to the same ids ('\n' '\n' is not
+    '\n\n')."""
+    return all(tok.encode(chunk_text(tok, c[:e])) == list(c[:e]) for e in range(len(c) // 2 + 1, len(c) + 1))
+
+
+def round_trips(tok, chunks, n: int | None = None, prefixes: bool = False) -> tuple[list, int]:
+    """-> (the first n chunks (None: all) whose text (with prefixes: and every scored prefix's, prefixes_round_trip)
+    the reference's tokenizer gives back as the same ids; how many were left out on the way): a black box is sent
+    text, so a chunk cut where its text tokenizes otherwise cannot be asked for."""
     kept, left = [], 0
     for c in chunks:
         if n is not None and len(kept) == n:
             break
-        ends = range(len(c) // 2 + 1, len(c) + 1)
-        if all(tok.encode(chunk_text(tok, c[:e])) == list(c[:e]) for e in ends):
+        if tok.encode(chunk_text(tok, c)) == list(c) and (not prefixes or prefixes_round_trip(tok, c)):
             kept.append(c)
         else:
             left += 1
@@ -206,12 +209,18 @@ def run_blackbox_eval(subject: str, engine, chunks, top_k: int | None, timeout: 
     url = None if mrs else subject[len("openai:"):]
     scores, ref_s, n_pos = [], 0.0, 0
     for ci, ids in enumerate(chunks):
+        if (mrs or method == "prefix") and not prefixes_round_trip(tok, ids):
+            cost.chunks_dropped += 1           # a prefix the engine would be sent as other tokens
+            continue
         if mrs:
             pos, method = mrs.positions(ids, cost), "prefix"
         else:
             pos = echo_positions(url, tok, ids, k, timeout, cost) if method in (None, "echo") else None
             method = method or ("echo" if pos is not None else "prefix")
             if pos is None:
+                if not prefixes_round_trip(tok, ids):
+                    cost.chunks_dropped += 1
+                    continue
                 pos = prefix_positions(url, tok, ids, k, timeout, cost)
         t0 = time.perf_counter()
         first = len(ids) // 2
