@@ -103,6 +103,141 @@ def test_another_tokenization_fails_cp0_naming_the_token(ref):
     assert next(r for r in res.rows if r.checkpoint == "0").metrics["first_difference"] == 4
 
 
+# -- the run-level bands: a planted error under every per-step band that the run's means catch --------------
+def run_bands():
+    """(arithmetic key, subject kind) of every run-level band shipped."""
+    from llorch_ref.harness.blackbox import load_bands
+
+    return [(k, kind) for k, b in load_bands()["bands"].items() for kind in b.get("run", {})]
+
+
+@pytest.fixture(scope="module")
+def long_trace(ref):
+    from llorch_ref.harness.blackbox import load_bands
+
+    n = max(r["min_steps"] for b in load_bands()["bands"].values() for r in b.get("run", {}).values())
+    return self_trace(ref, n=n)
+
+
+class Memo:
+    """A reference engine whose logits of one token sequence are computed once (the planted traces below all share
+    the self trace's tokens)."""
+
+    def __init__(self, eng):
+        self._eng, self._seen = eng, {}
+
+    def __getattr__(self, name):
+        return getattr(self._eng, name)
+
+    def logits(self, ids):
+        key = tuple(ids)
+        if key not in self._seen:
+            self._seen[key] = self._eng.logits(list(ids))
+        return self._seen[key]
+
+
+@pytest.fixture(scope="module")
+def references(ref):
+    return {"exact:Q4_x": Memo(ref), "ggml": Memo(llorch_ref.load(threads=1, numerics="ggml", kv_dtype="float16"))}
+
+
+def noisy(logp: dict, target: float, seed: int) -> dict:
+    """The distribution `logp` (id -> logprob) with noise on its logits scaled so that KL(logp || noisy) = target."""
+    ids = np.fromiter(logp.keys(), np.int64, len(logp))
+    x = np.fromiter(logp.values(), np.float64, len(logp))
+    e = np.random.default_rng(seed).standard_normal(x.size)
+    p = np.exp(x)
+
+    def at(sigma):
+        y = x + sigma * e
+        y -= y.max() + np.log(np.exp(y - y.max()).sum())
+        return y, float(np.sum(p * (x - y)))
+    lo, hi = 0.0, 4.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if at(mid)[1] < target else (lo, mid)
+    return dict(zip(ids.tolist(), at(hi)[0].tolist()))
+
+
+def retrace(tr, kind, tops) -> Trace:
+    """The trace as a subject of `kind` with each step's log-probabilities replaced by `tops`."""
+    steps = [Step(token=s.token, logprob=t[s.token], top=t) for s, t in zip(tr.steps, tops)]
+    return Trace(engine=kind, version="", prompt=tr.prompt, steps=steps, top_k=tr.top_k, whole=True,
+                 prompt_ids=tr.prompt_ids, tokenized_by=tr.tokenized_by)
+
+
+@pytest.mark.parametrize("key", ["exact:Q4_x", "ggml"])
+def test_one_step_past_the_step_band_fails_there_in_each_arithmetic(references, long_trace, key):
+    from llorch_ref.harness.blackbox import band_for
+
+    eng = references[key]
+    _, band = band_for(eng)
+    tops = [s.top for s in long_trace.steps[:12]]
+    tops[7] = noisy(tops[7], 2 * band["kld"], 7)
+    fd = compare_trace(eng, retrace(long_trace, "openai", tops)).verdict().first_divergence
+    assert (fd["checkpoint"], fd["step"]) == ("11", 7), fd
+
+
+@pytest.mark.parametrize("key", ["exact:Q4_x", "ggml"])
+def test_a_flip_past_the_near_tie_band_fails_in_each_arithmetic(references, long_trace, key):
+    from llorch_ref.harness.blackbox import band_for
+
+    eng = references[key]
+    _, band = band_for(eng)
+    fed = long_trace.prompt_ids + [s.token for s in long_trace.steps[:-1]]
+    logp = log_softmax64(eng.logits(fed)[len(long_trace.prompt_ids) - 1:])
+    top2 = np.sort(logp, axis=1)[:, -2:]
+    j = int(np.argmax(top2[:, 1] - top2[:, 0]))           # the step with the widest reference margin
+    assert top2[j, 1] - top2[j, 0] > band["near_tie"]
+    tr = retrace(long_trace, "openai", [s.top for s in long_trace.steps[:j + 1]])
+    tr.steps[j].token = int(np.argsort(-logp[j])[1])        # the engine chose the reference's second token
+    fd = compare_trace(eng, tr).verdict().first_divergence
+    assert (fd["checkpoint"], fd["step"]) == ("10", j), fd
+
+
+@pytest.mark.parametrize("key, kind", run_bands())
+def test_a_spread_error_under_the_step_band_fails_the_run_mean_kld(references, long_trace, key, kind):
+    from llorch_ref.harness.blackbox import RUN, band_for, judge_table, run_band_for, steps_table
+
+    eng = references[key]
+    _, band = band_for(eng)
+    rb = run_band_for(band, kind)
+    target = 2 * rb["mean_kld"]
+    assert target < band["kld"] / 3                         # every step stays well inside its own band
+    tr = retrace(long_trace, kind, [noisy(s.top, target, j) for j, s in enumerate(long_trace.steps)])
+    res = compare_trace(eng, tr)
+    v = res.verdict()
+    assert v.status == "FAIL" and v.first_divergence["tensor"] == RUN, v.line()
+    assert max(r.metrics["kld"] for r in res.rows if r.checkpoint == "11" and r.tensor != RUN) < band["kld"]
+    assert judge_table(steps_table(res), band, rb)["by"] == "run"      # the tools' rule is the verdict's
+
+
+@pytest.mark.parametrize("key, kind", run_bands())
+def test_a_systematic_lift_of_the_chosen_token_fails_the_run_logprob_shift(references, long_trace, key, kind):
+    from llorch_ref.harness.blackbox import RUN, band_for, run_band_for, run_row
+
+    eng = references[key]
+    _, band = band_for(eng)
+    rb = run_band_for(band, kind)
+    tops = []
+    for s in long_trace.steps:                   # the engine's own token's logit raised by 3 x the band, renormalized
+        t = {i: v + (3 * rb["logprob_shift"] if i == s.token else 0.0) for i, v in s.top.items()}
+        z = np.log(np.sum(np.exp(np.fromiter(t.values(), float))))
+        tops.append({i: v - z for i, v in t.items()})
+    res = compare_trace(eng, retrace(long_trace, kind, tops))
+    v = res.verdict()
+    assert v.status == "FAIL" and v.first_divergence["tensor"] == RUN, v.line()
+    assert run_row(res).metrics["mean_shift"] > rb["logprob_shift"]
+
+
+def test_the_clean_reference_passes_the_run_bands(ref, long_trace):
+    from llorch_ref.harness.blackbox import run_row
+
+    for kind in ("openai", "mistral.rs"):
+        res = compare_trace(ref, retrace(long_trace, kind, [s.top for s in long_trace.steps]))
+        assert res.verdict().status == "PASS" and run_row(res).metrics["mean_kld"] < 1e-9
+
+
 # -- bad input, through a stub OpenAI server ------------------------------------------------------------------
 class Stub(http.server.BaseHTTPRequestHandler):
     """Answers /v1/completions as `mode` says: ok (a clean top-K answer from the reference), slow (never in time),

@@ -91,9 +91,16 @@ def load_trace(path: Path):
     return Trace(steps=steps, **meta)
 
 
-def collect(subject: str, label: str, model, prompts, steps: int, top_k: int, refs: dict, log=print) -> list:
+def collect(subject: str, label: str, model, prompts, steps: int, top_k: int, refs: dict, log=print,
+            cached=False) -> list:
     """Per prompt: {numerics: steps_table rows + cp0} of `subject` running `model` against each reference, from the
-    cache where there (engine traces and reference figures both kept), else run and kept."""
+    cache where there (engine traces and reference figures both kept), else run and kept. cached: nothing is run;
+    only the prompts and numerics the cache holds."""
+    if cached:
+        names = [cache_name(subject, label, p, steps, top_k) for p in prompts]
+        got = [{num: json.loads((CACHE / f"{n}.{num}.json").read_text()) for num in refs
+                if (CACHE / f"{n}.{num}.json").exists()} for n in names]
+        return [g for g in got if g]
     from llorch_ref.errors import BlackBoxError
     from llorch_ref.harness.blackbox import compare_trace, steps_table
     from llorch_ref.references.blackbox import mistralrs_trace, openai_trace
@@ -253,8 +260,9 @@ def gather(a, sets=("calibration", "held-out")) -> dict:
     out = {"model": str(clean)}
     for which in sets:
         for subject in a.subjects:
-            recs = collect(subject, "clean", clean, prompts[which], a.steps, a.top_k, refs)
-            out.setdefault(which, {})[subject] = {n: [r[n] for r in recs] for n in a.numerics}
+            recs = collect(subject, "clean", clean, prompts[which], a.steps, a.top_k, refs, cached=a.cached)
+            out.setdefault(which, {})[subject] = {n: [r[n] for r in recs if n in r] for n in a.numerics
+                                                  if any(n in r for r in recs)}
     return out
 
 
@@ -345,9 +353,10 @@ def sensitivity(a, argv):
     for subject in a.subjects:
         for factor in [1.0] + a.scales:
             label = "clean" if factor == 1.0 else f"{a.tensor}@{factor}"
-            recs = collect(subject, label, model_for(label, clean), prompts, a.steps, a.top_k, refs)
+            model = clean if a.cached else model_for(label, clean)
+            recs = collect(subject, label, model, prompts, a.steps, a.top_k, refs, cached=a.cached)
             found["runs"][f"{subject}@{factor}"] = {n: [{**judge(r[n], bands, subject), **figures(r[n], a.window)}
-                                                        for r in recs] for n in a.numerics}
+                                                        for r in recs if n in r] for n in a.numerics}
             write(a.out, found, sensitivity_md(found))
 
 
@@ -366,6 +375,8 @@ def sensitivity_md(f) -> str:
         subject, factor = key.split("@")
         for n, rs in by.items():
             ok = [r for r in rs if r["steps"]]
+            if not ok:
+                continue
             mk = sorted(r["mean_kld"] for r in ok)
             sh = sorted(r["mean_shift"] for r in ok)
             lines.append(f"| {subject} | {float(factor):.2f} | {n} | {sum(r['status'] == 'FAIL' for r in rs)} of "
@@ -392,12 +403,13 @@ def main(argv=None):
     ap.add_argument("--numerics", nargs="+", default=["exact", "ggml"], help="collect: the reference's numerics")
     ap.add_argument("--held-out", type=int, default=4, help="held-out prompts (false alarms, planted files)")
     ap.add_argument("--subjects", nargs="+", default=["llama-cpp-python", "mistralrs"])
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=8, help="calibration prompts")
+    ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=100, help="log-probabilities a step asked of the OpenAI server")
     ap.add_argument("--tensor", default="blk.10.ffn_down.weight")
     ap.add_argument("--scales", type=float, nargs="+", default=[1.01, 1.02, 1.05, 1.10])
     ap.add_argument("--write-bands", action="store_true")
+    ap.add_argument("--cached", action="store_true", help="calibrate, sensitivity: run nothing, read the cache's runs")
     ap.add_argument("--margin", type=float, default=10.0, help="calibrate: per-step band, x the worst clean step")
     ap.add_argument("--run-margin", type=float, default=2.0, help="calibrate: run-level bands, x the worst clean run")
     ap.add_argument("--window", type=int, default=32, help="calibrate: the shortest run the run-level band judges")
