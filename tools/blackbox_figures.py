@@ -272,7 +272,8 @@ def calibrate(a, argv):
     bands = make_bands(cal, a.margin, a.run_margin, a.window)
     held = {s: {n: [judge(r, {"bands": bands}["bands"], s) for r in rs] for n, rs in by.items()}
             for s, by in runs["held-out"].items()}
-    held_fig = {s: {n: [figures(r, a.window) for r in rs] for n, rs in by.items()} for s, by in runs["held-out"].items()}
+    held_fig = {s: {n: [figures(r, a.window) for r in rs] for n, rs in by.items()}
+                for s, by in runs["held-out"].items()}
     found = {"made_by": made_by(argv), "cpu": cpu_name(), "model": runs["model"],
              "steps": a.steps, "prompts": PROMPTS[:a.prompts], "held_out_prompts": HELD_OUT[:a.held_out],
              "top_k": a.top_k, "margin_step": a.margin, "margin_run": a.run_margin, "window": a.window,
@@ -406,7 +407,8 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=8, help="calibration prompts")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=100, help="log-probabilities a step asked of the OpenAI server")
-    ap.add_argument("--tensor", default="blk.10.ffn_down.weight")
+    ap.add_argument("--tensor", default="blk.29.ffn_down.weight",
+                    help="the matrix planted (the last layer's down projection, the most sensitive probed)")
     ap.add_argument("--scales", type=float, nargs="+", default=[1.01, 1.02, 1.05, 1.10])
     ap.add_argument("--write-bands", action="store_true")
     ap.add_argument("--cached", action="store_true", help="calibrate, sensitivity: run nothing, read the cache's runs")

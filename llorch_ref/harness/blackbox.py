@@ -129,12 +129,14 @@ def step_metrics(ref_logp: np.ndarray, step, tokenizer, position: int) -> dict:
 
 def tokenization_row(engine, trace, ref_ids: list) -> Row:
     """Checkpoint 0: the engine's token ids of the prompt against the reference's (its tokenize route); where the
-    engine has none, the round trip of its returned tokens: their bytes give back the text it returned (up to the
-    whitespace at its ends, end-of-generation tokens unrendered), and the prompt's token count where the engine tells it is the reference's."""
+    engine has none, the round trip of its returned tokens: their bytes must give back the text it returned (up to
+    the whitespace at its ends, end-of-generation tokens unrendered; else BlackBoxError: its ids cannot be trusted),
+    and the prompt's token count where the engine tells it is the reference's."""
     band = {"agreement": 1.0}
     if trace.prompt_ids is not None:
         a, b = [int(t) for t in trace.prompt_ids], list(ref_ids)
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                     None if len(a) == len(b) else min(len(a), len(b)))
         m = {"shape": [len(a)], "ref_shape": [len(b)], "agreement": 1.0 if a == b else 0.0, "ours": a, "reference": b,
              "how": trace.tokenized_by, "first_difference": first}
         if first is not None:
