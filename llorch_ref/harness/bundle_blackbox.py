@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import HarnessError
 from ..references.blackbox import Step, Trace
-from .blackbox import KIND, divergence_lines, steps_table
+from .blackbox import KIND, RUN, divergence_lines, steps_table
 from .run import recipe as make_recipe
 from .text_safety import for_markdown as md
 
@@ -130,7 +130,7 @@ def steps_json(result) -> dict:
     fd = result.first_divergence
     at = None
     if fd is not None and fd["checkpoint"] in ("10", "11"):
-        m = next(r for r in result.rows if r.checkpoint == "11" and r.step == fd["step"]).metrics
+        m = next(r for r in result.rows if r.checkpoint == "11" and r.step == fd["step"] and r.tensor != RUN).metrics
         at = {"step": fd["step"], "position": m["position"], "top_reference": m["top_reference"],
               "top_engine": m["top_engine"]}
     return {"steps": steps_table(result), "divergence": at}

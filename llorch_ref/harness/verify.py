@@ -57,7 +57,7 @@ from ..errors import HarnessError, ParameterError
 from ..loaders.lazy_weights import mem_available
 from ..references.engines import dump_llamacpp, dump_transformers, gguf_config
 from ..references.llorch import record_engine
-from .blackbox import compare_trace
+from .blackbox import RUN, compare_trace
 from .bundle import FORMAT, MANIFEST, SIGNATURE, ed25519_modules, public_key_id
 from .bundle_blackbox import TRACE_JSON, read_trace
 from .bundle_md import checkpoint_folder
@@ -922,7 +922,7 @@ def rerun_blackbox(folder: Path, files: dict, man, stored: dict, model=None, log
     if len(ids) > cfg.context_length or any(t >= cfg.n_vocab for t in ids):
         raise HarnessError(f"the recipe's {len(ids)} tokens do not fit the model (context {cfg.context_length}, "
                            f"vocabulary {cfg.n_vocab}): not a run llorch-ref could have made")
-    n_steps = len([r for r in stored["rows"] if str(r["checkpoint"]) == "11"])
+    n_steps = len([r for r in stored["rows"] if str(r["checkpoint"]) == "11" and r["tensor"] != RUN])
     text = _read_text(folder, files, TRACE_JSON)
     if text is None or "trace.npz" not in files:
         raise HarnessError(f"{folder}: no {TRACE_JSON} and trace.npz: the engine's side cannot be compared again "
