@@ -149,8 +149,8 @@ def check_dump(dump, model=None, require="auto", band_class=None, checkpoints=No
 
 def declared_engine(engine, sub: Dump):
     """The reference engine in the arithmetic the dump declares (numerics, K/V cache type, the ggml build):
-    `engine` itself where it already runs it, else the same file on the same backend loaded that way. A dump
-    that declares nothing (format llorch-dump/1) keeps the engine as it is."""
+    `engine` itself where it already runs it, else the same file loaded that way on declared_backend's backend. A
+    dump that declares nothing (format llorch-dump/1) keeps the engine as it is."""
     import llorch_ref
 
     decl = sub.arithmetic
@@ -161,8 +161,18 @@ def declared_engine(engine, sub: Dump):
             and (decl["numerics"] != "ggml" or simd == "auto" or engine.ggml_simd == simd))
     if same:
         return engine
-    return llorch_ref.load(engine.path, backend=engine.backend.name, numerics=decl["numerics"],
+    return llorch_ref.load(engine.path, backend=declared_backend(engine, decl["numerics"]),
+                           threads=engine.backend.info.get("threads"), numerics=decl["numerics"],
                            kv_dtype=decl["kv_dtype"], ggml_simd=simd if decl["numerics"] == "ggml" else "auto")
+
+
+def declared_backend(engine, numerics: str) -> str:
+    """The backend that runs a declared arithmetic: numba for numerics "ggml" asked of a numpy engine where numba is
+    installed (its ggml kernels compute the NumPy emulation's bits: tests/test_ggml_numerics.py), else the
+    engine's own."""
+    if numerics == "ggml" and engine.backend.name == "numpy" and available(("numba",))["numba"] is None:
+        return "numba"
+    return engine.backend.name
 
 
 def run_subject(engine, sub: Dump, band_class: str | None = None, checkpoints=None, subject_label=None,
