@@ -243,3 +243,33 @@ def test_the_plugin_refuses_a_black_box_it_cannot_reach(tmp_path):
     r = pytest_in(tmp_path, f"--llorch-subject=openai:http://127.0.0.1:{free_port()}", "--llorch-timeout=2")
     assert r.returncode != 0 and "llorch:" in r.stderr and "refused" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+def test_a_bundle_of_a_full_length_run_verifies_with_its_run_level_row(tmp_path):
+    """The reference as its own black box over 32 steps (the run-level row of cp11 joins the per-step rows): the
+    bundle's trace is read back step for step and verify passes it; one step's logprob edited fails it."""
+    from llorch_ref.harness.blackbox import RUN, compare_trace, log_softmax64
+    from llorch_ref.harness.bundle import write_bundle
+    from llorch_ref.harness.verify import verify_bundle
+    from llorch_ref.references.blackbox import Step, Trace
+
+    eng = llorch_ref.load(threads=1)
+    ids = eng.tokenizer.encode(PROMPT)
+    gen = list(eng.generate_ids(ids, max_tokens=32, ignore_eos=True))
+    logp = log_softmax64(eng.logits(ids + gen[:-1])[len(ids) - 1:])
+    steps = [Step(token=int(t), logprob=float(logp[j, t]),
+                  top={int(i): float(logp[j, i]) for i in np.argsort(-logp[j])[:20]}) for j, t in enumerate(gen)]
+    trace = Trace(engine="openai", version="self", prompt=PROMPT, steps=steps, top_k=20, whole=False,
+                  prompt_ids=ids, tokenized_by="the reference")
+    res = compare_trace(eng, trace)
+    assert any(r.tensor == RUN for r in res.rows)
+    run = write_bundle(res, eng, out_dir=tmp_path, run_id="full", plot=False, trace=trace)["dir"]
+    v = verify_bundle(run)
+    assert v.ok and v.rerun["figures_hold"], v.to_json()
+    with np.load(run / "trace.npz") as z:
+        a = {k: z[k] for k in z.files}
+    a["logprob"][3] -= 0.25
+    np.savez_compressed(run / "trace.npz", **a)
+    rehash(run, "trace.npz")
+    v = verify_bundle(run)
+    assert not v.ok and any("engine_logprob" in c for c in v.rerun["verdicts_changed"]), v.to_json()
