@@ -76,8 +76,8 @@ def cache_not_reset(mp, n_prompt):
 def rope_table_only_as_long_as_the_prompt(mp, n_prompt):
     real = cache_mod.Cache.tables
 
-    def tables(self, local=False):
-        cos, sin = real(self, local)
+    def tables(self, local=False, seq_len=None):
+        cos, sin = real(self, local, seq_len)
         last = n_prompt - 1                      # rows past the prompt repeat its last one
         return (np.concatenate([cos[:n_prompt], np.repeat(cos[last:last + 1], len(cos) - n_prompt, 0)]),
                 np.concatenate([sin[:n_prompt], np.repeat(sin[last:last + 1], len(sin) - n_prompt, 0)]))
