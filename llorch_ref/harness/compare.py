@@ -678,7 +678,7 @@ def _probs(d: Dump, dims, float64=False):
 
 
 
-SPAN_BYTES = 256 * 2**20     # a model tensor [T, X] larger than this is compared a span of rows at a time
+SPAN_BYTES = 16 * 2**20      # a model tensor [T, X] larger than this is compared a span of rows at a time
 SPAN_ROWS = 256
 
 
