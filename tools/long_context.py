@@ -102,6 +102,8 @@ def main():
     ap.add_argument("--blas-threads", type=int, default=None,
                     help="OPENBLAS_NUM_THREADS for the run (1 on a machine whose cores other work holds)")
     a = ap.parse_args()
+    a.commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()                  # the code as the run starts
     path = resolve_model(a.model)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,16 +134,30 @@ def main():
     png = out / f"{stem}-{a.mode}.png"
     plot(bp, png, f"{path.name}: llama.cpp ({a.settings}) vs llorch-ref, {n} tokens, {len(bp['positions'])} rows")
     write_report(out / f"{stem}-{a.mode}.md", a, path, n, res, steps, png, js)
+    stamp_json(js, a.commit, command_of(a))
     if a.memory_points:
         add_memory_point(Path(a.memory_points), a, path, n, res, steps)
 
 
+def command_of(a) -> str:
+    return (f"python tools/long_context.py --tokens {a.tokens} --rows {a.rows} --settings {a.settings} "
+            f"--backend {a.backend} --mode {a.mode} --out-dir {a.out_dir}"
+            + (f" --memory-points {a.memory_points}" if a.memory_points else "")
+            + (f" --blas-threads {a.blas_threads}" if a.blas_threads else ""))
+
+
+def stamp_json(js: Path, commit: str, command: str):
+    """The raw result with its command and commit as its first key, made_by (what results/ asks of a file)."""
+    body = json.loads(js.read_text())
+    body.pop("made_by", None)
+    js.write_text(json.dumps({"made_by": {"commit": commit, "command": command}, **body}, indent=1) + "\n")
+
+
 def add_memory_point(pf: Path, a, path, n, res, steps):
     """This run's peak RSS and wall time as a point of pf (JSON), then pf's plot and table drawn again."""
-    import subprocess as sp
-
     pts = json.loads(pf.read_text()) if pf.exists() else {"points": []}
-    commit = sp.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    pts.pop("made_by", None)
+    commit = a.commit
     t = steps[-1][1]
     key = {"tokens": n, "rows": a.rows, "backend": a.backend, "mode": a.mode, "settings": a.settings}
     pts["points"] = [p for p in pts["points"] if {k: p.get(k) for k in key} != key]
@@ -154,9 +170,12 @@ def add_memory_point(pf: Path, a, path, n, res, steps):
                                      f"--out-dir {a.out_dir} --memory-points {pf}"
                                      + (f" --blas-threads {a.blas_threads}" if a.blas_threads else "")})
     pts["points"].sort(key=lambda p: (p["mode"], p["backend"], p["rows"], p["tokens"]))
+    pts = {"made_by": {"commit": a.commit, "command": "python tools/long_context.py ... --memory-points "
+                       f"{pf} (one run per point: each point's own command and commit below)"}, **pts}
     pf.write_text(json.dumps(pts, indent=1) + "\n")
     draw_memory(pts["points"], pf.with_suffix(".png"))
     lines = [f"# Peak resident memory by prompt length ({path.name})", "",
+             "Commits: " + ", ".join(sorted({p["commit"] for p in pts["points"]})) + " (each point's below).", "",
              "Each point: one `llorch-ref diff --prompt-file` run (llama.cpp's dump and llorch-ref's, compared), "
              "peak RSS of the whole process tree read by `/usr/bin/time`, one run at a time, niced, on a machine "
              "shared with other work. Points added by `--memory-points`; the command and commit of each are below.",
@@ -197,8 +216,8 @@ def write_report(md: Path, a, path, n, res, steps, png, js):
     bp = res["by_position"]
     fd = res["first_divergence"]
     lines = [f"# {n}-token prompt: llama.cpp ({a.settings}) against llorch-ref on {path.name}", "",
-             f"Command: `python tools/long_context.py --tokens {a.tokens} --rows {a.rows} --settings {a.settings} "
-             f"--backend {a.backend} --mode {a.mode} --out-dir {a.out_dir}`. CPU: {cpu_model()}. Text: `{a.text}`.",
+             f"Commit: {a.commit}.", "",
+             f"Command: `{command_of(a)}`. CPU: {cpu_model()}. Text: `{a.text}`.",
              "", f"{res['subject']} against {res['reference']}; band class {res['band_class']}"
              + (f"; local errors in {res['local_declaration']} arithmetic" if res["local_declaration"] else "") + ".", "",
              f"Rows kept: {len(bp['positions'])} ({a.rows}); every checkpoint compared at them, caches at every "
