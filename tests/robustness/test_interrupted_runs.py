@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 
 def prove_cmd(model, out, run_id, *more):
@@ -70,10 +71,11 @@ def test_kill_9_at_random_points_leaves_nothing_that_looks_complete(tiny, tmp_pa
     assert killed >= 6 and complete_looking == 0
 
 
-def test_captures_are_byte_identical_across_runs(tiny, tmp_path, llamacpp):
+@pytest.mark.parametrize("runs", [4, pytest.param(20, marks=pytest.mark.slow)])
+def test_captures_are_byte_identical_across_runs(tiny, tmp_path, llamacpp, runs):
     model = tiny(vocab="bpe")
     digests = set()
-    for i in range(20):
+    for i in range(runs):
         out = tmp_path / f"r{i}"
         subprocess.run(prove_cmd(model, out, "same") + ["--checkpoint", "4", "--checkpoint", "8"], check=True,
                        capture_output=True, timeout=300)
