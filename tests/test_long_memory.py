@@ -235,3 +235,19 @@ def test_llamacpp_fed_in_batches_and_spilled_gives_the_same_dump(llamacpp, q8):
     assert fed.extra["capture_invariance"]["logits_max_abs_diff"] == 0.0
     res = run_subject(eng, fed.to_dump(), "Q8_0")
     assert res.first_divergence is None, res.first_divergence
+
+
+@pytest.mark.llamacpp
+def test_a_diff_against_llamacpp_on_disk_passes_and_holds_no_layer(llamacpp, q8, monkeypatch):
+    from llorch_ref.harness import run as R
+
+    monkeypatch.setattr(R, "ON_DISK_BYTES", 0)                         # this tiny model's dumps go to disk
+    monkeypatch.setattr(C, "SPAN_BYTES", 0)
+    eng = llorch_ref.load(q8, numerics="ggml")
+    ids = eng.tokenizer.encode(TEXT)
+    res = R.run_diff(eng, prompt=TEXT, token_ids=ids, n_greedy=4, n_ubatch=7)
+    assert res.verdict().status == "PASS", res.first_divergence
+    assert sum(r.layer is not None for r in res.rows) > 30 and any(r.metrics.get("by_spans") for r in res.rows)
+    held = [k for k in dict.keys(res.captures_ref) if ".layer" in k]
+    assert held and not any(isinstance(dict.__getitem__(res.captures_ref, k), np.ndarray) for k in held)
+    assert res.captures_ref["cp2.q_proj.layer1"].shape == (len(ids), eng.config.n_heads, eng.config.head_dim)
