@@ -350,7 +350,7 @@ def sensitivity(a, argv):
     clean = refs[a.numerics[0]].path
     prompts = HELD_OUT[:a.held_out]
     found = {"made_by": made_by(argv), "cpu": cpu_name(), "model": str(clean), "tensor": a.tensor, "steps": a.steps,
-             "prompts": prompts, "bands_from": load_bands()["made_by"], "runs": {}}
+             "prompts": prompts, "window": a.window, "bands_from": load_bands()["made_by"], "runs": {}}
     for subject in a.subjects:
         for factor in [1.0] + a.scales:
             label = "clean" if factor == 1.0 else f"{a.tensor}@{factor}"
@@ -370,8 +370,10 @@ def sensitivity_md(f) -> str:
              "caught when its verdict is FAIL; scale 1.00 is the clean engine (its FAILs are false alarms). "
              "'per step': a step's KLD or a flip outside the near-tie band; 'run': only the run-level row (mean KLD, "
              "mean log-probability shift).", "",
-             "| subject | scale | reference numerics | caught (runs) | by per step | by run only | mean KLD (median "
-             "run) | mean shift (median run) | worst step KLD |", "|---|---|---|---|---|---|---|---|---|"]
+             f"A run shorter than {f['window']} steps (the engine ended its generation) is judged per step only.", "",
+             "| subject | scale | reference numerics | caught (runs) | runs of 32+ steps | by per step | by run only | "
+             "mean KLD (median run) | mean shift (median run) | worst step KLD |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for key, by in f["runs"].items():
         subject, factor = key.split("@")
         for n, rs in by.items():
@@ -381,7 +383,8 @@ def sensitivity_md(f) -> str:
             mk = sorted(r["mean_kld"] for r in ok)
             sh = sorted(r["mean_shift"] for r in ok)
             lines.append(f"| {subject} | {float(factor):.2f} | {n} | {sum(r['status'] == 'FAIL' for r in rs)} of "
-                         f"{len(rs)} | {sum(r['by'] in ('kld', 'argmax') for r in rs)} | "
+                         f"{len(rs)} | {sum(r['steps'] >= f['window'] for r in rs)} | "
+                         f"{sum(r['by'] in ('kld', 'argmax') for r in rs)} | "
                          f"{sum(r['by'] == 'run' for r in rs)} | {mk[len(mk) // 2]:.3g} | {sh[len(sh) // 2]:+.3g} | "
                          f"{max(r['max_kld'] for r in ok):.3g} |")
     return "\n".join(lines) + "\n"
