@@ -557,7 +557,7 @@ def _manifest_json(raw, where: str) -> dict:
     return man
 
 
-def capture_invariance(captured, uncaptured, chunk: int = 256) -> dict:
+def capture_invariance(captured, uncaptured, chunk: int = 32) -> dict:
     """Logits of the captured run against a run without the capture: they should be equal (a capture is an
     observer); a difference is reported in the manifest and, by the comparison, as a warning. Compared a span
     of rows at a time (a long prompt's logits are large; the maximum is the same)."""
@@ -570,10 +570,15 @@ def capture_invariance(captured, uncaptured, chunk: int = 256) -> dict:
     return invariance_figure(d)
 
 
-def max_abs_diff(a, b) -> float:
-    """max |a - b| in float64 (0 for empty arrays)."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.max(np.abs(a - b))) if a.size else 0.0
+def max_abs_diff(a, b, rows: int = 32) -> float:
+    """max |a - b| in float64 (0 for empty arrays), `rows` rows at a time (a batch of a long prompt's logits in
+    float64 would take four times its float32 size, several times over)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if not a.size:
+        return 0.0
+    a2, b2 = a.reshape(a.shape[0], -1) if a.ndim > 1 else a[None], b.reshape(b.shape[0], -1) if b.ndim > 1 else b[None]
+    return max(float(np.max(np.abs(a2[i:i + rows].astype(np.float64) - b2[i:i + rows].astype(np.float64))))
+               for i in range(0, a2.shape[0], rows))
 
 
 def invariance_figure(d: float) -> dict:
