@@ -275,3 +275,23 @@ def test_a_q8_0_file_passes_and_ggml_numerics_refuse_its_fused_blocks(llamacpp, 
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] == [
         f"error: {q8}: numerics='ggml' does not split gpt2's fused quantized projections; use numerics='exact'"]
+
+
+@pytest.mark.llamacpp
+def test_diff_of_a_llamacpp_dump_checks_gpt2_locally(llamacpp, gpt2, tmp_path):
+    """`llorch-ref dump --engine llamacpp` then `diff --subject`: the local (teacher-forced) checks recompute each
+    GPT-2 tensor from the dump's own inputs (LayerNorm, no RoPE, biased MLP), at every decode step."""
+    from llorch_ref.harness.run import run_subject
+    from llorch_ref.references.engines import dump_llamacpp
+    _, g, _ = gpt2
+    eng = llorch_ref.load(g, numerics="ggml")
+    ids = eng.tokenizer.encode(PROMPT)
+    res = run_subject(eng, dump_llamacpp(g, token_ids=ids, n_greedy=0, decode_steps=2, rows=[0, 5]).to_dump(), "F32")
+    checked = [r for r in res.rows if r.local is not None]
+    assert res.first_divergence is None and {r.step for r in res.rows} == {0, 1, 2}
+    assert len(checked) > 50 and all(r.local_passed for r in checked)
+    dump = tmp_path / "lc.safetensors"
+    subprocess.run([sys.executable, "-m", "llorch_ref.cli", "dump", "--model", str(g), "--engine", "llamacpp",
+                    "--out", str(dump)], check=True, capture_output=True, timeout=120)
+    rc, rep = diff_cli("--model", g, "--subject", dump)
+    assert rep["first_divergence"] is None and rep["verdict"]["missing"] == ["cp5.attn_out"]

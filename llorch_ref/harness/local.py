@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..model import forward as fwd
 from ..model.cache import visible_mask
 from ..numerics.ggml_cpu import flash_attention
 
@@ -51,11 +52,16 @@ def visible(cfg, layer, positions, n_keys: int) -> np.ndarray:
     return np.isfinite(comparison_mask(np, cfg, layer, positions, n_keys))
 
 
-def embedding(engine, token_ids) -> np.ndarray:
-    """The reference's embedding rows (layer 0's input): a lookup, exact in every arithmetic."""
+def embedding(engine, token_ids, positions=None) -> np.ndarray:
+    """The reference's embedding rows (layer 0's input): a lookup, exact in every arithmetic; GPT-2 adds the
+    position rows of `positions` (default 0..T-1)."""
     cfg, w = engine.config, engine.weights
     x = engine.backend.to_numpy(w.tok_embd[np.asarray(token_ids)]).astype(np.float32)
-    return x * np.float32(cfg.embed_scale) if cfg.embed_scale is not None else x
+    x = x * np.float32(cfg.embed_scale) if cfg.embed_scale is not None else x
+    if cfg.pos_embd == "learned":
+        at = np.arange(len(token_ids)) if positions is None else np.asarray(positions)
+        x = x + engine.backend.to_numpy(w.pos_embd)[at]
+    return x
 
 
 def _cache_rows(engine, get, layer: int, name: str, new, positions, cache):
@@ -137,9 +143,9 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
 
     x_in = None
     if want("attn_norm", "ffn_inp"):
-        x_in = embedding(engine, token_ids) if layer == 0 else get("l_out", layer - 1)
+        x_in = embedding(engine, token_ids, positions) if layer == 0 else get("l_out", layer - 1)
     if x_in is not None and want("attn_norm"):
-        out["attn_norm"] = ops.rms_norm(xp, asx(x_in), lw.attn_norm, cfg.rms_eps)
+        out["attn_norm"] = fwd.norm(xp, cfg, ops, asx(x_in), lw, "attn_norm")
     if want("q_proj", "k_proj", "v") and (a := have("attn_norm")) is not None:
         q, k, v = ops.qkv(xp, a[0], lw.wq, lw.wk, lw.wv, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
         if cfg.qkv_bias:
@@ -152,16 +158,18 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
             out["k_normed"] = ops.rms_norm(xp, a[0], lw.k_norm, cfg.rms_eps)
     cache = engine.new_cache()
     local = cfg.is_local(layer)
-    cos, sin = (tab[asx(positions)] for tab in cache.tables(local))
-    for name, src in (("q", "q_normed" if cfg.qk_norm else "q_proj"), ("k", "k_normed" if cfg.qk_norm else "k_proj")):
-        if want(name) and (a := have(src)) is not None:
-            out[name] = ops.rope(xp, a[0], cos, sin, cfg.rope_style)
-    if want("k_cache", "v_cache") and (a := have("k", "v")) is not None:
+    qn, kn = ("q", "k") if cfg.uses_rope else ("q_proj", "k_proj")        # GPT-2: no RoPE, Q and K as projected
+    if cfg.uses_rope:
+        cos, sin = (tab[asx(positions)] for tab in cache.tables(local))
+        for name, src in (("q", "q_normed" if cfg.qk_norm else "q_proj"), ("k", "k_normed" if cfg.qk_norm else "k_proj")):
+            if want(name) and (a := have(src)) is not None:
+                out[name] = ops.rope(xp, a[0], cos, sin, cfg.rope_style)
+    if want("k_cache", "v_cache") and (a := have(kn, "v")) is not None:
         out.update(k_cache=_cache_rows(engine, get, layer, "k_cache", a[0], positions, cache),
                    v_cache=_cache_rows(engine, get, layer, "v_cache", a[1], positions, cache))
     mask = None
     fused = want("attn_out") and get("kqv_out", layer) is None          # attn_out from q, k, v (flash attention)
-    if (want("kq", "kq_soft_max", "kqv_out") or fused) and (a := have("q", "k_cache", "v_cache")) is not None:
+    if (want("kq", "kq_soft_max", "kqv_out") or fused) and (a := have(qn, "k_cache", "v_cache")) is not None:
         kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
         mask = comparison_mask(xp, cfg, layer, asx(positions), a[1].shape[0])
         att, kq, probs = attention_by_batch(engine, a[0], a[1], a[2], mask, kv_head, one_token, cells)
@@ -169,25 +177,30 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
     if not want("attn_out"):
         pass
     elif (a := have("kqv_out")) is not None:
-        out["attn_out"] = ops.linear(xp, a[0], lw.wo)
+        out["attn_out"] = fwd.out_proj(xp, cfg, ops, lw, a[0])
     elif "kqv_out" in out:                  # a fused attention (flash attention): attn_out from q, k, v
         att = out["kqv_out"]
         if fused_attention and engine.numerics == "ggml":
-            a = have("q", "k_cache", "v_cache")
+            a = have(qn, "k_cache", "v_cache")
             att = flash_attention(xp, a[0], a[1], a[2], mask, cfg.scale, ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads))
-        out["attn_out"] = ops.linear(xp, att, lw.wo)
+        out["attn_out"] = fwd.out_proj(xp, cfg, ops, lw, att)
     if cfg.post_norms and want("attn_post_norm") and (a := have("attn_out")) is not None:
         out["attn_post_norm"] = ops.rms_norm(xp, a[0], lw.post_attn_norm, cfg.rms_eps)
     if x_in is not None and want("ffn_inp") and (a := have("attn_post_norm" if cfg.post_norms else "attn_out")) is not None \
             and a[0].shape == x_in.shape:
         out["ffn_inp"] = asx(x_in) + a[0]
     if want("ffn_norm") and (a := have("ffn_inp")) is not None:
-        out["ffn_norm"] = ops.rms_norm(xp, a[0], lw.ffn_norm, cfg.rms_eps)
-    glu = ops.swiglu if cfg.ffn_act == "silu" else ops.geglu
+        out["ffn_norm"] = fwd.norm(xp, cfg, ops, a[0], lw, "ffn_norm")
     if want("ffn_swiglu") and (a := have("ffn_norm")) is not None:
-        out["ffn_swiglu"] = glu(xp, a[0], lw.w_gate, lw.w_up, lw.w_down)[1]
+        if cfg.ffn_gated:
+            glu = ops.swiglu if cfg.ffn_act == "silu" else ops.geglu
+            out["ffn_swiglu"] = glu(xp, a[0], lw.w_gate, lw.w_up, lw.w_down)[1]
+        else:                                                            # GPT-2's MLP: up + bias, GELU
+            out["ffn_swiglu"] = ops.gelu_mlp(xp, a[0], lw.w_up, lw.b_up, lw.w_down, lw.b_down)[1]
     if want("ffn_out") and (a := have("ffn_swiglu")) is not None:
         out["ffn_out"] = ops.linear(xp, a[0], lw.w_down)
+        if cfg.linear_bias:
+            out["ffn_out"] = out["ffn_out"] + lw.b_down
     if cfg.post_norms and want("ffn_post_norm") and (a := have("ffn_out")) is not None:
         out["ffn_post_norm"] = ops.rms_norm(xp, a[0], lw.post_ffn_norm, cfg.rms_eps)
     if want("l_out") and (a := have("ffn_inp", "ffn_post_norm" if cfg.post_norms else "ffn_out")) is not None \
@@ -212,7 +225,7 @@ def model_outputs(engine, get, only=None) -> dict:
     out = {}
     x = get("l_out", cfg.n_layers - 1) if only is None or "result_norm" in only else None
     if x is not None:
-        out["result_norm"] = ops.rms_norm(xp, asx(x), w.out_norm, cfg.rms_eps)
+        out["result_norm"] = fwd.norm(xp, cfg, ops, asx(x), w, "out_norm")
     h = get("result_norm", None) if only is None or "logits" in only else None
     if h is not None:
         out["logits"] = ops.linear(xp, asx(h), w.output)
