@@ -390,3 +390,28 @@ def test_hf_longrope_decode_steps_switch_sets_where_transformers_does(tmp_path, 
     monkeypatch.setattr(Cache, "rope_seq_len", lambda self, n_new: min(self.pos + n_new, 28))
     fd = compare_dumps(record_engine(eng, ids, n_greedy=0, decode_ids=steps), want, eng.config, "F32").first_divergence
     assert fd is not None and (fd["checkpoint"], fd["step"]) == ("1B", 5)
+
+
+@pytest.mark.parametrize("n", [20, 100], ids=["short", "long"])
+def test_hf_longrope_dump_is_checked_locally_with_its_own_factor_set(tmp_path, n):
+    """diff --subject on transformers' dump of a LongRoPE model: the teacher-forced (local) RoPE of each row
+    takes the factor set of the step's own sequence length, so a clean dump past the original context (100 of
+    32 positions: the long set) passes, as one within it does; a dump whose Q was roped with the other set fails
+    at layer 0's q."""
+    from llorch_ref.harness.run import check_dump
+    from llorch_ref.references.engines import dump_transformers
+    folder, _ = _phi3_longrope(tmp_path)
+    ids = _ids(n)
+    path = dump_transformers(folder, token_ids=ids, n_greedy=0).save(tmp_path / "dump.safetensors")
+    res = check_dump(path, model=folder)
+    v = res.verdict()           # INCOMPLETE only for cp0: a dump of token ids without their prompt text
+    assert v.diverging == 0 and res.first_divergence is None and v.compared > 30, v
+    from llorch_ref.model.cache import Cache
+    real = Cache.rope_seq_len
+    with pytest.MonkeyPatch.context() as mp:       # planted in the subject: the other set for its whole run
+        mp.setattr(Cache, "rope_seq_len", lambda self, n_new: 1 if n > 32 else 10 ** 6)
+        from llorch_ref.references.llorch import record_engine
+        bad = record_engine(llorch_ref.load(folder), ids, n_greedy=0).save(tmp_path / "bad.safetensors")
+    assert Cache.rope_seq_len is real
+    fd = check_dump(bad, model=folder).first_divergence
+    assert fd is not None and (fd["checkpoint"], fd["layer"], fd["tensor"]) == ("1B", 0, "q"), fd

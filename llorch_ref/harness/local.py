@@ -160,7 +160,8 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
     local = cfg.is_local(layer)
     qn, kn = ("q", "k") if cfg.uses_rope else ("q_proj", "k_proj")        # GPT-2: no RoPE, Q and K as projected
     if cfg.uses_rope:
-        cos, sin = (tab[asx(positions)] for tab in cache.tables(local))
+        seq_len = max(past + t, int(np.max(positions)) + 1)                  # LongRoPE's set, dynamic NTK's base
+        cos, sin = (tab[asx(positions)] for tab in cache.tables(local, seq_len))
         for name, src in (("q", "q_normed" if cfg.qk_norm else "q_proj"), ("k", "k_normed" if cfg.qk_norm else "k_proj")):
             if want(name) and (a := have(src)) is not None:
                 out[name] = ops.rope(xp, a[0], cos, sin, cfg.rope_style)
