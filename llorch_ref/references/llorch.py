@@ -67,7 +67,7 @@ def _record(engine, rec: Recorder, ids, prompt, n_greedy, decode_steps, decode_i
         engine.ops = plain
     rec.add("cp8.logits", logits)
     last = np.array(logits[-1], copy=True)
-    rec.add("cp10.argmax", np.argmax(logits, axis=-1).astype(np.int64))      # np.argmax: sampling.greedy's rule
+    rec.add("cp10.argmax", np.array([sampling.greedy(r) for r in logits], dtype=np.int64))   # the worker's rule
     _add_probs(rec, logits)
     spilled = hasattr(rec.tensors, "read_rows") and "cp8.logits" in rec.tensors
     kept = None if spilled else logits    # a long prompt's [T, V] on disk: read back a span of rows at a time
