@@ -94,6 +94,12 @@ def cmd_eval(args):
             res = run_eval(spec, ref, chunks, text_name, progress=bar)
     out = res.to_json()
     print_statistics(out)
+    write_outputs(out, outs, args, log)
+    return 0
+
+
+def write_outputs(out: dict, outs: dict, args, log) -> None:
+    """The statistics to --json and --report, where asked (check_outputs made them safe to write)."""
     if "json" in outs:
         with outs["json"].staged_file() as tmp:
             tmp.write_text(json.dumps(out, indent=2) + "\n")
@@ -101,7 +107,6 @@ def cmd_eval(args):
     if "report" in outs:
         write_report(out, outs["report"])
         log(f"llorch-ref: wrote {args.report}/report.md and report.html")
-    return 0
 
 
 def check_outputs(args, base) -> dict:
@@ -161,13 +166,7 @@ def cmd_eval_blackbox(args, base: Path):
     out = {**res.to_json(), "blackbox": how}
     print_statistics(out)
     console_for(None).print(for_terminal(method_line(how)))
-    if "json" in outs:
-        with outs["json"].staged_file() as tmp:
-            tmp.write_text(json.dumps(out, indent=2) + "\n")
-        log(f"llorch-ref: wrote {args.json}")
-    if "report" in outs:
-        write_report(out, outs["report"])
-        log(f"llorch-ref: wrote {args.report}/report.md and report.html")
+    write_outputs(out, outs, args, log)
     return 0
 
 
