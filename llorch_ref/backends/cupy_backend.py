@@ -257,6 +257,7 @@ class GraphDecoder:
         except Exception:                     # no mapped host memory here: a device array, filled each step
             self._tok, self._ring, self.tok = None, None, xp.zeros(1, dtype=xp.int64)
         self.graph, self.out, self.steps = None, None, 0
+        self._roped = None                    # the RoPE table (cos) the captured graph reads
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = engine.backend.info.get("cuda_graphs", False)
         layers = [(_or(joined((lw.wq, lw.wk, lw.wv), xp), [lw.wq, lw.wk, lw.wv]), lw.wo,
@@ -264,6 +265,12 @@ class GraphDecoder:
         self.fused = FusedStep.plan(engine, cache, layers)     # float16 or blocks llama weights: five kernels a layer
         self.chained = self._chained if settings().cuda_chain else None
         engine.backend.info["fused_decode"] = self.fused is not None
+
+    def rope_holds(self, pos: int) -> bool:
+        """Whether a step at host position pos reads the RoPE tables the captured graph reads: always, but where
+        the sequence's length picks them (LongRoPE's factor set, dynamic NTK's base: Cache.tables), whose graph
+        is captured again for a step past the length that changed them."""
+        return not self.cache.cfg.rope_by_length or self.cache.tables(seq_len=pos + 1)[0] is self._roped
 
     def _step(self):
         """One step at the device-side position, which its last kernel advances (inside a captured graph too); the
@@ -293,8 +300,11 @@ class GraphDecoder:
             if not self.use_graph or self.steps == 1:
                 out = self._step()
             else:
+                if self.graph is not None and not self.rope_holds(c.pos):
+                    self.graph = None        # the captured step reads other RoPE tables than this step's
                 if self.graph is None:
                     p0 = c.pos
+                    self._roped = c.tables()[0]     # built here, not inside the capture
                     try:
                         rt = xp.cuda.runtime
                         mode = getattr(rt, "streamCaptureModeRelaxed", None)
@@ -331,34 +341,38 @@ class GraphDecoder:
         the host reads (the card never waits for the host between steps). The tokens are the unchained steps' (the
         same graph). cache.pos counts the steps whose token was read; closing the generator waits for the step
         ahead and sets the device position back to it (its K/V row past the sequence is never read).
-        Before the graph is captured, or without a graph or mapped memory: the steps one at a time through
-        __call__. Generation takes it as `chained` (None with settings' cuda_chain off: one step at a time)."""
+        Before the graph is captured, without a graph or mapped memory, and for a step whose RoPE tables are not the
+        graph's (rope_holds): the steps one at a time through __call__ (which captures the step again). Generation
+        takes it as `chained` (None with settings' cuda_chain off: one step at a time)."""
         tok, c, s = int(first), self.cache, self.stream
-        while self.graph is None or not self.use_graph or self._ring is None:
-            tok = self.engine.backend.argmax(self(tok)[-1])         # the first eager step, the capture
-            yield tok
-        ahead = []                                                  # (event, ring slot) of steps launched, unread
-        self._tok.host[0] = tok
-        try:
-            while True:
-                while len(ahead) < 2 and c.pos + len(ahead) < c.n_ctx:
-                    with s:
-                        self.graph.launch(s)
-                        done = self.xp.cuda.Event(disable_timing=True)
-                        done.record(s)
-                    ahead.append((done, (c.pos + len(ahead) + 1) % RING))
-                if not ahead:
-                    c.check_room(1)                                 # the context is full: its one-line error
-                done, slot = ahead.pop(0)
-                done.synchronize()
-                c.pos += 1
-                self.steps += 1
-                yield int(self._ring.host[slot])
-        finally:
-            s.synchronize()
-            with s:
-                c.pos_dev[...] = c.pos                              # the step launched ahead, undone
-            s.synchronize()
+        while True:
+            while self.graph is None or not self.use_graph or self._ring is None or not self.rope_holds(c.pos):
+                tok = self.engine.backend.argmax(self(tok)[-1])     # eager, captured, or captured again
+                yield tok
+            ahead = []                                              # (event, ring slot) of steps launched, unread
+            self._tok.host[0] = tok
+            try:
+                while True:
+                    while len(ahead) < 2 and c.pos + len(ahead) < c.n_ctx and self.rope_holds(c.pos + len(ahead)):
+                        with s:
+                            self.graph.launch(s)
+                            done = self.xp.cuda.Event(disable_timing=True)
+                            done.record(s)
+                        ahead.append((done, (c.pos + len(ahead) + 1) % RING))
+                    if not ahead:
+                        c.check_room(1)                             # the context is full: its one-line error
+                        break                                       # the next step reads other RoPE tables
+                    done, slot = ahead.pop(0)
+                    done.synchronize()
+                    c.pos += 1
+                    self.steps += 1
+                    tok = int(self._ring.host[slot])
+                    yield tok
+            finally:
+                s.synchronize()
+                with s:
+                    c.pos_dev[...] = c.pos                          # the step launched ahead, undone
+                s.synchronize()
 
 
 RING = 4            # ring slots of the steps' argmaxes (chained keeps at most two steps unread)
