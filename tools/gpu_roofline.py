@@ -106,7 +106,8 @@ def llama2_70b():
 
 
 def random_blocks(qtype, n, k, cp, seed=0):
-    """A GpuBlocks of random codes drawn on the card, with float16 scales giving weights of about 0.02."""
+    """A GpuBlocks of random codes drawn on the card, with float16 scales giving weights of about 0.02, in the format
+    the backend keeps the type in (GpuBlocks.repacked)."""
     from llorch_ref.backends.cuda_blocks import TYPES, GpuBlocks
 
     _, size, per = TYPES[qtype]
@@ -117,7 +118,7 @@ def random_blocks(qtype, n, k, cp, seed=0):
           "Q4_K": [(0, 7.7e-5), (2, 5.8e-4)], "Q6_K": [(208, 1.2e-5)]}[qtype]
     for off, v in at:
         raw[:, off:off + 2] = f16(v)
-    return GpuBlocks(qtype, (n, k), raw.reshape(n, -1), cp)
+    return GpuBlocks(qtype, (n, k), raw.reshape(n, -1), cp).repacked()
 
 
 def random_engine(cfg, dtype, qtype=None, n_ctx=1024, seed=0):
@@ -221,7 +222,7 @@ def profile(out):
         res["gemv"].append(row("gemv_f16_x4", (n, k), w.nbytes, lambda a=args, g=((n + 3) // 4,): K["gemv_f16_x4"](g, (128,), a)))
         for qtype in ("F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
             g = random_blocks(qtype, n, k, cp) if qtype != "F16" else None
-            q, blocks, nbytes = qtype.lower(), (w if g is None else g.blocks), (w.nbytes if g is None else g.nbytes)
+            q, blocks, nbytes = (qtype.lower() if g is None else g.fmt), (w if g is None else g.blocks), (w.nbytes if g is None else g.nbytes)
             a = (blocks, x, y, cp.int32(n), cp.int32(k), cp.int64(blocks.nbytes // n))
             for lay in PROBE_LAYOUTS:
                 for how in ("probe", "planar"):     # x read as natural float4 pairs, or from two planes

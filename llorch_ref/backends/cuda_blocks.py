@@ -16,6 +16,11 @@ the magic number in one LOP3, then one subtraction), not the slower int-to-float
                 multiplied on tensor cores with split activations (cuda_half.split_gemm: float32's band), or
                 rounded to float16 alone (dequant16: float16's band)
 
+Q4_0 and Q6_K matrices whose rows are whole super-blocks of 256 are repacked at load (GpuBlocks.repacked,
+REPACKED: the same codes and scales, each oct's codes 8-byte aligned), so that their one-token products fetch an
+oct's codes with one load instead of four; the kernels of a matrix are its format's (GpuBlocks.fmt), the same
+products to the bit as the file's layout (settings' cuda_repack off: the file's layout everywhere).
+
 So a recorded blocks product differs from the numpy oracle's (float32 weights from gguf-py, BLAS) by
 rounding order only.
 The one-token products are bound by the L1 pipe and their instruction issue together (about 5-9 instructions a
@@ -30,13 +35,20 @@ from .settings import settings
 TYPES = {"Q4_0": (0, 18, 32), "Q4_1": (1, 20, 32), "Q8_0": (2, 34, 32), "Q4_K": (3, 144, 256),
          "Q6_K": (4, 210, 256)}                # type -> (kernel code, bytes per block, weights per block)
 
+# the formats a type is repacked into at load (its rows whole super-blocks of 256: rows.cu's Q4_0R, Q6_KR) -> bytes a
+# super-block: Q4_0's 8 blocks as 8 scales then 8 x 16 bytes of nibbles; Q6_K's 210 bytes padded to 224
+REPACKED = {"Q4_0": ("q4_0r", 144), "Q6_K": ("q6_kr", 224)}
+FORMATS = [q.lower() for q in TYPES] + [f for f, _ in REPACKED.values()]
+
 ROWS = cuda_source("rows.cu")
 
 # How each block type's one-token product (GpuBlocks.matmul, the op-by-op step) is laid out: octs a lane in flight a
 # row (U), rows a warp group (R), warps a row (W), as tools/gpu_roofline.py profile chose them over whole op-by-op
 # steps (one row a warp for Q4_K and Q6_K; two for Q4_0, Q4_1 and Q8_0).
-GEMV_LAYOUT = {"q4_0": (2, 2, 1), "q4_1": (4, 2, 1), "q8_0": (2, 2, 1), "q4_k": (4, 1, 1), "q6_k": (4, 1, 1)}
-STRUCTS = {"f16": "F16", "f32": "F32", "q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
+GEMV_LAYOUT = {"q4_0": (2, 2, 1), "q4_1": (4, 2, 1), "q8_0": (2, 2, 1), "q4_k": (4, 1, 1), "q6_k": (4, 1, 1),
+               "q4_0r": (2, 2, 1), "q6_kr": (4, 1, 1)}
+STRUCTS = {"f16": "F16", "f32": "F32", "q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K",
+           "q4_0r": "Q4_0R", "q6_kr": "Q6_KR"}
 
 
 def planar_places(n, xp):
@@ -83,23 +95,24 @@ def kernels(cp):
         _MODULE.clear()
         _MODULE["options"] = opts
         mod = cp.RawModule(code=SRC, options=opts)
-        for qtype in TYPES:
+        for fmt in FORMATS:
             for kind in ("gemv", "dequant", "dequant16", "dequant_split"):
-                name = f"{kind}_{qtype.lower()}"
-                _MODULE[name] = mod.get_function(name)
+                _MODULE[f"{kind}_{fmt}"] = mod.get_function(f"{kind}_{fmt}")
     return _MODULE
 
 
 class GpuBlocks:
-    """A quantized matrix [N, K] on the GPU as the file holds it (uint8 [N, row bytes]); matmul(x) by the
-    kernels above. From a QTensor (upload), or from blocks already on the device (random models)."""
+    """A quantized matrix [N, K] on the GPU (uint8 [N, row bytes]) in format fmt: the file's layout (its type's
+    name, the default) or the one repacked() makes; matmul(x) by that format's kernels. From a QTensor (upload,
+    then repacked), or from blocks already on the device (random models)."""
 
     ndim = 2
 
-    def __init__(self, qtype, shape, blocks, cp):
+    def __init__(self, qtype, shape, blocks, cp, fmt=None):
         if qtype not in TYPES:
             raise ValueError(f"no GPU kernel for {qtype} (have {', '.join(TYPES)})")
         self.qtype, self.shape, self.blocks, self.cp = qtype, tuple(shape), blocks, cp
+        self.fmt = fmt or qtype.lower()
         self.units = self.shape[1] // 32
         self.dtype = cp.dtype(cp.float32)              # what a product returns
         self._k = kernels(cp)
@@ -107,11 +120,26 @@ class GpuBlocks:
     def __getitem__(self, rows):
         """Rows lo:hi (a slice), a view of the same device memory."""
         lo, hi, _ = rows.indices(self.shape[0])
-        return GpuBlocks(self.qtype, (hi - lo, self.shape[1]), self.blocks[lo:hi], self.cp)
+        return GpuBlocks(self.qtype, (hi - lo, self.shape[1]), self.blocks[lo:hi], self.cp, self.fmt)
 
     @classmethod
     def from_qtensor(cls, qt, cp):
-        return cls(qt.qtype, qt.shape, cp.asarray(qt.blocks), cp)
+        return cls(qt.qtype, qt.shape, cp.asarray(qt.blocks), cp).repacked()
+
+    def repacked(self):
+        """-> the matrix in its type's repacked format (REPACKED) where it has one, it is in the file's layout, its
+        rows are whole super-blocks of 256 and settings' cuda_repack is on; else itself."""
+        fmt, size = REPACKED.get(self.qtype, (None, 0))
+        if fmt is None or self.fmt != self.qtype.lower() or self.shape[1] % 256 or not settings().cuda_repack:
+            return self
+        cp, n, sb = self.cp, self.shape[0], self.shape[1] // 256
+        if self.qtype == "Q4_0":
+            a = self.blocks.reshape(n, sb, 8, 18)
+            raw = cp.concatenate([a[..., :2].reshape(n, sb, 16), a[..., 2:].reshape(n, sb, 128)], axis=2)
+        else:
+            raw = cp.zeros((n, sb, size), dtype=cp.uint8)
+            raw[..., :210] = self.blocks.reshape(n, sb, 210)
+        return GpuBlocks(self.qtype, self.shape, raw.reshape(n, sb * size), cp, fmt)
 
     @property
     def nbytes(self) -> int:
@@ -126,7 +154,7 @@ class GpuBlocks:
                                  "split": ("dequant_split", (n, 2 * self.shape[1]), cp.float16)}[dtype]
         out = cp.empty(shape, dtype=out_type)
         total = n * self.units * 4
-        self._k[f"{kind}_{self.qtype.lower()}"](((total + 255) // 256,), (256,),
+        self._k[f"{kind}_{self.fmt}"](((total + 255) // 256,), (256,),
                                                 (self.blocks, out, cp.int32(n), cp.int32(self.units),
                                                  cp.int64(self.blocks.shape[1])))
         return out
@@ -146,7 +174,7 @@ class GpuBlocks:
         if x.shape[0] != 1:
             return x @ self.dequantize().T
         y = cp.empty((1, n), dtype=cp.float32)
-        fmt = self.qtype.lower()
+        fmt = self.fmt
         per = rows_per_block(GEMV_LAYOUT[fmt])
         self._k[f"gemv_{fmt}"](((n + per - 1) // per,), (128,), (self.blocks, x, y, cp.int32(n), cp.int32(self.shape[1]),
                                                               cp.int64(self.blocks.shape[1])))

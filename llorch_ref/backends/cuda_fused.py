@@ -76,6 +76,7 @@ LAYOUT = {"f16": {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (
           "q8_0": {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (2, 1), "gemv_res": (2, 2, 1)},
           "q4_k": {"norm_qkv": (4, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (2, 1), "gemv_res": (4, 1, 1)},
           "q6_k": {"norm_qkv": (4, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)}}
+LAYOUT.update(q4_0r=dict(LAYOUT["q4_0"]), q6_kr=dict(LAYOUT["q6_k"]))  # the repacked formats (cuda_blocks.REPACKED)
 # The formats whose steps keep the step's vectors in the planar layout (rows_dot's PLANAR: a warp's x loads take
 # half the L1 wavefronts; the same sums to the bit), with their layouts so: a step is planar where every matrix it
 # reads is of one of these formats (the default model's Q4_1 and Q8_0 included); settings' cuda_planar off: every
@@ -83,6 +84,7 @@ LAYOUT = {"f16": {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (
 LAYOUT_PLANAR = {"q4_0": {**LAYOUT["q4_0"], "gemv_res": (8, 1, 1)},
                  "q4_1": {**LAYOUT["q4_1"], "gemv_res": (8, 1, 1)},
                  "q8_0": {**LAYOUT["q8_0"], "norm_qkv": (4, 2, 1), "gemv_res": (8, 1, 1)}}
+LAYOUT_PLANAR["q4_0r"] = dict(LAYOUT_PLANAR["q4_0"])
 assert set(LAYOUT) >= set(GEMV_LAYOUT)
 
 
@@ -122,7 +124,7 @@ def kernels(cp):
 def weight_format(m, cp):
     """A matrix on the card -> (its format's kernel suffix, the array the kernel reads, bytes a row), or None."""
     if isinstance(m, GpuBlocks):
-        fmt = m.qtype.lower()
+        fmt = m.fmt
         return (fmt, m.blocks, int(m.blocks.shape[1])) if fmt in LAYOUT else None
     if not isinstance(m, cp.ndarray) or m.ndim != 2 or not m.flags.c_contiguous:
         return None

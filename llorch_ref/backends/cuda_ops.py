@@ -40,7 +40,7 @@ def joined(ws, cp):
     all their rows, or None."""
     w0 = ws[0]
     if isinstance(w0, GpuBlocks):
-        if not all(isinstance(w, GpuBlocks) and w.qtype == w0.qtype for w in ws):
+        if not all(isinstance(w, GpuBlocks) and (w.qtype, w.fmt) == (w0.qtype, w0.fmt) for w in ws):
             return None
         arrs = [w.blocks for w in ws]
     elif all(isinstance(w, cp.ndarray) and w.ndim == 2 and w.dtype == w0.dtype for w in ws):
@@ -52,7 +52,7 @@ def joined(ws, cp):
         return None
     rows = sum(a.shape[0] for a in arrs)
     whole = cp.ndarray((rows,) + arrs[0].shape[1:], dtype=arrs[0].dtype, memptr=arrs[0].data)
-    return GpuBlocks(w0.qtype, (rows, w0.shape[1]), whole, cp) if isinstance(w0, GpuBlocks) else whole
+    return GpuBlocks(w0.qtype, (rows, w0.shape[1]), whole, cp, w0.fmt) if isinstance(w0, GpuBlocks) else whole
 
 
 class CudaOps:

@@ -148,9 +148,9 @@ class CupyBackend(Backend):
 def stacked(ws, cp):
     """Matrices of one kind and input size (float arrays of one dtype, or GpuBlocks of one type) -> the same
     matrices as views of one stacked allocation (rows of ws[0], then ws[1], ...), or None."""
-    if all(isinstance(w, GpuBlocks) for w in ws) and len({(w.qtype, w.shape[1]) for w in ws}) == 1:
+    if all(isinstance(w, GpuBlocks) for w in ws) and len({(w.qtype, w.fmt, w.shape[1]) for w in ws}) == 1:
         joined = GpuBlocks(ws[0].qtype, (sum(w.shape[0] for w in ws), ws[0].shape[1]),
-                           cp.concatenate([w.blocks for w in ws]), cp)
+                           cp.concatenate([w.blocks for w in ws]), cp, ws[0].fmt)
     elif all(isinstance(w, cp.ndarray) and w.ndim == 2 for w in ws) and len({(w.dtype, w.shape[1]) for w in ws}) == 1:
         joined = cp.concatenate(ws)
     else:

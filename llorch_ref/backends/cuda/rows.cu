@@ -177,6 +177,46 @@ struct Q6_K {                    // 210-byte super-blocks: 128 bytes of low nibb
     }
 };
 
+// The formats GpuBlocks.repacked makes at load (cuda_blocks.REPACKED) for rows of whole super-blocks of 256: the
+// same codes and scales, every oct's codes 8-byte aligned, so that a lane fetches them with one load (the file's
+// 18- and 210-byte blocks allow 2-byte loads only, and the L1 pipe was these products' bound). The same floats in
+// the same operations as the file's format: the same products to the bit.
+struct Q4_0R {                   // 144-byte super-blocks of 8 Q4_0 blocks: their 8 float16 scales, then their 16
+    static constexpr bool OFFSET = false;               // bytes of nibbles each, as the file holds them
+    static constexpr bool SHARES = false;
+    static constexpr int OCTS = 32, BYTES = 144;
+    unsigned short d; uint2 q;
+    __device__ __forceinline__ void load(const u8* blk, int c) {
+        int b = (c >> 2) & 7;
+        d = __ldcs(reinterpret_cast<const unsigned short*>(blk) + b);
+        q = __ldcs(reinterpret_cast<const uint2*>(blk + 16 + 16 * b + 8 * (c & 1)));
+    }
+    __device__ __forceinline__ float dot(int c, float4 u, float4 v, float) const {
+        int sh = 2 * (c & 2);
+        return __half2float(__ushort_as_half(d)) * qdot8<4>(q.x >> sh, q.y >> sh, 8.f, u, v);
+    }
+};
+struct Q6_KR {                   // Q6_K's 210-byte super-blocks, each padded to 224 bytes (16-byte aligned)
+    static constexpr bool OFFSET = false;
+    static constexpr bool SHARES = false;
+    static constexpr int OCTS = 32, BYTES = 224;
+    uint2 l, hq; unsigned short d; signed char sc;
+    __device__ __forceinline__ void load(const u8* blk, int c) {
+        int u = c >> 2, hf = (u >> 2) & 1, s = u & 3, p = c & 3;
+        l = __ldcs(reinterpret_cast<const uint2*>(blk + 64 * hf + 32 * (s & 1) + 8 * p));
+        hq = __ldcs(reinterpret_cast<const uint2*>(blk + 128 + 32 * hf + 8 * p));
+        d = __ldcs(reinterpret_cast<const unsigned short*>(blk + 208));
+        sc = __ldcs(reinterpret_cast<const signed char*>(blk + 192 + 8 * hf + 2 * s + (p >> 1)));
+    }
+    __device__ __forceinline__ float dot(int c, float4 u, float4 v, float) const {
+        int s = (c >> 2) & 3, lsh = (s >= 2) ? 4 : 0, hsh = 2 * s;
+        unsigned a = ((l.x >> lsh) & 0x0F0F0F0Fu) | (((hq.x >> hsh) & 0x03030303u) << 4);
+        unsigned b = ((l.y >> lsh) & 0x0F0F0F0Fu) | (((hq.y >> hsh) & 0x03030303u) << 4);
+        float dd = __fmul_rn(__half2float(__ushort_as_half(d)), fq((unsigned)(unsigned char)sc ^ 128u, 128.f));
+        return dd * qdot8<8>(a, b, 32.f, u, v);
+    }
+};
+
 __device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
 __device__ __forceinline__ float sq4(float4 a) { return a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w; }
 __device__ __forceinline__ float sum8(float4 a, float4 b) { return ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w)); }
