@@ -69,26 +69,6 @@ class _State:
     bundle = None
 
 
-def _load_subject(spec: str):
-    import importlib
-
-    from .errors import ParameterError
-    if ":" not in spec:
-        raise ParameterError(f"--llorch-subject {spec!r}: expected MODULE:CALLABLE")
-    mod, _, attr = spec.partition(":")
-    try:
-        obj = importlib.import_module(mod)
-    except ImportError as e:
-        raise ParameterError(f"--llorch-subject {spec!r}: cannot import {mod} ({e})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ParameterError(f"--llorch-subject {spec!r}: {mod} has no {attr}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ParameterError(f"--llorch-subject {spec!r}: {attr} is not callable")
-    return obj
-
-
 def is_blackbox(subject) -> bool:
     """openai:URL or mistralrs (cli's rule: anything else is MODULE:CALLABLE)."""
     return bool(subject) and (subject.startswith("openai:") or subject == "mistralrs")
@@ -128,8 +108,9 @@ def _compute_blackbox(config, eng):
 
 def _compute(config, eng):
     """Run the subject (or read the dump), run the reference, compare; once per session."""
-    from .dump import Dump, Recorder, check_rows, load_dump, parse_rows
+    from .dump import check_rows, load_dump, parse_rows
     from .harness.run import DEFAULT_PROMPT, run_subject
+    from .harness.subject import as_dump, load_callable
 
     opt = config.getoption
     if is_blackbox(opt("llorch_subject")):
@@ -138,22 +119,13 @@ def _compute(config, eng):
         sub = load_dump(opt("llorch_dump"))
         label = f"{sub.engine} (dump {opt('llorch_dump')})"
     else:
-        fn = _load_subject(opt("llorch_subject"))
+        fn = load_callable(opt("llorch_subject"), "--llorch-subject")
         prompt = _prompt(opt) or DEFAULT_PROMPT
         ids = eng.tokenizer.encode(prompt)
         kw = {"decode_steps": opt("llorch_decode_steps") or None, "ubatch": opt("llorch_ubatch"),
               "rows": check_rows(parse_rows(opt("llorch_rows"), len(ids)), len(ids))}
         out = fn(str(eng.path), list(ids), **{k: v for k, v in kw.items() if v is not None})
-        if isinstance(out, Recorder):
-            if out.prompt is None:
-                out.prompt = prompt
-            sub = out.to_dump()
-        elif isinstance(out, Dump):
-            sub = out
-        elif isinstance(out, (str, bytes)) or hasattr(out, "__fspath__"):
-            sub = load_dump(out)
-        else:
-            raise TypeError(f"--llorch-subject returned {type(out).__name__}; expected a Recorder, Dump or path")
+        sub = as_dump(out, opt("llorch_subject"), "--llorch-subject", prompt=prompt)
         label = f"{sub.engine} (subject {opt('llorch_subject')})"
     res = run_subject(eng, sub, opt("llorch_band_class"), subject_label=label, n_greedy=opt("llorch_greedy"),
                       require=opt("llorch_require"))          # in the dump's declared arithmetic, as diff --subject

@@ -55,6 +55,9 @@ def test_length_specs_and_the_engine_boundaries():
     (["--subject", "llamacpp", "--lengths", "1", "--settings", "n_batch=1"], "not a setting"),
     (["--subject", "llamacpp", "--lengths", "1", "--settings", "kv_dtype=q8"], "kv_dtype"),
     (["--subject", "nomodule", "--lengths", "1"], "MODULE:FUNCTION"),
+    (["--subject", "no_such_module_here:f", "--lengths", "1"], "cannot import no_such_module_here"),
+    (["--subject", "sweep_subjects:no_such_subject", "--lengths", "1"], "sweep_subjects has no no_such_subject"),
+    (["--subject", "sweep_subjects:_ENGINES", "--lengths", "1"], "_ENGINES is not callable"),
     (["--subject", "sweep_subjects:clean", "--lengths", "1-500"], "context"),
     (["--subject", "llamacpp", "--lengths", "1", "--ray", "127.0.0.1:9"], "no Ray cluster answers"),
 ])

@@ -22,7 +22,6 @@ The rules:
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
 import os
@@ -32,12 +31,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..dtypes import KV_DTYPES, dtype_name
-from ..dump import Dump, Recorder, load_dump
 from ..errors import LlorchError, ParameterError
 from ..references.engines import dump_llamacpp
 from .bundle import write_bundle
 from .ray_eval import check_cluster_address
 from .run import declared_engine, run_subject
+from .subject import as_dump, load_callable
 from .sweep_batch import dump_llamacpp_batch, sequence_prompts
 from .verdict import EXIT_CODES, FAIL, INCOMPLETE, PASS
 
@@ -233,33 +232,6 @@ def cell_tokens(base: list[int], n: int) -> list[int]:
 
 
 # ---- subjects ----------------------------------------------------------------------------------------------------
-
-def load_callable(spec: str):
-    """'MODULE:FUNCTION' (FUNCTION may be dotted) -> the callable; ParameterError where it is not one."""
-    mod, _, attr = spec.partition(":")
-    try:
-        obj = importlib.import_module(mod)
-    except ImportError as e:
-        raise ParameterError(f"--subject {spec!r}: cannot import {mod} ({e})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ParameterError(f"--subject {spec!r}: {mod} has no {attr}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ParameterError(f"--subject {spec!r}: {attr} is not callable")
-    return obj
-
-
-def as_dump(out, spec: str):
-    """What a subject returns (a Recorder, a Dump or a dump file's path) -> a Dump."""
-    if isinstance(out, Recorder):
-        return out.to_dump()
-    if isinstance(out, Dump):
-        return out
-    if isinstance(out, (str, bytes)) or hasattr(out, "__fspath__"):
-        return load_dump(out)
-    raise TypeError(f"--subject {spec} returned {type(out).__name__}; expected a Recorder, Dump or path")
-
 
 def make_subject(spec: str):
     """-> f(model_path, token_ids, steps, settings) -> Dump, or a list of Dumps (one per sequence) where the
