@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .backends import get_backend
+from .backends import Backend, get_backend
 from .dtypes import KV_DTYPES, dtype_name
 from .errors import ParameterError, PromptError, TokenizerError
 from .generate.sampling import Sampler, SamplingParams
@@ -107,17 +107,28 @@ class Engine:
             if not self._spare:                              # one spare: its cache's pages stay committed
                 self._spare.append((cache, decoder))
 
-    def forward(self, token_ids, cache, rows=None, record=None):
+    def forward(self, token_ids, cache, rows=None, record=None, logits_sink=None):
         """Append token_ids to the sequence in `cache` -> logits [R, V] for `rows` (None: all). A recorder that
         looks at tensors gets the reference's forward (model.forward: every checkpoint tensor formed); without
         one, or with one of the layer boundaries only (`tensors = False`), the backend's own forward, which may
-        fuse operations whose tensors nobody sees."""
+        fuse operations whose tensors nobody sees. logits_sink(first row, logits [n, V]): the logits handed
+        over a span of rows at a time (model.forward's; a backend with its own forward hands its [R, V] over in
+        spans), the last row's [1, V] returned."""
         self.backend.before_forward(len(token_ids))
         if record is not None and getattr(record, "tensors", True):
             return forward_mod.forward(self.xp, self.config, self.weights, token_ids, cache, rows=rows,
-                                       record=record, ops=self.ops)
-        return self.backend.forward(self.xp, self.config, self.weights, token_ids, cache, self.ops, rows=rows,
-                                    boundary=record)
+                                       record=record, ops=self.ops, logits_sink=logits_sink)
+        if logits_sink is not None and type(self.backend).forward is Backend.forward:    # the reference's own
+            return forward_mod.forward(self.xp, self.config, self.weights, token_ids, cache, rows=rows,
+                                       ops=self.ops, logits_sink=logits_sink,
+                                       **({"record": record} if record is not None else {}))
+        out = self.backend.forward(self.xp, self.config, self.weights, token_ids, cache, self.ops, rows=rows,
+                                   boundary=record)
+        if logits_sink is None:
+            return out
+        for a in range(0, out.shape[0], forward_mod.LOGIT_SPAN):
+            logits_sink(a, out[a:a + forward_mod.LOGIT_SPAN])
+        return out[-1:]
 
     def _check_ids(self, token_ids):
         ids = [int(t) for t in token_ids]

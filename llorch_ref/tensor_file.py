@@ -177,6 +177,42 @@ def read_tensors(path) -> tuple[LazyTensors, dict]:
     return LazyTensors(path, entries, start), meta
 
 
+class RowWriter:
+    """SpillStore.row_writer's writer: parts appended to one .npy file, the name held on close() once the
+    bytes add up to the shape (a context manager: closed on leaving it; a short tensor is a DumpError)."""
+
+    def __init__(self, store, name, path: Path, shape: tuple, dt: np.dtype):
+        self.store, self.name, self.path, self.shape, self.dt = store, name, path, shape, dt
+        self.want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        self.written = 0
+        self._f = open(path, "wb")
+        np.lib.format.write_array_header_2_0(self._f, {"descr": dt.str, "fortran_order": False, "shape": shape})
+
+    def write(self, part):
+        b = np.ascontiguousarray(part, dtype=self.dt)
+        if self.written + b.nbytes > self.want:
+            raise DumpError(f"{self.name}: parts beyond its shape {list(self.shape)}")
+        self._f.write(memoryview(b).cast("B"))
+        self.written += b.nbytes
+
+    def close(self):
+        if self._f.closed:
+            return
+        self._f.close()
+        if self.written != self.want:
+            raise DumpError(f"{self.name}: {self.written} of its {self.want} bytes written")
+        self.store._hold(self.name, self.path, self.shape, self.dt)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *rest):
+        if kind is None:
+            self.close()
+        else:
+            self._f.close()
+
+
 class SpillStore(dict):
     """name -> array kept in a temporary folder (one .npy file each) instead of memory: a long prompt's dump
     (every row of every layer) is written as it is recorded and read back one tensor at a time. Looking a
@@ -204,11 +240,17 @@ class SpillStore(dict):
 
     def write_rows(self, name, shape, dtype, chunks):
         """A tensor of `shape` written from `chunks` (arrays whose rows follow each other in C order)."""
-        path, dt = self._path(), np.dtype(dtype)
-        with open(path, "wb") as f:
-            np.lib.format.write_array_header_2_0(f, {"descr": dt.str, "fortran_order": False, "shape": tuple(shape)})
+        with self.row_writer(name, shape, dtype) as w:
             for c in chunks:
-                f.write(np.ascontiguousarray(c, dtype=dt).tobytes())
+                w.write(c)
+
+    def row_writer(self, name, shape, dtype) -> "RowWriter":
+        """-> a writer of a tensor of `shape` whose parts are handed over one after another (write(part): rows
+        in C order), for a producer that pushes them (a forward's logits, a span of rows at a time). The name
+        is held once the writer is closed with every byte written."""
+        return RowWriter(self, name, self._path(), tuple(int(n) for n in shape), np.dtype(dtype))
+
+    def _hold(self, name, path, shape, dt):
         super().__setitem__(name, (path, tuple(shape), dt.str))
 
     def _track(self, a):

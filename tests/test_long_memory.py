@@ -251,3 +251,96 @@ def test_a_diff_against_llamacpp_on_disk_passes_and_holds_no_layer(llamacpp, q8,
     held = [k for k in dict.keys(res.captures_ref) if ".layer" in k]
     assert held and not any(isinstance(dict.__getitem__(res.captures_ref, k), np.ndarray) for k in held)
     assert res.captures_ref["cp2.q_proj.layer1"].shape == (len(ids), eng.config.n_heads, eng.config.head_dim)
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tiny):
+    return tiny(weight_type="F32", n_layers=2, vocab="bpe", context_length=512)
+
+
+def long_ids(n=300, seed=1):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 120, size=n)]
+
+
+def spans_of_forward(eng, ids, **kw):
+    got = []
+    last = eng.forward(ids, eng.new_cache(), logits_sink=lambda a, part: got.append((a, np.array(part))), **kw)
+    return got, last
+
+
+@pytest.mark.parametrize("numerics", ["exact", "ggml"])
+def test_the_logits_handed_over_by_spans_are_one_product_s(tiny, numerics):
+    path = tiny(weight_type="Q8_0", n_layers=2, vocab="bpe", context_length=512)
+    eng = llorch_ref.load(path, numerics=numerics)
+    ids = long_ids()
+    whole = eng.forward(ids, eng.new_cache())
+    for kw in ({}, {"record": lambda n, l, a: None}, {"rows": list(range(5, 300))}):
+        got, last = spans_of_forward(eng, ids, **kw)
+        want = whole[kw["rows"]] if "rows" in kw else whole
+        assert len(got) == 2 and [a for a, _ in got] == [0, got[1][0]]         # spans of the rows, in order
+        assert np.array_equal(np.concatenate([p for _, p in got]), want) and np.array_equal(last, want[-1:])
+
+
+class PlantedHead:
+    """ops whose output product is off in one call (`at`: the 1-based call on the output matrix)."""
+
+    def __init__(self, ops, output, at):
+        self._ops, self.output, self.at, self.calls = ops, output, at, 0
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def linear(self, xp, x, w):
+        out = self._ops.linear(xp, x, w)
+        if w is self.output:
+            self.calls += 1
+            if self.calls == self.at:
+                out = out + np.float32(1e-3)
+        return out
+
+
+def test_a_spilled_recording_holds_the_in_memory_logits_probabilities_and_argmax(long_tiny):
+    eng = llorch_ref.load(long_tiny, weights="eager")
+    ids = long_ids()
+    held = record_engine(eng, ids, n_greedy=0)
+    spilled = record_engine(eng, ids, n_greedy=0, store=SpillStore())
+    assert "cp8.logits" in spilled.tensors
+    for name in ("cp8.logits", "cp11.probs", "cp10.argmax", "cp9.logits"):
+        assert np.array_equal(spilled.tensors[name], held.tensors[name]), name
+    assert spilled.extra["capture_invariance"]["logits_max_abs_diff"] == 0.0
+
+
+def test_a_planted_span_of_the_recorded_logits_is_found_and_warned_of(long_tiny):
+    eng = llorch_ref.load(long_tiny, weights="eager")
+    ids = long_ids()
+    ref = record_engine(eng, ids, n_greedy=0, store=SpillStore())
+    plain = eng.ops
+    eng.ops = PlantedHead(plain, eng.weights.output, at=3)         # the warm-up's product, then span 1, span 2
+    try:
+        sub = record_engine(eng, ids, n_greedy=0, store=SpillStore())
+    finally:
+        eng.ops = plain
+    assert sub.extra["capture_invariance"]["logits_max_abs_diff"] > 0
+    res = compare_dumps(sub.to_dump(), ref.to_dump(), eng.config, "F32")
+    assert any("capture changed the computation" in w for w in res.warnings)
+    row = next(r for r in res.rows if r.checkpoint == "8" and r.tensor == "logits")
+    bad = np.flatnonzero(np.asarray(row.by_position["nmse"]) > 0)
+    assert bad.size and bad.min() == 150 and bad.max() == 299                 # the second span's rows, and only them
+
+
+@pytest.mark.llamacpp
+def test_llamacpp_s_logits_handed_over_by_spans_are_its_batch_s(llamacpp, q8, monkeypatch):
+    from llorch_ref.references.llamacpp import LlamaCpp
+
+    ids = llorch_ref.load(q8).tokenizer.encode(TEXT)
+    ctx = LlamaCpp(q8, n_ctx=256, kv_dtype="float32", n_ubatch=7, n_batch=14)
+    try:
+        whole = ctx.eval(ids)
+        monkeypatch.setattr(LlamaCpp, "SINK_ROWS", 5)
+        got = []
+        assert ctx.eval(ids, sink=lambda a, part: got.append((a, part.copy()))) is None
+    finally:
+        ctx.close()
+    starts = [a + j for a in range(0, len(ids), 14) for j in range(0, min(14, len(ids) - a), 5)]
+    assert [a for a, _ in got] == starts and len(starts) > 4                  # 5 rows at a time within each batch
+    assert np.array_equal(np.concatenate([p for _, p in got]), whole)

@@ -27,6 +27,13 @@ def chunk_rows(n_heads: int, t: int, s: int, limit: int = CHUNK_ELEMENTS) -> int
     return -(-t // n)
 
 
+def row_spans(t: int, span: int) -> list[tuple[int, int]]:
+    """[(a, b)] covering rows 0..t-1 about `span` rows each, none under MIN_ROWS (chunk_rows' evening out:
+    a product of a few rows runs another BLAS kernel); one span where t is short."""
+    step = t if t < 2 * MIN_ROWS or span >= t else -(-t // -(-t // max(span, MIN_ROWS)))
+    return [(a, min(t, a + step)) for a in range(0, t, step)]
+
+
 def attention_in_chunks(xp, attention, q, k, v, mask, scale, kv_head, keep=None, limit: int = CHUNK_ELEMENTS):
     """q: [T, H, Hd], k/v: [S, KV, Hd], mask: [T, S] -> (out [T, H*Hd], kq, probs). keep: the query rows
     (indices into T, increasing) whose raw scores and probabilities come back as [H, len(keep), S]; None: every

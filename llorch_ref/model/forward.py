@@ -7,6 +7,7 @@ forward composes (backends/fused_forward.py); nothing here asks which backend ru
 from __future__ import annotations
 
 from . import layers as L
+from .attention_chunks import row_spans
 
 NORM_OF = {"attn_post_norm": "post_attn_norm", "ffn_post_norm": "post_ffn_norm"}   # checkpoint -> its weight
 
@@ -118,19 +119,41 @@ def block(xp, cfg, lw, x, cache, layer: int, record=_noop, ops=L, out_rows=None)
     return x
 
 
-def head(xp, cfg, ops, w, x, record=_noop):
-    """x: [R, D], the last block's output -> logits [R, V]: the final norm and the output matrix."""
+def head(xp, cfg, ops, w, x, record=_noop, logits_sink=None):
+    """x: [R, D], the last block's output -> logits [R, V]: the final norm and the output matrix. logits_sink:
+    see forward (the logits handed over a span of rows at a time, the last row's returned)."""
     x = norm(xp, cfg, ops, x, w, "out_norm")
     record("result_norm", None, x)
+    if logits_sink is not None:
+        return head_in_spans(xp, ops, w, x, logits_sink)
     logits = ops.linear(xp, x, w.output)                                                 # [R, V]
     record("result_output", None, logits)
     return logits
 
 
-def forward(xp, cfg, w, tokens, cache, rows=None, record=_noop, ops=L):
+LOGIT_SPAN = 256           # rows of the output product per span where the logits go to a sink
+
+
+def head_in_spans(xp, ops, w, x, sink, span: int = LOGIT_SPAN):
+    """The output product of the normed rows x [R, D] a span of rows at a time (at least 64 rows each: the same
+    values as one product, tests/test_long_memory.py), each handed to sink(first row, logits [n, V]) -> the
+    last row's logits [1, V]."""
+    last = None
+    for a, b in row_spans(x.shape[0], span):
+        part = ops.linear(xp, x[a:b], w.output)                                          # [n, V]
+        sink(a, part)
+        last = part[-1:]
+        del part
+    return xp.array(last, copy=True)
+
+
+def forward(xp, cfg, w, tokens, cache, rows=None, record=_noop, ops=L, logits_sink=None):
     """tokens: [T] int -> logits [R, V] f32 for `rows` (indices into the T new tokens; None = all).
 
     Appends the T tokens to the sequence held by `cache` (positions cache.pos .. cache.pos+T-1).
+    logits_sink(first row, logits [n, V]): a long prompt's logits handed over a span of rows at a time instead
+    (never [R, V] at once; result_output is then not recorded: the sink holds it), and the last row's [1, V]
+    returned.
     """
     t = len(tokens)
     cache.check_room(t)
@@ -141,4 +164,4 @@ def forward(xp, cfg, w, tokens, cache, rows=None, record=_noop, ops=L):
     for i, lw in enumerate(w.layers):
         x = block(xp, cfg, lw, x, cache, i, record, ops, out_rows if i == last else None)
     cache.advance(t)
-    return head(xp, cfg, ops, w, x, record)
+    return head(xp, cfg, ops, w, x, record, logits_sink)

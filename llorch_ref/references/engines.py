@@ -105,13 +105,14 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
     try:
         if prompt is not None and any(s.id == "0" for s in specs):
             rec.add("cp0.token_ids", np.array(tokenize(path, prompt), dtype=np.int64))
-        logits = capture.run(ref, ids, pos=0)              # the rows kept only
+        ids_of = {s.id for s in specs}
+        wanted = "8" in ids_of or "10" in ids_of or "11" in ids_of
+        logits = capture.run(ref, ids, pos=0, logits_to="cp8.logits" if wanted else None)   # the rows kept only
         last = np.array(logits[-1], copy=True)
         if steps:
             capture.decode(ref, t, last, steps, decode_ids)
         rec.extra["capture_invariance"] = _invariance(ref, ids, rows, logits)
-        ids_of = {s.id for s in specs}
-        if "8" in ids_of or "10" in ids_of or "11" in ids_of:
+        if wanted and not isinstance(logits, StoredRows):
             capture.put("cp8.logits", logits)
         del logits
         if "9" in ids_of:
@@ -128,8 +129,8 @@ DEFAULT_N_BATCH = 2048         # llama.cpp's default n_batch: the most tokens on
 
 
 def _invariance(ref, ids, rows, kept) -> dict:
-    """capture_invariance of the captured forward's kept rows against an uncaptured forward's, batch by batch
-    (a long prompt's [T, V] logits never twice in memory)."""
+    """capture_invariance of the captured forward's kept rows (an array, or StoredRows on disk) against an
+    uncaptured forward's, batch by batch (a long prompt's [T, V] logits never twice in memory)."""
     worst = [0.0]
     where = {r: i for i, r in enumerate(rows)} if rows is not None else None
 
@@ -139,10 +140,29 @@ def _invariance(ref, ids, rows, kept) -> dict:
             worst[0] = max(worst[0], max_abs_diff(out, kept[a:a + n]))
             return
         mine = [r for r in range(a, a + n) if r in where]
-        if mine:
-            worst[0] = max(worst[0], max_abs_diff(out[[r - a for r in mine]], kept[[where[r] for r in mine]]))
+        if mine:          # the kept rows of a batch follow each other among the rows kept
+            worst[0] = max(worst[0], max_abs_diff(out[[r - a for r in mine]], kept[where[mine[0]]:where[mine[-1]] + 1]))
     ref.eval(ids, sink=sink)
     return invariance_figure(worst[0])
+
+
+class StoredRows:
+    """A [R, V] tensor in a SpillStore, read a span of rows at a time: rows[a:b] (a step of 1), rows[-1]."""
+
+    def __init__(self, store, name: str, n: int):
+        self.store, self.name, self.n = store, name, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            i = key % self.n
+            return self.store.read_rows(self.name, i, i + 1, self.n)[0]
+        a, b, step = key.indices(self.n)
+        if step != 1:
+            raise IndexError("StoredRows reads spans of rows (a step of 1)")
+        return self.store.read_rows(self.name, a, b, self.n)
 
 
 class _LlamaCppCapture:
@@ -230,14 +250,15 @@ class _LlamaCppCapture:
         self.spill[key] = arr
         return _Spilled(self.spill, key)
 
-    def run(self, ref, tokens, pos: int, step: int = 0):
+    def run(self, ref, tokens, pos: int, step: int = 0, logits_to=None):
         """One forward of `tokens` at `pos` (pos 0: a fresh sequence), every checkpoint node written at `step`;
-        -> its logits [T, V]."""
+        -> its logits [T, V]. With a store on disk, a fresh forward's logits are written to it batch by batch
+        (under logits_to, else a name of the capture's own) and come back as StoredRows."""
         plan = self._plan(len(tokens), ref.n_ubatch, self.rows if step == 0 else None)
         splan = self._plan(len(tokens), ref.n_ubatch, self.score_rows) if step == 0 and self.score_rows else None
         cap = Capture(names=self.names, keep=self._keeper(plan, splan))
         if pos == 0:
-            logits = self._kept_logits(ref, tokens, cap)
+            logits = self._kept_logits(ref, tokens, cap, logits_to)
         else:
             logits = ref.eval_at(tokens, pos, cap)
         if len(cap.graphs) != len(plan):
@@ -279,12 +300,21 @@ class _LlamaCppCapture:
             kept += n
         return parts or None
 
-    def _kept_logits(self, ref, tokens, cap) -> np.ndarray:
-        """A fresh forward of the prompt -> the logits of the rows kept [R, V], gathered batch by batch."""
+    def _kept_logits(self, ref, tokens, cap, logits_to=None):
+        """A fresh forward of the prompt -> the logits of the rows kept [R, V], gathered batch by batch: an
+        array, or with a store on disk StoredRows, written batch by batch (never [R, V] in memory; in the
+        declared array order's shape, the same bytes)."""
         rows = self.rows
         keep = list(range(len(tokens))) if rows is None else rows
-        out = np.empty((len(keep), ref.n_vocab), dtype=np.float32)
         where = {r: i for i, r in enumerate(keep)}
+        if self.spill is not None:
+            store, name = (self.rec.tensors, logits_to) if logits_to else (self.spill, "logits")
+            shape = (len(keep), ref.n_vocab)
+            with store.row_writer(name, shape[::-1] if self.array_order == "ggml" else shape, np.float32) as w:
+                ref.eval(tokens, cap, sink=lambda a, part: w.write(
+                    part if rows is None else part[[r - a for r in range(a, a + len(part)) if r in where]]))
+            return StoredRows(store, name, len(keep))
+        out = np.empty((len(keep), ref.n_vocab), dtype=np.float32)
 
         def sink(a, part):
             mine = [r for r in range(a, a + len(part)) if r in where]

@@ -255,11 +255,11 @@ class LlamaCpp:
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
         parts = []
         for a in range(0, len(tokens), self.n_batch):
-            out = self._decode(tokens[a:a + self.n_batch], a, capture, all_logits=True)
-            if sink is not None:
-                sink(a, out)
+            if sink is not None:            # a batch's logits read out a span of rows at a time
+                self._decode(tokens[a:a + self.n_batch], a, capture, all_logits=True,
+                             sink=lambda j, out, a=a: sink(a + j, out))
             else:
-                parts.append(out)
+                parts.append(self._decode(tokens[a:a + self.n_batch], a, capture, all_logits=True))
         if sink is not None:
             return None
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
@@ -272,7 +272,11 @@ class LlamaCpp:
             raise PromptError(f"positions {pos}..{pos + len(tokens) - 1} exceed llama.cpp's n_ctx {self.n_ctx}")
         return self._decode(tokens, pos, capture, all_logits=True)
 
-    def _decode(self, tokens, pos0, capture, all_logits):
+    SINK_ROWS = 256       # rows of logits read out of llama.cpp's buffer at once where they go to a sink
+
+    def _decode(self, tokens, pos0, capture, all_logits, sink=None):
+        """One llama_decode -> the logits of its rows (all, or the last) [n, V]; with sink(first row, [m, V]) they
+        are handed over SINK_ROWS rows at a time instead (None returned)."""
         lc = self.llama_cpp
         n = len(tokens)
         batch = lc.llama_batch_init(n, 0, 1)
@@ -296,12 +300,18 @@ class LlamaCpp:
                 raise ReferenceError_(f"llama.cpp capture failed: {capture.error}")
             if rc != 0:
                 raise ReferenceError_(f"llama_decode returned {rc}")
-            rows = range(n) if all_logits else [n - 1]
-            out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
-            for j, i in enumerate(rows):
-                p = lc.llama_get_logits_ith(self.ctx, i)
-                out[j] = np.ctypeslib.as_array(p, shape=(self.n_vocab,))
-            return out
+            rows = list(range(n)) if all_logits else [n - 1]
+            step = len(rows) if sink is None else self.SINK_ROWS
+            for j0 in range(0, len(rows), step):
+                part = rows[j0:j0 + step]
+                out = np.empty((len(part), self.n_vocab), dtype=np.float32)
+                for j, i in enumerate(part):
+                    p = lc.llama_get_logits_ith(self.ctx, i)
+                    out[j] = np.ctypeslib.as_array(p, shape=(self.n_vocab,))
+                if sink is None:
+                    return out
+                sink(j0, out)
+            return None
         finally:
             lc.llama_batch_free(batch)
 

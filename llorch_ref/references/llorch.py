@@ -60,22 +60,30 @@ def _record(engine, rec: Recorder, ids, prompt, n_greedy, decode_steps, decode_i
     held = rec.score_rows if rec.score_rows is not None else rec.rows   # the query rows whose scores are kept
     plain = engine.ops
     engine.ops = with_chunked_attention(ops, keep=held)
+    record = lambda n, l, a: rec(n, l, b.to_numpy(a))             # noqa: E731
     try:
         # the logits of the rows kept only (the last among them), as llama.cpp computes its output rows
-        logits = b.to_numpy(engine.forward(ids, cache, rows=rec.rows, record=lambda n, l, a: rec(n, l, b.to_numpy(a))))
+        if hasattr(rec.tensors, "row_writer"):     # a long prompt's [R, V] to disk a span at a time, never whole
+            last = _logits_to_store(engine, rec, ids, cache, record)
+            kept = None
+        else:
+            logits = b.to_numpy(engine.forward(ids, cache, rows=rec.rows, record=record))
+            rec.add("cp8.logits", logits)
+            last = np.array(logits[-1], copy=True)
+            rec.add("cp10.argmax", np.array([sampling.greedy(r) for r in logits], dtype=np.int64))  # the worker's rule
+            _add_probs(rec, logits)
+            kept = logits
+            del logits
     finally:
         engine.ops = plain
-    rec.add("cp8.logits", logits)
-    last = np.array(logits[-1], copy=True)
-    rec.add("cp10.argmax", np.array([sampling.greedy(r) for r in logits], dtype=np.int64))   # the worker's rule
-    _add_probs(rec, logits)
-    spilled = hasattr(rec.tensors, "read_rows") and "cp8.logits" in rec.tensors
-    kept = None if spilled else logits    # a long prompt's [T, V] on disk: read back a span of rows at a time
-    del logits
     _decode_steps(engine, cache, rec, last, decode_steps, decode_ids)
-    again = b.to_numpy(engine.forward(ids, engine.new_cache(), rows=rec.rows))
-    rec.extra["capture_invariance"] = capture_invariance(kept, again) if kept is not None else _invariance(rec, again)
-    del again, kept
+    del cache                    # each forward below fills a cache of its own: one K/V cache alive at a time
+    if kept is not None:
+        again = b.to_numpy(engine.forward(ids, engine.new_cache(), rows=rec.rows))
+        rec.extra["capture_invariance"] = capture_invariance(kept, again)
+        del again, kept
+    else:
+        rec.extra["capture_invariance"] = _invariance(engine, rec, ids)
     rec.add("cp9.logits", b.to_numpy(engine.forward(ids, engine.new_cache(), rows=[len(ids) - 1]))[-1])
     if n_greedy > 0:
         rec.add("cp12.greedy_tokens", np.array(list(engine.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True)),
@@ -98,13 +106,40 @@ def _add_probs(rec: Recorder, logits):
         rec.add("cp11.probs", np.concatenate(list(spans), axis=0))
 
 
-def _invariance(rec: Recorder, again) -> dict:
+def _logits_to_store(engine, rec: Recorder, ids, cache, record):
+    """The recorded forward's logits [R, V] (R: the rows kept) written to the store on disk a span of rows at a
+    time as the head computes them (model.forward's logits_sink: the same values), with their argmax (the
+    worker's rule) and softmax (cp11.probs) span by span -> the last row's logits [V]."""
+    b, n, v = engine.backend, len(rec.rows or ids), engine.config.n_vocab
+    logits = rec.tensors.row_writer("cp8.logits", (n, v), np.float32)      # always: the invariance reads it
+    probs = (rec.tensors.row_writer("cp11.probs", (n, v), np.float32)
+             if rec.keep is None or ("11", "probs") in rec.keep else None)
+    argmax = []
+
+    def sink(a, part):
+        part = np.asarray(b.to_numpy(part), dtype=np.float32)
+        logits.write(part)
+        if probs is not None:
+            probs.write(sampling.softmax(part).astype(np.float32))
+        argmax.extend(sampling.greedy(r) for r in part)
+    last = np.array(b.to_numpy(engine.forward(ids, cache, rows=rec.rows, record=record, logits_sink=sink))[-1])
+    for w in (logits, probs):
+        if w is not None:
+            w.close()
+    rec.add("cp10.argmax", np.array(argmax, dtype=np.int64))
+    return last
+
+
+def _invariance(engine, rec: Recorder, ids) -> dict:
     """capture_invariance of the recorded logits, read back from the store on disk a span of rows at a time,
-    against an uncaptured forward's."""
-    n = len(again)
-    d = max((max_abs_diff(rec.tensors.read_rows("cp8.logits", i, min(n, i + SPAN), n), again[i:i + SPAN])
-             for i in range(0, n, SPAN)), default=0.0)
-    return invariance_figure(d)
+    against an uncaptured forward's, handed over a span at a time (neither held whole)."""
+    b, n, worst = engine.backend, len(rec.rows or ids), [0.0]
+
+    def sink(a, part):
+        part = b.to_numpy(part)
+        worst[0] = max(worst[0], max_abs_diff(rec.tensors.read_rows("cp8.logits", a, a + len(part), n), part))
+    engine.forward(ids, engine.new_cache(), rows=rec.rows, logits_sink=sink)
+    return invariance_figure(worst[0])
 
 
 def _decode_steps(engine, cache, rec: Recorder, last_logits, n: int, decode_ids):
