@@ -140,8 +140,9 @@ def main():
 
 
 def command_of(a) -> str:
-    return (f"python tools/long_context.py --tokens {a.tokens} --rows {a.rows} --settings {a.settings} "
-            f"--backend {a.backend} --mode {a.mode} --out-dir {a.out_dir}"
+    return ("python tools/long_context.py" + (f" --model {a.model}" if a.model else "")
+            + f" --tokens {a.tokens} --rows {a.rows} --settings {a.settings} "
+            f"--backend {a.backend} --mode {a.mode} --greedy {a.greedy} --out-dir {a.out_dir}"
             + (f" --memory-points {a.memory_points}" if a.memory_points else "")
             + (f" --blas-threads {a.blas_threads}" if a.blas_threads else ""))
 
