@@ -43,15 +43,52 @@ def prompt_of(tokenizer, text: str, n: int) -> str:
     return text[:lo]
 
 
-def timed(cmd: list, out=None, env=None) -> dict:
-    """Run a command under /usr/bin/time -> {"wall_s", "peak_rss_mb", "rc"}; stdout to `out` if given."""
+def timed(cmd: list, out=None, env=None, every: float = 1.0) -> dict:
+    """Run a command under /usr/bin/time -> {"wall_s", "peak_rss_mb", "rc", "rss_trace"}; stdout to `out` if
+    given. rss_trace: [seconds since the start, MB] every `every` s, the largest resident set among the
+    command's processes (what /usr/bin/time's peak is the maximum of)."""
+    import threading
+    import time
+
     with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
         full = [shutil.which("time") or "/usr/bin/time", "-f", "%e %M", "-o", tf.name] + cmd
         print("+ " + " ".join(map(str, cmd)), flush=True)
         with open(out, "w") if out else open("/dev/null", "w") as so:
-            rc = subprocess.run(full, stdout=so, stderr=sys.stderr, env=env).returncode
+            proc = subprocess.Popen(full, stdout=so, stderr=sys.stderr, env=env)
+            trace, t0 = [], time.perf_counter()
+            sampler = threading.Thread(target=_sample_rss, args=(proc, trace, t0, every), daemon=True)
+            sampler.start()
+            rc = proc.wait()
+            sampler.join()
         wall, kb = tf.read().split()[-2:]
-    return {"wall_s": float(wall), "peak_rss_mb": int(kb) / 1024, "rc": rc}
+    return {"wall_s": float(wall), "peak_rss_mb": int(kb) / 1024, "rc": rc, "rss_trace": trace}
+
+
+def _sample_rss(proc, trace: list, t0: float, every: float):
+    import time
+
+    import psutil
+
+    while proc.poll() is None:
+        try:
+            kids = psutil.Process(proc.pid).children(recursive=True)
+            mb = max((k.memory_info().rss for k in kids), default=0) / 2**20
+            trace.append([round(time.perf_counter() - t0, 1), round(mb, 1)])
+        except psutil.Error:
+            pass
+        time.sleep(every)
+
+
+def phase_peaks(trace: list, wall_s: float, timings: dict) -> dict:
+    """The trace's peak in llama.cpp's capture and in llorch-ref's recording and comparison: the diff's own
+    timings (llamacpp_s, then ours_s and compare_s, total_s in all) placed at the end of the wall time less
+    a second for writing the result (the load runs before them)."""
+    if not trace or "llamacpp_s" not in timings:
+        return {}
+    start = wall_s - timings["total_s"] - 1.0
+    cut = start + timings["llamacpp_s"]
+    peak = lambda a, b: max((mb for t, mb in trace if a <= t < b), default=None)     # noqa: E731
+    return {"load_mb": peak(0, start), "llamacpp_mb": peak(start, cut), "ours_and_compare_mb": peak(cut, wall_s + 1)}
 
 
 def blas_env(n):
@@ -130,6 +167,12 @@ def main():
             steps.append((f"`diff --subject` (reference on {a.backend})", timed(
                 cli + ["diff", "--subject", dump, "--model", path, "--backend", a.backend, "--json"], out=js), ""))
     res = json.loads(js.read_text())
+    run = steps[-1][1]
+    res["rss"] = {"every_s": 1.0, "phase_peaks_mb": phase_peaks(run["rss_trace"], run["wall_s"], res["timings"]),
+                  "trace": run.pop("rss_trace")}
+    for _, t, _ in steps:
+        t.pop("rss_trace", None)
+    js.write_text(json.dumps(res, indent=1) + "\n")
     bp = res["by_position"]
     png = out / f"{stem}-{a.mode}.png"
     plot(bp, png, f"{path.name}: llama.cpp ({a.settings}) vs llorch-ref, {n} tokens, {len(bp['positions'])} rows")
@@ -225,6 +268,11 @@ def write_report(md: Path, a, path, n, res, steps, png, js):
              f"position. First divergence: {'none' if fd is None else fd}. Passed: {res['passed']}.", "",
              "| command | wall (s) | peak RSS (MB) | note |", "|---|---|---|---|"]
     lines += [f"| {what} | {t['wall_s']:.0f} | {t['peak_rss_mb']:.0f} | {note} |" for what, t, note in steps]
+    pk = res["rss"]["phase_peaks_mb"]
+    if pk:
+        lines += ["", "Peak resident set by phase (MB; a 1 s trace of the run's largest process, cut at the diff's "
+                  "own timings; trace in the raw result): " + ", ".join(
+                      f"{k.removesuffix('_mb').replace('_', ' ')} {v:.0f}" for k, v in pk.items() if v is not None)]
     lines += ["", "Timings inside the run (s): " + ", ".join(f"{k} {v:.1f}" for k, v in res["timings"].items()), "",
              f"![error by position]({png.name})", "", "## Checkpoints", "",
              "| checkpoint | comparisons | failed | worst NMSE | worst max abs | worst at | verdict |", "|---|---|---|---|---|---|---|"]
