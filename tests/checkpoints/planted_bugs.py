@@ -115,10 +115,10 @@ def final_norm_without_weight(mp, eng):      # cp8: output_norm weight not appli
 def last_row_off_by_one(mp, eng):            # cp9: rows=[T-1] selects T-2
     orig = forward_mod.forward
 
-    def forward(xp, cfg, w, tokens, cache, rows=None, record=forward_mod._noop, ops=layers):
+    def forward(xp, cfg, w, tokens, cache, rows=None, **kw):
         if rows is not None:
             rows = [max(r - 1, 0) for r in rows]
-        return orig(xp, cfg, w, tokens, cache, rows=rows, record=record, ops=ops)
+        return orig(xp, cfg, w, tokens, cache, rows=rows, **kw)
     mp.setattr(forward_mod, "forward", forward)
 
 
