@@ -27,6 +27,7 @@ import numpy as np
 from .checkpoints import catalogue_path, load_specs
 from .dtypes import KV_DTYPES, dtype_name
 from .errors import DumpError, ParameterError
+from .json_doc import check_schema
 from .loaders.default_model import sha256_file
 from .output_paths import check_output
 from .tensor_file import read_tensors
@@ -266,16 +267,8 @@ def _parse_name(name: str, cat: dict):
 
 
 def validate_manifest(man, where: str):
-    import jsonschema
-
-    schema = json.loads(schema_path().read_text())
-    try:
-        jsonschema.validate(man, schema)
-    except jsonschema.ValidationError as e:
-        at = "/".join(str(p) for p in e.absolute_path) or "(top level)"
-        raise DumpError(f"{where}: manifest invalid at {at}: {e.message[:300]}") from None
-    except RecursionError:
-        raise DumpError(f"{where}: manifest nested too deeply to validate") from None
+    """man against the dump format's schema (DumpError naming the first place that breaks it)."""
+    check_schema(man, json.loads(schema_path().read_text()), f"{where}: manifest", DumpError)
 
 
 @dataclass

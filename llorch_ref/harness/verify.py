@@ -54,6 +54,7 @@ from ..dump import (
     validate_manifest,
 )
 from ..errors import HarnessError, ParameterError
+from ..json_doc import check_schema
 from ..loaders.lazy_weights import mem_available
 from ..references.engines import dump_llamacpp, dump_transformers, gguf_config
 from ..references.llorch import record_engine
@@ -266,22 +267,8 @@ def read_manifest(folder, files=None) -> dict:
     man = parse_json(text, p)
     if not isinstance(man, dict) or not isinstance(man.get("files"), dict) or "recipe" not in man:
         raise HarnessError(f"{p}: no 'files' and 'recipe': not a llorch-proof manifest")
-    check_schema(man, MANIFEST_SCHEMA if man.get("format") == FORMAT else FILES_SCHEMA, p)
+    check_schema(man, MANIFEST_SCHEMA if man.get("format") == FORMAT else FILES_SCHEMA, p, HarnessError)
     return man
-
-
-def check_schema(doc, schema: dict, where):
-    """doc against a JSON Schema; HarnessError naming the first place that breaks it (one line), also for a
-    document nested past the validator's recursion limit."""
-    import jsonschema
-
-    try:
-        jsonschema.validate(doc, schema)
-    except jsonschema.ValidationError as e:
-        at = "/".join(str(x) for x in e.absolute_path) or "(top level)"
-        raise HarnessError(f"{where}: invalid at {at}: {e.message[:200]}: not as llorch-ref writes it") from None
-    except RecursionError:
-        raise HarnessError(f"{where}: nested too deeply to check: not as llorch-ref writes it") from None
 
 
 def check_files(folder, man, files=None) -> Verification:
@@ -622,7 +609,7 @@ def read_result(folder: Path, files: dict) -> dict | None:
     if text is None:
         return None
     stored = parse_json(text, folder / "result.json")
-    check_schema(stored, RESULT_SCHEMA, folder / "result.json")
+    check_schema(stored, RESULT_SCHEMA, folder / "result.json", HarnessError)
     return stored
 
 
