@@ -618,10 +618,21 @@ def report(out):
 # (4, 2), (2, 2), norm_logits (4, 1, 2); Q4_K norm_qkv (4, 2, 1), gemv_res (4, 1, 2), (2, 2, 1), norm_glu (2, 1);
 # natural against planar for every format (planar kept for Q4_0, Q4_1, Q8_0: results/gpu/h200/layouts-planar.json).
 # Q4_K's norm_qkv (4, 4, 1), its scales decoded once for four octs and its blocks fetched a pass ahead:
-# results/gpu/h200/layouts-q4_k.json; the variants below are those around it
+# results/gpu/h200/layouts-q4_k.json. The variants below: the repacked Q4_0 and Q6_K (cuda_blocks.REPACKED), whose
+# octs cost one load, with more octs a lane in flight than the file's layouts took
 STEP_VARIANTS = [
-    ("q4_k", {}), ("q4_k", {"norm_logits": (4, 4, 1)}), ("q4_k", {"norm_qkv": (8, 4, 1)}),
-    ("q4_k", {"norm_glu": (4, 1)}), ("q4_k", {"gemv_res": (4, 2, 1)}), ("q4_k", {})]
+    ("q4_0r", {}), ("q4_0r", {"norm_qkv": (4, 4, 1)}), ("q4_0r", {"norm_qkv": (4, 2, 1)}),
+    ("q4_0r", {"norm_glu": (8, 1)}), ("q4_0r", {"norm_logits": (4, 4, 1)}), ("q4_0r", {"gemv_res": (4, 2, 1)}),
+    ("q4_0r", {"planar": False}), ("q4_0r", {}),
+    ("q6_kr", {}), ("q6_kr", {"gemv_res": (8, 1, 1)}), ("q6_kr", {"gemv_res": (4, 1, 1)}),
+    ("q6_kr", {"norm_qkv": (8, 2, 1)}), ("q6_kr", {"norm_glu": (8, 1)}), ("q6_kr", {"norm_logits": (8, 1, 1)}),
+    ("q6_kr", {})]
+
+
+def qtype_of(fmt):
+    """A block format (cuda_fused.LAYOUT's keys) -> the GGUF type it holds (a repacked one's file type)."""
+    from llorch_ref.backends.cuda_blocks import REPACKED
+    return {f: q for q, (f, _) in REPACKED.items()}.get(fmt, fmt.upper())
 
 
 def layouts(out):
@@ -639,7 +650,7 @@ def layouts(out):
             engines.clear()
             free_gpu()
             engines[fmt] = random_engine(llama2_7b(), "float16" if fmt == "f16" else "blocks",
-                                         None if fmt == "f16" else fmt.upper())
+                                         None if fmt == "f16" else qtype_of(fmt))
         roles = {k: v for k, v in change.items() if k != "planar"}
         on = change.get("planar", fmt in base_p)          # the variant's step planar, its roles changed there
         if on:
