@@ -9,6 +9,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from markdown_out import emit
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -89,10 +91,7 @@ def main():
             lines.append(f"| {t['checkpoint']} | {t['name']} | {cell(s)} | {cell(t)} | {gcell} | "
                          f"`{(s or t)['band']}` |")
         lines.append("")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text)
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import argparse
 import time
 from pathlib import Path
 
+from markdown_out import emit
+
 TEXTS = ["The capital of France is", "  leading spaces, tabs\tand\nnewlines", "ünïcödé 日本語 🙂 café",
          "def f(x):\n    return x**2", "<start_of_turn>user\nHi<end_of_turn>\n"]
 
@@ -66,10 +68,7 @@ def main():
                         dump_transformers(eng.path, prompt=DEFAULT_PROMPT, token_ids=ids, n_greedy=a.greedy),
                         c, "F32"), lines)
     lines.append(f"(wall time {time.time() - t0:.0f} s)")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from markdown_out import emit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -69,10 +71,7 @@ def main():
             lines.append(f"- note: {warn}")
         lines += [""] + summary_markdown(res.summary())
         lines.append("")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text)
+    emit(lines, a.out)
 
 
 if __name__ == "__main__":
