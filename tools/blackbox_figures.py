@@ -267,6 +267,8 @@ def gather(a, sets=("calibration", "held-out")) -> dict:
 
 
 def calibrate(a, argv):
+    from llorch_ref.backends import cpu_model
+
     runs = gather(a)
     cal = {s: {n: [figures(r, a.window) for r in rs] for n, rs in by.items()} for s, by in runs["calibration"].items()}
     bands = make_bands(cal, a.margin, a.run_margin, a.window)
@@ -274,7 +276,7 @@ def calibrate(a, argv):
             for s, by in runs["held-out"].items()}
     held_fig = {s: {n: [figures(r, a.window) for r in rs] for n, rs in by.items()}
                 for s, by in runs["held-out"].items()}
-    found = {"made_by": made_by(argv), "cpu": cpu_name(), "model": runs["model"],
+    found = {"made_by": made_by(argv), "cpu": cpu_model(), "model": runs["model"],
              "steps": a.steps, "prompts": PROMPTS[:a.prompts], "held_out_prompts": HELD_OUT[:a.held_out],
              "top_k": a.top_k, "margin_step": a.margin, "margin_run": a.run_margin, "window": a.window,
              "calibration": cal, "held_out": held_fig, "false_alarms": held, "bands": bands}
@@ -291,11 +293,6 @@ def calibrate(a, argv):
                      "KLD and |mean shift| of the engine's token's log-probability (over the whole run and its "
                      f"first {a.window} steps), judged on runs of at least min_steps steps. Rounded to 2 digits.",
             "made_by": found["made_by"], "measured_in": f"{a.out}.md, {a.out}.json", "bands": bands}, indent=1) + "\n")
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "unknown")
 
 
 def calibrate_md(f) -> str:
@@ -343,13 +340,14 @@ def calibrate_md(f) -> str:
 
 def sensitivity(a, argv):
     """The planted files on the held-out prompts under the shipped bands: per scale, the runs caught, and by what."""
+    from llorch_ref.backends import cpu_model
     from llorch_ref.harness.blackbox import load_bands
 
     bands = load_bands()["bands"]
     refs = references(a.numerics)
     clean = refs[a.numerics[0]].path
     prompts = HELD_OUT[:a.held_out]
-    found = {"made_by": made_by(argv), "cpu": cpu_name(), "model": str(clean), "tensor": a.tensor, "steps": a.steps,
+    found = {"made_by": made_by(argv), "cpu": cpu_model(), "model": str(clean), "tensor": a.tensor, "steps": a.steps,
              "prompts": prompts, "window": a.window, "bands_from": load_bands()["made_by"], "runs": {}}
     for subject in a.subjects:
         for factor in [1.0] + a.scales:
