@@ -344,3 +344,21 @@ def test_llamacpp_s_logits_handed_over_by_spans_are_its_batch_s(llamacpp, q8, mo
     starts = [a + j for a in range(0, len(ids), 14) for j in range(0, min(14, len(ids) - a), 5)]
     assert [a for a, _ in got] == starts and len(starts) > 4                  # 5 rows at a time within each batch
     assert np.array_equal(np.concatenate([p for _, p in got]), whole)
+
+
+def test_the_schema_and_the_format_doc_describe_score_rows(models):
+    import json
+
+    from llorch_ref.checkpoints import catalogue_path
+    from llorch_ref.dump import validate_manifest
+    from llorch_ref.errors import DumpError
+
+    rec = record_engine(llorch_ref.load(models[2]), [1, 2, 3], n_greedy=0, score_rows=[0, 2])
+    man = rec.manifest()
+    validate_manifest(man, "ok")
+    for bad in ([], ["0"], [-1], [2, 2]):
+        with pytest.raises(DumpError, match="score_rows"):
+            validate_manifest({**man, "score_rows": bad}, "bad")
+    schema = json.loads((catalogue_path() / "dump.schema.json").read_text())
+    assert "score_rows" in schema["properties"]
+    assert "`score_rows`" in (catalogue_path() / "DUMP_FORMAT.md").read_text()
