@@ -1,10 +1,9 @@
-"""Q4_0 and Q6_K blocks repacked at load for aligned loads (cuda_blocks.GpuBlocks.repacked, REPACKED): the same
+"""Q6_K blocks repacked at load for aligned loads (cuda_blocks.GpuBlocks.repacked, REPACKED): the same
 products to the bit as the file's layout, one token and several, in the op-by-op and the fused decode step, and
 every checkpoint against the numpy oracle. Needs a GPU (skips without one)."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from llorch_test_helpers import need_backend
 
 import llorch_ref
@@ -20,11 +19,11 @@ def file_and_packed(qt, n, k, seed):
     return q, file, file.repacked()
 
 
-@pytest.mark.parametrize("qt", ["Q4_0", "Q6_K"])
-def test_repacked_blocks_give_the_file_layouts_products_to_the_bit(qt, monkeypatch):
+def test_repacked_blocks_give_the_file_layouts_products_to_the_bit(monkeypatch):
     """70 rows of 5 super-blocks: the repacked matrix dequantizes bit for bit as gguf-py does, and its one-token
-    product (every lane's oct from one aligned load), a slice's, and a three-token product equal the file
-    layout's to the bit; rows that are not whole super-blocks, or LLORCH_CUDA_REPACK=0, keep the file's layout."""
+    product (every lane's oct from two aligned loads), a slice's, and a three-token product equal the file
+    layout's to the bit; with LLORCH_CUDA_REPACK=0 the file's layout stays; other types are not repacked."""
+    qt = "Q6_K"
     need_backend("cupy")
     import cupy as cp
 
@@ -37,42 +36,37 @@ def test_repacked_blocks_give_the_file_layouts_products_to_the_bit(qt, monkeypat
     for rows in (x[:1], x):
         np.testing.assert_array_equal(cp.asnumpy(packed.matmul(rows)), cp.asnumpy(file.matmul(rows)))
     np.testing.assert_array_equal(cp.asnumpy(packed[3:70].matmul(x[:1])), cp.asnumpy(file[3:70].matmul(x[:1])))
-    if qt == "Q4_0":                                    # 800 columns: 25 blocks, not whole super-blocks
-        _, odd, same = file_and_packed(qt, 8, 800, 13)
-        assert same is odd
+    _, q4, same = file_and_packed("Q4_0", 8, 512, 13)
+    assert same is q4
     monkeypatch.setenv("LLORCH_CUDA_REPACK", "0")
     assert file.repacked() is file
 
 
-def test_a_repack_with_two_blocks_scales_swapped_is_caught():
-    """Planted bug: Q4_0 super-blocks whose first two scales are swapped give other products than the file's."""
+def test_a_repack_with_two_super_blocks_scales_swapped_is_caught():
+    """Planted bug: a row's two super-blocks with their float16 scales d swapped give other products than the
+    file's."""
     need_backend("cupy")
     import cupy as cp
 
     from llorch_ref.backends.cuda_blocks import GpuBlocks
-    _, file, packed = file_and_packed("Q4_0", 16, 512, 14)
-    good = packed.blocks.reshape(16, 2, 144)
+    _, file, packed = file_and_packed("Q6_K", 16, 512, 14)
+    good = packed.blocks.reshape(16, 2, 224)
     raw = good.copy()
-    raw[..., 0:2], raw[..., 2:4] = good[..., 2:4], good[..., 0:2]
-    bad = GpuBlocks("Q4_0", (16, 512), raw.reshape(16, -1), cp, "q4_0r")
+    raw[:, 0, 208:210], raw[:, 1, 208:210] = good[:, 1, 208:210], good[:, 0, 208:210]
+    bad = GpuBlocks("Q6_K", (16, 512), raw.reshape(16, -1), cp, "q6_kr")
     x = cp.asarray(np.random.default_rng(15).standard_normal((1, 512)).astype(np.float32))
     assert not np.array_equal(cp.asnumpy(bad.matmul(x)), cp.asnumpy(file.matmul(x)))
 
 
-MODELS = {"Q4_0": dict(weight_type="Q4_0"), "k_mixed": dict(weight_type="k_mixed")}
-
-
-@pytest.mark.parametrize("model", sorted(MODELS))
-def test_repacked_models_decode_as_the_file_layout_to_the_bit_and_meet_the_oracle(tiny, monkeypatch, model):
-    """A model of 256-wide rows (Q4_0 throughout; Q4_K beside Q6_K as in a Q4_K_M file): its Q4_0 and Q6_K matrices
-    repacked, eight greedy steps of the fused decode step (graph replays included) give the file layout's logits
-    to the bit (LLORCH_CUDA_REPACK=0), and every checkpoint of a prompt and 16 greedy steps meets the numpy
-    oracle's band."""
+def test_a_repacked_model_decodes_as_the_file_layout_to_the_bit_and_meets_the_oracle(tiny, monkeypatch):
+    """Q4_K beside Q6_K as in a Q4_K_M file, its Q6_K matrices repacked: eight greedy steps of the fused decode step
+    (graph replays included) give the file layout's logits to the bit (LLORCH_CUDA_REPACK=0), and every
+    checkpoint of a prompt and 16 greedy steps meets the numpy oracle's band."""
     need_backend("cupy")
     import cupy as cp
 
     from llorch_ref.harness.run import run_backend_diff
-    path = tiny(vocab="bpe", n_layers=2, d_model=256, d_ff=512, context_length=256, **MODELS[model])
+    path = tiny(vocab="bpe", n_layers=2, d_model=256, d_ff=512, context_length=256, weight_type="k_mixed")
     got = {}
     for repack in ("1", "0"):
         monkeypatch.setenv("LLORCH_CUDA_REPACK", repack)

@@ -16,10 +16,13 @@ the magic number in one LOP3, then one subtraction), not the slower int-to-float
                 multiplied on tensor cores with split activations (cuda_half.split_gemm: float32's band), or
                 rounded to float16 alone (dequant16: float16's band)
 
-Q4_0 and Q6_K matrices whose rows are whole super-blocks of 256 are repacked at load (GpuBlocks.repacked,
-REPACKED: the same codes and scales, each oct's codes 8-byte aligned), so that their one-token products fetch an
-oct's codes with one load instead of four; the kernels of a matrix are its format's (GpuBlocks.fmt), the same
-products to the bit as the file's layout (settings' cuda_repack off: the file's layout everywhere).
+Q6_K matrices are repacked at load (GpuBlocks.repacked, REPACKED: the same codes and scales, each 210-byte
+super-block padded to 224 so that it starts 16-byte aligned), so that their one-token products fetch an oct's codes
+with two 8-byte loads instead of eight 2-byte ones; the kernels of a matrix are its format's (GpuBlocks.fmt), the
+same products to the bit as the file's layout (settings' cuda_repack off: the file's layout everywhere). Q4_0
+repacked likewise (8 scales, then 8 x 16 bytes of nibbles a super-block: one load an oct) timed no faster, its
+products bound by their instructions and the loads' latency rather than the L1 pipe
+(results/gpu/h200/layouts-repacked.json), and stays in the file's layout.
 
 So a recorded blocks product differs from the numpy oracle's (float32 weights from gguf-py, BLAS) by
 rounding order only.
@@ -35,9 +38,8 @@ from .settings import settings
 TYPES = {"Q4_0": (0, 18, 32), "Q4_1": (1, 20, 32), "Q8_0": (2, 34, 32), "Q4_K": (3, 144, 256),
          "Q6_K": (4, 210, 256)}                # type -> (kernel code, bytes per block, weights per block)
 
-# the formats a type is repacked into at load (its rows whole super-blocks of 256: rows.cu's Q4_0R, Q6_KR) -> bytes a
-# super-block: Q4_0's 8 blocks as 8 scales then 8 x 16 bytes of nibbles; Q6_K's 210 bytes padded to 224
-REPACKED = {"Q4_0": ("q4_0r", 144), "Q6_K": ("q6_kr", 224)}
+# the format a type is repacked into at load (rows.cu's Q6_KR) and its bytes a super-block of 256 weights
+REPACKED = {"Q6_K": ("q6_kr", 224)}
 FORMATS = [q.lower() for q in TYPES] + [f for f, _ in REPACKED.values()]
 
 ROWS = cuda_source("rows.cu")
@@ -46,9 +48,9 @@ ROWS = cuda_source("rows.cu")
 # row (U), rows a warp group (R), warps a row (W), as tools/gpu_roofline.py profile chose them over whole op-by-op
 # steps (one row a warp for Q4_K and Q6_K; two for Q4_0, Q4_1 and Q8_0).
 GEMV_LAYOUT = {"q4_0": (2, 2, 1), "q4_1": (4, 2, 1), "q8_0": (2, 2, 1), "q4_k": (4, 1, 1), "q6_k": (4, 1, 1),
-               "q4_0r": (2, 2, 1), "q6_kr": (4, 1, 1)}
+               "q6_kr": (4, 1, 1)}
 STRUCTS = {"f16": "F16", "f32": "F32", "q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K",
-           "q4_0r": "Q4_0R", "q6_kr": "Q6_KR"}
+           "q6_kr": "Q6_KR"}
 
 
 def planar_places(n, xp):
@@ -127,18 +129,14 @@ class GpuBlocks:
         return cls(qt.qtype, qt.shape, cp.asarray(qt.blocks), cp).repacked()
 
     def repacked(self):
-        """-> the matrix in its type's repacked format (REPACKED) where it has one, it is in the file's layout, its
-        rows are whole super-blocks of 256 and settings' cuda_repack is on; else itself."""
+        """-> the matrix in its type's repacked format (REPACKED) where it has one, it is in the file's layout and
+        settings' cuda_repack is on; else itself."""
         fmt, size = REPACKED.get(self.qtype, (None, 0))
-        if fmt is None or self.fmt != self.qtype.lower() or self.shape[1] % 256 or not settings().cuda_repack:
+        if fmt is None or self.fmt != self.qtype.lower() or not settings().cuda_repack:
             return self
         cp, n, sb = self.cp, self.shape[0], self.shape[1] // 256
-        if self.qtype == "Q4_0":
-            a = self.blocks.reshape(n, sb, 8, 18)
-            raw = cp.concatenate([a[..., :2].reshape(n, sb, 16), a[..., 2:].reshape(n, sb, 128)], axis=2)
-        else:
-            raw = cp.zeros((n, sb, size), dtype=cp.uint8)
-            raw[..., :210] = self.blocks.reshape(n, sb, 210)
+        raw = cp.zeros((n, sb, size), dtype=cp.uint8)
+        raw[..., :210] = self.blocks.reshape(n, sb, 210)
         return GpuBlocks(self.qtype, self.shape, raw.reshape(n, sb * size), cp, fmt)
 
     @property

@@ -76,7 +76,8 @@ LAYOUT = {"f16": {"norm_qkv": (2, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (
           "q8_0": {"norm_qkv": (2, 4, 1), "norm_logits": (2, 4, 1), "norm_glu": (2, 1), "gemv_res": (2, 2, 1)},
           "q4_k": {"norm_qkv": (4, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (2, 1), "gemv_res": (4, 1, 1)},
           "q6_k": {"norm_qkv": (4, 4, 1), "norm_logits": (4, 2, 1), "norm_glu": (4, 1), "gemv_res": (4, 2, 1)}}
-LAYOUT.update(q4_0r=dict(LAYOUT["q4_0"]), q6_kr=dict(LAYOUT["q6_k"]))  # the repacked formats (cuda_blocks.REPACKED)
+# Q6_K repacked (cuda_blocks.REPACKED): its residual products take eight octs a lane in flight (layouts-repacked.json)
+LAYOUT["q6_kr"] = {**LAYOUT["q6_k"], "gemv_res": (8, 1, 1)}
 # The formats whose steps keep the step's vectors in the planar layout (rows_dot's PLANAR: a warp's x loads take
 # half the L1 wavefronts; the same sums to the bit), with their layouts so: a step is planar where every matrix it
 # reads is of one of these formats (the default model's Q4_1 and Q8_0 included); settings' cuda_planar off: every
@@ -84,7 +85,6 @@ LAYOUT.update(q4_0r=dict(LAYOUT["q4_0"]), q6_kr=dict(LAYOUT["q6_k"]))  # the rep
 LAYOUT_PLANAR = {"q4_0": {**LAYOUT["q4_0"], "gemv_res": (8, 1, 1)},
                  "q4_1": {**LAYOUT["q4_1"], "gemv_res": (8, 1, 1)},
                  "q8_0": {**LAYOUT["q8_0"], "norm_qkv": (4, 2, 1), "gemv_res": (8, 1, 1)}}
-LAYOUT_PLANAR["q4_0r"] = dict(LAYOUT_PLANAR["q4_0"])
 assert set(LAYOUT) >= set(GEMV_LAYOUT)
 
 

@@ -12,7 +12,7 @@ or tools/gpu_roofline.py sets one to compare a path with the one it replaces); u
   LLORCH_CUDA_FUSED_NORM=0           cupy: residual adds and RMSNorms one by one where nobody watches
   LLORCH_CUDA_HALF_PREFILL=0         cupy float16: prompts' products cast back by CuPy, attention as recorded
   LLORCH_CUDA_Q4K_SHARED=0           cupy blocks: Q4_K's scales decoded once an oct, no blocks fetched ahead
-  LLORCH_CUDA_REPACK=0               cupy blocks: Q4_0 and Q6_K kept in the file's layout (no aligned repacking)
+  LLORCH_CUDA_REPACK=0               cupy blocks: Q6_K kept in the file's layout (no aligned repacking)
 
 Every switch leaves the results within the backend's band; tests/test_backends.py compares each pair of paths.
 """

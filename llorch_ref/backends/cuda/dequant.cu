@@ -32,15 +32,8 @@ template <int T> __device__ __forceinline__ void oct(const u8* row, int u, int p
         unsigned v[2] = {q.x, q.y}, sh = 4 * (g & 1);
 #pragma unroll
         for (int k = 0; k < 8; ++k) w[k] = __fsub_rn(__fmul_rn(d, fq((v[k >> 2] >> (8 * (k & 3) + sh)) & 15, 0.f)), dm);
-    } else if constexpr (T == 5) {                            // Q4_0 repacked (rows.cu's Q4_0R): block u & 7 of
-        const u8* s = row + (size_t)(u >> 3) * 144;            // its super-block, its scale and its 16 bytes apart
-        float d = f16at(s + 2 * (u & 7));
-        const u8* q = s + 16 + 16 * (u & 7);
-        unsigned v[2] = {rd4(q + 8 * (p & 1)), rd4(q + 4 + 8 * (p & 1))}, sh = 4 * (p >> 1);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) w[k] = __fmul_rn(d, fq((v[k >> 2] >> (8 * (k & 3) + sh)) & 15, 8.f));
     } else {                                                  // Q6_K: (d * sc) * (q - 32), chunk s of half h;
-        const u8* b = row + (size_t)(u >> 3) * (T == 6 ? 224 : 210);    // T 6: its super-blocks padded (Q6_KR)
+        const u8* b = row + (size_t)(u >> 3) * (T == 5 ? 224 : 210);    // T 5: its super-blocks padded (Q6_KR)
         int h = (u >> 2) & 1, s = u & 3;
         const u8* ql = b + 64 * h + 32 * (s & 1) + 8 * p;
         const u8* qh = b + 128 + 32 * h + 8 * p;
@@ -118,5 +111,4 @@ KERNELS(1, q4_1)
 KERNELS(2, q8_0)
 KERNELS(3, q4_k)
 KERNELS(4, q6_k)
-KERNELS(5, q4_0r)
-KERNELS(6, q6_kr)
+KERNELS(5, q6_kr)

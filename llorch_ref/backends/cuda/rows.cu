@@ -177,25 +177,9 @@ struct Q6_K {                    // 210-byte super-blocks: 128 bytes of low nibb
     }
 };
 
-// The formats GpuBlocks.repacked makes at load (cuda_blocks.REPACKED) for rows of whole super-blocks of 256: the
-// same codes and scales, every oct's codes 8-byte aligned, so that a lane fetches them with one load (the file's
-// 18- and 210-byte blocks allow 2-byte loads only, and the L1 pipe was these products' bound). The same floats in
-// the same operations as the file's format: the same products to the bit.
-struct Q4_0R {                   // 144-byte super-blocks of 8 Q4_0 blocks: their 8 float16 scales, then their 16
-    static constexpr bool OFFSET = false;               // bytes of nibbles each, as the file holds them
-    static constexpr bool SHARES = false;
-    static constexpr int OCTS = 32, BYTES = 144;
-    unsigned short d; uint2 q;
-    __device__ __forceinline__ void load(const u8* blk, int c) {
-        int b = (c >> 2) & 7;
-        d = __ldcs(reinterpret_cast<const unsigned short*>(blk) + b);
-        q = __ldcs(reinterpret_cast<const uint2*>(blk + 16 + 16 * b + 8 * (c & 1)));
-    }
-    __device__ __forceinline__ float dot(int c, float4 u, float4 v, float) const {
-        int sh = 2 * (c & 2);
-        return __half2float(__ushort_as_half(d)) * qdot8<4>(q.x >> sh, q.y >> sh, 8.f, u, v);
-    }
-};
+// The format GpuBlocks.repacked makes of Q6_K at load (cuda_blocks.REPACKED): the same codes and scales, every
+// super-block 16-byte aligned, so that a lane fetches an oct's codes with two 8-byte loads instead of eight 2-byte
+// ones. The same floats in the same operations as Q6_K: the same products to the bit.
 struct Q6_KR {                   // Q6_K's 210-byte super-blocks, each padded to 224 bytes (16-byte aligned)
     static constexpr bool OFFSET = false;
     static constexpr bool SHARES = false;
