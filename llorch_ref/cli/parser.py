@@ -219,9 +219,7 @@ def _eval(sub):
     e.add_argument("--json", help="write the statistics, KLD by position and per-chunk figures here")
     e.add_argument("--report", help="folder for report.md and plots (KLD by position, histogram)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing --json file / --report folder")
-    e.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="run the chunks as Ray tasks on actors that load the engines once: alone, a local Ray; "
-                        "with an address (host:port or ray://...), an existing cluster")
+    ray_arg(e, "chunks")
     e.set_defaults(fn=cmd_eval)
 
 
@@ -249,10 +247,14 @@ def _sweep(sub):
     s.add_argument("--report", default=None, help="folder for report.html (heat map), junit.xml, sweep.json and "
                    "the failing cells' bundles")
     s.add_argument("--overwrite", action="store_true", help="replace existing --json, --junit, --report outputs")
-    s.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="run the cells as Ray tasks on actors that load the engines once: alone, a local Ray; with "
-                        "an address (host:port or ray://...), an existing cluster")
+    ray_arg(s, "cells")
     s.set_defaults(fn=cmd_sweep)
+
+
+def ray_arg(sp, what):
+    sp.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                    help=f"run the {what} as Ray tasks on actors that load the engines once: alone, a local Ray; "
+                         "with an address (host:port or ray://...), an existing cluster")
 
 
 def prompt_file_arg(sp):
