@@ -31,6 +31,8 @@ import pytest
 
 
 def pytest_addoption(parser):
+    from .harness.blackbox_options import add_blackbox_options
+
     g = parser.getgroup("llorch", "llorch-ref checkpoint suite against an engine under test")
     g.addoption("--llorch-subject", default=None, metavar="MODULE:CALLABLE",
                 help="callable(model_path, token_ids) -> llorch_ref.dump.Recorder (the engine under test)")
@@ -51,13 +53,7 @@ def pytest_addoption(parser):
     g.addoption("--llorch-require", default="auto", metavar="WHAT",
                 help="what must be compared for a PASS, as diff --require: auto (every tensor the subject's engine "
                      "kind can provide), all, or checkpoint ids, names and cp<id>.<tensor> keys")
-    g.addoption("--llorch-top-logprobs", type=int, default=None, metavar="K",
-                help="a black-box subject: log-probabilities asked a step (default: 20 of a server, the whole "
-                     "vocabulary of mistral.rs)")
-    g.addoption("--llorch-chat", action="store_true",
-                help="--llorch-subject openai:URL: the chat route (the server's template) instead of the raw prompt")
-    g.addoption("--llorch-timeout", type=float, default=300.0,
-                help="--llorch-subject openai:URL: seconds to wait for each answer (default 300)")
+    add_blackbox_options(g.addoption, "--llorch-")
     g.addoption("--llorch-greedy", type=int, default=0,
                 help="greedy tokens the reference generates to compare with the subject's cp12 (default: as many "
                      "as the subject recorded)")

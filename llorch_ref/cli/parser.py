@@ -8,6 +8,7 @@ from .. import __version__
 from ..backends import BACKENDS
 from ..checkpoints import CLASS_ORDER
 from ..dtypes import KV_DTYPES
+from ..harness.blackbox_options import add_blackbox_options, add_timeout_option
 from ..harness.run import DEFAULT_PROMPT
 from ..numerics import NUMERICS
 from .commands import cmd_bench, cmd_chat, cmd_convert, cmd_dump, cmd_generate, cmd_inspect, cmd_serve
@@ -197,8 +198,7 @@ def _eval(sub):
     e.add_argument("--top-logprobs", type=int_in(0, 1 << 20), default=None,
                    help="--subject openai:URL|mistralrs: log-probabilities asked a position (default 20 of a "
                         "server, the whole vocabulary of mistral.rs)")
-    e.add_argument("--timeout", type=float, default=300.0,
-                   help="--subject openai:URL: seconds to wait for each answer (default 300)")
+    add_timeout_option(e.add_argument, "--")
     e.add_argument("--subject-model", help="the file the subject runs (a quantized copy against its F32 parent)")
     e.add_argument("--numerics", choices=NUMERICS, default=None, help="a llorch-ref subject's arithmetic")
     e.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="the subject's K/V cache type")
@@ -346,13 +346,7 @@ def harness_args(sp):
                     "tokens and log-probabilities step by step")
     sp.add_argument("--decode-steps", type=int_in(1, 4096), default=32,
                     help="--subject openai:URL|mistralrs: greedy steps the engine runs (default 32)")
-    sp.add_argument("--top-logprobs", type=int_in(1, 1 << 20), default=None,
-                    help="--subject openai:URL|mistralrs: log-probabilities asked a step (default: 20 of a server, the "
-                         "whole vocabulary of mistral.rs); under the vocabulary the KLD is a lower bound")
-    sp.add_argument("--chat", action="store_true",
-                    help="--subject openai:URL: the chat route (the server's template) instead of the raw prompt")
-    sp.add_argument("--timeout", type=float, default=300.0,
-                    help="--subject openai:URL: seconds to wait for each answer (default 300)")
+    add_blackbox_options(sp.add_argument, "--", count=int_in(1, 1 << 20))
     sp.add_argument("--band-class", choices=CLASS_ORDER + ["ggml"], default=None,
                     help="bands to apply with --subject / --reference transformers (default: from the "
                          "weight types of --model)")
