@@ -3,50 +3,15 @@ as its own black box gives KLD exactly 0 at every step, on both routes, with the
 vocabulary; the same server on a file with one planted matrix fails at a named step."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
 import llorch_ref
 from llorch_ref.cli import main
-from llorch_ref.testing.openai_server import free_port
+from llorch_ref.testing.openai_server import llorch_serve
 
 PROMPT = "Once upon a time, there was a little"
-
-
-@contextlib.contextmanager
-def llorch_serve(model, timeout: float = 120.0):
-    """`llorch-ref serve --model MODEL --threads 1` on 127.0.0.1 and a free port, as its own process; -> its URL
-    once /health answers; terminated on the way out."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llorch_ref.cli", "serve", "--model", str(model), "--threads", "1",
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert proc.poll() is None, f"llorch-ref serve exited with {proc.returncode}"
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, f"llorch-ref serve did not answer on {url}"
-                time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
