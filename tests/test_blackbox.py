@@ -11,18 +11,14 @@ import time
 
 import numpy as np
 import pytest
+from blackbox_helpers import PROMPT, needs_mistralrs, needs_server, planted_copy
 
 import llorch_ref
 from llorch_ref.cli import main
 from llorch_ref.errors import BlackBoxError
 from llorch_ref.harness.blackbox import compare_trace, kld_step, log_softmax64
 from llorch_ref.references.blackbox import Step, Trace, openai_trace
-from llorch_ref.testing.openai_server import llama_cpp_server, server_installed
-
-PROMPT = "Once upon a time, there was a little"
-# A scale error large enough to leave the bands: one matrix's 10% stays under 10 x the clean engines' per-step KLD
-# (docs/engines-under-test.md, Black boxes); the last layer's down projection at 1.5x gives steps of KLD 1-4 nats.
-PLANT, FACTOR = "blk.29.ffn_down.weight", 1.5
+from llorch_ref.testing.openai_server import llama_cpp_server
 
 
 @pytest.fixture(scope="module")
@@ -347,14 +343,9 @@ def test_a_token_of_another_tokenizer_is_refused(ref):
 
 
 # -- llama-cpp-python's own OpenAI server ---------------------------------------------------------------------
-needs_server = pytest.mark.skipif(server_installed() is not None, reason=str(server_installed()))
-
-
 @pytest.fixture(scope="module")
 def planted_file(ref, tmp_path_factory):
-    from llorch_ref.testing.plant import plant_scale
-
-    return plant_scale(ref.path, tmp_path_factory.mktemp("bb") / "planted.gguf", PLANT, FACTOR)
+    return planted_copy(ref.path, tmp_path_factory.mktemp("bb"))
 
 
 @needs_server
@@ -376,17 +367,6 @@ def test_llama_cpp_server_on_a_planted_file_fails_at_a_named_step(ref, planted_f
 
 
 # -- mistral.rs -----------------------------------------------------------------------------------------------
-def mistralrs_missing():
-    try:
-        import mistralrs  # noqa: F401
-    except ImportError:
-        return "mistralrs is not installed (pip install mistralrs)"
-    return None
-
-
-needs_mistralrs = pytest.mark.skipif(mistralrs_missing() is not None, reason=str(mistralrs_missing()))
-
-
 @needs_mistralrs
 def test_mistralrs_clean_passes_with_the_whole_vocabulary(ref, capsys):
     rc, out, errors = run_cli(capsys, "--subject", "mistralrs", "--decode-steps", "8", "--json")

@@ -10,26 +10,11 @@ import shutil
 
 import numpy as np
 import pytest
+from blackbox_helpers import PROMPT, needs_mistralrs, needs_server, planted_copy
 
 import llorch_ref
 from llorch_ref.cli import main
 from llorch_ref.testing.openai_server import llama_cpp_server, server_installed
-
-PROMPT = "Once upon a time, there was a little"
-PLANT, FACTOR = "blk.29.ffn_down.weight", 1.5          # as tests/test_blackbox.py: steps of KLD 1-4 nats
-
-needs_server = pytest.mark.skipif(server_installed() is not None, reason=str(server_installed()))
-
-
-def mistralrs_missing():
-    try:
-        import mistralrs  # noqa: F401
-    except ImportError:
-        return "mistralrs is not installed (pip install mistralrs)"
-    return None
-
-
-needs_mistralrs = pytest.mark.skipif(mistralrs_missing() is not None, reason=str(mistralrs_missing()))
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +24,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def planted(model, tmp_path_factory):
-    from llorch_ref.testing.plant import plant_scale
-
-    return plant_scale(model, tmp_path_factory.mktemp("faces") / "planted.gguf", PLANT, FACTOR)
+    return planted_copy(model, tmp_path_factory.mktemp("faces"))
 
 
 @pytest.fixture(scope="module")
