@@ -362,3 +362,51 @@ def test_the_schema_and_the_format_doc_describe_score_rows(models):
     schema = json.loads((catalogue_path() / "dump.schema.json").read_text())
     assert "score_rows" in schema["properties"]
     assert "`score_rows`" in (catalogue_path() / "DUMP_FORMAT.md").read_text()
+
+
+def test_a_bundle_of_a_run_on_disk_is_written_and_verified_one_tensor_at_a_time(models, tmp_path, monkeypatch):
+    from llorch_ref.harness import run as R
+    from llorch_ref.harness.bundle import write_bundle
+    from llorch_ref.harness.verify import verify_bundle
+    from llorch_ref.tensor_file import NpzTensors
+
+    monkeypatch.setattr(R, "ON_DISK_BYTES", 0)                 # the tiny model's dumps go to disk
+    eng = llorch_ref.load(models[6], weights="eager")
+    ids = eng.tokenizer.encode(TEXT)
+    store = SpillStore()
+    sub = record_engine(eng, ids, prompt=TEXT, n_greedy=0, store=store).to_dump()
+    res = run_subject(eng, sub, "F32")
+    assert res.verdict().status == "PASS"
+    store.peak_live = 0
+    out = write_bundle(res, eng, out_dir=tmp_path, run_id="long", plot=False, repro_case=False)
+    assert store.live == 0 and 1 <= store.peak_live <= 2                # one subject tensor read at a time
+    kept = NpzTensors({"cp6.ffn_out.layer4": (out["dir"] / "cp6_swiglu" / "subject.npz", "cp6.ffn_out.layer4.npy")})
+    assert np.array_equal(kept["cp6.ffn_out.layer4"], store["cp6.ffn_out.layer4"])
+    made, joined = [], NpzTensors.joined.__func__
+    monkeypatch.setattr(NpzTensors, "joined", classmethod(lambda cls, parts, error=HarnessError:
+                                                          made.append(joined(cls, parts, error)) or made[-1]))
+    v = verify_bundle(out["dir"])
+    assert v.ok and v.rerun["figures_hold"], v.rerun
+    held = made[0]                  # the subject's tensors, read back by the re-run's comparison and the local check
+    assert len(held) > 60 and held.live == 0 and 1 <= held.peak_live <= len(held) // 6     # at most a layer's
+
+
+def test_tensors_read_from_an_npz_on_lookup_catch_a_planted_tensor(models, tmp_path):
+    from llorch_ref.tensor_file import NpzTensors, write_npz
+
+    eng = llorch_ref.load(models[2], weights="eager")
+    ids = eng.tokenizer.encode(TEXT)
+    rec = record_engine(eng, ids, prompt=TEXT, n_greedy=0)
+    write_npz(tmp_path / "ok.npz", ((k, v) for k, v in rec.tensors.items()))
+    planted = {k: (v * np.float32(1.01) if k == "cp2.v.layer1" else v) for k, v in rec.tensors.items()}
+    write_npz(tmp_path / "bad.npz", planted.items())
+    for name, fd in (("ok", None), ("bad", ("2", 1, "v"))):
+        t = NpzTensors({k: (tmp_path / f"{name}.npz", f"{k}.npy") for k in rec.tensors})
+        n = len(ids)
+        assert t.shape("cp8.logits") == [n, eng.config.n_vocab] and t.kind("cp10.argmax") == "i"
+        assert np.array_equal(t.read_rows("cp8.logits", 3, 7, n), rec.tensors["cp8.logits"][3:7])
+        from llorch_ref.dump import Dump
+
+        res = compare_dumps(Dump(manifest=rec.manifest(), tensors=t, source=name), rec.to_dump(), eng.config, "F32")
+        got = res.first_divergence
+        assert (got is None) if fd is None else (got["checkpoint"], got["layer"], got["tensor"]) == fd, got

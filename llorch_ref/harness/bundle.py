@@ -40,6 +40,7 @@ from ..backends import cpu_flags, cpu_model
 from ..dump import model_sha256
 from ..errors import HarnessError, OutputPathError, ParameterError
 from ..output_paths import check_container, check_output, check_run_id
+from ..tensor_file import write_npz
 from . import bundle_blackbox, bundle_md, junit, plots, report_html, repro
 from .portable import portable
 
@@ -352,8 +353,9 @@ def _write_checkpoint(d: Path, spec, result, man, plot, tensors=True) -> str | N
     rows = [r for r in result.rows if r.checkpoint == spec.id]
     pre = f"cp{spec.id}."
     if tensors:
-        np.savez_compressed(d / "subject.npz", **{k: v for k, v in result.captures_ours.items() if k.startswith(pre)})
-        np.savez_compressed(d / "reference.npz", **{k: v for k, v in result.captures_ref.items() if k.startswith(pre)})
+        for name, caps in (("subject.npz", result.captures_ours), ("reference.npz", result.captures_ref)):
+            # one tensor read (a long run's from its dump on disk) and written at a time
+            write_npz(d / name, ((k, caps[k]) for k in list(caps.keys()) if k.startswith(pre)))
     passed = bool(rows) and not any(r.diverges for r in rows)       # the local error decides where measured
     drawn = plot and spec.scope == "layer" and any("nmse" in r.metrics for r in rows)
     (d / "report.json").write_text(json.dumps(

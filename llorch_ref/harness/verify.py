@@ -58,6 +58,7 @@ from ..json_doc import check_schema
 from ..loaders.lazy_weights import mem_available
 from ..references.engines import dump_llamacpp, dump_transformers, gguf_config
 from ..references.llorch import record_engine
+from ..tensor_file import NpzTensors
 from .blackbox import RUN, compare_trace
 from .bundle import FORMAT, MANIFEST, SIGNATURE, ed25519_modules, public_key_id
 from .bundle_blackbox import TRACE_JSON, read_trace
@@ -796,19 +797,21 @@ def _check_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, limit, where) -> st
     return name
 
 
-def read_npz(p: Path, limit, where) -> dict:
-    """{name: array} of a bundle's tensor file, every member checked (_check_member) ahead of reading it and
-    read without pickles (np.load's allow_pickle=False rule); HarnessError (one line) for a file that is not
+def read_npz(p: Path, limit, where) -> NpzTensors:
+    """{name: array} of a bundle's tensor file (tensor_file.NpzTensors: read on lookup), every member checked
+    (_check_member, and its bytes inflated once: a damaged one is refused here) ahead of reading it and read
+    without pickles (np.load's allow_pickle=False rule); HarnessError (one line) for a file that is not
     a zip, a member that breaks the bound, a truncated or corrupt member."""
     try:
         with zipfile.ZipFile(p) as z:
             infos = z.infolist()
             names = [_check_member(z, i, limit, where) for i in infos]
-            out = {}
-            for name, info in zip(names, infos):
+            for info in infos:                     # every byte inflated and its CRC checked, none kept
                 with z.open(info) as f:
-                    out[name] = np.lib.format.read_array(f, allow_pickle=False)
-            return out
+                    while f.read(16 * 2**20):
+                        pass
+        # each tensor read when asked for (a long run's bundle: one in memory at a time)
+        return NpzTensors({name: (p, info.filename) for name, info in zip(names, infos)}, HarnessError)
     except zipfile.BadZipFile as e:
         raise HarnessError(f"{where}: not an .npz (zip) file ({e})") from None
     except (ValueError, OSError, EOFError, zlib.error, RuntimeError, NotImplementedError) as e:
@@ -818,7 +821,7 @@ def read_npz(p: Path, limit, where) -> dict:
 def _subject(folder: Path, man, limit) -> Dump:
     """The subject's tensors the bundle keeps (every checkpoint's subject.npz, read_npz under limit), as a
     canonical dump."""
-    tensors = {}
+    parts = []
     for cp in man["checkpoints"]:
         spec = load_specs([cp])[0]
         rel = f"cp{spec.id}_{spec.name}/subject.npz"
@@ -826,7 +829,8 @@ def _subject(folder: Path, man, limit) -> Dump:
         if not p.is_file():
             raise HarnessError(f"{p}: missing: the figures cannot be redone without the subject's tensors "
                                f"(verify --no-rerun checks the hashes alone)")
-        tensors.update(read_npz(p, limit, rel))
+        parts.append(read_npz(p, limit, rel))
+    tensors = NpzTensors.joined(parts, HarnessError)            # read when compared, one at a time
     side = {**man["sides"]["subject"], "layouts": dict(CANONICAL_LAYOUTS)}
     validate_manifest(side, f"{MANIFEST} sides/subject")      # the dump format's own schema (DumpError)
     return Dump(manifest=side, tensors=tensors, source=f"{folder} (subject)")
@@ -988,7 +992,8 @@ def _tensors_against(folder: Path, man, res, limit) -> dict:
         if set(kept) != now:
             faults.append(f"{rel} holds {len(kept)} tensors, the re-run records {len(now)} (e.g. "
                           f"{sorted(set(kept) ^ now)[0]})")
-        for k, a in kept.items():
+        for k in kept:                            # one kept tensor read at a time
+            a = kept[k]
             b = res.captures_ref.get(k)
             if b is None:
                 continue
