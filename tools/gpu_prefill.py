@@ -32,11 +32,14 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 
 def commit() -> str:
+    """LLORCH_COMMIT where set (a copy of the tree run elsewhere, whose git HEAD may not be the tree's), else HEAD."""
+    if os.environ.get("LLORCH_COMMIT"):
+        return os.environ["LLORCH_COMMIT"]
     try:
         return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("LLORCH_COMMIT", "unknown")
+        return "unknown"
 
 
 def timed(fn, n=3):
