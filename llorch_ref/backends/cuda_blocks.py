@@ -26,8 +26,9 @@ products bound by their instructions and the loads' latency rather than the L1 p
 
 So a recorded blocks product differs from the numpy oracle's (float32 weights from gguf-py, BLAS) by
 rounding order only.
-The one-token products are bound by the L1 pipe and their instruction issue together (about 5-9 instructions a
-weight: mask, convert, multiply-add, the scales, loads), not by DRAM: ncu in results/gpu/h200/ncu-gemv-q4_k-q4_0.txt.
+The one-token products are bound by their instructions (about 5-9 a weight: mask, convert, multiply-add, the scales,
+loads) and their loads' latency, not by DRAM: ncu in results/gpu/h200/ncu-gemv-q4_k-q4_0.txt, and
+ncu-gemv-repacked.txt (the repacked Q4_0 halved the L1 traffic, not the time).
 """
 from __future__ import annotations
 
