@@ -224,23 +224,24 @@ class _LlamaCppCapture:
     def _plan_of(self, name, plan, splan):
         return splan if splan is not None and name in self.score_names else plan
 
-    def _keeper(self, plan, splan=None):
-        """Capture.keep: a node's kept rows as it is read (the score rows for kq/kq_soft_max where given); a
-        cache only from the last micro-batch; with a store on disk, each part written out at once."""
-        def keep(g, name, arr):
+    def _rows_of(self, plan, splan=None):
+        """Capture.rows: what to copy out of a node as it is computed: its kept rows of the micro-batch (the
+        score rows for kq/kq_soft_max where given), nothing where none is kept, a cache only from the last
+        micro-batch; the whole node where every row is kept. The other rows are never read."""
+        def rows(g, name):
             ax = self.axis.get(name, "whole")
             if ax is None:
-                return self._spilled(arr if g == len(plan) - 1 else None)
+                return None if g == len(plan) - 1 else (0, [])
             p = self._plan_of(name, plan, splan)
             sel = p[g][2] if g < len(p) else None
             if ax == "whole" or sel is None:
-                return self._spilled(arr)
-            if not sel:
                 return None
+            if not sel:
+                return (ax, [])
             if p[g][1] - p[g][0] == 1:                 # one token: ggml dropped its size-1 axis
-                return self._spilled(arr)
-            return self._spilled(np.take(arr, sel, axis=ax))
-        return keep
+                return None
+            return (ax, sel)
+        return rows
 
     def _spilled(self, arr):
         """A captured part, written to the capture's store where there is one (read back by _parts)."""
@@ -256,7 +257,7 @@ class _LlamaCppCapture:
         (under logits_to, else a name of the capture's own) and come back as StoredRows."""
         plan = self._plan(len(tokens), ref.n_ubatch, self.rows if step == 0 else None)
         splan = self._plan(len(tokens), ref.n_ubatch, self.score_rows) if step == 0 and self.score_rows else None
-        cap = Capture(names=self.names, keep=self._keeper(plan, splan))
+        cap = Capture(names=self.names, rows=self._rows_of(plan, splan), keep=lambda g, name, arr: self._spilled(arr))
         if pos == 0:
             logits = self._kept_logits(ref, tokens, cap, logits_to)
         else:

@@ -95,9 +95,13 @@ class Capture:
     llama.cpp computes a batch longer than n_ubatch as several graphs, one per micro-batch, in order: each
     graph's nodes land in `graphs[g]` (a new graph starts after the node `result_output`, the last of every
     graph). keep(graph, name, arr) -> the array to hold (a part of it, or None for nothing), called as each
-    node is read, so that a long prompt's large nodes never pile up in memory."""
+    node is read, so that a long prompt's large nodes never pile up in memory. rows(graph, name) -> None
+    (read the whole node) or (axis, indices): read only those indices along that axis of the node as read
+    (NumPy order, ggml's trailing size-1 dims dropped); no indices: nothing is read, nothing kept. A long
+    prompt's sampled rows are so the only ones ever copied out of llama.cpp."""
     names: set | None = None
     keep: object = None
+    rows: object = None
     graphs: list = field(default_factory=lambda: [{}])   # per graph: (name, op, occurrence) -> np.ndarray
     nodes: list = field(default_factory=list)     # (name, op, ggml ne) of every captured node, in order
     _seen: dict = field(default_factory=dict)
@@ -110,6 +114,10 @@ class Capture:
 
     def wants(self, name: str) -> bool:
         return self.names is None or name in self.names
+
+    def rows_of(self, name: str):
+        """What rows(graph, name) asks read of this node of the graph being computed (None: all of it)."""
+        return None if self.rows is None else self.rows(len(self.graphs) - 1, name)
 
     def add(self, name, op, ne, arr):
         occ = self._seen.get((name, op), 0)
@@ -135,7 +143,10 @@ class Capture:
             self.graphs.pop()
 
 
-def _read_tensor(ptr) -> tuple[str, str, tuple, np.ndarray | None]:
+def _read_tensor(ptr, rows_of=None) -> tuple[str, str, tuple, np.ndarray | None]:
+    """A graph node -> (name, op, ggml ne, float32 array in NumPy order, ggml's trailing size-1 dims dropped;
+    None for other types). rows_of(name) -> None or (axis, indices): only those indices along that axis are
+    copied out (none: nothing is read)."""
     g = _ggml_funcs()
     t = GGMLTensorPrefix.from_address(ptr)
     name = g["ggml_get_name"](ptr).decode()
@@ -151,6 +162,17 @@ def _read_tensor(ptr) -> tuple[str, str, tuple, np.ndarray | None]:
     span = esize + sum((n - 1) * s for n, s in zip(ne, t.nb))
     if span != nbytes:
         raise ReferenceError_(f"ggml_tensor layout mismatch for {name}: ne/nb span {span} != ggml_nbytes {nbytes}")
+    sel = None if rows_of is None else rows_of(name)
+    if sel is not None:
+        nd = max(int(g["ggml_n_dims"](ptr)), 1)
+        axis, idx = sel
+        if not len(idx):
+            return name, op, ne, None
+        if not 0 <= axis < nd or min(idx) < 0 or max(idx) >= ne[nd - 1 - axis]:
+            raise ReferenceError_(f"{name}: indices {min(idx)}..{max(idx)} of axis {axis} asked of a node of "
+                                  f"sizes {tuple(reversed(ne[:nd]))}")
+        return name, op, ne, _read_indices(g, ptr, t, ne, nd - 1 - axis, idx).reshape(
+            _kept_shape(ne, nd, nd - 1 - axis, len(idx)))
     buf = np.empty(nbytes, dtype=np.uint8)
     g["ggml_backend_tensor_get"](ptr, buf.ctypes.data, 0, nbytes)
     dt = np.float32 if t.type == GGML_TYPE_F32 else np.float16
@@ -159,6 +181,35 @@ def _read_tensor(ptr) -> tuple[str, str, tuple, np.ndarray | None]:
     arr = np.lib.stride_tricks.as_strided(buf.view(dt), shape=shape, strides=strides).astype(np.float32)
     nd = max(int(g["ggml_n_dims"](ptr)), 1)
     return name, op, ne, arr.reshape(arr.shape[4 - nd:])     # drop ggml's trailing size-1 dims
+
+
+def _kept_shape(ne, nd: int, d: int, n: int) -> tuple:
+    """The NumPy shape of a node of ggml sizes ne (nd dims) with n indices of ggml dim d kept."""
+    kept = list(ne[:nd])
+    kept[d] = n
+    return tuple(reversed(kept))
+
+
+def _read_indices(g, ptr, t, ne, d: int, idx) -> np.ndarray:
+    """The node's entries at the indices idx of ggml dim d (every index of the other dims) -> float32 [dims
+    above d (outermost first), len(idx), dims below d], one ggml_backend_tensor_get per index and outer index:
+    the bytes of the indices not asked are never copied."""
+    import itertools
+
+    esize = int(g["ggml_type_size"](t.type))
+    nb = [int(x) for x in t.nb]
+    dt = np.float32 if t.type == GGML_TYPE_F32 else np.float16
+    span = esize + sum((ne[i] - 1) * nb[i] for i in range(d))         # the bytes of one index of dim d
+    low_shape, low_strides = tuple(reversed(ne[:d])), tuple(reversed(nb[:d]))
+    outer = list(itertools.product(*[range(ne[i]) for i in range(3, d, -1)]))
+    out = np.empty(tuple(ne[i] for i in range(3, d, -1)) + (len(idx),) + low_shape, dtype=np.float32)
+    buf = np.empty(span + (-span) % 4, dtype=np.uint8)
+    for hi in outer:
+        base = sum(i * nb[j] for i, j in zip(hi, range(3, d, -1)))
+        for k, r in enumerate(idx):
+            g["ggml_backend_tensor_get"](ptr, buf.ctypes.data, base + int(r) * nb[d], span)
+            out[hi + (k,)] = np.lib.stride_tricks.as_strided(buf.view(dt), shape=low_shape, strides=low_strides)
+    return out
 
 
 class LlamaCpp:
@@ -234,7 +285,7 @@ class LlamaCpp:
             if ask:
                 name = _ggml_funcs()["ggml_get_name"](t).decode()
                 return cap.wants(name)
-            cap.add(*_read_tensor(t))
+            cap.add(*_read_tensor(t, cap.rows_of if cap.rows is not None else None))
             cap.checked = True
         except Exception as e:  # never let an exception cross the C boundary
             cap.error = e
