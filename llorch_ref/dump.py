@@ -27,7 +27,7 @@ import numpy as np
 from .checkpoints import catalogue_path, load_specs
 from .dtypes import KV_DTYPES, dtype_name
 from .errors import DumpError, ParameterError
-from .json_doc import check_schema
+from .json_doc import check_schema, json_object
 from .loaders.default_model import sha256_file
 from .output_paths import check_output
 from .tensor_file import read_tensors
@@ -528,26 +528,15 @@ def load_dump(path) -> Dump:
         raise DumpError(f"{p}: cannot read it ({e.strerror or e})") from None
     side = p.with_name(p.name + ".manifest.json")
     if MANIFEST_KEY in meta:
-        man = _manifest_json(meta[MANIFEST_KEY], f"{p}: metadata '{MANIFEST_KEY}'")
+        man = json_object(meta[MANIFEST_KEY], f"{p}: metadata '{MANIFEST_KEY}'", DumpError)
     elif side.is_file():
         if side.stat().st_size > 16 * 2**20:
             raise DumpError(f"{side}: a manifest over 16 MiB")
-        man = _manifest_json(side.read_bytes(), str(side))
+        man = json_object(side.read_bytes(), str(side), DumpError)
     else:
         raise DumpError(f"{p}: no manifest (metadata key '{MANIFEST_KEY}' or sidecar {side.name})")
     validate_manifest(man, str(p))
     return Dump(manifest=man, tensors=tensors, source=str(p))
-
-
-def _manifest_json(raw, where: str) -> dict:
-    """A manifest's JSON: UTF-8, parseable, an object (a deeply nested or binary one is a DumpError)."""
-    try:
-        man = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise DumpError(f"{where} is not UTF-8 JSON ({type(e).__name__}: {str(e)[:120]})") from None
-    if not isinstance(man, dict):
-        raise DumpError(f"{where} is not a JSON object")
-    return man
 
 
 def capture_invariance(captured, uncaptured, chunk: int = 32) -> dict:

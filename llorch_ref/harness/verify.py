@@ -28,7 +28,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import os
 import re
 import stat
@@ -54,7 +53,7 @@ from ..dump import (
     validate_manifest,
 )
 from ..errors import HarnessError, ParameterError
-from ..json_doc import check_schema
+from ..json_doc import check_schema, parse_json
 from ..loaders.lazy_weights import mem_available
 from ..references.engines import dump_llamacpp, dump_transformers, gguf_config
 from ..references.llorch import record_engine
@@ -230,22 +229,11 @@ def _read_text(folder: Path, files: dict, name: str) -> str | None:
         return None
 
 
-def parse_json(text: str, where):
-    """text as JSON; HarnessError (one line) for text that is not JSON, a number past Python's digit limit,
-    or nesting deeper than the parser's recursion limit."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise HarnessError(f"{where}: JSON nested too deeply to read: not a file llorch-ref writes") from None
-    except ValueError as e:                        # JSONDecodeError, and integers of too many digits
-        raise HarnessError(f"{where}: not JSON ({str(e)[:120]})") from None
-
-
 def _read_json(folder: Path, files: dict, name: str):
     """A page as JSON; None when absent, not UTF-8 or not JSON (the page is then named as missing)."""
     text = _read_text(folder, files, name)
     try:
-        return None if text is None else parse_json(text, folder / name)
+        return None if text is None else parse_json(text, folder / name, HarnessError)
     except HarnessError:
         return None
 
@@ -265,7 +253,7 @@ def read_manifest(folder, files=None) -> dict:
         text = p.read_text()
     except UnicodeDecodeError as e:
         raise HarnessError(f"{p}: not UTF-8 ({e}): the manifest itself is damaged") from None
-    man = parse_json(text, p)
+    man = parse_json(text, p, HarnessError)
     if not isinstance(man, dict) or not isinstance(man.get("files"), dict) or "recipe" not in man:
         raise HarnessError(f"{p}: no 'files' and 'recipe': not a llorch-proof manifest")
     check_schema(man, MANIFEST_SCHEMA if man.get("format") == FORMAT else FILES_SCHEMA, p, HarnessError)
@@ -609,7 +597,7 @@ def read_result(folder: Path, files: dict) -> dict | None:
     text = _read_text(folder, files, "result.json")
     if text is None:
         return None
-    stored = parse_json(text, folder / "result.json")
+    stored = parse_json(text, folder / "result.json", HarnessError)
     check_schema(stored, RESULT_SCHEMA, folder / "result.json", HarnessError)
     return stored
 
