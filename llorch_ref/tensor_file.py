@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import tempfile
 import weakref
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -111,7 +112,32 @@ def _read_span(path: Path, begin: int, end: int) -> np.ndarray:
     return out
 
 
-class LazyTensors(dict):
+class ReadOnLookup(dict):
+    """A dict whose stored values stand for arrays kept elsewhere (a file's span, a .npy file): looking a name up
+    reads its array (the subclass's __getitem__), and so do iteration's consumers, items, values, get and pop;
+    the stored values themselves are never handed out."""
+
+    def __iter__(self):                    # dict(store) then reads each array (not the stored stand-ins)
+        return iter(self.keys())
+
+    def items(self):
+        return [(k, self[k]) for k in self.keys()]
+
+    def values(self):
+        return [self[k] for k in self.keys()]
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def pop(self, name, *default):
+        if name not in self:
+            return super().pop(name, *default)
+        a = self[name]
+        super().pop(name)
+        return a
+
+
+class LazyTensors(ReadOnLookup):
     """name -> array, read from the file each time a name is looked up (dict's other views read every tensor),
     and never kept: a comparison holds one tensor at a time, whatever the file's size. The file is checked
     whole when opened; the bytes are only read where asked for (read_rows: a span of rows)."""
@@ -133,9 +159,6 @@ class LazyTensors(dict):
         raw = _read_span(self._path, self._start + b0 + a * per, self._start + b0 + b * per)
         return _as_array(raw, dt, [b - a, per // WIDTH[dt]])
 
-    def __iter__(self):                    # dict(lazy) then reads each tensor (not dict's stored placeholders)
-        return iter(self.keys())
-
     def shape(self, name) -> list:
         """The tensor's shape as its header gives it, without reading it."""
         return list(self._entries[name][1])
@@ -144,19 +167,6 @@ class LazyTensors(dict):
         """The NumPy kind the tensor reads as ('f' float32, 'i' int64), without reading it."""
         dt = self._entries[name][0]
         return "f" if dt.startswith(("F", "BF")) else ("b" if dt == "BOOL" else "i")
-
-    def items(self):
-        return [(k, self[k]) for k in self.keys()]
-
-    def values(self):
-        return [self[k] for k in self.keys()]
-
-    def pop(self, name, *default):
-        if name not in self:
-            return super().pop(name, *default)
-        a = self[name]
-        super().pop(name)
-        return a
 
 
 def read_tensors(path) -> tuple[LazyTensors, dict]:
@@ -207,7 +217,7 @@ class RowWriter:
             self._f.close()
 
 
-class SpillStore(dict):
+class SpillStore(ReadOnLookup):
     """name -> array kept in a temporary folder (one .npy file each) instead of memory: a long prompt's dump
     (every row of every layer) is written as it is recorded and read back one tensor at a time. Looking a
     name up reads the file into a fresh array (never kept); read_rows reads a span of rows; write_rows
@@ -277,23 +287,91 @@ class SpillStore(dict):
 
     def nbytes(self) -> int:
         """The bytes the store holds on disk."""
-        return sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for _, s, d in super().values())
+        return sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for _, s, d in dict.values(self))
 
-    def __iter__(self):
-        return iter(self.keys())
 
-    def items(self):
-        return [(k, self[k]) for k in self.keys()]
 
-    def values(self):
-        return [self[k] for k in self.keys()]
+def write_npz(path, items):
+    """items: (name, array) pairs, consumed one after another -> a compressed .npz (np.savez_compressed's
+    format: a deflated zip64 member name.npy each), each array written as its turn comes and dropped after:
+    a generator that reads each from disk keeps one in memory at a time, whatever the run's length."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, allowZip64=True) as z:
+        for name, a in items:
+            with z.open(f"{name}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(a), allow_pickle=False)
+            del a
 
-    def get(self, name, default=None):
-        return self[name] if name in self else default
 
-    def pop(self, name, *default):
-        if name not in self:
-            return super().pop(name, *default)
-        a = self[name]
-        super().pop(name)
+def npy_header(f) -> tuple[tuple, np.dtype]:
+    """-> (shape, dtype) of an .npy stream, read past its header (the data follows)."""
+    version = np.lib.format.read_magic(f)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read(f)
+    if fortran:
+        raise DumpError("an .npy member in Fortran order: not as llorch-ref writes it")
+    return tuple(shape), dtype
+
+
+class NpzTensors(ReadOnLookup):
+    """name -> array of one or more .npz files' members, read from the file each time a name is looked up and
+    never kept (a bundle of a long run: one tensor in memory at a time). members: {name: (path, member)};
+    shapes and dtypes come from the members' headers, read without their data."""
+
+    def __init__(self, members: dict, error=DumpError):
+        """error: the exception (one line) a damaged member raises when it is read."""
+        super().__init__({name: None for name in members})
+        self._members, self._error = dict(members), error
+        self._heads = {}
+        for name, (path, member) in self._members.items():
+            with zipfile.ZipFile(path) as z, z.open(member) as f:
+                self._heads[name] = npy_header(f)
+
+    @classmethod
+    def joined(cls, parts, error=DumpError) -> "NpzTensors":
+        """Several files' tensors as one mapping (none of them read)."""
+        members = {}
+        for p in parts:
+            members.update(p._members)
+        return cls(members, error)
+
+    def __getitem__(self, name):
+        super().__getitem__(name)                         # KeyError for a name no file holds
+        path, member = self._members[name]
+        try:
+            with zipfile.ZipFile(path) as z, z.open(member) as f:
+                return self._track(np.lib.format.read_array(f, allow_pickle=False))
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, RuntimeError) as e:
+            raise self._error(f"{path}: {name} is damaged or truncated ({type(e).__name__}: {str(e)[:120]})") from None
+
+    def read_rows(self, name, a: int, b: int, n_rows: int) -> np.ndarray:
+        """Rows a..b-1 of a tensor whose bytes hold n_rows equal rows -> [b - a, row size]: the member inflated
+        as far as row b, the rows before a skipped a span at a time (never the whole tensor in memory)."""
+        path, member = self._members[name]
+        shape, dt = self._heads[name]
+        per = int(np.prod(shape, dtype=np.int64)) * dt.itemsize // n_rows
+        with zipfile.ZipFile(path) as z, z.open(member) as f:
+            npy_header(f)
+            skip = a * per
+            while skip:
+                skip -= len(f.read(min(skip, 16 * 2**20)))
+            raw = f.read((b - a) * per)
+        if len(raw) != (b - a) * per:
+            raise DumpError(f"{path}: {name} is truncated")
+        return self._track(np.frombuffer(raw, dtype=dt).reshape(b - a, -1))
+
+    live = peak_live = 0
+
+    def _track(self, a):
+        self.live += 1
+        self.peak_live = max(self.peak_live, self.live)
+        weakref.finalize(a, self._untrack)
         return a
+
+    def _untrack(self):
+        self.live -= 1
+
+    def shape(self, name) -> list:
+        return list(self._heads[name][0])
+
+    def kind(self, name) -> str:
+        return self._heads[name][1].kind
