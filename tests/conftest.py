@@ -61,3 +61,17 @@ def tiny(tmp_path_factory):
             made[key] = write_tiny_model(d / f"{name}.gguf", **kw)
         return made[key]
     return make
+
+
+@pytest.fixture(scope="module")
+def bpe_model(tiny):
+    """A tiny F32 model of 2 layers with a BPE vocabulary (the file is made once a session)."""
+    return tiny(weight_type="F32", n_layers=2, vocab="bpe")
+
+
+@pytest.fixture(scope="module")
+def bpe_engine(bpe_model):
+    """llorch-ref on bpe_model, weights loaded eagerly: one engine per test module (tests change its config)."""
+    import llorch_ref
+
+    return llorch_ref.load(bpe_model, weights="eager")

@@ -23,3 +23,8 @@ def need_backend(name):
         if name in machine_config().get("require_backends", []):
             pytest.fail(f"backend {name} is required by .llorch-test.toml but unavailable: {reason}")
         pytest.skip(f"backend {name} unavailable: {reason}")
+
+
+def where(fd):
+    """A first divergence (verdict JSON) -> (step, checkpoint, layer, tensor); None for none."""
+    return None if fd is None else (fd["step"], fd["checkpoint"], fd["layer"], fd["tensor"])

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from llorch_test_helpers import where
 
 import llorch_ref
 from llorch_ref.dump import Dump, load_dump
@@ -21,26 +22,12 @@ PROMPT = "Once upon a time, there was"
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def model(tiny):
-    return tiny(weight_type="F32", n_layers=2, vocab="bpe")
-
-
-@pytest.fixture(scope="module")
-def ref_engine(model):
-    return llorch_ref.load(model, weights="eager")
-
-
-def where(fd):
-    return None if fd is None else (fd["step"], fd["checkpoint"], fd["layer"], fd["tensor"])
-
-
-def compare_planted(ref_engine, monkeypatch, plant, config=None):
+def compare_planted(bpe_engine, monkeypatch, plant, config=None):
     """The subject: llorch-ref with a bug planted while it records the prompt and STEPS decode steps; the
     reference: llorch-ref, clean, fed the subject's tokens. -> the comparison (local figures included)."""
-    eng = ref_engine
+    eng = bpe_engine
     if config is not None:
-        eng = llorch_ref.load(ref_engine.path, weights="eager")
+        eng = llorch_ref.load(bpe_engine.path, weights="eager")
         eng.config = dataclasses.replace(eng.config, **config)
     ids = eng.tokenizer.encode(PROMPT)
     assert not config or len(ids) > config["sliding_window"]          # the prompt crosses the window
@@ -52,11 +39,11 @@ def compare_planted(ref_engine, monkeypatch, plant, config=None):
 
 
 @pytest.mark.parametrize("name", list(DECODE_BUGS))
-def test_a_decode_only_bug_is_named_at_its_step_checkpoint_and_layer(ref_engine, monkeypatch, name):
+def test_a_decode_only_bug_is_named_at_its_step_checkpoint_and_layer(bpe_engine, monkeypatch, name):
     plant, config, expect = DECODE_BUGS[name]
     if config and "sliding_window" in config:
-        config = {**config, "local_layers": (True,) * ref_engine.config.n_layers}
-    res = compare_planted(ref_engine, monkeypatch, plant, config)
+        config = {**config, "local_layers": (True,) * bpe_engine.config.n_layers}
+    res = compare_planted(bpe_engine, monkeypatch, plant, config)
     fd = res.first_divergence
     assert where(fd) == expect, fd
     assert fd["by"] == "local error"
@@ -64,16 +51,16 @@ def test_a_decode_only_bug_is_named_at_its_step_checkpoint_and_layer(ref_engine,
         assert all(not r.diverges for r in res.rows if r.step == 0 and r.checkpoint != "12")
 
 
-def test_the_clean_engine_passes_every_step(ref_engine, monkeypatch):
-    res = compare_planted(ref_engine, monkeypatch, lambda mp, n: None)
+def test_the_clean_engine_passes_every_step(bpe_engine, monkeypatch):
+    res = compare_planted(bpe_engine, monkeypatch, lambda mp, n: None)
     assert res.first_divergence is None
     steps = {r.step for r in res.rows}
     assert steps == {0, 1, 2, 3} and all(r.local is not None for r in res.rows if r.step and r.layer is not None)
 
 
-def test_steps_round_trip_through_a_file(ref_engine, tmp_path):
-    ids = ref_engine.tokenizer.encode(PROMPT)
-    rec = record_engine(ref_engine, ids, n_greedy=0, decode_steps=2)
+def test_steps_round_trip_through_a_file(bpe_engine, tmp_path):
+    ids = bpe_engine.tokenizer.encode(PROMPT)
+    rec = record_engine(bpe_engine, ids, n_greedy=0, decode_steps=2)
     d = load_dump(rec.save(tmp_path / "d.safetensors"))
     assert d.manifest["format"] == "llorch-dump/3" and sorted(d.steps) == [1, 2]
     v = d.step_view(2)
@@ -84,13 +71,13 @@ def test_steps_round_trip_through_a_file(ref_engine, tmp_path):
         Dump(manifest=man, tensors=dict(rec.tensors), source="x")
 
 
-def test_steps_must_feed_the_same_tokens(ref_engine):
-    ids = ref_engine.tokenizer.encode(PROMPT)
-    a = record_engine(ref_engine, ids, n_greedy=0, decode_steps=2).to_dump()
-    b = record_engine(ref_engine, ids, n_greedy=0, decode_ids=[1, 2]).to_dump()
+def test_steps_must_feed_the_same_tokens(bpe_engine):
+    ids = bpe_engine.tokenizer.encode(PROMPT)
+    a = record_engine(bpe_engine, ids, n_greedy=0, decode_steps=2).to_dump()
+    b = record_engine(bpe_engine, ids, n_greedy=0, decode_ids=[1, 2]).to_dump()
     from llorch_ref.errors import HarnessError
     with pytest.raises(HarnessError, match="different decode tokens"):
-        compare_dumps(a, b, ref_engine.config, "F32")
+        compare_dumps(a, b, bpe_engine.config, "F32")
 
 
 @pytest.mark.llamacpp
@@ -137,13 +124,13 @@ def make_dump(model_path, token_ids, decode_steps=0):
 '''
 
 
-def test_the_pytest_plugin_names_a_decode_only_bug(model, tmp_path):
+def test_the_pytest_plugin_names_a_decode_only_bug(bpe_model, tmp_path):
     import re
     proj = tmp_path / "proj"
     proj.mkdir()
     (proj / "my_engine.py").write_text(SUBJECT)
     env = {"PYTHONPATH": str(proj)}
-    args = ["-q", "-p", "no:cacheprovider", "--llorch-subject=my_engine:make_dump", f"--llorch-model={model}", "-vv"]
+    args = ["-q", "-p", "no:cacheprovider", "--llorch-subject=my_engine:make_dump", f"--llorch-model={bpe_model}", "-vv"]
     run = lambda *a: subprocess.run([sys.executable, "-m", "pytest", *args, *a], cwd=proj, capture_output=True,
                                     text=True, timeout=600, env={**__import__("os").environ, **env})
     r = run()                                     # no decode steps: the bug is invisible
@@ -155,12 +142,12 @@ def test_the_pytest_plugin_names_a_decode_only_bug(model, tmp_path):
     assert "q@step1" in r.stdout and "first divergence: checkpoint 1B, layer 0, q@step1" in r.stdout, r.stdout[-3000:]
 
 
-def test_transformers_decode_steps_pass(model):
+def test_transformers_decode_steps_pass(bpe_model):
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
     from llorch_ref.references.engines import dump_transformers
 
-    eng = llorch_ref.load(model, weights="eager")
-    sub = dump_transformers(model, prompt=PROMPT, n_greedy=4, decode_steps=3).to_dump()
+    eng = llorch_ref.load(bpe_model, weights="eager")
+    sub = dump_transformers(bpe_model, prompt=PROMPT, n_greedy=4, decode_steps=3).to_dump()
     assert sorted(sub.steps) == [1, 2, 3] and len(sub.decode_token_ids) == 3
     res = run_subject(eng, sub, "F32")
     assert res.first_divergence is None, res.first_divergence

@@ -25,29 +25,19 @@ TEXT = ("The history of the Roman Empire spans many centuries, from the founding
         "Constantinople in 1453, and its")
 
 
-@pytest.fixture(scope="module")
-def model(tiny):
-    return tiny(weight_type="F32", n_layers=2, vocab="bpe")
-
-
-@pytest.fixture(scope="module")
-def eng(model):
-    return llorch_ref.load(model, weights="eager")
-
-
 def entry_of(name):
     cp, t = name.split(".")[0][2:], name.split(".")[1]
     return catalogue()[(cp, t)]
 
 
-def test_a_dump_of_chosen_rows_holds_exactly_those_rows(eng):
-    ids = eng.tokenizer.encode(TEXT)
+def test_a_dump_of_chosen_rows_holds_exactly_those_rows(bpe_engine):
+    ids = bpe_engine.tokenizer.encode(TEXT)
     rows = [0, 3, len(ids) // 2, len(ids) - 1]
-    full = record_engine(eng, ids, prompt=TEXT, n_greedy=0)
-    part = record_engine(eng, ids, prompt=TEXT, n_greedy=0, rows=rows)
+    full = record_engine(bpe_engine, ids, prompt=TEXT, n_greedy=0)
+    part = record_engine(bpe_engine, ids, prompt=TEXT, n_greedy=0, rows=rows)
     assert part.manifest()["rows"] == rows and set(part.tensors) == set(full.tensors)
     assert part.tensors["cp0.token_ids"].tolist() == ids                # the tokenization is no row tensor
-    last = f".layer{eng.config.n_layers - 1}"
+    last = f".layer{bpe_engine.config.n_layers - 1}"
     after_cut = ("ffn_inp", "ffn_norm", "ffn_swiglu", "ffn_out", "l_out", "attn_post_norm", "ffn_post_norm")
     for name, a in full.tensors.items():
         want = select_rows(entry_of(name), a, rows)
@@ -61,11 +51,11 @@ def test_a_dump_of_chosen_rows_holds_exactly_those_rows(eng):
             assert part.tensors[name].shape[0] == len(ids)            # caches keep every position
 
 
-def test_the_clean_engine_passes_at_chosen_rows(eng):
-    ids = eng.tokenizer.encode(TEXT)
+def test_the_clean_engine_passes_at_chosen_rows(bpe_engine):
+    ids = bpe_engine.tokenizer.encode(TEXT)
     rows = [1, 7, len(ids) - 1]
-    sub = record_engine(eng, ids, n_greedy=0, rows=rows).to_dump()
-    res = run_subject(eng, sub, "F32")
+    sub = record_engine(bpe_engine, ids, n_greedy=0, rows=rows).to_dump()
+    res = run_subject(bpe_engine, sub, "F32")
     assert res.first_divergence is None and res.positions == rows
     assert all(r.local_passed for r in res.rows if r.local is not None)
     bp = res.by_position()
@@ -75,8 +65,8 @@ def test_the_clean_engine_passes_at_chosen_rows(eng):
 @pytest.mark.parametrize("bug,checkpoint", [(B.off_by_one_position, "1B"), (B.missing_gqa_repeat, "4"),
                                             (B.wrong_attention_scale, "4")],
                          ids=["off_by_one_position", "missing_gqa_repeat", "wrong_attention_scale"])
-def test_a_planted_bug_is_named_from_chosen_rows_alone(model, bug, checkpoint, monkeypatch):
-    ref, subject = llorch_ref.load(model, weights="eager"), llorch_ref.load(model, weights="eager")
+def test_a_planted_bug_is_named_from_chosen_rows_alone(bpe_model, bug, checkpoint, monkeypatch):
+    ref, subject = llorch_ref.load(bpe_model, weights="eager"), llorch_ref.load(bpe_model, weights="eager")
     ids = ref.tokenizer.encode(TEXT)
     rows = [2, 9, len(ids) - 1]
     bug(monkeypatch, subject)
@@ -89,27 +79,27 @@ def test_a_planted_bug_is_named_from_chosen_rows_alone(model, bug, checkpoint, m
     assert max(bp["worst_local_nmse"]) > 1e-6 and bp["positions"] == rows
 
 
-def test_rows_must_be_increasing_indices(eng):
-    d = record_engine(eng, eng.tokenizer.encode(TEXT), n_greedy=0, rows=[0, 1]).to_dump()
+def test_rows_must_be_increasing_indices(bpe_engine):
+    d = record_engine(bpe_engine, bpe_engine.tokenizer.encode(TEXT), n_greedy=0, rows=[0, 1]).to_dump()
     man = {**d.manifest, "rows": [1, 0]}
     with pytest.raises(DumpError, match="rows"):
         Dump(manifest=man, tensors={}, source="x")
     with pytest.raises(ParameterError, match="rows"):
-        record_engine(eng, [1, 2, 3], n_greedy=0, rows=[5])
+        record_engine(bpe_engine, [1, 2, 3], n_greedy=0, rows=[5])
 
 
-def test_kq_entries_no_query_sees_are_not_compared(eng):
+def test_kq_entries_no_query_sees_are_not_compared(bpe_engine):
     """An engine fed token by token never computes a query's scores against later positions: zeroing them
     in the subject leaves the comparison passing; changing a seen entry does not."""
-    ids = eng.tokenizer.encode(TEXT)
-    ref = record_engine(eng, ids, n_greedy=0).to_dump()
-    sub = record_engine(eng, ids, n_greedy=0)
+    ids = bpe_engine.tokenizer.encode(TEXT)
+    ref = record_engine(bpe_engine, ids, n_greedy=0).to_dump()
+    sub = record_engine(bpe_engine, ids, n_greedy=0)
     for name in [n for n in sub.tensors if n.startswith("cp4.kq.")]:
         a = sub.tensors[name]
         sub.tensors[name] = np.where(np.tril(np.ones(a.shape[1:], bool))[None], a, np.float32(0))
-    assert compare_dumps(sub.to_dump(), ref, eng.config, "F32").passed("4")
+    assert compare_dumps(sub.to_dump(), ref, bpe_engine.config, "F32").passed("4")
     sub.tensors["cp4.kq.layer1"][0, 3, 2] += 1.0
-    res = compare_dumps(sub.to_dump(), ref, eng.config, "F32")
+    res = compare_dumps(sub.to_dump(), ref, bpe_engine.config, "F32")
     assert not res.passed("4") and res.first_divergence["tensor"] == "kq"
 
 
@@ -163,7 +153,7 @@ def cli(*a):
                           timeout=600)
 
 
-def test_rows_and_prompt_file_options(model, tmp_path):
+def test_rows_and_prompt_file_options(bpe_model, tmp_path):
     from llorch_ref.dump import parse_rows
 
     assert parse_rows("every:4", 10) == [0, 4, 8, 9] and parse_rows("last", 10) == [9]
@@ -174,7 +164,7 @@ def test_rows_and_prompt_file_options(model, tmp_path):
     f = tmp_path / "prompt.txt"
     f.write_text(TEXT, encoding="utf-8")
     out = tmp_path / "d.safetensors"
-    r = cli("dump", "--engine", "llorch", "--model", model, "--prompt-file", f, "--rows", "every:8", "--greedy", "0",
+    r = cli("dump", "--engine", "llorch", "--model", bpe_model, "--prompt-file", f, "--rows", "every:8", "--greedy", "0",
             "--out", out)
     assert r.returncode == 0, r.stderr
     d = Dump.__new__(Dump)
@@ -185,28 +175,28 @@ def test_rows_and_prompt_file_options(model, tmp_path):
     for args, msg in [(("--prompt-file", tmp_path / "missing.txt"), "cannot read it"),
                       (("--prompt-file", f, "--prompt", "hi"), "not both"),
                       (("--rows", "0-999"), "outside the prompt's rows")]:
-        r = cli("dump", "--engine", "llorch", "--model", model, "--greedy", "0", "--out", tmp_path / "e.safetensors",
+        r = cli("dump", "--engine", "llorch", "--model", bpe_model, "--greedy", "0", "--out", tmp_path / "e.safetensors",
                 *args)
         assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
-    r = cli("diff", "--subject", out, "--model", model, "--rows", "last")
+    r = cli("diff", "--subject", out, "--model", bpe_model, "--rows", "last")
     assert r.returncode != 0 and "holds its own rows" in r.stderr and "Traceback" not in r.stderr
-    r = cli("diff", "--subject", out, "--model", model, "--json")
+    r = cli("diff", "--subject", out, "--model", bpe_model, "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["by_position"]["positions"] == d.rows
 
 
-def test_transformers_dump_of_chosen_rows_with_decode_steps(model, eng):
+def test_transformers_dump_of_chosen_rows_with_decode_steps(bpe_model, bpe_engine):
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
     from llorch_ref.references.engines import dump_transformers
 
-    ids = eng.tokenizer.encode(TEXT)
+    ids = bpe_engine.tokenizer.encode(TEXT)
     rows = [0, 5, 11]
-    full = dump_transformers(model, token_ids=ids, n_greedy=0)
-    part = dump_transformers(model, token_ids=ids, n_greedy=0, rows=rows, decode_steps=2)
+    full = dump_transformers(bpe_model, token_ids=ids, n_greedy=0)
+    part = dump_transformers(bpe_model, token_ids=ids, n_greedy=0, rows=rows, decode_steps=2)
     kept = rows + [len(ids) - 1]
     for name, a in full.tensors.items():
         assert np.allclose(part.tensors[name], select_rows(entry_of(name), a, kept), rtol=0, atol=1e-5), name
-    res = run_subject(eng, part.to_dump(), "F32")
+    res = run_subject(bpe_engine, part.to_dump(), "F32")
     assert res.first_divergence is None and res.positions == kept
     assert {r.step for r in res.rows} == {0, 1, 2}
 
@@ -230,14 +220,14 @@ def make_dump(model_path, token_ids, rows=None):
 '''
 
 
-def test_the_pytest_plugin_passes_rows_and_a_prompt_file(model, tmp_path):
+def test_the_pytest_plugin_passes_rows_and_a_prompt_file(bpe_model, tmp_path):
     import os
     import re
     proj = tmp_path / "proj"
     proj.mkdir()
     (proj / "my_engine.py").write_text(PLUGIN_SUBJECT)
     (proj / "prompt.txt").write_text(TEXT, encoding="utf-8")
-    args = ["-q", "-p", "no:cacheprovider", "--llorch-subject=my_engine:make_dump", f"--llorch-model={model}", "-vv",
+    args = ["-q", "-p", "no:cacheprovider", "--llorch-subject=my_engine:make_dump", f"--llorch-model={bpe_model}", "-vv",
             "--llorch-prompt-file=prompt.txt", "--llorch-rows=every:6"]
     run = lambda **env: subprocess.run([sys.executable, "-m", "pytest", *args], cwd=proj, capture_output=True,
                                        text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(proj), **env})
@@ -250,19 +240,19 @@ def test_the_pytest_plugin_passes_rows_and_a_prompt_file(model, tmp_path):
 
 
 @pytest.mark.parametrize("ubatch", [1, 5])
-def test_transformers_micro_batches_put_together(model, eng, ubatch):
+def test_transformers_micro_batches_put_together(bpe_model, bpe_engine, ubatch):
     """transformers fed the prompt in micro-batches on one cache: the rows put together, the probabilities at
     their positions; the dump passes against the reference (and equals the one-batch dump before attention)."""
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
     from llorch_ref.references.engines import dump_transformers
 
-    ids = eng.tokenizer.encode(TEXT)
-    one = dump_transformers(model, token_ids=ids, n_greedy=0)
-    split = dump_transformers(model, token_ids=ids, n_greedy=0, n_ubatch=ubatch, decode_steps=2)
+    ids = bpe_engine.tokenizer.encode(TEXT)
+    one = dump_transformers(bpe_model, token_ids=ids, n_greedy=0)
+    split = dump_transformers(bpe_model, token_ids=ids, n_greedy=0, n_ubatch=ubatch, decode_steps=2)
     assert split.extra["arithmetic"]["settings"]["n_ubatch"] == ubatch
     assert np.array_equal(split.tensors["cp1.attn_norm.layer0"], one.tensors["cp1.attn_norm.layer0"])
     assert np.allclose(split.tensors["cp2.q_proj.layer0"], one.tensors["cp2.q_proj.layer0"], atol=1e-5)  # BLAS shape
-    res = run_subject(eng, split.to_dump(), "F32")
+    res = run_subject(bpe_engine, split.to_dump(), "F32")
     assert res.first_divergence is None, res.first_divergence
     assert res.passed("4") and {r.step for r in res.rows} == {0, 1, 2}
     assert not [w for w in res.warnings if "capture" in w], res.warnings     # the captured run = the plain one

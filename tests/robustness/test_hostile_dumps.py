@@ -19,13 +19,8 @@ PROMPT = "Once upon a time, there was"
 
 
 @pytest.fixture(scope="module")
-def model(tiny):
-    return tiny(weight_type="F32", n_layers=2, vocab="bpe")
-
-
-@pytest.fixture(scope="module")
-def rec(model):
-    eng = llorch_ref.load(model, weights="eager")
+def rec(bpe_model):
+    eng = llorch_ref.load(bpe_model, weights="eager")
     return record_engine(eng, eng.tokenizer.encode(PROMPT), prompt=PROMPT, n_greedy=4)
 
 
@@ -76,10 +71,10 @@ def test_an_f8_tensor_is_read(rec, tmp_path):
     assert np.all(load_dump(p).raw("7", "l_out", 0) == 1.0)
 
 
-def test_a_bfloat16_dump_gets_a_verdict_not_a_traceback(rec, model, tmp_path, capsys):
+def test_a_bfloat16_dump_gets_a_verdict_not_a_traceback(rec, bpe_model, tmp_path, capsys):
     t = dict(rec.tensors)
     p = write(tmp_path / "d.safetensors", t, rec.manifest(), dtypes={k: "BF16" for k in t if t[k].dtype == np.float32})
-    rc, out, err = diff(p, model, capsys)
+    rc, out, err = diff(p, bpe_model, capsys)
     assert rc in (0, 1) and "verdict: " in out and "Traceback" not in err
 
 
@@ -114,31 +109,31 @@ def _hostile(rec, tmp_path):
                                   "bytes that do not fit the shape", "unknown dtype", "prompt past the context",
                                   "decode tokens past the context", "sidecar nested too deep", "sidecar not UTF-8",
                                   "header not JSON"])
-def test_a_hostile_dump_is_refused_in_one_line(rec, model, tmp_path, capsys, case):
+def test_a_hostile_dump_is_refused_in_one_line(rec, bpe_model, tmp_path, capsys, case):
     make, says = _hostile(rec, tmp_path)[case]
     p = tmp_path / "d.safetensors"
     make(p)
-    rc, out, err = diff(p, model, capsys)
+    rc, out, err = diff(p, bpe_model, capsys)
     assert rc == 2, (out[-500:], err[-1500:])
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: ") and says in last and err.count("error: ") == 1 and "Traceback" not in err, err
 
 
-def test_a_comparison_too_big_for_memory_is_refused_before_it_runs(rec, model, tmp_path, capsys, monkeypatch):
+def test_a_comparison_too_big_for_memory_is_refused_before_it_runs(rec, bpe_model, tmp_path, capsys, monkeypatch):
     import llorch_ref.harness.run as run
     monkeypatch.setattr(run, "mem_available", lambda: 2**10)
     p = write(tmp_path / "d.safetensors", dict(rec.tensors), rec.manifest())
-    rc, out, err = diff(p, model, capsys)
+    rc, out, err = diff(p, bpe_model, capsys)
     assert rc == 2 and "comparing this dump needs about" in err and "--rows" in err, err
 
 
-def test_mutated_dumps_never_trace_back_and_never_pass(rec, model, tmp_path, capsys):
+def test_mutated_dumps_never_trace_back_and_never_pass(rec, bpe_model, tmp_path, capsys):
     """A few hundred dumps, each with one tensor's values or one header or manifest field mutated: every run
     ends in a verdict or a one-line refusal, and a dump with a changed tensor never gets PASS."""
     rng = np.random.default_rng(7)
     man, t = rec.manifest(), dict(rec.tensors)
     floats = sorted(k for k in t if t[k].dtype == np.float32 and not k.startswith("cp11"))
-    eng = llorch_ref.load(model, weights="eager")
+    eng = llorch_ref.load(bpe_model, weights="eager")
     from llorch_ref.errors import LlorchError
     from llorch_ref.harness.run import run_subject
     outcomes = {}
@@ -169,6 +164,6 @@ def test_mutated_dumps_never_trace_back_and_never_pass(rec, model, tmp_path, cap
         field = ["token_ids", "rows", "layouts", "engine", "format", "decode_token_ids"][i % 6]
         value = [[-1], [10**9], "x", {"rope_pairs": "spiral"}, None, [[1]]][int(rng.integers(6))]
         p = write(tmp_path / f"m{i}.safetensors", t, {**man, field: value})
-        rc, out, err = diff(p, model, capsys)
+        rc, out, err = diff(p, bpe_model, capsys)
         assert rc in (1, 2, 3) and "Traceback" not in err, (field, value, err[-800:])
         assert rc != 2 or (err.strip().splitlines()[-1].startswith("error: ") and err.count("error: ") == 1), err
