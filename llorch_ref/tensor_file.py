@@ -181,6 +181,22 @@ def read_tensors(path) -> tuple[LazyTensors, dict]:
     return LazyTensors(path, entries, start), meta
 
 
+class CountsLive:
+    """Counts the arrays it hands out (through _track) that are still alive, `live`, and the most alive at once,
+    `peak_live`: what a test of bounded memory reads."""
+
+    live = peak_live = 0
+
+    def _track(self, a):
+        self.live += 1
+        self.peak_live = max(self.peak_live, self.live)
+        weakref.finalize(a, self._untrack)
+        return a
+
+    def _untrack(self):
+        self.live -= 1
+
+
 class RowWriter:
     """SpillStore.row_writer's writer: parts appended to one .npy file, the name held on close() once the
     bytes add up to the shape (a context manager: closed on leaving it; a short tensor is a DumpError)."""
@@ -217,7 +233,7 @@ class RowWriter:
             self._f.close()
 
 
-class SpillStore(ReadOnLookup):
+class SpillStore(ReadOnLookup, CountsLive):
     """name -> array kept in a temporary folder (one .npy file each) instead of memory: a long prompt's dump
     (every row of every layer) is written as it is recorded and read back one tensor at a time. Looking a
     name up reads the file into a fresh array (never kept); read_rows reads a span of rows; write_rows
@@ -230,7 +246,6 @@ class SpillStore(ReadOnLookup):
         self._tmp = tempfile.TemporaryDirectory(prefix=prefix)
         self._dir = Path(self._tmp.name)
         self._n = 0
-        self.live = self.peak_live = 0
 
     def _path(self) -> Path:
         self._n += 1
@@ -256,15 +271,6 @@ class SpillStore(ReadOnLookup):
 
     def _hold(self, name, path, shape, dt):
         super().__setitem__(name, (path, tuple(shape), dt.str))
-
-    def _track(self, a):
-        self.live += 1
-        self.peak_live = max(self.peak_live, self.live)
-        weakref.finalize(a, self._untrack)
-        return a
-
-    def _untrack(self):
-        self.live -= 1
 
     def __getitem__(self, name):
         path, _, _ = super().__getitem__(name)
@@ -312,7 +318,7 @@ def npy_header(f) -> tuple[tuple, np.dtype]:
     return tuple(shape), dtype
 
 
-class NpzTensors(ReadOnLookup):
+class NpzTensors(ReadOnLookup, CountsLive):
     """name -> array of one or more .npz files' members, read from the file each time a name is looked up and
     never kept (a bundle of a long run: one tensor in memory at a time). members: {name: (path, member)};
     shapes and dtypes come from the members' headers, read without their data."""
@@ -358,17 +364,6 @@ class NpzTensors(ReadOnLookup):
         if len(raw) != (b - a) * per:
             raise DumpError(f"{path}: {name} is truncated")
         return self._track(np.frombuffer(raw, dtype=dt).reshape(b - a, -1))
-
-    live = peak_live = 0
-
-    def _track(self, a):
-        self.live += 1
-        self.peak_live = max(self.peak_live, self.live)
-        weakref.finalize(a, self._untrack)
-        return a
-
-    def _untrack(self):
-        self.live -= 1
 
     def shape(self, name) -> list:
         return list(self._heads[name][0])
