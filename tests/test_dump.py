@@ -1,6 +1,7 @@
 """The llorch-dump format: writing, reading, validation, layouts; any engine as the subject of the suite."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -264,6 +265,14 @@ def test_torch_engine_with_other_layouts_passes(torch_subject, engine_f32):
     assert res.greedy["equal_prefix"] == 8
 
 
+@pytest.fixture(scope="module")
+def f32_prompt_record(engine_f32):
+    """llorch-ref's recording of PROMPT on the F32 copy without greedy tokens: the reference of every planted
+    torch run (each compares against its own copy)."""
+    from llorch_ref.references.llorch import record_engine
+    return record_engine(engine_f32, engine_f32.tokenizer.encode(PROMPT), n_greedy=0)
+
+
 @pytest.mark.default_model
 @pytest.mark.parametrize("bug,where", [
     ("rms_eps", ("1", 0, "attn_norm")),
@@ -272,12 +281,11 @@ def test_torch_engine_with_other_layouts_passes(torch_subject, engine_f32):
     ("gqa_tile", ("4", 0, "kq")),
     ("scale", ("4", 0, "kq_soft_max")),
 ])
-def test_torch_engine_planted_bugs_fail_at_their_checkpoint(torch_subject, engine_f32, bug, where):
+def test_torch_engine_planted_bugs_fail_at_their_checkpoint(torch_subject, engine_f32, f32_prompt_record, bug, where):
     from llorch_ref.harness.compare import compare_dumps
-    from llorch_ref.references.llorch import record_engine
     mod, folder = torch_subject
     ids = engine_f32.tokenizer.encode(PROMPT)
-    res = compare_dumps(mod.run(folder, ids, bug=bug, n_greedy=0).to_dump(), record_engine(engine_f32, ids, n_greedy=0),
+    res = compare_dumps(mod.run(folder, ids, bug=bug, n_greedy=0).to_dump(), copy.deepcopy(f32_prompt_record),
                         engine_f32.config, "F32")
     fd = res.first_divergence
     assert fd is not None and (fd["checkpoint"], fd["layer"], fd["tensor"]) == where
