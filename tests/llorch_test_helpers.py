@@ -25,6 +25,19 @@ def need_backend(name):
         pytest.skip(f"backend {name} unavailable: {reason}")
 
 
+def tiny_hf_gguf(folder: Path, arch: str) -> tuple:
+    """A tiny random transformers model of `arch` (testing.tiny_hf) under folder, and its GGUF made by llorch-ref's
+    converter -> (the Hugging Face folder, the GGUF path, the transformers model); skips where torch or
+    transformers is missing."""
+    pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]')")
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+    from llorch_ref.convert import convert_hf_to_gguf
+    from llorch_ref.testing.tiny_hf import write_tiny_hf
+
+    hf, model = write_tiny_hf(folder / arch, arch)
+    return hf, convert_hf_to_gguf(hf, folder / f"{arch}.gguf"), model
+
+
 def where(fd):
     """A first divergence (verdict JSON) -> (step, checkpoint, layer, tensor); None for none."""
     return None if fd is None else (fd["step"], fd["checkpoint"], fd["layer"], fd["tensor"])

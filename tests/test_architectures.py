@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from llorch_test_helpers import tiny_hf_gguf
 
 import llorch_ref
 
@@ -13,13 +14,8 @@ PROMPT = "Once upon a time, there was a little"
 
 @pytest.fixture(scope="module", params=["llama2", "llama3", "mistral", "qwen2", "phi3", "gemma3"])
 def arch_model(request, tmp_path_factory):
-    pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]')")
-    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
-    from llorch_ref.convert import convert_hf_to_gguf
-    from llorch_ref.testing.tiny_hf import write_tiny_hf
-    d = tmp_path_factory.mktemp("arch")
-    folder, _ = write_tiny_hf(d / request.param, request.param)
-    return request.param, folder, convert_hf_to_gguf(folder, d / f"{request.param}.gguf")
+    folder, g, _ = tiny_hf_gguf(tmp_path_factory.mktemp("arch"), request.param)
+    return request.param, folder, g
 
 
 @pytest.mark.llamacpp

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from llorch_test_helpers import tiny_hf_gguf
 
 import llorch_ref
 
@@ -15,13 +16,7 @@ PROMPT = "Once upon a time, there was a little"     # 12 tokens: longer than the
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]')")
-    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
-    from llorch_ref.convert import convert_hf_to_gguf
-    from llorch_ref.testing.tiny_hf import write_tiny_hf
-    d = tmp_path_factory.mktemp("gemma3")
-    folder, model = write_tiny_hf(d / "gemma3", "gemma3")
-    return folder, convert_hf_to_gguf(folder, d / "gemma3.gguf"), model
+    return tiny_hf_gguf(tmp_path_factory.mktemp("gemma3"), "gemma3")
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from llorch_test_helpers import tiny_hf_gguf
 
 import llorch_ref
 
@@ -19,13 +20,7 @@ PROMPT = "Once upon a time, there was a little"
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
-    pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]')")
-    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
-    from llorch_ref.convert import convert_hf_to_gguf
-    from llorch_ref.testing.tiny_hf import write_tiny_hf
-    d = tmp_path_factory.mktemp("gpt2")
-    folder, model = write_tiny_hf(d / "gpt2", "gpt2")
-    return folder, convert_hf_to_gguf(folder, d / "gpt2.gguf"), model
+    return tiny_hf_gguf(tmp_path_factory.mktemp("gpt2"), "gpt2")
 
 
 def diff_cli(*args):

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+from llorch_test_helpers import tiny_hf_gguf
 
 import llorch_ref
 from llorch_ref.errors import UnsupportedModelError
@@ -326,13 +327,7 @@ def test_gguf_yarn_matches_llamacpp_and_a_missing_mscale_is_caught(llamacpp, tin
 
 @pytest.fixture(scope="module")
 def phi3_gguf(tmp_path_factory):
-    pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]')")
-    pytest.importorskip("transformers", reason="transformers is not installed")
-    from llorch_ref.convert import convert_hf_to_gguf
-    from llorch_ref.testing.tiny_hf import write_tiny_hf
-    d = tmp_path_factory.mktemp("phi3")
-    folder, _ = write_tiny_hf(d / "phi3", "phi3")
-    return convert_hf_to_gguf(folder, d / "phi3.gguf")
+    return tiny_hf_gguf(tmp_path_factory.mktemp("phi3"), "phi3")[1]
 
 
 def _longrope_gguf(src, dst, orig):
