@@ -282,6 +282,18 @@ def _llamacpp_quantize(llamacpp, src, dst, ftype, pure=False):
     return dst
 
 
+def kquant_copy(tmp_path_factory, llamacpp, src, ftype):
+    """llama.cpp's own copy of src at ftype ('Q4_K_M', ...; '-pure' keeps every matrix of that type), made once a
+    session."""
+    d = tmp_path_factory.getbasetemp() / "kquants"
+    d.mkdir(exist_ok=True)
+    path = d / f"{ftype}.gguf"
+    if not path.exists():
+        _llamacpp_quantize(llamacpp, src, path, getattr(llamacpp, f"LLAMA_FTYPE_MOSTLY_{ftype.split('-')[0]}"),
+                           pure=ftype.endswith("pure"))
+    return path
+
+
 @pytest.mark.parametrize("kv", ["float32", "float16"])
 @pytest.mark.parametrize("ftype, ktypes", [("Q4_K_M", {"Q4_K", "Q6_K"}), ("Q5_K_M", {"Q5_K", "Q6_K"}),
                                            ("Q2_K", {"Q3_K"}), ("Q2_K-pure", {"Q2_K"})])
@@ -292,12 +304,7 @@ def test_k_quant_copies_bit_identical(tmp_path_factory, default_f32, llamacpp, k
     the NumPy emulation here)."""
     from llorch_ref.references.llamacpp import LlamaCpp
 
-    d = tmp_path_factory.getbasetemp() / "kquants"
-    d.mkdir(exist_ok=True)
-    path = d / f"{ftype}.gguf"
-    if not path.exists():
-        _llamacpp_quantize(llamacpp, default_f32, path, getattr(llamacpp, f"LLAMA_FTYPE_MOSTLY_{ftype.split('-')[0]}"),
-                           pure=ftype.endswith("pure"))
+    path = kquant_copy(tmp_path_factory, llamacpp, default_f32, ftype)
     eng = llorch_ref.load(path, numerics="ggml", kv_dtype=kv)
     assert ktypes <= set(eng.tensor_types.values())
     ref = LlamaCpp(path, n_ctx=256, kv_dtype=kv)
@@ -323,12 +330,7 @@ def test_k_quant_copies_bit_identical_on_numba(tmp_path_factory, default_f32, ll
     from llorch_ref.backends.numba_backend import GgmlKQuantMatrix
     from llorch_ref.references.llamacpp import LlamaCpp
 
-    d = tmp_path_factory.getbasetemp() / "kquants"
-    d.mkdir(exist_ok=True)
-    path = d / f"{ftype}.gguf"
-    if not path.exists():
-        _llamacpp_quantize(llamacpp, default_f32, path, getattr(llamacpp, f"LLAMA_FTYPE_MOSTLY_{ftype.split('-')[0]}"),
-                           pure=ftype.endswith("pure"))
+    path = kquant_copy(tmp_path_factory, llamacpp, default_f32, ftype)
     eng = llorch_ref.load(path, backend="numba", numerics="ggml", kv_dtype=kv)
     got = {m.qtype for lw in eng.weights.layers for m in vars(lw).values() if isinstance(m, GgmlKQuantMatrix)}
     assert got == kinds, got
@@ -349,11 +351,7 @@ def test_q2_k_and_q3_k_copies_on_numba_kernels(tmp_path_factory, default_f32, ll
     need_backend("numba")
     from llorch_ref.backends import numba_backend
 
-    d = tmp_path_factory.getbasetemp() / "kquants"
-    d.mkdir(exist_ok=True)
-    path = d / f"{ftype}.gguf"
-    if not path.exists():
-        _llamacpp_quantize(llamacpp, default_f32, path, llamacpp.LLAMA_FTYPE_MOSTLY_Q2_K, pure=ftype.endswith("pure"))
+    path = kquant_copy(tmp_path_factory, llamacpp, default_f32, ftype)
     eng, ref = llorch_ref.load(path, backend="numba"), llorch_ref.load(path)
     assert kind in set(eng.tensor_types.values())
     numba_backend.PATHS.clear()
