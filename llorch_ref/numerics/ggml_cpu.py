@@ -107,8 +107,29 @@ def unpack_blocks(raw, qtype: str):
 ACT_TYPE = {"Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_1": "Q8_1", "Q5_1": "Q8_1"}
 
 
-class LegacyQuantMatrix:
+class SpanProduct:
+    """A quantized weight's float32 product run a span of activation rows at a time (its temporaries bounded):
+    a subclass gives _matmul(x) of one span [S, K] f32 and ROWS, the span's default length."""
+
+    ROWS = 16
+
+    @property
+    def dtype(self):
+        return np.dtype(F32)
+
+    def matmul(self, x, rows_per_chunk=None):
+        """x: [T, K] -> [T, N] f32."""
+        n = rows_per_chunk or self.ROWS
+        out = np.empty((x.shape[0], self.shape[0]), dtype=F32)
+        for i in range(0, x.shape[0], n):
+            out[i:i + n] = self._matmul(np.asarray(x[i:i + n], dtype=F32))
+        return out
+
+
+class LegacyQuantMatrix(SpanProduct):
     """A Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight [N, K] from its QTensor; matmul(x) reproduces ggml's CPU product."""
+
+    ROWS = 64
 
     def __init__(self, qt):
         self.qtype, self.shape, self.qt = qt.qtype, tuple(qt.shape), qt
@@ -122,17 +143,6 @@ class LegacyQuantMatrix:
             n, b, _ = q.shape
             self._unpacked = (np.ascontiguousarray(q.reshape(n, b, 8, 4).transpose(1, 2, 3, 0).astype(F32)), d, m)
         return self._unpacked
-
-    @property
-    def dtype(self):
-        return np.dtype(F32)
-
-    def matmul(self, x, rows_per_chunk=64):
-        """x: [T, K] f32 -> [T, N] f32."""
-        out = np.empty((x.shape[0], self.shape[0]), dtype=F32)
-        for i in range(0, x.shape[0], rows_per_chunk):
-            out[i:i + rows_per_chunk] = self._matmul(x[i:i + rows_per_chunk])
-        return out
 
     def _matmul(self, x):
         qa, da, sa = quantize_q8(x, with_sum=ACT_TYPE[self.qtype] == "Q8_1")
@@ -586,7 +596,7 @@ def k_codes(blk, qtype):
     return np.concatenate(parts, axis=-1)
 
 
-class KQuantMatrix:
+class KQuantMatrix(SpanProduct):
     """A Q2_K..Q6_K weight [N, K]; matmul(x) reproduces ggml_vec_dot_qN_K_q8_K (AVX2 kernels): per
     super-block, 8 int32 lanes (lane l = elements 4l..4l+3 of each 32-element group, times that group's
     scale), one FMA per super-block, hsum; Q4_K adds its mins through 4 FMA lanes on Q8_K's block sums."""
@@ -648,16 +658,6 @@ class KQuantMatrix:
         # [NB, 8 groups, 8 lanes, 4, N] for batched integer products
         self.q_lanes = np.ascontiguousarray(q.reshape(n, nb, 8, 8, 4).transpose(1, 2, 3, 4, 0).astype(F32))
         self.nb = nb
-
-    @property
-    def dtype(self):
-        return np.dtype(F32)
-
-    def matmul(self, x, rows_per_chunk=16):
-        out = np.empty((x.shape[0], self.shape[0]), dtype=F32)
-        for i in range(0, x.shape[0], rows_per_chunk):
-            out[i:i + rows_per_chunk] = self._matmul(np.asarray(x[i:i + rows_per_chunk], dtype=F32))
-        return out
 
     def _matmul(self, x):
         if self.nb is None:
