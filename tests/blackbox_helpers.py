@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llorch_ref.testing.openai_server import server_installed
+from llorch_ref.testing.openai_server import llama_cpp_server, server_installed
 
 PROMPT = "Once upon a time, there was a little"
 # A scale error large enough to leave the bands: one matrix's 10% stays under 10 x the clean engines' per-step KLD
@@ -17,6 +17,15 @@ def planted_copy(model, folder):
     from llorch_ref.testing.plant import plant_scale
 
     return plant_scale(model, folder / "planted.gguf", PLANT, FACTOR)
+
+
+def llama_cpp_served(model):
+    """A fixture's body: llama-cpp-python's server on model, its URL yielded until the fixture ends; a skip, with
+    the reason, where its server extra is missing."""
+    if server_installed() is not None:
+        pytest.skip(str(server_installed()))
+    with llama_cpp_server(model) as url:
+        yield url
 
 
 def mistralrs_missing():

@@ -10,11 +10,10 @@ import shutil
 
 import numpy as np
 import pytest
-from blackbox_helpers import PROMPT, needs_mistralrs, needs_server, planted_copy
+from blackbox_helpers import PROMPT, llama_cpp_served, needs_mistralrs, needs_server, planted_copy
 
 import llorch_ref
 from llorch_ref.cli import main
-from llorch_ref.testing.openai_server import llama_cpp_server, server_installed
 
 
 @pytest.fixture(scope="module")
@@ -29,18 +28,12 @@ def planted(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def clean_url(model):
-    if server_installed() is not None:
-        pytest.skip(str(server_installed()))
-    with llama_cpp_server(model) as url:
-        yield url
+    yield from llama_cpp_served(model)
 
 
 @pytest.fixture(scope="module")
 def planted_url(planted):
-    if server_installed() is not None:
-        pytest.skip(str(server_installed()))
-    with llama_cpp_server(planted) as url:
-        yield url
+    yield from llama_cpp_served(planted)
 
 
 def prove(capsys, tmp_path, subject, run_id, *extra, steps=6):
