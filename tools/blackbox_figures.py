@@ -24,12 +24,12 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from made_at import commit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,8 +46,7 @@ PROMPTS = ["Once upon a time, there was a little",
 
 def made_by(argv) -> dict:
     """The command and commit a results file records."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    return {"command": "python tools/blackbox_figures.py " + " ".join(argv), "commit": commit.strip()}
+    return {"command": "python tools/blackbox_figures.py " + " ".join(argv), "commit": commit()}
 
 
 HELD_OUT = ["The old lighthouse keeper climbed the stairs and",

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from made_at import commit
 
 import llorch_ref
 from llorch_ref.checkpoints import engine_band_class
@@ -46,12 +47,6 @@ def cases(which, steps):
         out += [(f"{n}, last row only", p, None, 0, "last", (0, "3", 0, "k_cache"))
                 for n, (p, e) in CACHE_BUGS.items() if e[0] == 0]
     return out
-
-
-def commit() -> str:
-    import subprocess
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-    return r.stdout.strip() or "unknown"
 
 
 def main():

@@ -6,14 +6,15 @@ command and commit in its first lines, the counts, the cells' table, the smalles
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+import made_at
 
 
 def main(raw, out, command, cpu=""):
     data = json.loads(Path(raw).read_text())
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = made_at.commit()
     Path(out + ".json").write_text(json.dumps({"made_by": {"commit": commit, "command": command, "cpu": cpu},
                                                **data}, indent=1) + "\n")
     c = data["counts"]
