@@ -5,6 +5,7 @@ figures), and llama.cpp fed in batches (the same tensors)."""
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -410,3 +411,55 @@ def test_tensors_read_from_an_npz_on_lookup_catch_a_planted_tensor(models, tmp_p
         res = compare_dumps(Dump(manifest=rec.manifest(), tensors=t, source=name), rec.to_dump(), eng.config, "F32")
         got = res.first_divergence
         assert (got is None) if fd is None else (got["checkpoint"], got["layer"], got["tensor"]) == fd, got
+
+
+def forced_chunks(monkeypatch):
+    """Every attention of 128 rows or more in chunks of 64 query rows (a long prompt's path on a short one)."""
+    from llorch_ref.model import attention_chunks as AC
+
+    monkeypatch.setattr(AC, "chunk_rows", lambda h, t, s, limit=0: 64 if t >= 128 else t)
+
+
+@pytest.mark.parametrize("numerics", ["exact", "ggml"])
+def test_numba_s_fused_attention_in_query_row_chunks_is_one_call_s(tiny, numerics, monkeypatch):
+    pytest.importorskip("numba")
+    path = tiny(weight_type="Q8_0", n_layers=2, vocab="bpe", context_length=512)
+    eng = llorch_ref.load(path, backend="numba", numerics=numerics)
+    ids = long_ids()
+    whole = eng.forward(ids, eng.new_cache())                    # nobody records: numba's own forward
+    calls = []
+    from llorch_ref.model import attention_chunks as AC
+    real = AC.attention_in_chunks
+
+    def counted(*a, **kw):
+        calls.append(a[3].shape[0] if len(a) > 3 else None)
+        return real(*a, **kw)
+    forced_chunks(monkeypatch)
+    monkeypatch.setattr(sys.modules["llorch_ref.backends.numba_backend"], "attention_in_chunks", counted)
+    chunked = eng.forward(ids, eng.new_cache())
+    assert calls and np.array_equal(chunked, whole)
+
+
+def test_the_local_check_of_sampled_scores_runs_in_chunks_with_the_same_figures(long_tiny, monkeypatch):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent / "checkpoints"))
+    import planted_bugs as B
+
+    ref = llorch_ref.load(long_tiny, weights="eager")
+    ids = long_ids()
+    score_rows = [0, 70, 150, 299]
+    sub = record_engine(ref, ids, n_greedy=0, score_rows=score_rows).to_dump()
+    one = run_subject(ref, sub, "F32")
+    forced_chunks(monkeypatch)
+    chunked = run_subject(ref, sub, "F32")
+    kq = [r for r in chunked.rows if r.tensor in ("kq", "kq_soft_max")]
+    assert kq and all(r.local_passed and r.local["max_abs"] == 0.0 for r in kq)
+    assert [(r.tensor, r.layer, r.local) for r in chunked.rows] == [(r.tensor, r.layer, r.local) for r in one.rows]
+    subject = llorch_ref.load(long_tiny, weights="eager")
+    B.wrong_attention_scale(monkeypatch, subject)
+    bad = run_subject(ref, record_engine(subject, ids, n_greedy=0, score_rows=score_rows).to_dump(), "F32")
+    fd = bad.first_divergence
+    assert (fd["checkpoint"], fd["layer"]) == ("4", 0)
+    row = next(r for r in bad.rows if r.tensor == "kq_soft_max" and r.layer == 0)
+    assert row.local_passed is False                            # the local check sees the planted scale too

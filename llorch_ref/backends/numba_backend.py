@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..model.attention_chunks import attention_in_chunks
 from ..numerics.ggml_cpu import ACT_TYPE, FloatMatrix, KQuantMatrix, LegacyQuantMatrix
 from . import Backend, cpu_threads, l2_bytes, limit_blas
 from . import numba_ggml as G
@@ -454,7 +455,9 @@ class NumbaOps:
         on groups of KV heads over the threads (cpu_split)."""
         if q.shape[0] == 1:
             return self.attention(xp, q, k, v, mask, scale, kv_head)[0]
-        return SPLIT.attention_out(self._base.attention, xp, q, k, v, mask, scale, kv_head)
+        split = lambda xp_, q_, k_, v_, m_, s_, h_: (SPLIT.attention_out(self._base.attention, xp_, q_, k_, v_, m_,  # noqa: E731
+                                                                         s_, h_), None, None)
+        return attention_in_chunks(xp, split, q, k, v, mask, scale, kv_head, keep=())[0]    # a long prompt's rows
 
 
 class GgmlFloatMatrix:
@@ -508,8 +511,11 @@ class NumbaGgmlOps:
         return self._attend_rows(q, k, v, _f32(mask), np.float32(scale), np.ascontiguousarray(kv_head, dtype=np.int64),
                                  self._half, skip and G.can_skip_masked(q, k, v, self._half))
 
-    def attention_out(self, xp, q, k, v, mask, scale, kv_head):     # nobody sees kq or probs: masked positions skipped
-        return self.attention(xp, q, k, v, mask, scale, kv_head, skip=True)[0]
+    def attention_out(self, xp, q, k, v, mask, scale, kv_head):
+        """Nobody sees kq or probs: masked positions skipped, a long prompt's query rows a chunk at a time (the
+        same bits: model/attention_chunks.py), its H x T x S scores never whole."""
+        skip = lambda xp_, q_, k_, v_, m_, s_, h_: self.attention(xp_, q_, k_, v_, m_, s_, h_, skip=True)  # noqa: E731
+        return attention_in_chunks(xp, skip, q, k, v, mask, scale, kv_head, keep=())[0]
 
     def swiglu(self, xp, x, w_gate, w_up, w_down):
         h = G.silu_mul_rows(_f32(self.linear(xp, x, w_gate)), _f32(self.linear(xp, x, w_up)), self._base.lanes)

@@ -182,7 +182,7 @@ class _Comparison:
         self.local_engine, self.local_bands = local_engine, local_bands
         self.local_of, self.local_decl = None, None
         if local_engine is not None:
-            self.local_of = _LocalReader(local_engine, sub, self.cat, self.dims, self.positions)
+            self.local_of = _LocalReader(local_engine, sub, self.cat, self.dims, self.positions, self.score_index)
             self.local_decl = res.local_declaration = declaration(local_engine, sub.arithmetic)
         for d, who in ((sub, res.subject_label), (ref, res.reference_label)):
             diff = (d.manifest.get("capture_invariance") or {}).get("logits_max_abs_diff", 0.0)
@@ -632,8 +632,11 @@ class _LocalReader:
     outputs are computed once, on first use, and kept until forget(layer) (the comparison runs layer by layer:
     one layer's at a time)."""
 
-    def __init__(self, engine, sub: Dump, cat: dict, dims: dict, positions):
+    def __init__(self, engine, sub: Dump, cat: dict, dims: dict, positions, score_index=None):
+        """score_index: the rows (indices into the rows held) at which the subject holds its attention scores,
+        where it samples them (the local attention then keeps those rows' scores alone)."""
         self.engine, self.sub, self.cat, self.dims, self.positions = engine, sub, cat, dims, positions
+        self.score_index = score_index
         self.memo = {}
         self.get = subject_getter(engine, sub, dims)
 
@@ -648,7 +651,8 @@ class _LocalReader:
                               local_outputs(engine, get, layer, [sub.token_ids[r] for r in sub.rows],
                                             fused_attention=fused_attention(sub), past=len(sub.past_token_ids),
                                             positions=self.positions, one_token=one_token_rows(sub),
-                                            cells=((sub.arithmetic or {}).get("settings") or {}).get("cells")))
+                                            cells=((sub.arithmetic or {}).get("settings") or {}).get("cells"),
+                                            score_rows=self.score_index))
         lo = self.memo[key].get(tensor)
         if cp == "9" and lo is not None:            # the last row alone, from the subject's own result_norm
             return lo[-1]                           # (computed on that row alone: see local.last_row)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..model import forward as fwd
+from ..model.attention_chunks import attention_in_chunks
 from ..model.cache import visible_mask
 from ..numerics.ggml_cpu import flash_attention
 
@@ -78,14 +79,16 @@ def _cache_rows(engine, get, layer: int, name: str, new, positions, cache):
     return rows.astype(xp.float32)
 
 
-def attention_by_batch(engine, q, k, v, mask, kv_head, one_token=None, cells=None):
+def attention_by_batch(engine, q, k, v, mask, kv_head, one_token=None, cells=None, keep=None):
     """engine.ops.attention on the rows held, each by the product llama.cpp used for it: a row computed in a
     micro-batch of one token (one_token[i]) by its vec_dot, every other row by the tiles of a batch (tinyBLAS),
     as the rows' own micro-batches chose (ggml numerics; the rows are independent given the cache, so only
     the kind of product matters). one_token None: all rows as one batch of the rows held. cells: the cache
     cell of each position (a sequence sharing its cache with others in one batch): the keys are then placed
     at their cells, the others hidden, so the sums of the softmax and of P.V run over the lanes llama.cpp's
-    did (a hidden key adds an exact 0), and kq and probs are taken back at the positions."""
+    did (a hidden key adds an exact 0), and kq and probs are taken back at the positions. keep: the rows (indices
+    into the rows held) whose kq and probs come back (default all): a long prompt's rows held as one batch then
+    run in query-row chunks (model/attention_chunks.py: the same bits), its H x T x S scores never whole."""
     ops, xp, cfg = engine.ops, engine.xp, engine.config
     s = k.shape[0]
     if cells is not None and list(cells[:s]) != list(range(s)):
@@ -95,11 +98,13 @@ def attention_by_batch(engine, q, k, v, mask, kv_head, one_token=None, cells=Non
         kc[at], vc[at] = k, v
         mc = xp.full((mask.shape[0], n), -xp.inf, dtype=mask.dtype)
         mc[:, at] = mask
-        att, kq, probs = attention_by_batch(engine, q, kc, vc, mc, kv_head, one_token)
+        att, kq, probs = attention_by_batch(engine, q, kc, vc, mc, kv_head, one_token, keep=keep)
         return att, kq[..., at], probs[..., at]
     t = q.shape[0]
     if one_token is None or len(set(one_token)) == 1 and bool(one_token[0]) == (t == 1):
-        return ops.attention(xp, q, k, v, mask, cfg.scale, kv_head)
+        if keep is None:
+            return ops.attention(xp, q, k, v, mask, cfg.scale, kv_head)
+        return attention_in_chunks(xp, ops.attention, q, k, v, mask, cfg.scale, kv_head, keep=list(keep))
     groups = [[i] for i in range(t) if one_token[i]] + [[i for i in range(t) if not one_token[i]]]
     att = kq = probs = None
     for rows in (g for g in groups if g):
@@ -111,11 +116,14 @@ def attention_by_batch(engine, q, k, v, mask, kv_head, one_token=None, cells=Non
             kq, probs = (xp.zeros(x.shape[:1] + (t,) + x.shape[2:], dtype=x.dtype) for x in (sc, p))
         n, dst = len(rows), xp.asarray(rows)
         att[dst], kq[:, dst], probs[:, dst] = a[:n], sc[:, :n], p[:, :n]
+    if keep is not None:
+        sel = xp.asarray(list(keep))
+        return att, kq[:, sel], probs[:, sel]
     return att, kq, probs
 
 
 def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = False, past: int = 0,
-                  positions=None, only=None, one_token=None, cells=None) -> dict:
+                  positions=None, only=None, one_token=None, cells=None, score_rows=None) -> dict:
     """get(name, layer) -> the subject's canonical array or None. -> {name: reference op on the subject's
     inputs} for every tensor of this layer whose inputs the subject holds. fused_attention: the subject ran
     llama.cpp's flash attention (ggml numerics, F16 cache): attn_out is then checked through its emulation.
@@ -125,7 +133,9 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
     written are checked. only: the names to compute (default every one whose inputs are held): a repro runs
     one operation. one_token: per row held, whether the subject computed it in a micro-batch of one token
     (attention_by_batch; default: the rows held as one batch). cells: the cache cell of each position, where
-    the subject's sequence shared its cache (attention_by_batch; default: cell = position)."""
+    the subject's sequence shared its cache (attention_by_batch; default: cell = position). score_rows: the rows
+    (indices into the rows held) whose kq and kq_soft_max are computed (a long prompt's dump holds its scores at
+    sampled rows; default every row)."""
     cfg, ops, xp = engine.config, engine.ops, engine.xp
     lw = engine.weights.layers[layer]
     t = len(token_ids)
@@ -173,7 +183,7 @@ def local_outputs(engine, get, layer: int, token_ids, fused_attention: bool = Fa
     if (want("kq", "kq_soft_max", "kqv_out") or fused) and (a := have(qn, "k_cache", "v_cache")) is not None:
         kv_head = ops.kv_head_of(xp, cfg.n_heads, cfg.n_kv_heads)
         mask = comparison_mask(xp, cfg, layer, asx(positions), a[1].shape[0])
-        att, kq, probs = attention_by_batch(engine, a[0], a[1], a[2], mask, kv_head, one_token, cells)
+        att, kq, probs = attention_by_batch(engine, a[0], a[1], a[2], mask, kv_head, one_token, cells, score_rows)
         out.update(kq=kq, kq_soft_max=probs, kqv_out=att)
     if not want("attn_out"):
         pass

@@ -28,10 +28,11 @@ def chunk_rows(n_heads: int, t: int, s: int, limit: int = CHUNK_ELEMENTS) -> int
 
 
 def row_spans(t: int, span: int) -> list[tuple[int, int]]:
-    """[(a, b)] covering rows 0..t-1 about `span` rows each, none under MIN_ROWS (chunk_rows' evening out:
-    a product of a few rows runs another BLAS kernel); one span where t is short."""
-    step = t if t < 2 * MIN_ROWS or span >= t else -(-t // -(-t // max(span, MIN_ROWS)))
-    return [(a, min(t, a + step)) for a in range(0, t, step)]
+    """[(a, b)] covering rows 0..t-1 in spans of about `span` rows, as even as the rows allow (none longer than
+    another by more than a row) and none under MIN_ROWS (a product of a few rows runs another BLAS kernel); one
+    span where t is short."""
+    n = max(1, min(-(-t // max(span, 1)), t // MIN_ROWS))
+    return [(t * i // n, t * (i + 1) // n) for i in range(n)]
 
 
 def attention_in_chunks(xp, attention, q, k, v, mask, scale, kv_head, keep=None, limit: int = CHUNK_ELEMENTS):
