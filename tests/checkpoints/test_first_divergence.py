@@ -11,17 +11,22 @@ import pytest
 
 @pytest.fixture(scope="module")
 def changed_copies(default_f32, tmp_path_factory):
-    """The F32 copy with one change each (written from the F32 copy: the same bytes as from the Q4_1 original,
-    without dequantizing it again)."""
-    from llorch_ref.convert import convert_gguf
+    """The F32 copy with one change each, made in a copy of the file: the epsilon's float32 rewritten in the
+    metadata; blk.7.ffn_up.weight x1.05 (testing.plant.plant_scale: every weight times np.float32(1.05))."""
+    import shutil
+
+    import gguf
+
+    from llorch_ref.testing.plant import plant_scale
 
     d = tmp_path_factory.mktemp("changed")
-    eps = convert_gguf(default_f32, d / "eps.gguf", kv_overrides={"llama.attention.layer_norm_rms_epsilon": 1e-6})
-
-    def bump_ffn7(name, arr):
-        return arr * np.float32(1.05) if name == "blk.7.ffn_up.weight" else arr
-    ffn = convert_gguf(default_f32, d / "ffn7.gguf", tensor_fn=bump_ffn7)
-    return {"eps": eps, "ffn7": ffn}
+    eps = shutil.copyfile(default_f32, d / "eps.gguf")
+    reader = gguf.GGUFReader(eps, "r+")
+    field = reader.fields["llama.attention.layer_norm_rms_epsilon"]
+    field.parts[field.data[0]][0] = np.float32(1e-6)
+    reader.data.flush()
+    del reader
+    return {"eps": eps, "ffn7": plant_scale(default_f32, d / "ffn7.gguf", "blk.7.ffn_up.weight", 1.05)}
 
 
 def diff_json(model, reference, capsys):
