@@ -134,11 +134,21 @@ def main():
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--mode", choices=["diff", "subject"], default="diff")
     ap.add_argument("--greedy", type=int, default=16)
-    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--out-dir", default=None, help="where the run's files go (required but with --redraw)")
     ap.add_argument("--memory-points", default=None, help="add this run's peak memory to FILE.json and redraw it")
     ap.add_argument("--blas-threads", type=int, default=None,
                     help="OPENBLAS_NUM_THREADS for the run (1 on a machine whose cores other work holds)")
+    ap.add_argument("--redraw", action="store_true",
+                    help="draw --memory-points FILE.json's plot and table again from its points, running nothing")
     a = ap.parse_args()
+    if a.redraw:
+        if not a.memory_points or not Path(a.memory_points).is_file():
+            ap.error("--redraw needs --memory-points FILE.json (an existing file)")
+        held = json.loads(Path(a.memory_points).read_text())["points"]
+        draw_points(Path(a.memory_points), held, held[0]["model"] if held else "no points")
+        return
+    if not a.out_dir:
+        ap.error("--out-dir is required")
     a.commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True).stdout.strip()                  # the code as the run starts
     path = resolve_model(a.model)
@@ -217,8 +227,15 @@ def add_memory_point(pf: Path, a, path, n, res, steps):
     pts = {"made_by": {"commit": a.commit, "command": "python tools/long_context.py ... --memory-points "
                        f"{pf} (one run per point: each point's own command and commit below)"}, **pts}
     pf.write_text(json.dumps(pts, indent=1) + "\n")
-    draw_memory(pts["points"], pf.with_suffix(".png"))
-    lines = [f"# Peak resident memory by prompt length ({path.name})", "",
+    draw_points(pf, pts["points"], path.name)
+    print(f"added a point to {pf}; drew {pf.with_suffix('.png')}")
+
+
+def draw_points(pf: Path, points, model_name: str):
+    """pf's plot (PNG) and table (.md) drawn from its points (each point's command and commit named)."""
+    draw_memory(points, pf.with_suffix(".png"))
+    pts = {"points": points}
+    lines = [f"# Peak resident memory by prompt length ({model_name})", "",
              "Commits: " + ", ".join(sorted({p["commit"] for p in pts["points"]})) + " (each point's below).", "",
              "Each point: one `llorch-ref diff --prompt-file` run (llama.cpp's dump and llorch-ref's, compared), "
              "peak RSS of the whole process tree read by `/usr/bin/time`, one run at a time, niced, on a machine "
@@ -231,7 +248,6 @@ def add_memory_point(pf: Path, a, path, n, res, steps):
                      f"{p['rows_held']} | {p['passed']} | {p['commit']} | {p['cpu']} |")
     lines += ["", "Commands:", ""] + [f"- `{p['command']}` (commit {p['commit']})" for p in pts["points"]]
     pf.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"added a point to {pf}; drew {pf.with_suffix('.png')}")
 
 
 def draw_memory(points, png: Path):
@@ -242,7 +258,7 @@ def draw_memory(points, png: Path):
     fig, ax = plt.subplots(figsize=(8, 4.5))
     series = {}
     for p in points:
-        series.setdefault(f"rows {p['rows']}, {p['backend']}", []).append(p)
+        series.setdefault(f"rows {p['rows']}, {p['backend']}, commit {p['commit']}", []).append(p)   # one code a line
     for label, ps in series.items():
         ax.plot([p["tokens"] for p in ps], [p["peak_rss_mb"] / 1024 for p in ps], "o-", label=label)
     ax.axhline(4.0, color="grey", ls="--", lw=1, label="4 GB target")
