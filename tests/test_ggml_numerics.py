@@ -177,21 +177,31 @@ def test_numba_ggml_products_are_bit_equal_in_each_instruction_set_build(tmp_pat
     builds = {"host": None, "no VNNI": without(lambda k: "vnni" in k)}
     if feats.get("avx2"):
         builds["no AVX2"] = without(lambda k: k.startswith(("avx2", "avx512", "avxvnni", "amx")))
-    seen = {}
-    for name, features in builds.items():
+    seen, runs = {}, {}
+    for i, (name, features) in enumerate(builds.items()):        # side by side: each compile is one thread
         env = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_FEATURES"}
         if features:
-            env.update(NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-        r = subprocess.run([sys.executable, "-c", BUILD_PROBE, os.path.dirname(os.path.dirname(llorch_ref.__file__)),
-                            str(tmp_path / "in.npz"), str(tmp_path / f"{len(seen)}.npz")],
-                           env=env, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
-        seen[name] = json.loads(r.stdout.strip().splitlines()[-1])
-        got = np.load(tmp_path / f"{len(seen) - 1}.npz")
-        for qt, v in want.items():
-            assert np.array_equal(got[qt], v), (name, qt)
-        info = seen[name]
-        assert info["vpdpbusd"] == info["vnni"] and info["vpmaddubsw"] == (info["pairs"] and not info["vnni"]), (name, info)
+            env.update(NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path / f"cache{i}"))
+        runs[name] = subprocess.Popen([sys.executable, "-c", BUILD_PROBE,
+                                       os.path.dirname(os.path.dirname(llorch_ref.__file__)), str(tmp_path / "in.npz"),
+                                       str(tmp_path / f"{i}.npz")],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for i, (name, p) in enumerate(runs.items()):
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-2000:]
+            seen[name] = json.loads(out.strip().splitlines()[-1])
+            got = np.load(tmp_path / f"{i}.npz")
+            for qt, v in want.items():
+                assert np.array_equal(got[qt], v), (name, qt)
+            info = seen[name]
+            assert info["vpdpbusd"] == info["vnni"] and info["vpmaddubsw"] == (info["pairs"] and not info["vnni"]), (
+                name, info)
+    finally:
+        for p in runs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert not seen["no VNNI"]["vnni"] and seen["host"]["vnni"] == bool(feats.get("avxvnni") or (
         feats.get("avx512vnni") and feats.get("avx512vl")))
     if "no AVX2" in seen:
