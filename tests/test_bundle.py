@@ -135,18 +135,18 @@ def test_interrupted_write_leaves_nothing(tiny_result, tmp_path, monkeypatch):
 
     eng, res = tiny_result
     calls = {"n": 0}
-    orig = np.savez_compressed
+    orig = bundle.write_npz
 
     def failing(*a, **k):
         calls["n"] += 1
         if calls["n"] == 7:
             raise KeyboardInterrupt("simulated interrupt while writing")
         return orig(*a, **k)
-    monkeypatch.setattr(bundle.np, "savez_compressed", failing)
+    monkeypatch.setattr(bundle, "write_npz", failing)             # the writer of each checkpoint's tensors
     with pytest.raises(KeyboardInterrupt):
         bundle.write_bundle(res, eng, out_dir=tmp_path, run_id="cut")
     assert list(tmp_path.iterdir()) == []                       # no run folder, no staging folder
-    monkeypatch.setattr(bundle.np, "savez_compressed", orig)
+    monkeypatch.setattr(bundle, "write_npz", orig)
     assert bundle.write_bundle(res, eng, out_dir=tmp_path, run_id="cut")["dir"].is_dir()   # rerun works
 
 
