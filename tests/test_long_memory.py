@@ -269,10 +269,12 @@ def spans_of_forward(eng, ids, **kw):
     return got, last
 
 
-@pytest.mark.parametrize("numerics", ["exact", "ggml"])
-def test_the_logits_handed_over_by_spans_are_one_product_s(tiny, numerics):
+@pytest.mark.parametrize("numerics,backend", [("exact", "numpy"), ("ggml", "numpy"), ("exact", "numba")])
+def test_the_logits_handed_over_by_spans_are_one_product_s(tiny, numerics, backend):
+    if backend == "numba":
+        pytest.importorskip("numba")         # its own forward: its [R, V] handed over by spans
     path = tiny(weight_type="Q8_0", n_layers=2, vocab="bpe", context_length=512)
-    eng = llorch_ref.load(path, numerics=numerics)
+    eng = llorch_ref.load(path, numerics=numerics, backend=backend)
     ids = long_ids()
     whole = eng.forward(ids, eng.new_cache())
     for kw in ({}, {"record": lambda n, l, a: None}, {"rows": list(range(5, 300))}):
