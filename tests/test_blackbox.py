@@ -21,26 +21,59 @@ from llorch_ref.references.blackbox import Step, Trace, openai_trace
 from llorch_ref.testing.openai_server import llama_cpp_server
 
 
+class Memo:
+    """A reference engine whose logits of one token sequence are computed once, and those of its prefixes are
+    its first rows (the model is causal; the traces below all share the self run's tokens)."""
+
+    def __init__(self, eng):
+        self._eng, self._seen = eng, {}
+
+    def __getattr__(self, name):
+        return getattr(self._eng, name)
+
+    def logits(self, ids):
+        key = tuple(ids)
+        for seen, out in self._seen.items():
+            if seen[:len(key)] == key:
+                return out[:len(key)]
+        self._seen[key] = self._eng.logits(list(ids))
+        return self._seen[key]
+
+
 @pytest.fixture(scope="module")
 def ref():
-    return llorch_ref.load(threads=1)
+    return Memo(llorch_ref.load(threads=1))
 
 
-def self_trace(eng, n=12, top_k=None) -> Trace:
-    """The reference as a black box: its greedy tokens and its own log-probabilities (top_k, default all)."""
-    ids = eng.tokenizer.encode(PROMPT)
-    gen = list(eng.generate_ids(ids, max_tokens=n, ignore_eos=True))
-    logp = log_softmax64(eng.logits(ids + gen[:-1])[len(ids) - 1:])
+SELF_STEPS = 32          # the longest run a test below asks (the run-level bands' min_steps)
+
+
+@pytest.fixture(scope="module")
+def self_run(ref):
+    """The reference's greedy run of SELF_STEPS tokens from PROMPT: (prompt ids, tokens, its log-probabilities)."""
+    from llorch_ref.harness.blackbox import load_bands
+
+    assert SELF_STEPS >= max(r["min_steps"] for b in load_bands()["bands"].values() for r in b.get("run", {}).values())
+    ids = ref.tokenizer.encode(PROMPT)
+    gen = list(ref.generate_ids(ids, max_tokens=SELF_STEPS, ignore_eos=True))
+    return ids, gen, log_softmax64(ref.logits(ids + gen[:-1])[len(ids) - 1:])
+
+
+def self_trace(run, n=12, top_k=None) -> Trace:
+    """The reference as a black box: the first n steps of its greedy run with its own log-probabilities (top_k,
+    default all); a new Trace each call, for the tests to edit."""
+    ids, gen, logp = run
+    gen, logp = gen[:n], logp[:n]
     steps = []
     for j, t in enumerate(gen):
         keep = np.argsort(-logp[j])[: top_k or logp.shape[1]]
         steps.append(Step(token=int(t), logprob=float(logp[j, t]), top={int(i): float(logp[j, i]) for i in keep}))
     return Trace(engine="self", version="", prompt=PROMPT, steps=steps, top_k=top_k or logp.shape[1],
-                 whole=top_k is None, prompt_ids=ids, tokenized_by="the reference")
+                 whole=top_k is None, prompt_ids=list(ids), tokenized_by="the reference")
 
 
-def test_the_reference_as_its_own_black_box_passes_with_kld_zero(ref):
-    res = compare_trace(ref, self_trace(ref))
+def test_the_reference_as_its_own_black_box_passes_with_kld_zero(ref, self_run):
+    res = compare_trace(ref, self_trace(self_run))
     v = res.verdict()
     assert v.status == "PASS", v.line()
     klds = [r.metrics["kld"] for r in res.rows if r.checkpoint == "11"]
@@ -49,8 +82,8 @@ def test_the_reference_as_its_own_black_box_passes_with_kld_zero(ref):
     assert v.required == ["cp0", "cp10", "cp11"]            # the black-box kind lacks every layer tensor
 
 
-def test_top_k_gives_a_lower_bound_of_the_exact_kld(ref):
-    tr, cut = self_trace(ref), self_trace(ref, top_k=20)
+def test_top_k_gives_a_lower_bound_of_the_exact_kld(ref, self_run):
+    tr, cut = self_trace(self_run), self_trace(self_run, top_k=20)
     rng = np.random.default_rng(0)
     for full, top in zip(tr.steps, cut.steps):      # the same noise on both: the bound stays under the exact figure
         noise = {i: v + 0.3 * rng.standard_normal() for i, v in full.top.items()}
@@ -65,8 +98,8 @@ def test_top_k_gives_a_lower_bound_of_the_exact_kld(ref):
         assert 0 <= bound <= exact + 1e-12 and exact > 1e-3
 
 
-def test_a_planted_logprob_error_fails_at_its_step(ref):
-    tr = self_trace(ref)
+def test_a_planted_logprob_error_fails_at_its_step(ref, self_run):
+    tr = self_trace(self_run)
     s = tr.steps[5]
     tilted = {i: v + (3.0 if i % 2 else 0.0) for i, v in s.top.items()}       # half the vocabulary 20x likelier
     z = np.log(np.sum(np.exp(np.fromiter(tilted.values(), float))))
@@ -76,8 +109,8 @@ def test_a_planted_logprob_error_fails_at_its_step(ref):
     assert (v.first_divergence["checkpoint"], v.first_divergence["step"]) == ("11", 5)
 
 
-def test_a_flip_is_a_bug_unless_the_reference_has_a_near_tie(ref):
-    tr = self_trace(ref)
+def test_a_flip_is_a_bug_unless_the_reference_has_a_near_tie(ref, self_run):
+    tr = self_trace(self_run)
     logp = log_softmax64(ref.logits(tr.prompt_ids + [s.token for s in tr.steps[:-1]])[len(tr.prompt_ids) - 1:])
     second = int(np.argsort(-logp[3])[1])
     tr.steps = tr.steps[:4]
@@ -90,8 +123,8 @@ def test_a_flip_is_a_bug_unless_the_reference_has_a_near_tie(ref):
     assert (fd["checkpoint"], fd["step"]) == ("10", 3)
 
 
-def test_another_tokenization_fails_cp0_naming_the_token(ref):
-    tr = self_trace(ref, n=3)
+def test_another_tokenization_fails_cp0_naming_the_token(ref, self_run):
+    tr = self_trace(self_run, n=3)
     tr.prompt_ids = tr.prompt_ids[:4] + [17] + tr.prompt_ids[5:]
     res = compare_trace(ref, tr)
     fd = res.verdict().first_divergence
@@ -108,33 +141,16 @@ def run_bands():
 
 
 @pytest.fixture(scope="module")
-def long_trace(ref):
-    from llorch_ref.harness.blackbox import load_bands
-
-    n = max(r["min_steps"] for b in load_bands()["bands"].values() for r in b.get("run", {}).values())
-    return self_trace(ref, n=n)
-
-
-class Memo:
-    """A reference engine whose logits of one token sequence are computed once (the planted traces below all share
-    the self trace's tokens)."""
-
-    def __init__(self, eng):
-        self._eng, self._seen = eng, {}
-
-    def __getattr__(self, name):
-        return getattr(self._eng, name)
-
-    def logits(self, ids):
-        key = tuple(ids)
-        if key not in self._seen:
-            self._seen[key] = self._eng.logits(list(ids))
-        return self._seen[key]
+def long_trace(self_run):
+    return self_trace(self_run, n=SELF_STEPS)
 
 
 @pytest.fixture(scope="module")
-def references(ref):
-    return {"exact:Q4_x": Memo(ref), "ggml": Memo(llorch_ref.load(threads=1, numerics="ggml", kv_dtype="float16"))}
+def references(ref, self_run):
+    ggml = Memo(llorch_ref.load(threads=1, numerics="ggml", kv_dtype="float16"))
+    ids, gen, _ = self_run
+    ggml.logits(ids + gen[:-1])                     # the whole run once: every trace below feeds a prefix of it
+    return {"exact:Q4_x": ref, "ggml": ggml}
 
 
 def noisy(logp: dict, target: float, seed: int) -> dict:
@@ -278,8 +294,8 @@ class Stub(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def stub(ref):
-    tr = self_trace(ref, n=4, top_k=20)
+def stub(ref, self_run):
+    tr = self_trace(self_run, n=4, top_k=20)
     text = lambda i: ref.tokenizer.token_bytes(i).decode("utf-8", "ignore")     # noqa: E731
     Stub.answer = {"model": "stub", "choices": [{"text": "".join(text(s.token) for s in tr.steps), "logprobs": {
         "tokens": [text(s.token) for s in tr.steps], "token_logprobs": [s.logprob for s in tr.steps],
