@@ -26,29 +26,24 @@ HF_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_con
 
 
 def _copy_fields(reader, writer, file_type, overrides=None):
+    """reader: open_reader's GGUFFile (its metadata with their value types)."""
     overrides = dict(overrides or {})
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+    for key, val in reader.metadata.items():
+        if key == "general.architecture":
             continue
         if key == "general.file_type":
             writer.add_uint32(key, file_type)
             continue
+        vtype, sub = reader.value_types[key]
         if key in overrides:
-            writer.add_key_value(key, overrides.pop(key), field.types[0])
+            writer.add_key_value(key, overrides.pop(key), gguf.GGUFValueType(vtype))
             continue
-        vtype = field.types[0]
         if vtype == gguf.GGUFValueType.ARRAY:
-            sub = field.types[-1]
-            if sub == gguf.GGUFValueType.STRING:
-                val = [bytes(field.parts[i]) for i in field.data]
-            else:
-                val = [field.parts[i].tolist()[0] for i in field.data]
-            writer.add_key_value(key, val, vtype, sub_type=sub)
-        elif vtype == gguf.GGUFValueType.STRING:
-            writer.add_key_value(key, bytes(field.parts[field.data[0]]), vtype)
+            writer.add_key_value(key, val.tolist() if isinstance(val, np.ndarray) else list(val),
+                                 gguf.GGUFValueType(vtype), sub_type=gguf.GGUFValueType(sub))
         else:
-            writer.add_key_value(key, field.parts[field.data[0]].tolist()[0], vtype)
-    if "general.file_type" not in reader.fields:
+            writer.add_key_value(key, val, gguf.GGUFValueType(vtype))
+    if "general.file_type" not in reader.metadata:
         writer.add_uint32("general.file_type", file_type)
     if overrides:
         raise ParameterError(f"metadata key(s) {', '.join(overrides)} not in the file; nothing to override")
@@ -71,9 +66,8 @@ def convert_gguf(src, dst, dtype="float32", overwrite=False, kv_overrides=None, 
     dtype = dtype_name(dtype, tuple(FILE_TYPES), "--dtype")
     src = Path(src)
     out = check_output(dst, inputs=[src], overwrite=overwrite)
-    open_reader(src)                           # one-line errors for a bad file, before gguf's own reader
-    reader = gguf.GGUFReader(str(src), "r")    # its fields carry the value types the writer needs
-    arch = reader.fields["general.architecture"].contents()
+    reader = open_reader(src)                  # one-line errors for a bad file; its metadata keep their value types
+    arch = reader.metadata["general.architecture"]
     writer = gguf.GGUFWriter(None, arch)
     _copy_fields(reader, writer, FILE_TYPES[dtype], kv_overrides)
     for t in reader.tensors:

@@ -24,6 +24,10 @@ def _assert_same(path):
     ours, lib = open_reader(path), gguf.GGUFReader(str(path))
     meta, want = read_metadata(ours), _library_metadata(lib)
     assert meta.keys() == want.keys()
+    for k, f in lib.fields.items():                    # the value types convert writes the copy's metadata with
+        if not k.startswith("GGUF."):
+            arr = f.types[0] == gguf.GGUFValueType.ARRAY
+            assert ours.value_types[k] == (f.types[0], f.types[-1] if arr else None), k
     for k, v in want.items():
         if isinstance(v, np.ndarray):
             assert meta[k].dtype == v.dtype and np.array_equal(meta[k], v), k

@@ -69,6 +69,7 @@ class GGUFFile:
     data_start: int
     mapped: np.ndarray = field(repr=False, default=None)     # the whole file, uint8, read-only
     mm: mmap.mmap = field(repr=False, default=None)          # the mapping itself (for madvise)
+    value_types: dict = field(repr=False, default_factory=dict)  # key -> (GGUF value type, element type or None)
 
 
 class _Cursor:
@@ -140,12 +141,15 @@ def read_gguf(path) -> GGUFFile:
     version = struct.unpack_from("<I", buf, 4)[0]
     try:
         n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
-        meta = {}
+        meta, types = {}, {}
         for _ in range(n_kv):
             key = cur.string()
             if key in meta:
                 raise ModelFileError(f"{path}: duplicate metadata key {key!r}")
-            meta[key] = cur.value(cur.take("<I"), key)
+            vtype = cur.take("<I")
+            types[key] = (vtype, struct.unpack_from("<I", buf, cur.o)[0] if vtype == ARRAY and cur.o + 4 <= size
+                          else None)
+            meta[key] = cur.value(vtype, key)
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -164,7 +168,7 @@ def read_gguf(path) -> GGUFFile:
     start = -(-cur.o // alignment) * alignment
     mapped = np.frombuffer(buf, dtype=np.uint8)
     out = GGUFFile(path=path, version=version, metadata=meta, tensors=[], alignment=alignment, data_start=start,
-                   mapped=mapped, mm=buf)
+                   mapped=mapped, mm=buf, value_types=types)
     out.tensors = [_tensor(path, out, *info) for info in infos]
     names = [t.name for t in out.tensors]
     if len(set(names)) != len(names):
