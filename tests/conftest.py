@@ -47,6 +47,18 @@ def engine_q41(default_model):
 
 
 @pytest.fixture(scope="session")
+def blackbox_self_run():
+    """The default model's reference (threads=1, its logits memoized) and its greedy run from the black-box tests'
+    prompt (blackbox_helpers.self_run): (engine, prompt ids, tokens, log-probabilities)."""
+    from blackbox_helpers import Memo, self_run
+
+    import llorch_ref
+
+    eng = Memo(llorch_ref.load(threads=1))
+    return (eng, *self_run(eng))
+
+
+@pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """tiny(**kw) -> path of a tiny random GGUF model (cached per keyword set for the session)."""
     from llorch_ref.testing.tiny import write_tiny_model

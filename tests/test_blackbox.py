@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from blackbox_helpers import PROMPT, needs_mistralrs, needs_server, planted_copy
+from blackbox_helpers import PROMPT, SELF_STEPS, Memo, needs_mistralrs, needs_server, planted_copy
 
 import llorch_ref
 from llorch_ref.cli import main
@@ -21,42 +21,18 @@ from llorch_ref.references.blackbox import Step, Trace, openai_trace
 from llorch_ref.testing.openai_server import llama_cpp_server
 
 
-class Memo:
-    """A reference engine whose logits of one token sequence are computed once, and those of its prefixes are
-    its first rows (the model is causal; the traces below all share the self run's tokens)."""
-
-    def __init__(self, eng):
-        self._eng, self._seen = eng, {}
-
-    def __getattr__(self, name):
-        return getattr(self._eng, name)
-
-    def logits(self, ids):
-        key = tuple(ids)
-        for seen, out in self._seen.items():
-            if seen[:len(key)] == key:
-                return out[:len(key)]
-        self._seen[key] = self._eng.logits(list(ids))
-        return self._seen[key]
+@pytest.fixture(scope="module")
+def ref(blackbox_self_run):
+    return blackbox_self_run[0]
 
 
 @pytest.fixture(scope="module")
-def ref():
-    return Memo(llorch_ref.load(threads=1))
-
-
-SELF_STEPS = 32          # the longest run a test below asks (the run-level bands' min_steps)
-
-
-@pytest.fixture(scope="module")
-def self_run(ref):
+def self_run(blackbox_self_run):
     """The reference's greedy run of SELF_STEPS tokens from PROMPT: (prompt ids, tokens, its log-probabilities)."""
     from llorch_ref.harness.blackbox import load_bands
 
     assert SELF_STEPS >= max(r["min_steps"] for b in load_bands()["bands"].values() for r in b.get("run", {}).values())
-    ids = ref.tokenizer.encode(PROMPT)
-    gen = list(ref.generate_ids(ids, max_tokens=SELF_STEPS, ignore_eos=True))
-    return ids, gen, log_softmax64(ref.logits(ids + gen[:-1])[len(ids) - 1:])
+    return blackbox_self_run[1:]
 
 
 def self_trace(run, n=12, top_k=None) -> Trace:

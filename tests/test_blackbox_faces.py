@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 from blackbox_helpers import PROMPT, llama_cpp_served, needs_mistralrs, needs_server, planted_copy
 
-import llorch_ref
 from llorch_ref.cli import main
 
 
 @pytest.fixture(scope="module")
-def model():
-    return llorch_ref.load(threads=1).path
+def model(blackbox_self_run):
+    return blackbox_self_run[0].path
 
 
 @pytest.fixture(scope="module")
@@ -221,18 +220,16 @@ def test_the_plugin_refuses_a_black_box_it_cannot_reach(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_a_bundle_of_a_full_length_run_verifies_with_its_run_level_row(tmp_path):
+def test_a_bundle_of_a_full_length_run_verifies_with_its_run_level_row(blackbox_self_run, tmp_path):
     """The reference as its own black box over 32 steps (the run-level row of cp11 joins the per-step rows): the
     bundle's trace is read back step for step and verify passes it; one step's logprob edited fails it."""
-    from llorch_ref.harness.blackbox import RUN, compare_trace, log_softmax64
+    from llorch_ref.harness.blackbox import RUN, compare_trace
     from llorch_ref.harness.bundle import write_bundle
     from llorch_ref.harness.verify import verify_bundle
     from llorch_ref.references.blackbox import Step, Trace
 
-    eng = llorch_ref.load(threads=1)
-    ids = eng.tokenizer.encode(PROMPT)
-    gen = list(eng.generate_ids(ids, max_tokens=32, ignore_eos=True))
-    logp = log_softmax64(eng.logits(ids + gen[:-1])[len(ids) - 1:])
+    eng, ids, gen, logp = blackbox_self_run            # the session's greedy run of 32 steps (SELF_STEPS)
+    assert len(gen) == 32
     steps = [Step(token=int(t), logprob=float(logp[j, t]),
                   top={int(i): float(logp[j, i]) for i in np.argsort(-logp[j])[:20]}) for j, t in enumerate(gen)]
     trace = Trace(engine="openai", version="self", prompt=PROMPT, steps=steps, top_k=20, whole=False,
