@@ -59,6 +59,30 @@ def blackbox_self_run():
 
 
 @pytest.fixture(scope="session")
+def blackbox_planted(blackbox_self_run, tmp_path_factory):
+    """The default model with blackbox_helpers.PLANT scaled by FACTOR (planted_copy), once a session."""
+    from blackbox_helpers import planted_copy
+
+    return planted_copy(blackbox_self_run[0].path, tmp_path_factory.mktemp("bb-planted"))
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_clean_url(blackbox_self_run):
+    """llama-cpp-python's server on the default model, started once a session (a skip where it is missing)."""
+    from blackbox_helpers import llama_cpp_served
+
+    yield from llama_cpp_served(blackbox_self_run[0].path)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_planted_url(blackbox_planted):
+    """llama-cpp-python's server on the planted file, started once a session (a skip where it is missing)."""
+    from blackbox_helpers import llama_cpp_served
+
+    yield from llama_cpp_served(blackbox_planted)
+
+
+@pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """tiny(**kw) -> path of a tiny random GGUF model (cached per keyword set for the session)."""
     from llorch_ref.testing.tiny import write_tiny_model

@@ -11,14 +11,13 @@ import time
 
 import numpy as np
 import pytest
-from blackbox_helpers import PROMPT, SELF_STEPS, Memo, needs_mistralrs, needs_server, planted_copy
+from blackbox_helpers import PROMPT, SELF_STEPS, Memo, needs_mistralrs, needs_server
 
 import llorch_ref
 from llorch_ref.cli import main
 from llorch_ref.errors import BlackBoxError
 from llorch_ref.harness.blackbox import compare_trace, kld_step, log_softmax64
 from llorch_ref.references.blackbox import Step, Trace, openai_trace
-from llorch_ref.testing.openai_server import llama_cpp_server
 
 
 @pytest.fixture(scope="module")
@@ -336,24 +335,24 @@ def test_a_token_of_another_tokenizer_is_refused(ref):
 
 # -- llama-cpp-python's own OpenAI server ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def planted_file(ref, tmp_path_factory):
-    return planted_copy(ref.path, tmp_path_factory.mktemp("bb"))
+def planted_file(blackbox_planted):
+    return blackbox_planted
 
 
 @needs_server
-def test_llama_cpp_server_clean_passes_and_tokenizes_through_its_route(ref, capsys):
-    with llama_cpp_server(ref.path) as url:
-        tr = openai_trace(url, PROMPT, ref.tokenizer, n_steps=8, top_k=20)
-        rc, out, errors = run_cli(capsys, "--subject", f"openai:{url}", "--decode-steps", "16")
+def test_llama_cpp_server_clean_passes_and_tokenizes_through_its_route(ref, llama_cpp_clean_url, capsys):
+    url = llama_cpp_clean_url
+    tr = openai_trace(url, PROMPT, ref.tokenizer, n_steps=8, top_k=20)
+    rc, out, errors = run_cli(capsys, "--subject", f"openai:{url}", "--decode-steps", "16")
     assert tr.tokenized_by == "tokenize route /extras/tokenize" and tr.prompt_ids == ref.tokenizer.encode(PROMPT)
     assert (rc, errors) == (0, []), out
     assert "verdict: PASS" in out
 
 
 @needs_server
-def test_llama_cpp_server_on_a_planted_file_fails_at_a_named_step(ref, planted_file, capsys):
-    with llama_cpp_server(planted_file) as url:          # its first failing step is 3 of 16 and of 6
-        rc, out, errors = run_cli(capsys, "--subject", f"openai:{url}", "--decode-steps", "6", "--json")
+def test_llama_cpp_server_on_a_planted_file_fails_at_a_named_step(llama_cpp_planted_url, capsys):
+    rc, out, errors = run_cli(capsys, "--subject", f"openai:{llama_cpp_planted_url}", "--decode-steps", "6",
+                              "--json")                   # its first failing step is 3 of 16 and of 6
     fd = json.loads(out)["verdict"]["first_divergence"]
     assert rc == 1 and fd["checkpoint"] in ("10", "11") and isinstance(fd["step"], int), fd
 

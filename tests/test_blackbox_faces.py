@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from blackbox_helpers import PROMPT, llama_cpp_served, needs_mistralrs, needs_server, planted_copy
+from blackbox_helpers import PROMPT, needs_mistralrs, needs_server
 
 from llorch_ref.cli import main
 
@@ -21,18 +21,13 @@ def model(blackbox_self_run):
 
 
 @pytest.fixture(scope="module")
-def planted(model, tmp_path_factory):
-    return planted_copy(model, tmp_path_factory.mktemp("faces"))
+def clean_url(llama_cpp_clean_url):
+    return llama_cpp_clean_url
 
 
 @pytest.fixture(scope="module")
-def clean_url(model):
-    yield from llama_cpp_served(model)
-
-
-@pytest.fixture(scope="module")
-def planted_url(planted):
-    yield from llama_cpp_served(planted)
+def planted_url(llama_cpp_planted_url):
+    return llama_cpp_planted_url
 
 
 def prove(capsys, tmp_path, subject, run_id, *extra, steps=6):
