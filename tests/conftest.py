@@ -59,19 +59,19 @@ def blackbox_self_run():
 
 
 @pytest.fixture(scope="session")
-def blackbox_planted(blackbox_self_run, tmp_path_factory):
+def blackbox_planted(default_model, tmp_path_factory):
     """The default model with blackbox_helpers.PLANT scaled by FACTOR (planted_copy), once a session."""
     from blackbox_helpers import planted_copy
 
-    return planted_copy(blackbox_self_run[0].path, tmp_path_factory.mktemp("bb-planted"))
+    return planted_copy(default_model, tmp_path_factory.mktemp("bb-planted"))
 
 
 @pytest.fixture(scope="session")
-def llama_cpp_clean_url(blackbox_self_run):
+def llama_cpp_clean_url(default_model):
     """llama-cpp-python's server on the default model, started once a session (a skip where it is missing)."""
     from blackbox_helpers import llama_cpp_served
 
-    yield from llama_cpp_served(blackbox_self_run[0].path)
+    yield from llama_cpp_served(default_model)
 
 
 @pytest.fixture(scope="session")

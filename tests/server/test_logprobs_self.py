@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-import llorch_ref
 from llorch_ref.cli import main
 from llorch_ref.testing.openai_server import llorch_serve
 
@@ -15,8 +14,8 @@ PROMPT = "Once upon a time, there was a little"
 
 
 @pytest.fixture(scope="module")
-def model():
-    return llorch_ref.load(threads=1).path
+def model(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +43,8 @@ def test_the_reference_served_is_its_own_black_box_with_kld_exactly_zero(served,
     assert cp0["how"] == "tokenize route /tokenize" and cp0["agreement"] == 1.0
 
 
-def test_the_served_reference_on_a_planted_file_fails_at_a_named_step(model, tmp_path, capsys):
-    from llorch_ref.testing.plant import plant_scale
-
-    planted = plant_scale(model, tmp_path / "planted.gguf", "blk.29.ffn_down.weight", 1.5)
-    with llorch_serve(planted) as url:                  # its first failing step is 3 of 8 and of 5
+def test_the_served_reference_on_a_planted_file_fails_at_a_named_step(blackbox_planted, capsys):
+    with llorch_serve(blackbox_planted) as url:            # blk.29.ffn_down.weight x 1.5 (blackbox_helpers.PLANT)                  # its first failing step is 3 of 8 and of 5
         rc, res = diff_json(capsys, url, "--decode-steps", "5")
     fd = res["verdict"]["first_divergence"]
     assert rc == 1 and fd["checkpoint"] in ("10", "11") and isinstance(fd["step"], int), fd
