@@ -254,6 +254,26 @@ def test_a_diff_against_llamacpp_on_disk_passes_and_holds_no_layer(llamacpp, q8,
     assert res.captures_ref["cp2.q_proj.layer1"].shape == (len(ids), eng.config.n_heads, eng.config.head_dim)
 
 
+@pytest.mark.llamacpp
+def test_a_diff_gives_llamacpp_the_subject_s_threads(llamacpp, q8, monkeypatch):
+    """llama.cpp's threads follow the subject's --threads (a many-core machine runs both sides on its cores),
+    and its sums do not follow them: the ggml-exact diff passes at 1 thread and at 3."""
+    from llorch_ref.harness import run as R
+    from llorch_ref.references import llamacpp as LC
+
+    seen, real = [], LC.LlamaCpp.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("n_threads"))
+        real(self, *a, **kw)
+    monkeypatch.setattr(LC.LlamaCpp, "__init__", spy)
+    for n in (1, 3):
+        eng = llorch_ref.load(q8, numerics="ggml", threads=n)
+        res = R.run_diff(eng, prompt=TEXT, n_greedy=2, n_ubatch=7)
+        assert res.verdict().status == "PASS", (n, res.first_divergence)
+    assert seen == [1, 3]
+
+
 @pytest.fixture(scope="module")
 def long_tiny(tiny):
     return tiny(weight_type="F32", n_layers=2, vocab="bpe", context_length=512)

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from ..backends import available
+from ..backends import available, cpu_threads
 from ..checkpoints import band_class_of, catalogue_path, coarser, engine_band_class, load_specs
 from ..dump import Dump, catalogue, default_score_rows, expected_shape, load_dump, model_sha256
 from ..errors import DumpError, HarnessError, PromptError
@@ -68,7 +68,8 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     spill = on_disk(engine.config, len(ids) if rows is None else len(rows))
     theirs = _timed(timings, "llamacpp_s", dump_llamacpp, ref_path, prompt=prompt, token_ids=ids, n_greedy=n_greedy,
                     kv_dtype=engine.kv_dtype, checkpoints=checkpoints, context=context, rows=rows,
-                    n_ubatch=n_ubatch, store=SpillStore() if spill else None, score_rows=score_rows)
+                    n_ubatch=n_ubatch, store=SpillStore() if spill else None, score_rows=score_rows,
+                    n_threads=reference_threads(engine))
     ours = _timed(timings, "ours_s", record_engine, engine, ids, prompt=prompt, n_greedy=n_greedy, rows=rows,
                   store=SpillStore() if spill else None, score_rows=score_rows)
     res = compare_dumps(ours, theirs, engine.config, band_class, checkpoints=checkpoints,
@@ -79,6 +80,12 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     res.recipe = recipe("llamacpp", ref_path, ids, prompt=prompt, n_greedy=n_greedy, rows=rows, checkpoints=checkpoints,
                         kv_dtype=engine.kv_dtype, n_ubatch=n_ubatch)
     return res
+
+
+def reference_threads(engine) -> int:
+    """llama.cpp's threads in a diff: the subject's CPU threads (its --threads), on a GPU backend the cores this
+    process may use (ggml's sums do not depend on the thread count: rows are split among threads, not sums)."""
+    return int((getattr(engine.backend, "info", None) or {}).get("threads") or cpu_threads())
 
 
 ON_DISK_BYTES = 512 * 2**20      # a dump whose per-token tensors take more goes to disk as it is recorded
