@@ -255,23 +255,36 @@ def test_a_diff_against_llamacpp_on_disk_passes_and_holds_no_layer(llamacpp, q8,
 
 
 @pytest.mark.llamacpp
-def test_a_diff_gives_llamacpp_the_subject_s_threads(llamacpp, q8, monkeypatch):
+def test_a_diff_gives_llamacpp_the_subject_s_threads_and_batch(llamacpp, q8, monkeypatch):
     """llama.cpp's threads follow the subject's --threads (a many-core machine runs both sides on its cores),
-    and its sums do not follow them: the ggml-exact diff passes at 1 thread and at 3."""
+    its n_batch the one asked; its sums follow neither: the ggml-exact diff passes at 1 thread and at 3, fed in
+    batches of one micro-batch and of three."""
     from llorch_ref.harness import run as R
     from llorch_ref.references import llamacpp as LC
 
     seen, real = [], LC.LlamaCpp.__init__
 
     def spy(self, *a, **kw):
-        seen.append(kw.get("n_threads"))
+        seen.append((kw.get("n_threads"), kw.get("n_batch")))
         real(self, *a, **kw)
     monkeypatch.setattr(LC.LlamaCpp, "__init__", spy)
     for n in (1, 3):
         eng = llorch_ref.load(q8, numerics="ggml", threads=n)
-        res = R.run_diff(eng, prompt=TEXT, n_greedy=2, n_ubatch=7)
+        res = R.run_diff(eng, prompt=TEXT, n_greedy=2, n_ubatch=7, n_batch=7 * n)
         assert res.verdict().status == "PASS", (n, res.first_divergence)
-    assert seen == [1, 3]
+    assert seen == [(1, 7), (3, 21)]
+
+
+def test_a_batch_smaller_than_its_micro_batch_is_refused(q8, capsys):
+    from llorch_ref.cli import main
+
+    assert main(["diff", "--model", str(q8), "--batch", "4", "--ubatch", "8", "--greedy", "0"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: --batch (4) must be >= --ubatch (8)"), err
+    from llorch_ref.errors import ParameterError
+    from llorch_ref.references.engines import dump_llamacpp
+    with pytest.raises(ParameterError, match=r"n_batch \(4\) must be >= n_ubatch \(8\)"):
+        dump_llamacpp(q8, token_ids=[1, 2, 3], n_greedy=0, n_ubatch=8, n_batch=4)
 
 
 @pytest.fixture(scope="module")

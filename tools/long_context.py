@@ -7,7 +7,7 @@ llama.cpp with its default n_ubatch 512: micro-batches), end-to-end figures unde
 arithmetic: local and end-to-end errors by position; the ggml emulation of attention is slow on long prompts).
 
     python tools/long_context.py [--model M] [--tokens 4096] [--rows every:64] [--text FILE] [--mode diff|subject]
-        [--settings f32|production] [--backend numpy|numba] --out-dir results/long [--memory-points FILE.json]
+        [--settings f32|production] [--backend numpy|numba] --out-dir results/long [--memory-points FILE.json] [--batch N]
 
 --memory-points FILE.json: the run's peak resident memory and wall time are added to FILE.json (one point per
 prompt length, rows and backend; a later run of the same key replaces its point), and FILE.png/FILE.md are
@@ -134,6 +134,8 @@ def main():
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--mode", choices=["diff", "subject"], default="diff")
     ap.add_argument("--greedy", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=None,
+                    help="--mode diff: llama.cpp's n_batch (default its 2,048): its logits buffer holds n_batch rows")
     ap.add_argument("--out-dir", default=None, help="where the run's files go (required but with --redraw)")
     ap.add_argument("--memory-points", default=None, help="add this run's peak memory to FILE.json and redraw it")
     ap.add_argument("--blas-threads", type=int, default=None,
@@ -168,7 +170,8 @@ def main():
                 raise SystemExit("--mode diff runs llama.cpp with an F32 cache (the exact-numerics bands' setting)")
             steps.append(("`diff --prompt-file --rows` (llama.cpp's dump and llorch-ref's, compared)", timed(
                 cli + ["diff", "--model", path, "--prompt-file", pf, "--rows", a.rows, "--greedy", str(a.greedy),
-                       "--backend", a.backend, "--json"], out=js, env=blas_env(a.blas_threads)), ""))
+                       "--backend", a.backend, "--json"] + (["--batch", str(a.batch)] if a.batch else []),
+                out=js, env=blas_env(a.blas_threads)), ""))
         else:
             t = timed(cli + ["dump", "--engine", "llamacpp", "--model", path, "--prompt-file", pf, "--rows", a.rows,
                              "--greedy", str(a.greedy), "--out", dump] + SETTINGS[a.settings])
@@ -197,7 +200,8 @@ def command_of(a) -> str:
             + f" --tokens {a.tokens} --rows {a.rows} --settings {a.settings} "
             f"--backend {a.backend} --mode {a.mode} --greedy {a.greedy} --out-dir {a.out_dir}"
             + (f" --memory-points {a.memory_points}" if a.memory_points else "")
-            + (f" --blas-threads {a.blas_threads}" if a.blas_threads else ""))
+            + (f" --blas-threads {a.blas_threads}" if a.blas_threads else "")
+            + (f" --batch {a.batch}" if a.batch else ""))
 
 
 def stamp_json(js: Path, commit: str, command: str):

@@ -34,10 +34,14 @@ def run_comparison(args):
 
 
 def _run_comparison(args):
-    not_here = [f for f, on in (("--rows", args.rows is not None), ("--ubatch", args.ubatch != 512)) if on]
+    not_here = [f for f, on in (("--rows", args.rows is not None), ("--ubatch", args.ubatch != 512),
+                                               ("--batch", getattr(args, "batch", None) is not None)) if on]
     if not_here and (args.subject or args.reference != "llamacpp"):
         raise ParameterError(f"{', '.join(not_here)}: for a comparison with llama.cpp (a --subject dump holds its "
                              f"own rows and micro-batches: set them when writing it, with dump)")
+    if getattr(args, "batch", None) is not None and args.batch < args.ubatch:
+        raise ParameterError(f"--batch ({args.batch}) must be >= --ubatch ({args.ubatch}): llama.cpp runs a batch "
+                             f"as micro-batches of --ubatch tokens")
     args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if is_blackbox(getattr(args, "subject", None)):
         return run_blackbox(args)
@@ -64,7 +68,7 @@ def _run_comparison(args):
         + (f" ({len(rows)} rows kept)" if rows else "") + ", capturing every checkpoint ...")
     return eng, harness_run.run_diff(eng, prompt=args.prompt, reference_model=args.reference_model,
                                      checkpoints=args.checkpoint, n_greedy=args.greedy, token_ids=ids, rows=rows,
-                                     n_ubatch=args.ubatch)
+                                     n_ubatch=args.ubatch, n_batch=getattr(args, "batch", None))
 
 
 def band_class_for(args, eng):

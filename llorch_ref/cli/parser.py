@@ -333,6 +333,10 @@ def harness_args(sp):
     rows_arg(sp)
     sp.add_argument("--ubatch", type=int_in(1, 65536), default=512,
                     help="llama.cpp's n_ubatch (--reference llamacpp): a longer prompt runs as micro-batches")
+    sp.add_argument("--batch", type=int_in(1, 65536), default=None,
+                    help="llama.cpp's n_batch (--reference llamacpp; default 2048, its own): the most tokens one "
+                         "llama_decode takes, and so the rows of logits its buffer holds (n_batch x vocabulary "
+                         "floats); the same tensors at any value, since each batch runs as micro-batches of --ubatch")
     sp.add_argument("--reference-model", help="GGUF file llama.cpp runs (default: the same file)")
     sp.add_argument("--checkpoint", action="append", help="checkpoint id or name (repeatable; default all)")
     sp.add_argument("--greedy", type=int, default=128, help="tokens for the end-to-end greedy checkpoint")

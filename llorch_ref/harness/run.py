@@ -42,11 +42,12 @@ def _greedy_texts(res, tokenizer):
 
 
 def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=None, n_greedy=32,
-             band_class=None, context=None, token_ids=None, rows=None, n_ubatch=512):
+             band_class=None, context=None, token_ids=None, rows=None, n_ubatch=512, n_batch=None):
     """engine: llorch_ref Engine (the subject); reference_model: the GGUF llama.cpp runs (default: the
     engine's file); context: an open references.llamacpp.LlamaCpp to reuse (else one is made and closed).
     token_ids: instead of tokenizing the prompt; rows: the prompt rows both sides keep (default all);
-    n_ubatch: llama.cpp's micro-batch (a longer prompt runs as several)."""
+    n_ubatch: llama.cpp's micro-batch (a longer prompt runs as several); n_batch: the most tokens one of its
+    llama_decode calls takes (default llama.cpp's 2,048; the rows of logits its buffer holds)."""
 
     ref_path = str(reference_model or engine.path)
     if engine.tokenizer is None:
@@ -69,7 +70,7 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     theirs = _timed(timings, "llamacpp_s", dump_llamacpp, ref_path, prompt=prompt, token_ids=ids, n_greedy=n_greedy,
                     kv_dtype=engine.kv_dtype, checkpoints=checkpoints, context=context, rows=rows,
                     n_ubatch=n_ubatch, store=SpillStore() if spill else None, score_rows=score_rows,
-                    n_threads=reference_threads(engine))
+                    n_threads=reference_threads(engine), n_batch=n_batch)
     ours = _timed(timings, "ours_s", record_engine, engine, ids, prompt=prompt, n_greedy=n_greedy, rows=rows,
                   store=SpillStore() if spill else None, score_rows=score_rows)
     res = compare_dumps(ours, theirs, engine.config, band_class, checkpoints=checkpoints,
@@ -78,7 +79,8 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     _greedy_texts(res, engine.tokenizer)
     res.timings.update(timings, total_s=time.perf_counter() - t0)
     res.recipe = recipe("llamacpp", ref_path, ids, prompt=prompt, n_greedy=n_greedy, rows=rows, checkpoints=checkpoints,
-                        kv_dtype=engine.kv_dtype, n_ubatch=n_ubatch)
+                        kv_dtype=engine.kv_dtype, n_ubatch=n_ubatch,
+                        **({} if n_batch is None else {"n_batch": n_batch}))
     return res
 
 

@@ -59,7 +59,7 @@ def check_token_ids(token_ids, n_vocab: int, n_ctx: int) -> list[int]:
 
 def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="float32", array_order="ggml",
                   checkpoints=None, flash_attn=False, n_ubatch=512, n_threads=2, context=None, decode_steps=0,
-                  decode_ids=None, rows=None, store=None, score_rows=None) -> Recorder:
+                  decode_ids=None, rows=None, store=None, score_rows=None, n_batch=None) -> Recorder:
     """llama.cpp on a GGUF file -> Recorder. Tensors are written as ggml holds them (array_order "ggml":
     shapes listed as ne[], innermost first), K/V views cut to the positions written, kq to its columns.
     Decode steps after the prompt (each one token, every layer tensor and the logits captured): the tokens
@@ -68,7 +68,8 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
     rows: the prompt's rows to keep (indices into the ids; default all), to bound a long prompt's memory;
     score_rows: the rows among them whose attention scores are kept (default: those rows); store: where the
     tensors go (a tensor_file.SpillStore: to disk, each node as it is read). A prompt longer than 2,048 tokens
-    is fed in batches of 2,048 (llama.cpp's default n_batch), each as micro-batches of n_ubatch.
+    is fed in batches of n_batch tokens (default 2,048, llama.cpp's), each as micro-batches of n_ubatch: the same
+    graphs at any n_batch, which sets the rows of logits llama.cpp's output buffer holds.
     context: an open LlamaCpp on the same file to reuse (its settings must be those asked for); it is left
     open. Else one is made for this dump and closed."""
     kv_dtype = dtype_name(kv_dtype, KV_DTYPES, "kv_dtype")
@@ -79,6 +80,8 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
                              f"with llorch-ref convert)")
     if n_ubatch < 1 or n_threads < 1:
         raise ParameterError(f"n_ubatch ({n_ubatch}) and n_threads ({n_threads}) must be >= 1")
+    if n_batch is not None and n_batch < n_ubatch:
+        raise ParameterError(f"n_batch ({n_batch}) must be >= n_ubatch ({n_ubatch}): a batch runs as micro-batches")
     cfg = gguf_config(path)
     if token_ids is None:
         if prompt is None:
@@ -96,7 +99,7 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
     if context is not None:
         _check_context(context, path, n_ctx=need, type_k=SHORT[kv_dtype], flash_attn=flash_attn, n_ubatch=n_ubatch)
     ref = context or LlamaCpp(path, n_ctx=max(256, 64 * ((need + 63) // 64)), kv_dtype=kv_dtype,
-                              flash_attn=flash_attn, n_ubatch=n_ubatch, n_batch=min(t, DEFAULT_N_BATCH),
+                              flash_attn=flash_attn, n_ubatch=n_ubatch, n_batch=min(t, n_batch or max(DEFAULT_N_BATCH, n_ubatch)),
                               n_threads=n_threads)
     rec.extra["arithmetic"] = {"numerics": "ggml", "ggml_simd": simd_of(ref.settings.get("build", ())),
                                "kv_dtype": kv_dtype,
