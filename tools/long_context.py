@@ -1,5 +1,5 @@
 """A long prompt (4096 tokens by default) on a model against llama.cpp, every checkpoint at sampled rows, each
-command timed and its peak memory read by /usr/bin/time; a plot of the error by position and a report.
+command timed and its peak memory read from wait4 (what /usr/bin/time prints); a plot of the error by position and a report.
 
 --mode diff (default): `llorch-ref diff --prompt-file F --rows R` (llorch-ref, exact float32, against
 llama.cpp with its default n_ubatch 512: micro-batches), end-to-end figures under the weight class's bands.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,39 +43,43 @@ def prompt_of(tokenizer, text: str, n: int) -> str:
 
 
 def timed(cmd: list, out=None, env=None, every: float = 1.0) -> dict:
-    """Run a command under /usr/bin/time -> {"wall_s", "peak_rss_mb", "rc", "rss_trace"}; stdout to `out` if
-    given. rss_trace: [seconds since the start, MB] every `every` s, the largest resident set among the
-    command's processes (what /usr/bin/time's peak is the maximum of)."""
+    """Run a command -> {"wall_s", "peak_rss_mb", "rc", "rss_trace"}; stdout to `out` if given. peak_rss_mb: the
+    command's own maximum resident set (wait4's ru_maxrss, the figure /usr/bin/time prints, so no such program is
+    needed); rss_trace: [seconds since the start, MB] every `every` s, the largest resident set among the
+    command and its children."""
+    import os
     import threading
     import time
 
-    with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
-        full = [shutil.which("time") or "/usr/bin/time", "-f", "%e %M", "-o", tf.name] + cmd
-        print("+ " + " ".join(map(str, cmd)), flush=True)
-        with open(out, "w") if out else open("/dev/null", "w") as so:
-            proc = subprocess.Popen(full, stdout=so, stderr=sys.stderr, env=env)
-            trace, t0 = [], time.perf_counter()
-            sampler = threading.Thread(target=_sample_rss, args=(proc, trace, t0, every), daemon=True)
-            sampler.start()
-            rc = proc.wait()
-            sampler.join()
-        wall, kb = tf.read().split()[-2:]
-    return {"wall_s": float(wall), "peak_rss_mb": int(kb) / 1024, "rc": rc, "rss_trace": trace}
+    print("+ " + " ".join(map(str, cmd)), flush=True)
+    with open(out, "w") if out else open(os.devnull, "w") as so:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=so, stderr=sys.stderr, env=env)
+        trace, done = [], threading.Event()
+        sampler = threading.Thread(target=_sample_rss, args=(proc.pid, trace, t0, every, done), daemon=True)
+        sampler.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        done.set()
+        sampler.join()
+        proc.returncode = os.waitstatus_to_exitcode(status)      # reaped here: Popen must not wait again
+    return {"wall_s": round(wall, 2), "peak_rss_mb": usage.ru_maxrss / 1024, "rc": proc.returncode,
+            "rss_trace": trace}
 
 
-def _sample_rss(proc, trace: list, t0: float, every: float):
+def _sample_rss(pid: int, trace: list, t0: float, every: float, done):
     import time
 
     import psutil
 
-    while proc.poll() is None:
+    while not done.is_set():
         try:
-            kids = psutil.Process(proc.pid).children(recursive=True)
-            mb = max((k.memory_info().rss for k in kids), default=0) / 2**20
+            me = psutil.Process(pid)
+            mb = max(p.memory_info().rss for p in [me] + me.children(recursive=True)) / 2**20
             trace.append([round(time.perf_counter() - t0, 1), round(mb, 1)])
         except psutil.Error:
             pass
-        time.sleep(every)
+        done.wait(every)
 
 
 def phase_peaks(trace: list, wall_s: float, timings: dict) -> dict:
@@ -242,7 +245,7 @@ def draw_points(pf: Path, points, model_name: str):
     lines = [f"# Peak resident memory by prompt length ({model_name})", "",
              "Commits: " + ", ".join(sorted({p["commit"] for p in pts["points"]})) + " (each point's below).", "",
              "Each point: one `llorch-ref diff --prompt-file` run (llama.cpp's dump and llorch-ref's, compared), "
-             "peak RSS of the whole process tree read by `/usr/bin/time`, one run at a time, niced, on a machine "
+             "peak RSS of the diff's process read from wait4 (what `/usr/bin/time` prints), one run at a time, niced, on a machine "
              "shared with other work. Points added by `--memory-points`; the command and commit of each are below.",
              "", f"![memory by prompt length]({pf.with_suffix('.png').name})", "",
              "| tokens | rows | backend | peak RSS (MB) | wall (s) | rows held | passed | commit | CPU |",
