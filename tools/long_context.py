@@ -154,8 +154,7 @@ def main():
         return
     if not a.out_dir:
         ap.error("--out-dir is required")
-    a.commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()                  # the code as the run starts
+    a.commit = code_commit()
     path = resolve_model(a.model)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,6 +195,18 @@ def main():
     stamp_json(js, a.commit, command_of(a))
     if a.memory_points:
         add_memory_point(Path(a.memory_points), a, path, n, res, steps)
+
+
+def code_commit() -> str:
+    """The commit of the code as the run starts: git's, else $LLORCH_COMMIT (a copy of the tree without its .git,
+    as a remote machine gets it), else "unknown"."""
+    import os
+
+    try:
+        got = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        got = ""
+    return got or os.environ.get("LLORCH_COMMIT") or "unknown"
 
 
 def command_of(a) -> str:
