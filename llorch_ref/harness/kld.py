@@ -7,6 +7,10 @@
 
 Per scored token: nll = -log q(target), nll_base = -log p(target), KLD = sum_v p_v (log p_v - log q_v),
 delta-p = q(target) - p(target), same top = argmax q == argmax p (p: reference, q: subject).
+
+score_chunk runs on the array module the logits live on: CuPy when both sides are CuPy arrays (the [n, V]
+logits stay on the device, only the per-position figures [n] come back), NumPy otherwise; the same float64
+formulas either way.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import numpy as np
 
 TOP_K = (1, 5, 10)
 SCORE_BLOCK_BYTES = 32 << 20     # one block of rows, as float64, in score_chunk
+DEVICE_BLOCK_BYTES = 256 << 20   # the same on a GPU (a few [rows, V] float64 temporaries of this size at once)
 
 
 @dataclass
@@ -42,45 +47,67 @@ class ChunkScores:
                    {int(k): np.asarray(v, bool) for k, v in d["ref_top_in"].items()})
 
 
-def log_softmax64(logits) -> np.ndarray:
-    x = np.asarray(logits, dtype=np.float64)
+def array_module(*arrays):
+    """cupy when every one of arrays is a CuPy array, else numpy."""
+    if arrays and all(type(a).__module__.split(".")[0] == "cupy" for a in arrays):
+        import cupy
+        return cupy
+    return np
+
+
+def to_host(a) -> np.ndarray:
+    """A NumPy array of a (a CuPy array copied from the device)."""
+    return a.get() if type(a).__module__.split(".")[0] == "cupy" else np.asarray(a)
+
+
+def log_softmax64(logits, xp=np):
+    x = xp.asarray(logits, dtype=xp.float64)
     m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    return x - m - xp.log(xp.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def score_chunk(index: int, subject_logits, reference_logits, targets) -> ChunkScores:
+def score_chunk(index: int, subject_logits, reference_logits, targets, xp=None) -> ChunkScores:
     """subject_logits, reference_logits: [n, V] for the n scored positions; targets: [n] the next tokens. Scored
-    SCORE_BLOCK_BYTES of float64 rows at a time: every row's figures are its own, so the scores are those of all
-    rows at once, with a working set of a few blocks instead of several [n, V] float64 arrays."""
-    q, p = np.asarray(subject_logits), np.asarray(reference_logits)
+    a block of float64 rows at a time (SCORE_BLOCK_BYTES; DEVICE_BLOCK_BYTES on a GPU): every row's figures are
+    its own, so the scores are those of all rows at once, with a working set of a few blocks instead of several
+    [n, V] float64 arrays. xp: the array module (default array_module of the two sides: CuPy where both are on
+    the device, the other side brought to the host otherwise); only the [n] figures are copied back."""
+    xp = xp or array_module(subject_logits, reference_logits)
+    if xp is np:
+        q, p = to_host(subject_logits), to_host(reference_logits)
+    else:
+        q, p = xp.asarray(subject_logits), xp.asarray(reference_logits)
     if q.shape != p.shape:
         raise ValueError(f"subject logits {q.shape} and reference logits {p.shape} differ in shape")
-    t = np.asarray(targets, dtype=np.int64)
-    step = max(1, SCORE_BLOCK_BYTES // (8 * max(q.shape[-1], 1)))
-    parts = [_score_rows(q[a:a + step], p[a:a + step], t[a:a + step]) for a in range(0, len(t), step)] or \
-        [_score_rows(q, p, t)]
-    cat = lambda k: np.concatenate([x[k] for x in parts])
+    t = xp.asarray(to_host(targets).astype(np.int64))
+    if q.ndim != 2 or t.shape != (q.shape[0],):
+        raise ValueError(f"{t.shape[0] if t.ndim else 0} targets for logits of shape {q.shape}: one a row")
+    block = SCORE_BLOCK_BYTES if xp is np else DEVICE_BLOCK_BYTES
+    step = max(1, block // (8 * max(q.shape[-1], 1)))
+    parts = [_score_rows(q[a:a + step], p[a:a + step], t[a:a + step], xp) for a in range(0, len(t), step)] or \
+        [_score_rows(q, p, t, xp)]
+    cat = lambda k: to_host(xp.concatenate([x[k] for x in parts]))
     return ChunkScores(index, cat("nll"), cat("nll_base"), cat("kld"), cat("p_diff"), cat("same_top"),
-                       {k: np.concatenate([x["top_in"][k] for x in parts]) for k in TOP_K})
+                       {k: to_host(xp.concatenate([x["top_in"][k] for x in parts])) for k in TOP_K})
 
 
-def _score_rows(subject_logits, reference_logits, t) -> dict:
-    """score_chunk's figures for a block of rows."""
-    lq, lp = log_softmax64(subject_logits), log_softmax64(reference_logits)
-    rows = np.arange(len(t))
+def _score_rows(subject_logits, reference_logits, t, xp=np) -> dict:
+    """score_chunk's figures for a block of rows, in the array module xp."""
+    lq, lp = log_softmax64(subject_logits, xp), log_softmax64(reference_logits, xp)
+    rows = xp.arange(len(t))
     nll, nll_base = -lq[rows, t], -lp[rows, t]
-    kld = np.sum(np.exp(lp) * (lp - lq), axis=-1)
+    kld = xp.sum(xp.exp(lp) * (lp - lq), axis=-1)
     ref_top = lp.argmax(-1)
-    rank = _stable_rank(lq, ref_top)
-    return {"nll": nll, "nll_base": nll_base, "kld": kld, "p_diff": np.exp(-nll) - np.exp(-nll_base),
+    rank = _stable_rank(lq, ref_top, xp)
+    return {"nll": nll, "nll_base": nll_base, "kld": kld, "p_diff": xp.exp(-nll) - xp.exp(-nll_base),
             "same_top": lq.argmax(-1) == ref_top, "top_in": {k: rank < k for k in TOP_K}}
 
 
-def _stable_rank(values, index):
+def _stable_rank(values, index, xp=np):
     """The place of values[r, index[r]] in row r sorted descending, ties in index order (a stable sort of -values):
     the entries above it plus the equal ones before it. Two passes over the row instead of sorting it."""
-    v = values[np.arange(len(index)), index][:, None]
-    before = np.arange(values.shape[-1])[None, :] < index[:, None]
+    v = values[xp.arange(len(index)), index][:, None]
+    before = xp.arange(values.shape[-1])[None, :] < index[:, None]
     return (values > v).sum(-1) + ((values == v) & before).sum(-1)
 
 
