@@ -18,9 +18,11 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import ParameterError
 from ..loaders.lazy_weights import mem_available
-from .kld import SCORE_BLOCK_BYTES, ChunkScores, kld_by_position, score_chunk, summary
+from .kld import SCORE_BLOCK_BYTES, ChunkScores, array_module, kld_by_position, score_chunk, summary
 
 TEXT_LIMIT = 64 << 20      # bytes: the largest --text file (as --prompt-file)
 WINDOW = 1 << 18           # characters of the text tokenized at a time
@@ -205,8 +207,22 @@ def make_chunks(ids: list[int], ctx: int, n_chunks: int | None, bos_id: int | No
 
 
 def eval_chunk(index: int, tokens, subject, reference) -> ChunkScores:
+    """One chunk's scores: each side's logits of the scored rows as it holds them (a source with device_logits,
+    llorch-ref on cupy, keeps them on the GPU), scored where they are (harness/kld.score_chunk). Where one side
+    is on the GPU and the other on the host, the host's [n, V] float32 go to the device: one copy of 4 bytes
+    a logit, where scoring on the host would read and write several float64 [n, V] arrays."""
     first = len(tokens) // 2
-    return score_chunk(index, subject.logits(tokens, first), reference.logits(tokens, first), tokens[first + 1:])
+    q, p = chunk_logits(subject, tokens, first), chunk_logits(reference, tokens, first)
+    xq, xp = array_module(q), array_module(p)
+    if xq is not xp:
+        dev = xq if xq is not np else xp
+        q, p = dev.asarray(q), dev.asarray(p)
+    return score_chunk(index, q, p, tokens[first + 1:])
+
+
+def chunk_logits(source, tokens, first: int):
+    """source's logits of rows first..len(tokens)-2: on the device where it offers them there."""
+    return (getattr(source, "device_logits", None) or source.logits)(tokens, first)
 
 
 @dataclass

@@ -55,9 +55,13 @@ class EngineSource:
                                       kv_dtype=s.get("kv_dtype", "float32"))
 
     def logits(self, tokens, first: int) -> np.ndarray:
+        return self.engine.backend.to_numpy(self.device_logits(tokens, first))
+
+    def device_logits(self, tokens, first: int):
+        """logits() as the backend holds them (a CuPy array on the cupy backend: scored on the device)."""
         e = self.engine
         out = e.forward(list(tokens), e.new_cache(), rows=list(range(first, len(tokens) - 1)))
-        return e.backend.to_numpy(out).astype(np.float32, copy=False)
+        return out.astype(np.float32, copy=False)
 
 
 class LlamaCppSource:
