@@ -70,6 +70,11 @@ def _read_some(s, n: int) -> bytes:
     return data
 
 
+def on_gpu(*specs) -> bool:
+    """Whether a side runs llorch-ref on cupy: its actors then take a GPU each (Ray sets CUDA_VISIBLE_DEVICES)."""
+    return any(s.kind == "cupy" for s in specs)
+
+
 def _scorer_class(ray):
     @ray.remote(num_cpus=1, max_restarts=0)
     class Scorer:
@@ -101,9 +106,14 @@ def run_eval_ray(subject_spec, reference_spec, chunks, text_name: str, address=N
     t0 = time.perf_counter()
     try:
         Scorer = _scorer_class(ray)
-        cpus = int(ray.cluster_resources().get("CPU", 1))
-        n = max(1, min(len(chunks), n_actors or cpus))
-        new_actor = lambda: Scorer.options(scheduling_strategy="SPREAD").remote(subject_spec, reference_spec, ctx)
+        res = ray.cluster_resources()
+        gpus = int(res.get("GPU", 0)) if on_gpu(subject_spec, reference_spec) else 0
+        if on_gpu(subject_spec, reference_spec) and gpus < 1:
+            raise RayEvalError("a cupy side on Ray needs a GPU in the cluster, and Ray sees none")
+        n = max(1, min(len(chunks), n_actors or gpus or int(res.get("CPU", 1))))
+        n = min(n, gpus) if gpus else n                  # an actor a GPU: more would wait for one for good
+        new_actor = lambda: Scorer.options(scheduling_strategy="SPREAD", **({"num_gpus": 1} if gpus else {})).remote(
+            subject_spec, reference_spec, ctx)
         actors, nodes, started = [], set(), 0
         while len(actors) < n:                        # an actor that dies while starting is replaced too
             a = new_actor()

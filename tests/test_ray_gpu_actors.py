@@ -1,0 +1,36 @@
+"""eval on Ray with a cupy side: an actor a GPU (num_gpus=1, no more actors than GPUs); a cluster without a GPU
+is refused with RayEvalError before any actor starts."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from llorch_ref.harness.ray_eval import on_gpu
+from llorch_ref.references.logit_sources import SourceSpec
+
+PROBE = """
+import ray
+from llorch_ref.harness.ray_eval import RayEvalError, run_eval_ray
+from llorch_ref.references.logit_sources import SourceSpec
+ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+try:
+    run_eval_ray(SourceSpec("numpy", "no-such.gguf"), SourceSpec("cupy", "no-such.gguf"), [[1] * 16] * 3, "t")
+except RayEvalError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_cupy_side_marks_the_actors_for_gpus():
+    assert on_gpu(SourceSpec("numpy", "m"), SourceSpec("cupy", "m"))
+    assert not on_gpu(SourceSpec("numpy", "m"), SourceSpec("llamacpp", "m"))
+
+
+def test_a_cupy_side_on_a_cluster_without_a_gpu_is_refused():
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'llorch-ref[ray]')")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=180, env=env)
+    assert r.stdout.strip() == "refused: a cupy side on Ray needs a GPU in the cluster, and Ray sees none", \
+        r.stdout[-1000:] + r.stderr[-2000:]
