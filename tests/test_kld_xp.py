@@ -135,6 +135,13 @@ def test_eval_chunk_scores_the_rows_that_predict_the_next_tokens():
     assert not bit_equal(s, plain_scores(q, p, tokens[first:-1]))        # one token early: other figures
 
 
+def test_eval_chunk_adds_each_part_to_the_clock():
+    tokens, clock = list(range(40)), {"scoring_s": 1.0}
+    corpus_eval.eval_chunk(0, tokens, Rows(1), Rows(2), clock)
+    assert sorted(clock) == ["reference_s", "scoring_s", "subject_s"]
+    assert clock["scoring_s"] > 1.0 and clock["subject_s"] > 0 and clock["reference_s"] > 0
+
+
 def _cupy():
     try:
         import cupy as cp

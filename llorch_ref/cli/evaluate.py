@@ -236,4 +236,6 @@ def print_statistics(out: dict, file=None):
     con.print(t)
     tm = out["timings"]
     if tm.get("tokens_per_s"):
-        con.print(f"throughput: {tm['tokens_per_s']:.0f} tokens/s (both sides, after {tm['load_s']:.1f} s loading)")
+        split = ", ".join(f"{k[:-2]} {tm[k]:.1f} s" for k in ("subject_s", "reference_s", "scoring_s") if k in tm)
+        con.print(f"throughput: {tm['tokens_per_s']:.0f} tokens/s (both sides, after {tm['load_s']:.1f} s loading"
+                  f"{'; ' + split if split else ''})")

@@ -206,18 +206,35 @@ def make_chunks(ids: list[int], ctx: int, n_chunks: int | None, bos_id: int | No
     return out
 
 
-def eval_chunk(index: int, tokens, subject, reference) -> ChunkScores:
+def eval_chunk(index: int, tokens, subject, reference, clock: dict | None = None) -> ChunkScores:
     """One chunk's scores: each side's logits of the scored rows as it holds them (a source with device_logits,
     llorch-ref on cupy, keeps them on the GPU), scored where they are (harness/kld.score_chunk). Where one side
     is on the GPU and the other on the host, the host's [n, V] float32 go to the device: one copy of 4 bytes
-    a logit, where scoring on the host would read and write several float64 [n, V] arrays."""
+    a logit, where scoring on the host would read and write several float64 [n, V] arrays. clock: a dict that
+    gets the seconds of each part added to "subject_s", "reference_s" and "scoring_s" (a GPU side's work
+    waited for before its time is read)."""
     first = len(tokens) // 2
-    q, p = chunk_logits(subject, tokens, first), chunk_logits(reference, tokens, first)
+    t0 = time.perf_counter()
+    q = _settled(chunk_logits(subject, tokens, first), clock)
+    t1 = time.perf_counter()
+    p = _settled(chunk_logits(reference, tokens, first), clock)
+    t2 = time.perf_counter()
     xq, xp = array_module(q), array_module(p)
     if xq is not xp:
         dev = xq if xq is not np else xp
         q, p = dev.asarray(q), dev.asarray(p)
-    return score_chunk(index, q, p, tokens[first + 1:])
+    s = score_chunk(index, q, p, tokens[first + 1:])
+    if clock is not None:
+        for k, dt in (("subject_s", t1 - t0), ("reference_s", t2 - t1), ("scoring_s", time.perf_counter() - t2)):
+            clock[k] = clock.get(k, 0.0) + dt
+    return s
+
+
+def _settled(a, clock):
+    """a, its device's queued work finished first where a clock reads the time (CuPy arrays only)."""
+    if clock is not None and array_module(a) is not np:
+        array_module(a).cuda.get_current_stream().synchronize()
+    return a
 
 
 def chunk_logits(source, tokens, first: int):
@@ -254,11 +271,12 @@ def run_eval(subject_spec, reference_spec, chunks, text_name: str, progress=None
     t0 = time.perf_counter()
     subject, reference = subject_spec.build(ctx), reference_spec.build(ctx)
     t_load = time.perf_counter() - t0
-    scores = []
+    scores, clock = [], {}
     for i, c in enumerate(chunks):
-        scores.append(eval_chunk(i, c, subject, reference))
+        scores.append(eval_chunk(i, c, subject, reference, clock))
         if progress:
             progress(len(c))
     dt = time.perf_counter() - t0 - t_load
     return EvalResult(subject_spec.label, reference_spec.label, text_name, ctx, scores,
-                      {"load_s": t_load, "eval_s": dt, "tokens_per_s": len(chunks) * ctx / dt if dt > 0 else None})
+                      {"load_s": t_load, "eval_s": dt, "tokens_per_s": len(chunks) * ctx / dt if dt > 0 else None,
+                       **clock})
