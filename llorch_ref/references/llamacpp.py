@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..dtypes import SHORT, dtype_name
-from ..errors import PromptError, ReferenceError_
+from ..errors import ParameterError, PromptError, ReferenceError_
 from ..numerics.ggml_build import installed_build_features
 
 EXPECTED_VERSION = "0.3.36"
@@ -58,6 +58,22 @@ def _import():
 
 
 _GGML = None
+
+
+def check_gpu_layers(n_gpu_layers) -> int:
+    """n_gpu_layers as llama.cpp takes it (0: every layer on the CPU, as the CPU wheel runs; n > 0: the first n
+    layers, 99 all, on the GPU); more than 0 refused where the installed llama-cpp-python has no GPU backend
+    (llama_supports_gpu_offload()), since a CPU build would run those layers on the CPU without a word."""
+    n = int(n_gpu_layers or 0)
+    if n < 0:
+        raise ParameterError(f"--gpu-layers {n}: 0 or more (99: every layer)")
+    if n:
+        llama_cpp, _ = _import()
+        if not llama_cpp.llama_supports_gpu_offload():
+            raise ParameterError(f"--gpu-layers {n}: the installed llama-cpp-python has no GPU backend "
+                                 f"(llama_supports_gpu_offload() is false): rebuild it with CUDA "
+                                 f"(docs/engines-under-test.md), or leave --gpu-layers out")
+    return n
 
 
 def build_features() -> list[str]:
@@ -216,10 +232,13 @@ class LlamaCpp:
     """One llama.cpp model + context. eval(tokens) runs a fresh sequence and returns logits [T, V]."""
 
     def __init__(self, path, n_ctx=512, kv_dtype="float32", n_threads=2, n_ubatch=512, seed=0, flash_attn=False,
-                 n_batch=None, n_seq=1):
+                 n_batch=None, n_seq=1, n_gpu_layers=0):
         """n_batch: the most tokens one eval takes (default n_ubatch); llama.cpp computes a batch longer than
         n_ubatch as micro-batches of n_ubatch tokens, one graph each. n_seq: the sequences one batch may hold
-        (decode_rows); more than one share one unified K/V cache of n_ctx cells, filled in batch order."""
+        (decode_rows); more than one share one unified K/V cache of n_ctx cells, filled in batch order.
+        n_gpu_layers: the layers llama.cpp runs on its GPU backend, their K/V cache and attention there too
+        (check_gpu_layers; 0: all on the CPU)."""
+        n_gpu_layers = check_gpu_layers(n_gpu_layers)
         llama_cpp, _ = _import()
         self.llama_cpp = llama_cpp
         kv_dtype = dtype_name(kv_dtype, tuple(KV_TYPES), "kv_dtype")
@@ -234,7 +253,7 @@ class LlamaCpp:
         self._quiet()
         mp = llama_cpp.llama_model_default_params()
         mp.use_extra_bufts = False
-        mp.n_gpu_layers = 0
+        mp.n_gpu_layers = n_gpu_layers
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise ReferenceError_(f"{path}: llama.cpp could not load the model")
@@ -251,7 +270,7 @@ class LlamaCpp:
         cp.type_k = cp.type_v = KV_TYPES[kv_dtype]
         cp.n_seq_max = int(n_seq)
         cp.kv_unified = int(n_seq) > 1
-        cp.offload_kqv = False
+        cp.offload_kqv = n_gpu_layers > 0
         self._capture: Capture | None = None
         self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._eval_cb)   # kept alive on self
         cp.cb_eval = self._cb
@@ -265,6 +284,8 @@ class LlamaCpp:
                          "GGML_CPU_TILED_MM": os.environ.get("GGML_CPU_TILED_MM"), "build": build_features()}
         if n_seq > 1:
             self.settings.update(n_seq_max=int(n_seq), kv_unified=True)
+        if n_gpu_layers:
+            self.settings.update(n_gpu_layers=n_gpu_layers, offload_kqv=True)
         self.n_ctx, self.n_ubatch, self.n_batch, self.path = n_ctx, n_ubatch, n_batch, str(path)
 
     @staticmethod
