@@ -285,6 +285,12 @@ class SpillStore(ReadOnLookup, CountsLive):
         raw = _read_span(path, start + a * per, start + b * per)
         return self._track(raw.view(np.dtype(dt)).reshape(b - a, -1))
 
+    def __delitem__(self, name):
+        """The name dropped and its file deleted (a part copied elsewhere gives its disk back at once)."""
+        path, _, _ = super().__getitem__(name)
+        super().__delitem__(name)
+        path.unlink(missing_ok=True)
+
     def shape(self, name) -> list:
         return list(super().__getitem__(name)[1])
 

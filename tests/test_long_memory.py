@@ -287,6 +287,41 @@ def test_a_batch_smaller_than_its_micro_batch_is_refused(q8, capsys):
         dump_llamacpp(q8, token_ids=[1, 2, 3], n_greedy=0, n_ubatch=8, n_batch=4)
 
 
+@pytest.mark.llamacpp
+def test_llamacpp_s_captured_parts_give_their_disk_back_as_they_are_joined(llamacpp, q8, monkeypatch):
+    """A dump on disk: llama.cpp's captured parts (one file a node and micro-batch) are deleted as each tensor is
+    joined into the dump, and its logits node is never copied out (they come from its output buffer): the disk
+    held at once stays near one side's tensors instead of the parts and the dump both."""
+    from llorch_ref import tensor_file as TF
+    from llorch_ref.references.engines import dump_llamacpp
+
+    held, peak, written, shapes = {}, [0], {"capture": 0, "dump": 0}, []
+    real_set, real_del = TF.SpillStore.__setitem__, TF.SpillStore.__delitem__
+
+    def put(self, name, a):
+        real_set(self, name, a)
+        n = np.asarray(a).nbytes
+        held[(id(self), name)] = n
+        side = "capture" if "llorch-capture-" in str(self._dir) else "dump"
+        written[side] += n
+        shapes.append((side, np.shape(a)))
+        peak[0] = max(peak[0], sum(held.values()))
+
+    def drop(self, name):
+        held.pop((id(self), name), None)
+        real_del(self, name)
+    monkeypatch.setattr(TF.SpillStore, "__setitem__", put)
+    monkeypatch.setattr(TF.SpillStore, "__delitem__", drop)
+    ids = llorch_ref.load(q8).tokenizer.encode(TEXT)
+    store = TF.SpillStore()
+    dump_llamacpp(q8, token_ids=ids, n_greedy=0, n_ubatch=7, store=store)
+    assert written["capture"] and written["dump"]
+    assert peak[0] <= written["capture"] + 0.2 * written["dump"], (peak, written)   # not the two together
+    assert sum(n for (sid, _), n in held.items() if sid != id(store)) == 0       # every part deleted
+    n_vocab = llorch_ref.load(q8).config.n_vocab
+    assert not [sh for side, sh in shapes if side == "capture" and n_vocab in sh]  # result_output never read
+
+
 @pytest.fixture(scope="module")
 def long_tiny(tiny):
     return tiny(weight_type="F32", n_layers=2, vocab="bpe", context_length=512)

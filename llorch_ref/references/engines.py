@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import types
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -232,6 +233,8 @@ class _LlamaCppCapture:
         score rows for kq/kq_soft_max where given), nothing where none is kept, a cache only from the last
         micro-batch; the whole node where every row is kept. The other rows are never read."""
         def rows(g, name):
+            if name == "result_output":                 # the graph's last node, a boundary: its logits come from
+                return (0, [])                          # llama.cpp's output buffer, never read here
             ax = self.axis.get(name, "whole")
             if ax is None:
                 return None if g == len(plan) - 1 else (0, [])
@@ -268,6 +271,28 @@ class _LlamaCppCapture:
         if len(cap.graphs) != len(plan):
             raise ReferenceError_(f"llama.cpp ran {len(cap.graphs)} graph(s) for {len(tokens)} tokens with n_ubatch "
                                   f"{ref.n_ubatch}; {len(plan)} were expected")
+        wanted = list(self._wanted(step))
+        uses = Counter(key for _, _, _, key in wanted)
+        for s, ts, layer, key in wanted:
+            name = key[0]
+            parts = self._parts(cap, self._plan_of(name, plan, splan), key, ts, pos)
+            uses[key] -= 1
+            if not uses[key]:
+                self._drop(cap, key)          # its parts' disk given back as soon as none is read again
+            if parts is None:
+                if self.flash_attn and ts.ours in FUSED_BY_FLASH_ATTN:
+                    continue                   # fused into one op: not covered, never passed
+                raise ReferenceError_(f"llama.cpp produced no node {key} (captured {len(cap.nodes)})")
+            a = _join(parts, ts.ours, self.axis.get(name), pos + len(tokens))
+            if self.axis.get(name) == "whole" and step == 0:
+                a = select_rows(catalogue()[(s.id, ts.ours)], a, self.rows)
+            self.put(f"cp{s.id}.{ts.ours}" + ("" if layer is None else f".layer{layer}"), a, step=step)
+        for key in {k for graph in cap.graphs for k in graph}:      # captured and never read: none expected
+            self._drop(cap, key)
+        return logits
+
+    def _wanted(self, step: int):
+        """-> (spec, tensor spec, layer, llama.cpp node key) of every node a forward at `step` writes, in order."""
         cfg = self.cfg
         for s in self.specs:
             if step and s.scope != "layer" and s.id != "8":     # a decode step: layers, its final norm, logits
@@ -278,17 +303,14 @@ class _LlamaCppCapture:
                     continue
                 for layer in (range(cfg.n_layers) if s.scope == "layer" else [None]):
                     name = lc["name"].replace("{L}", str(layer))
-                    key = (name, lc["op"], int(lc.get("occurrence", 0)))
-                    parts = self._parts(cap, self._plan_of(name, plan, splan), key, ts, pos)
-                    if parts is None:
-                        if self.flash_attn and ts.ours in FUSED_BY_FLASH_ATTN:
-                            continue                   # fused into one op: not covered, never passed
-                        raise ReferenceError_(f"llama.cpp produced no node {key} (captured {len(cap.nodes)})")
-                    a = _join(parts, ts.ours, self.axis.get(name), pos + len(tokens))
-                    if self.axis.get(name) == "whole" and step == 0:
-                        a = select_rows(catalogue()[(s.id, ts.ours)], a, self.rows)
-                    self.put(f"cp{s.id}.{ts.ours}" + ("" if layer is None else f".layer{layer}"), a, step=step)
-        return logits
+                    yield s, ts, layer, (name, lc["op"], int(lc.get("occurrence", 0)))
+
+    def _drop(self, cap, key):
+        """The captured parts of a node, read for the last time: deleted from the capture's store on disk."""
+        for graph in cap.graphs:
+            part = graph.pop(key, None)
+            if isinstance(part, _Spilled):
+                del part.store[part.key]
 
     def _parts(self, cap, plan, key, ts, pos):
         """-> [(first kept row, array in the canonical layout)] per micro-batch holding the node; None if none."""
