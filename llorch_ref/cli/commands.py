@@ -18,6 +18,7 @@ from ..harness.text_safety import for_terminal
 from ..loaders.default_model import resolve_model
 from ..output_paths import check_output
 from ..references.engines import dump_llamacpp, dump_transformers, hf_tokenize
+from ..references.llamacpp import check_gpu_layers
 from ..references.llamacpp import tokenize as llamacpp_tokenize
 from ..references.llorch import record_engine
 from ..references.onnx_runtime import dump_onnxruntime
@@ -119,6 +120,8 @@ def cmd_convert(args):
 
 def cmd_dump(args):
     out = check_output(args.out, inputs=[resolve_model(args.model)], overwrite=args.overwrite, what="--out").path
+    if args.engine == "llamacpp":
+        check_gpu_layers(args.gpu_layers)         # before any work: a build without a GPU backend is refused
     ids = None
     if args.token_ids:
         try:
@@ -137,7 +140,8 @@ def cmd_dump(args):
     if args.engine != "llamacpp":
         lcp = [f for f, on in (("--flash-attn", args.flash_attn), ("--tiled-mm", args.tiled_mm),
                                ("--ubatch", args.ubatch is not None and args.engine == "llorch"),
-                               ("--threads", args.threads is not None)) if on]
+                               ("--threads", args.threads is not None),
+                               ("--gpu-layers", args.gpu_layers is not None)) if on]
         if lcp:
             raise ParameterError(f"{', '.join(lcp)}: llama.cpp settings, for --engine llamacpp (--ubatch: llamacpp and transformers)")
     if args.engine != "llorch":
@@ -154,7 +158,8 @@ def cmd_dump(args):
         rec = dump_llamacpp(resolve_model(args.model), prompt=prompt, token_ids=ids, n_greedy=args.greedy,
                             decode_steps=args.decode_steps,
                             kv_dtype=args.kv_dtype or "float32", checkpoints=args.checkpoint, flash_attn=args.flash_attn,
-                            n_ubatch=args.ubatch or 512, n_threads=args.threads or 2, rows=rows)
+                            n_ubatch=args.ubatch or 512, n_threads=args.threads or 2, rows=rows,
+                            n_gpu_layers=args.gpu_layers or 0)
     elif args.engine == "onnxruntime":
         if args.checkpoint:
             raise ParameterError("--checkpoint applies to llamacpp and llorch dumps; onnxruntime dumps hold all")

@@ -20,6 +20,7 @@ from ..harness.run import DEFAULT_PROMPT
 from ..harness.text_safety import for_terminal
 from ..references.blackbox import mistralrs_trace, openai_trace
 from ..references.engines import dump_transformers
+from ..references.llamacpp import check_gpu_layers
 from ..references.llorch import engine_label, record_engine
 from .common import load_engine, log
 from .report import _table, add_row, console_for, print_by_position, print_result
@@ -35,13 +36,15 @@ def run_comparison(args):
 
 def _run_comparison(args):
     not_here = [f for f, on in (("--rows", args.rows is not None), ("--ubatch", args.ubatch != 512),
-                                               ("--batch", getattr(args, "batch", None) is not None)) if on]
+                                               ("--batch", getattr(args, "batch", None) is not None),
+                                               ("--gpu-layers", getattr(args, "gpu_layers", None) is not None)) if on]
     if not_here and (args.subject or args.reference != "llamacpp"):
         raise ParameterError(f"{', '.join(not_here)}: for a comparison with llama.cpp (a --subject dump holds its "
                              f"own rows and micro-batches: set them when writing it, with dump)")
     if getattr(args, "batch", None) is not None and args.batch < args.ubatch:
         raise ParameterError(f"--batch ({args.batch}) must be >= --ubatch ({args.ubatch}): llama.cpp runs a batch "
                              f"as micro-batches of --ubatch tokens")
+    check_gpu_layers(getattr(args, "gpu_layers", None))      # before any work: a CPU build is refused
     args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if is_blackbox(getattr(args, "subject", None)):
         return run_blackbox(args)
@@ -68,7 +71,8 @@ def _run_comparison(args):
         + (f" ({len(rows)} rows kept)" if rows else "") + ", capturing every checkpoint ...")
     return eng, harness_run.run_diff(eng, prompt=args.prompt, reference_model=args.reference_model,
                                      checkpoints=args.checkpoint, n_greedy=args.greedy, token_ids=ids, rows=rows,
-                                     n_ubatch=args.ubatch, n_batch=getattr(args, "batch", None))
+                                     n_ubatch=args.ubatch, n_batch=getattr(args, "batch", None),
+                                     n_gpu_layers=getattr(args, "gpu_layers", None) or 0)
 
 
 def band_class_for(args, eng):
@@ -84,7 +88,13 @@ def run_subject_dump(args):
     decl = sub.arithmetic or {}
     chosen = {"numerics": args.numerics, "kv_dtype": args.kv_dtype,       # what the user set over the declaration
               "ggml_simd": None if args.ggml_simd == "auto" else args.ggml_simd}
-    if decl:
+    if decl and decl.get("reproducible") is False:
+        args.numerics = args.numerics or decl["numerics"]
+        args.kv_dtype = args.kv_dtype or decl["kv_dtype"]
+        log(f"llorch-ref: the dump declares no reproducible arithmetic (llama.cpp's GPU backend, "
+            f"{(decl.get('settings') or {}).get('n_gpu_layers', '?')} layers): the reference runs numerics "
+            f"{args.numerics}, K/V {args.kv_dtype}, and the verdict is by the end-to-end bands")
+    elif decl:
         args.numerics = args.numerics or decl["numerics"]
         args.kv_dtype = args.kv_dtype or decl["kv_dtype"]
         if args.numerics == "ggml" and args.ggml_simd == "auto" and decl.get("ggml_simd"):

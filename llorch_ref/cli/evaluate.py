@@ -21,6 +21,7 @@ from ..loaders.corpus import NAME as DEFAULT_TEXT_NAME
 from ..loaders.corpus import default_corpus_path
 from ..loaders.default_model import resolve_model
 from ..output_paths import check_output
+from ..references.llamacpp import check_gpu_layers
 from ..references.logit_sources import ENGINE_KINDS, SourceSpec
 from .common import log
 from .comparisons import is_blackbox
@@ -38,13 +39,14 @@ def subject_spec(args, base: Path) -> SourceSpec:
             raise ParameterError(f"--subject {args.subject}: neither one of {', '.join(NAMED)} nor a dump file/folder")
         model = args.subject
     given = {"numerics": args.numerics, "kv_dtype": args.kv_dtype, "flash_attn": args.flash_attn or None,
-             "n_ubatch": args.ubatch, "threads": args.threads, "precision": args.precision}
+             "n_ubatch": args.ubatch, "threads": args.threads, "precision": args.precision,
+             "n_gpu_layers": args.gpu_layers}
     allowed = {"numpy": {"numerics", "kv_dtype"}, "numba": {"numerics", "kv_dtype"}, "cupy": {"kv_dtype"},
-               "llamacpp": {"kv_dtype", "flash_attn", "n_ubatch", "threads"}, "transformers": set(),
+               "llamacpp": {"kv_dtype", "flash_attn", "n_ubatch", "threads", "n_gpu_layers"}, "transformers": set(),
                "onnxruntime": {"precision"}, "dump": set()}[kind]
     bad = [k for k, v in given.items() if v is not None and k not in allowed]
     if bad:
-        raise ParameterError(f"{', '.join('--' + k.replace('_', '-').replace('n-ubatch', 'ubatch') for k in bad)}: "
+        raise ParameterError(f"{', '.join('--' + k.replace('_', '-').replace('n-ubatch', 'ubatch').replace('n-gpu', 'gpu') for k in bad)}: "
                              f"not a setting of --subject {kind}")
     if kind == "dump" and args.subject_model:
         raise ParameterError("--subject-model does not apply to a dump (its logits are in the file)")
@@ -58,6 +60,8 @@ def cmd_eval(args):
     if is_blackbox(args.subject):
         return cmd_eval_blackbox(args, base)
     spec = subject_spec(args, base)
+    if spec.settings.get("n_gpu_layers"):
+        check_gpu_layers(spec.settings["n_gpu_layers"])     # before any work: a CPU build is refused
     outs = check_outputs(args, base)
     if args.top_logprobs is not None:
         raise ParameterError("--top-logprobs: for a black-box --subject (openai:URL)")
@@ -132,6 +136,7 @@ def cmd_eval_blackbox(args, base: Path):
     given = [f for f, on in (("--subject-model", args.subject_model), ("--numerics", args.numerics),
                              ("--kv-dtype", args.kv_dtype), ("--flash-attn", args.flash_attn),
                              ("--ubatch", args.ubatch), ("--precision", args.precision), ("--ray", args.ray is not None),
+                             ("--gpu-layers", args.gpu_layers is not None),
                              ("--reference-backend", args.reference_backend != "numpy")) if on]
     if given:
         raise ParameterError(f"{', '.join(given)}: not a setting of a black-box --subject (the engine runs as it "

@@ -149,6 +149,9 @@ def _dump(sub):
                          "put together); transformers: feed the prompt in micro-batches of this many tokens on one "
                          "cache (default: all at once)")
     du.add_argument("--threads", type=int_in(1, 1024), default=None, help="llamacpp: threads (default 2)")
+    du.add_argument("--gpu-layers", type=int_in(0, 1 << 20), default=None,
+                    help="llamacpp: layers llama.cpp runs on its GPU backend (99: all; needs llama-cpp-python built "
+                         "with CUDA; the dump then declares no reproducible arithmetic: end-to-end bands)")
     du.add_argument("--precision", choices=["fp32", "int4"], default=None,
                     help="onnxruntime: build the ONNX model at this precision (int4: MatMulNBits, block 32) from a GGUF "
                          "file or Hugging Face folder (default fp32; an ONNX folder runs as it is)")
@@ -205,6 +208,9 @@ def _eval(sub):
     e.add_argument("--flash-attn", action="store_true", help="llamacpp: flash attention on")
     e.add_argument("--ubatch", type=int_in(1, 65536), default=None, help="llamacpp: n_ubatch")
     e.add_argument("--threads", type=int_in(1, 1024), default=None, help="llamacpp: threads (default 2)")
+    e.add_argument("--gpu-layers", type=int_in(0, 1 << 20), default=None,
+                   help="llamacpp: layers llama.cpp runs on its GPU backend (99: all; needs llama-cpp-python built "
+                        "with CUDA)")
     e.add_argument("--precision", choices=["fp32", "int4"], default=None,
                    help="onnxruntime: the model the builder makes from a GGUF file or Hugging Face folder (default fp32)")
     e.add_argument("--reference-numerics", choices=NUMERICS, default="exact",
@@ -337,6 +343,9 @@ def harness_args(sp):
                     help="llama.cpp's n_batch (--reference llamacpp; default 2048, its own): the most tokens one "
                          "llama_decode takes, and so the rows of logits its buffer holds (n_batch x vocabulary "
                          "floats); the same tensors at any value, since each batch runs as micro-batches of --ubatch")
+    sp.add_argument("--gpu-layers", type=int_in(0, 1 << 20), default=None,
+                    help="llama.cpp's n_gpu_layers (--reference llamacpp; 99: all; needs llama-cpp-python built with "
+                         "CUDA): the reference on its GPU backend, judged by the weight class's end-to-end bands")
     sp.add_argument("--reference-model", help="GGUF file llama.cpp runs (default: the same file)")
     sp.add_argument("--checkpoint", action="append", help="checkpoint id or name (repeatable; default all)")
     sp.add_argument("--greedy", type=int, default=128, help="tokens for the end-to-end greedy checkpoint")

@@ -42,12 +42,13 @@ def _greedy_texts(res, tokenizer):
 
 
 def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=None, n_greedy=32,
-             band_class=None, context=None, token_ids=None, rows=None, n_ubatch=512, n_batch=None):
+             band_class=None, context=None, token_ids=None, rows=None, n_ubatch=512, n_batch=None, n_gpu_layers=0):
     """engine: llorch_ref Engine (the subject); reference_model: the GGUF llama.cpp runs (default: the
     engine's file); context: an open references.llamacpp.LlamaCpp to reuse (else one is made and closed).
     token_ids: instead of tokenizing the prompt; rows: the prompt rows both sides keep (default all);
     n_ubatch: llama.cpp's micro-batch (a longer prompt runs as several); n_batch: the most tokens one of its
-    llama_decode calls takes (default llama.cpp's 2,048; the rows of logits its buffer holds)."""
+    llama_decode calls takes (default llama.cpp's 2,048; the rows of logits its buffer holds); n_gpu_layers: the
+    layers llama.cpp runs on its GPU backend (whose sums no numerics here reproduce: the weight class's bands)."""
 
     ref_path = str(reference_model or engine.path)
     if engine.tokenizer is None:
@@ -58,7 +59,7 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
         raise HarnessError("the exact-numerics bands are measured with an F32 K/V cache; use --kv-dtype float32, "
                            "or --numerics ggml to compare against llama.cpp with a float16 cache")
     if band_class is None:
-        band_class = "ggml" if engine.numerics == "ggml" else engine_band_class(engine)
+        band_class = "ggml" if engine.numerics == "ggml" and not n_gpu_layers else engine_band_class(engine)
         if reference_model is not None and band_class != "ggml":
             band_class = coarser(band_class, band_class_of({t.name: t.tensor_type.name
                                                             for t in open_reader(ref_path).tensors}))
@@ -70,7 +71,7 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     theirs = _timed(timings, "llamacpp_s", dump_llamacpp, ref_path, prompt=prompt, token_ids=ids, n_greedy=n_greedy,
                     kv_dtype=engine.kv_dtype, checkpoints=checkpoints, context=context, rows=rows,
                     n_ubatch=n_ubatch, store=SpillStore() if spill else None, score_rows=score_rows,
-                    n_threads=reference_threads(engine), n_batch=n_batch)
+                    n_threads=reference_threads(engine), n_batch=n_batch, n_gpu_layers=n_gpu_layers)
     ours = _timed(timings, "ours_s", record_engine, engine, ids, prompt=prompt, n_greedy=n_greedy, rows=rows,
                   store=SpillStore() if spill else None, score_rows=score_rows)
     res = compare_dumps(ours, theirs, engine.config, band_class, checkpoints=checkpoints,
@@ -80,7 +81,8 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
     res.timings.update(timings, total_s=time.perf_counter() - t0)
     res.recipe = recipe("llamacpp", ref_path, ids, prompt=prompt, n_greedy=n_greedy, rows=rows, checkpoints=checkpoints,
                         kv_dtype=engine.kv_dtype, n_ubatch=n_ubatch,
-                        **({} if n_batch is None else {"n_batch": n_batch}))
+                        **({} if n_batch is None else {"n_batch": n_batch}),
+                        **({"n_gpu_layers": n_gpu_layers} if n_gpu_layers else {}))
     return res
 
 
@@ -210,7 +212,8 @@ def run_subject(engine, sub: Dump, band_class: str | None = None, checkpoints=No
                         score_rows=sub.manifest.get("score_rows"))
     res = compare_dumps(sub, ref, engine.config, band_class, checkpoints=checkpoints,
                         subject_label=subject_label or sub.engine, reference_label=engine_label(engine),
-                        model=sub.source, reference_model=str(engine.path), local_engine=engine)
+                        model=sub.source, reference_model=str(engine.path),
+                        local_engine=engine if reproducible(sub) else None)
     if warn:
         res.warnings.append(warn)
     res.require = require
@@ -220,6 +223,12 @@ def run_subject(engine, sub: Dump, band_class: str | None = None, checkpoints=No
                         numerics=engine.numerics, kv_dtype=engine.kv_dtype, ggml_simd=engine.ggml_simd,
                         decode_ids=sub.decode_token_ids or None, local=True, require=require)
     return res
+
+
+def reproducible(sub: Dump) -> bool:
+    """Whether the dump's declared arithmetic is one a local comparison reproduces (not so for llama.cpp's GPU
+    backend: "reproducible": false, judged by the end-to-end bands alone)."""
+    return (sub.arithmetic or {}).get("reproducible", True) is not False
 
 
 def recipe(kind: str, model, token_ids, **settings) -> dict:

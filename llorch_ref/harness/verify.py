@@ -835,7 +835,8 @@ def _reference(recipe, path: Path, log):
     if kind == "llamacpp":
         d = dump_llamacpp(path, prompt=recipe.get("prompt"), token_ids=ids, n_greedy=recipe["n_greedy"],
                           kv_dtype=recipe["kv_dtype"], checkpoints=recipe.get("checkpoints"),
-                          n_ubatch=recipe.get("n_ubatch", 512), rows=recipe.get("rows"))
+                          n_ubatch=recipe.get("n_ubatch", 512), rows=recipe.get("rows"),
+                          n_gpu_layers=recipe.get("n_gpu_layers", 0))
         return d.to_dump(), None, gguf_config(path)
     if kind == "llorch":
         eng = llorch_ref.load(path, backend=recipe["backend"], numerics=recipe["numerics"], kv_dtype=recipe["kv_dtype"],

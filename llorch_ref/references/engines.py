@@ -29,7 +29,7 @@ from ..loaders.default_model import home, sha256_file
 from ..loaders.gguf_file import config_from_metadata, open_reader, read_metadata, rope_freqs_of
 from ..numerics.ggml_build import simd_of
 from ..tensor_file import SpillStore
-from .llamacpp import Capture, LlamaCpp, tokenize
+from .llamacpp import Capture, LlamaCpp, check_gpu_layers, tokenize
 
 
 def gguf_config(path):
@@ -60,7 +60,7 @@ def check_token_ids(token_ids, n_vocab: int, n_ctx: int) -> list[int]:
 
 def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="float32", array_order="ggml",
                   checkpoints=None, flash_attn=False, n_ubatch=512, n_threads=2, context=None, decode_steps=0,
-                  decode_ids=None, rows=None, store=None, score_rows=None, n_batch=None) -> Recorder:
+                  decode_ids=None, rows=None, store=None, score_rows=None, n_batch=None, n_gpu_layers=0) -> Recorder:
     """llama.cpp on a GGUF file -> Recorder. Tensors are written as ggml holds them (array_order "ggml":
     shapes listed as ne[], innermost first), K/V views cut to the positions written, kq to its columns.
     Decode steps after the prompt (each one token, every layer tensor and the logits captured): the tokens
@@ -72,8 +72,11 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
     is fed in batches of n_batch tokens (default 2,048, llama.cpp's), each as micro-batches of n_ubatch: the same
     graphs at any n_batch, which sets the rows of logits llama.cpp's output buffer holds.
     context: an open LlamaCpp on the same file to reuse (its settings must be those asked for); it is left
-    open. Else one is made for this dump and closed."""
+    open. Else one is made for this dump and closed. n_gpu_layers: the layers llama.cpp runs on its GPU backend
+    (refused without one); such a dump declares no arithmetic llorch-ref reproduces (reproducible false: the
+    ggml numerics emulate the CPU build), so a comparison judges it by the end-to-end bands."""
     kv_dtype = dtype_name(kv_dtype, KV_DTYPES, "kv_dtype")
+    n_gpu_layers = check_gpu_layers(n_gpu_layers)
     path = Path(path)
     if path.is_dir():
         raise ParameterError(f"{path}: llama.cpp reads GGUF files, not folders: pass a GGUF file (to diff a "
@@ -95,16 +98,21 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
     rec = Recorder("llama.cpp", f"{llama_cpp_version()} (llama-cpp-python)", model_path=path, token_ids=ids,
                    prompt=prompt, layouts={"array_order": array_order, "rope_pairs": cfg.rope_style},
                    notes=f"K/V cache {kv_dtype}, flash attention {'on' if flash_attn else 'off'}, n_ubatch {n_ubatch}, "
-                         f"{n_threads} threads", rows=rows, store=store, score_rows=score_rows)
+                         f"{n_threads} threads" + (f", {n_gpu_layers} layers on the GPU" if n_gpu_layers else ""),
+                   rows=rows, store=store, score_rows=score_rows)
     need = t + max(n_greedy, steps)
     if context is not None:
-        _check_context(context, path, n_ctx=need, type_k=SHORT[kv_dtype], flash_attn=flash_attn, n_ubatch=n_ubatch)
+        _check_context(context, path, n_ctx=need, type_k=SHORT[kv_dtype], flash_attn=flash_attn, n_ubatch=n_ubatch,
+                       n_gpu_layers=n_gpu_layers or None)
     ref = context or LlamaCpp(path, n_ctx=max(256, 64 * ((need + 63) // 64)), kv_dtype=kv_dtype,
                               flash_attn=flash_attn, n_ubatch=n_ubatch, n_batch=min(t, n_batch or max(DEFAULT_N_BATCH, n_ubatch)),
-                              n_threads=n_threads)
+                              n_threads=n_threads, n_gpu_layers=n_gpu_layers)
     rec.extra["arithmetic"] = {"numerics": "ggml", "ggml_simd": simd_of(ref.settings.get("build", ())),
                                "kv_dtype": kv_dtype,
                                "settings": dict(ref.settings)}     # numerics ggml reproduces this build's sums
+    if n_gpu_layers:        # the GPU backend's kernels: no arithmetic here reproduces them, op by op
+        rec.extra["arithmetic"] = {"numerics": "exact", "kv_dtype": kv_dtype, "reproducible": False,
+                                   "settings": dict(ref.settings)}
     capture = _LlamaCppCapture(rec, specs, cfg, flash_attn, array_order, rows=rows, score_rows=score_rows)
     try:
         if prompt is not None and any(s.id == "0" for s in specs):

@@ -70,7 +70,7 @@ class LlamaCppSource:
         self.spec = spec
         self.ctx = LlamaCpp(spec.model, n_ctx=ctx, n_batch=ctx, n_ubatch=int(s.get("n_ubatch") or 512),
                             kv_dtype=s.get("kv_dtype", "float32"), flash_attn=bool(s.get("flash_attn")),
-                            n_threads=int(s.get("threads") or 2))
+                            n_threads=int(s.get("threads") or 2), n_gpu_layers=int(s.get("n_gpu_layers") or 0))
 
     def logits(self, tokens, first: int) -> np.ndarray:
         return self.ctx.eval(list(tokens))[first:len(tokens) - 1]
