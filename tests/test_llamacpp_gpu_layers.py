@@ -51,6 +51,8 @@ def test_gpu_layers_is_a_llamacpp_setting_only(model, tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == "error: --gpu-layers: not a setting of --subject numpy"
     r = cli("diff", "--reference", "numpy", "--backend", "numba", "--gpu-layers", "9", "--model", model)
     assert r.returncode == 2 and r.stderr.strip().startswith("error: --gpu-layers: for a comparison with llama.cpp")
+    r = cli("dump", "--engine", "llorch", "--gpu-layers", "9", "--model", model, "--out", tmp_path / "d.safetensors")
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: --gpu-layers: llama.cpp settings")
 
 
 @pytest.fixture
