@@ -34,3 +34,21 @@ def test_a_cupy_side_on_a_cluster_without_a_gpu_is_refused():
     r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=180, env=env)
     assert r.stdout.strip() == "refused: a cupy side on Ray needs a GPU in the cluster, and Ray sees none", \
         r.stdout[-1000:] + r.stderr[-2000:]
+
+
+def test_a_local_ray_with_a_cupy_side_counts_one_process_a_gpu(monkeypatch):
+    """eval's memory check counts the processes a local Ray starts: one a GPU with a cupy side, one a core
+    otherwise."""
+    import types
+
+    from llorch_ref.cli import evaluate
+    seen = []
+    monkeypatch.setattr(evaluate, "check_memory", lambda *a: seen.append(a[5]) or 0)
+    monkeypatch.setattr(evaluate, "gpu_count", lambda: 3)
+    monkeypatch.setattr(evaluate.os, "cpu_count", lambda: 16)
+    eng = types.SimpleNamespace(weights_info=lambda: {"dequantized_mb": 1}, config=None)
+    for ref, subject, ray in (("cupy", "numpy", ""), ("numpy", "cupy", ""), ("numpy", "numpy", ""),
+                              ("cupy", "cupy", None)):
+        args = types.SimpleNamespace(ray=ray, reference_backend=ref, ctx=64)
+        evaluate._memory_check(args, eng, SourceSpec(subject, "m"))(40, 0)
+    assert seen == [3, 3, 16, 1]

@@ -196,11 +196,21 @@ def _memory_check(args, eng, spec):
     actor a core, at most one a chunk); a remote cluster's nodes are not this machine's memory."""
     weights = int(eng.weights_info()["dequantized_mb"] * 2**20)
     sides = 1 if spec.kind == "dump" else 2
+    on_gpu = "cupy" in (spec.kind, args.reference_backend)       # a local Ray: one actor a GPU
 
     def check(n_chunks, text_tokens):
-        processes = min(n_chunks, os.cpu_count() or 1) if args.ray == "" else 1
+        processes = min(n_chunks, (gpu_count() if on_gpu else os.cpu_count()) or 1) if args.ray == "" else 1
         return check_memory(eng.config, weights, args.ctx, n_chunks, sides, processes, text_tokens)
     return check
+
+
+def gpu_count() -> int:
+    """The GPUs CuPy sees here (0 without CuPy or a device)."""
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
 
 
 class _progress:
