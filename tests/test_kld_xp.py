@@ -175,3 +175,25 @@ class _OnDevice:
 
     def device_logits(self, tokens, first):
         return self.cp.asarray(self.src.logits(tokens, first))
+
+
+def stand_in_cupy():
+    """A module named cupy over device_module(): what array_module finds where CuPy arrays are given."""
+    m = device_module()
+    m.synced = []
+    m.cuda = types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(
+        synchronize=lambda: m.synced.append(1)))
+    return m
+
+
+def test_a_host_side_goes_to_the_device_of_the_other_and_only_figures_come_back(monkeypatch):
+    import sys
+    fake = stand_in_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    tokens, clock = list(np.random.default_rng(7).integers(0, 64, 48)), {}
+    DeviceArray.fetched = []
+    s = corpus_eval.eval_chunk(0, tokens, Rows(1), _OnDevice(Rows(2), fake), clock)
+    first = len(tokens) // 2
+    want = plain_scores(Rows(1).logits(tokens, first), Rows(2).logits(tokens, first), tokens[first + 1:])
+    assert bit_equal(s, want)
+    assert DeviceArray.fetched == [(23,)] * (5 + len(kld.TOP_K)) and fake.synced == [1]   # the device side waited for
