@@ -36,14 +36,14 @@ def test_a_cupy_side_on_a_cluster_without_a_gpu_is_refused():
         r.stdout[-1000:] + r.stderr[-2000:]
 
 
-def test_a_local_ray_with_a_cupy_side_counts_one_process_a_gpu(monkeypatch):
-    """eval's memory check counts the processes a local Ray starts: one a GPU with a cupy side, one a core
-    otherwise."""
+def test_the_memory_check_counts_processes_and_weights_where_they_are(monkeypatch):
+    """eval's memory check counts the processes a local Ray starts (one a GPU with a cupy side, one a core
+    otherwise) and the weights each side holds in this host's memory (a cupy side's: while it loads)."""
     import types
 
     from llorch_ref.cli import evaluate
-    seen = []
-    monkeypatch.setattr(evaluate, "check_memory", lambda *a: seen.append(a[5]) or 0)
+    seen, sides = [], []
+    monkeypatch.setattr(evaluate, "check_memory", lambda *a: seen.append(a[5]) or sides.append(a[4]) or 0)
     monkeypatch.setattr(evaluate, "gpu_count", lambda: 3)
     monkeypatch.setattr(evaluate.os, "cpu_count", lambda: 16)
     eng = types.SimpleNamespace(weights_info=lambda: {"dequantized_mb": 1}, config=None)
@@ -52,3 +52,7 @@ def test_a_local_ray_with_a_cupy_side_counts_one_process_a_gpu(monkeypatch):
         args = types.SimpleNamespace(ray=ray, reference_backend=ref, ctx=64)
         evaluate._memory_check(args, eng, SourceSpec(subject, "m"))(40, 0)
     assert seen == [3, 3, 16, 1]
+    assert sides == [2, 2, 2, 1]          # a cupy side's weights in host memory only while it loads
+    args = types.SimpleNamespace(ray=None, reference_backend="cupy", ctx=64)
+    evaluate._memory_check(args, eng, SourceSpec("dump", "d"))(40, 0)
+    assert sides[-1] == 1

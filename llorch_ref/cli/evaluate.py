@@ -192,11 +192,13 @@ def method_line(how: dict) -> str:
 
 def _memory_check(args, eng, spec):
     """check_memory for this run, as a function of the chunks and the ids read: the base model's shape, its
-    dequantized weights on each side that loads them (a dump loads none), and the processes of a local Ray (one
-    actor a core, at most one a chunk); a remote cluster's nodes are not this machine's memory."""
+    dequantized weights on each side that holds them in this host's memory (a dump holds none; a cupy side
+    holds them here only while it loads, one side at a time, then on the GPU), and the processes of a local Ray
+    (one actor a core, or a GPU with a cupy side; at most one a chunk); a remote cluster's nodes are not this
+    machine's memory."""
     weights = int(eng.weights_info()["dequantized_mb"] * 2**20)
-    sides = 1 if spec.kind == "dump" else 2
     on_gpu = "cupy" in (spec.kind, args.reference_backend)       # a local Ray: one actor a GPU
+    sides = (spec.kind not in ("dump", "cupy")) + (args.reference_backend != "cupy") + on_gpu
 
     def check(n_chunks, text_tokens):
         processes = min(n_chunks, (gpu_count() if on_gpu else os.cpu_count()) or 1) if args.ray == "" else 1
