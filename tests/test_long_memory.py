@@ -18,8 +18,9 @@ from llorch_ref.harness.compare import compare_by_spans, compare_dumps
 from llorch_ref.harness.metrics import compare
 from llorch_ref.harness.run import run_subject
 from llorch_ref.model import layers as L
-from llorch_ref.model.attention_chunks import attention_in_chunks, chunk_rows
+from llorch_ref.model.attention_chunks import attention_in_chunks, chunk_rows, row_spans
 from llorch_ref.model.cache import visible_mask
+from llorch_ref.model.forward import LOGIT_SPAN
 from llorch_ref.numerics.ggml_cpu import make_attention
 from llorch_ref.references.llorch import record_engine
 from llorch_ref.tensor_file import SpillStore
@@ -36,9 +37,22 @@ def qkv(t, s, h=9, kv=3, hd=64, seed=0):
     return q, k, v, mask, L.kv_head_of(np, h, kv)
 
 
+@pytest.fixture
+def one_blas_thread(monkeypatch):
+    """NumPy's BLAS on one thread, engines loaded on one: a product's rows then give one call's bits wherever the
+    chunks start on BLAS's row unit (attention_chunks.row_unit); with several BLAS threads, OpenBLAS's Haswell
+    kernels split a call's rows among the threads at places that follow the row count, and no chunking is bit
+    for bit one call there."""
+    from threadpoolctl import threadpool_limits
+
+    monkeypatch.setenv("LLORCH_THREADS", "1")
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
 @pytest.mark.parametrize("attention", [L.attention, make_attention("float32"), make_attention("float16")],
                          ids=["exact", "ggml-f32", "ggml-f16"])
-def test_attention_in_query_row_chunks_is_bit_equal_to_one_call(attention):
+def test_attention_in_query_row_chunks_is_bit_equal_to_one_call(attention, one_blas_thread):
     q, k, v, mask, kvh = qkv(300, 400)
     whole = attention(np, q, k, v, mask, 0.125, kvh)
     keep = [0, 5, 131, 200, 299]
@@ -53,7 +67,7 @@ def test_attention_in_query_row_chunks_is_bit_equal_to_one_call(attention):
     assert np.array_equal(out, whole[0]) and kq is None and probs is None
 
 
-def test_a_planted_change_in_one_chunk_is_not_bit_equal():
+def test_a_planted_change_in_one_chunk_is_not_bit_equal(one_blas_thread):
     q, k, v, mask, kvh = qkv(300, 300)
     whole = L.attention(np, q, k, v, mask, 0.125, kvh)
 
@@ -62,9 +76,10 @@ def test_a_planted_change_in_one_chunk_is_not_bit_equal():
     def off_in_second_chunk(xp, q_, k_, v_, m_, scale, kvh_):
         calls.append(1)
         return L.attention(xp, q_, k_, v_, m_, scale * (1.001 if len(calls) == 2 else 1.0), kvh_)
+    step = chunk_rows(9, 300, 300, 9 * 300 * 100)
     out, _, _ = attention_in_chunks(np, off_in_second_chunk, q, k, v, mask, 0.125, kvh, limit=9 * 300 * 100)
     bad = np.flatnonzero(np.any(out != whole[0], axis=1))
-    assert bad.size and bad.min() >= 100 and bad.max() < 200          # the second chunk's rows, and only them
+    assert bad.size and bad.min() >= step and bad.max() < 2 * step   # the second chunk's rows, and only them
 
 
 def test_a_spill_store_reads_back_what_it_holds_and_keeps_nothing():
@@ -338,7 +353,7 @@ def spans_of_forward(eng, ids, **kw):
 
 
 @pytest.mark.parametrize("numerics,backend", [("exact", "numpy"), ("ggml", "numpy"), ("exact", "numba")])
-def test_the_logits_handed_over_by_spans_are_one_product_s(tiny, numerics, backend):
+def test_the_logits_handed_over_by_spans_are_one_product_s(tiny, numerics, backend, one_blas_thread):
     if backend == "numba":
         pytest.importorskip("numba")         # its own forward: its [R, V] handed over by spans
     path = tiny(weight_type="Q8_0", n_layers=2, vocab="bpe", context_length=512)
@@ -347,7 +362,7 @@ def test_the_logits_handed_over_by_spans_are_one_product_s(tiny, numerics, backe
     whole = eng.forward(ids, eng.new_cache())
     for kw in ({}, {"record": lambda n, l, a: None}, {"rows": list(range(5, 300))}):
         got, last = spans_of_forward(eng, ids, **kw)
-        want = whole[kw["rows"]] if "rows" in kw else whole
+        want = eng.forward(ids, eng.new_cache(), rows=kw["rows"]) if "rows" in kw else whole    # one product
         assert len(got) == 2 and [a for a, _ in got] == [0, got[1][0]]         # spans of the rows, in order
         assert np.array_equal(np.concatenate([p for _, p in got]), want) and np.array_equal(last, want[-1:])
 
@@ -370,7 +385,7 @@ class PlantedHead:
         return out
 
 
-def test_a_spilled_recording_holds_the_in_memory_logits_probabilities_and_argmax(long_tiny):
+def test_a_spilled_recording_holds_the_in_memory_logits_probabilities_and_argmax(long_tiny, one_blas_thread):
     eng = llorch_ref.load(long_tiny, weights="eager")
     ids = long_ids()
     held = record_engine(eng, ids, n_greedy=0)
@@ -381,7 +396,7 @@ def test_a_spilled_recording_holds_the_in_memory_logits_probabilities_and_argmax
     assert spilled.extra["capture_invariance"]["logits_max_abs_diff"] == 0.0
 
 
-def test_a_planted_span_of_the_recorded_logits_is_found_and_warned_of(long_tiny):
+def test_a_planted_span_of_the_recorded_logits_is_found_and_warned_of(long_tiny, one_blas_thread):
     eng = llorch_ref.load(long_tiny, weights="eager")
     ids = long_ids()
     ref = record_engine(eng, ids, n_greedy=0, store=SpillStore())
@@ -396,7 +411,8 @@ def test_a_planted_span_of_the_recorded_logits_is_found_and_warned_of(long_tiny)
     assert any("capture changed the computation" in w for w in res.warnings)
     row = next(r for r in res.rows if r.checkpoint == "8" and r.tensor == "logits")
     bad = np.flatnonzero(np.asarray(row.by_position["nmse"]) > 0)
-    assert bad.size and bad.min() == 150 and bad.max() == 299                 # the second span's rows, and only them
+    (_, _), (second, _) = row_spans(300, LOGIT_SPAN)
+    assert bad.size and bad.min() == second and bad.max() == 299            # the second span's rows, and only them
 
 
 @pytest.mark.llamacpp
@@ -484,14 +500,16 @@ def test_tensors_read_from_an_npz_on_lookup_catch_a_planted_tensor(models, tmp_p
 
 
 def forced_chunks(monkeypatch):
-    """Every attention of 128 rows or more in chunks of 64 query rows (a long prompt's path on a short one)."""
+    """Every attention of twice 64 rows or more (rounded up to BLAS's row unit) in chunks of that many query rows
+    (a long prompt's path on a short one)."""
     from llorch_ref.model import attention_chunks as AC
 
-    monkeypatch.setattr(AC, "chunk_rows", lambda h, t, s, limit=0: 64 if t >= 128 else t)
+    rows = AC.aligned_rows(64)
+    monkeypatch.setattr(AC, "chunk_rows", lambda h, t, s, limit=0: rows if t >= 2 * rows else t)
 
 
 @pytest.mark.parametrize("numerics", ["exact", "ggml"])
-def test_numba_s_fused_attention_in_query_row_chunks_is_one_call_s(tiny, numerics, monkeypatch):
+def test_numba_s_fused_attention_in_query_row_chunks_is_one_call_s(tiny, numerics, monkeypatch, one_blas_thread):
     pytest.importorskip("numba")
     path = tiny(weight_type="Q8_0", n_layers=2, vocab="bpe", context_length=512)
     eng = llorch_ref.load(path, backend="numba", numerics=numerics)
@@ -510,7 +528,7 @@ def test_numba_s_fused_attention_in_query_row_chunks_is_one_call_s(tiny, numeric
     assert calls and np.array_equal(chunked, whole)
 
 
-def test_the_local_check_of_sampled_scores_runs_in_chunks_with_the_same_figures(long_tiny, monkeypatch):
+def test_the_local_check_of_sampled_scores_runs_in_chunks_with_the_same_figures(long_tiny, monkeypatch, one_blas_thread):
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent / "checkpoints"))
