@@ -197,3 +197,23 @@ def test_a_host_side_goes_to_the_device_of_the_other_and_only_figures_come_back(
     want = plain_scores(Rows(1).logits(tokens, first), Rows(2).logits(tokens, first), tokens[first + 1:])
     assert bit_equal(s, want)
     assert DeviceArray.fetched == [(23,)] * (5 + len(kld.TOP_K)) and fake.synced == [1]   # the device side waited for
+
+
+def test_equal_specs_share_one_source_and_both_sides_still_run(monkeypatch):
+    from llorch_ref.references.logit_sources import SourceSpec
+    built, calls = [], []
+
+    class Counting(Rows):
+        def logits(self, tokens, first):
+            calls.append(first)
+            return super().logits(tokens, first)
+
+    def build(spec, ctx):
+        built.append(spec)
+        return Counting(len(built))
+    monkeypatch.setattr(SourceSpec, "build", build)
+    chunks = [list(range(i, i + 32)) for i in (0, 30)]
+    same = corpus_eval.run_eval(SourceSpec("cupy", "m.gguf"), SourceSpec("cupy", "m.gguf"), chunks, "t")
+    assert len(built) == 1 and len(calls) == 4 and all((c.kld == 0).all() for c in same.scores)
+    corpus_eval.run_eval(SourceSpec("cupy", "m.gguf"), SourceSpec("cupy", "n.gguf"), chunks, "t")
+    assert len(built) == 3

@@ -242,6 +242,13 @@ def chunk_logits(source, tokens, first: int):
     return (getattr(source, "device_logits", None) or source.logits)(tokens, first)
 
 
+def build_sources(subject_spec, reference_spec, ctx: int):
+    """(subject, reference) sources for chunks of ctx tokens; equal specs share one built source (a forward
+    starts from a cache of its own, so both sides still run every chunk)."""
+    subject = subject_spec.build(ctx)
+    return subject, (subject if reference_spec == subject_spec else reference_spec.build(ctx))
+
+
 @dataclass
 class EvalResult:
     subject: str
@@ -266,10 +273,11 @@ class EvalResult:
 
 
 def run_eval(subject_spec, reference_spec, chunks, text_name: str, progress=None) -> EvalResult:
-    """Every chunk through both sources in this process (each built once). progress(n_tokens) per chunk."""
+    """Every chunk through both sources in this process (each built once; one source for both where the two
+    specs are equal: the same engine on the same file and settings, loaded once). progress(n_tokens) per chunk."""
     ctx = len(chunks[0])
     t0 = time.perf_counter()
-    subject, reference = subject_spec.build(ctx), reference_spec.build(ctx)
+    subject, reference = build_sources(subject_spec, reference_spec, ctx)
     t_load = time.perf_counter() - t0
     scores, clock = [], {}
     for i, c in enumerate(chunks):

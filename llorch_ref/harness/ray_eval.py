@@ -11,7 +11,7 @@ import socket
 import time
 
 from ..errors import LlorchError, ParameterError
-from .corpus_eval import EvalResult, eval_chunk
+from .corpus_eval import EvalResult, build_sources, eval_chunk
 from .kld import ChunkScores
 
 MAX_ATTEMPTS = 4          # a chunk whose actor died this many times is an error, not an endless loop
@@ -79,7 +79,7 @@ def _scorer_class(ray):
     @ray.remote(num_cpus=1, max_restarts=0)
     class Scorer:
         def __init__(self, subject, reference, ctx):
-            self.subject, self.reference = subject.build(ctx), reference.build(ctx)
+            self.subject, self.reference = build_sources(subject, reference, ctx)
 
         def score(self, index, tokens):
             return eval_chunk(index, tokens, self.subject, self.reference).to_json()
