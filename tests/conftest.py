@@ -47,6 +47,35 @@ def engine_q41(default_model):
 
 
 @pytest.fixture(scope="session")
+def llama_dumps():
+    """{the arguments of a dump_llamacpp call: its Recorder}: llama.cpp's side of run_diff, made once a session
+    (shared_llama_dumps)."""
+    return {}
+
+
+@pytest.fixture
+def shared_llama_dumps(llama_dumps, monkeypatch):
+    """run_diff's llama.cpp dumps memoized by their arguments for this test: llama.cpp's dump is a function of its
+    arguments (the file, the token ids, the steps, the cache type; the subject engine is no part of them), so the
+    runs with the same ones share one, each run comparing against its own copy. Dumps written to disk as they are
+    recorded (store=) are not shared."""
+    import copy
+
+    from llorch_ref.harness import run as run_mod
+
+    real = run_mod.dump_llamacpp
+
+    def dump_once(path, context=None, store=None, **kw):
+        if store is not None:
+            return real(path, context=context, store=store, **kw)
+        key = repr((str(path), sorted(kw.items())))
+        if key not in llama_dumps:
+            llama_dumps[key] = real(path, context=context, **kw)
+        return copy.deepcopy(llama_dumps[key])
+    monkeypatch.setattr(run_mod, "dump_llamacpp", dump_once)
+
+
+@pytest.fixture(scope="session")
 def blackbox_self_run():
     """The default model's reference (threads=1, its logits memoized) and its greedy run from the black-box tests'
     prompt (blackbox_helpers.self_run): (engine, prompt ids, tokens, log-probabilities)."""
