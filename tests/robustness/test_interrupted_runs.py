@@ -37,20 +37,26 @@ def looks_complete(out: Path, run_id: str) -> list:
         return [run]
 
 
-def test_kill_9_at_random_points_leaves_nothing_that_looks_complete(tiny, tmp_path, llamacpp):
+@pytest.mark.parametrize("runs, kills", [(6, 4), pytest.param(12, 6, marks=pytest.mark.slow)])
+def test_kill_9_at_random_points_leaves_nothing_that_looks_complete(tiny, tmp_path, llamacpp, runs, kills):
+    """Kill times drawn one in each of `runs` equal slices of 0.2 s .. 1.1 x a whole run (so they reach every phase
+    of it, the bundle's writing included), more runs (from the slices again) while fewer than `kills` were killed;
+    after each, the same run id works again (a complete one is refused, an interrupted one redone). The default
+    run: 6 slices; `-m slow`: 12."""
     model = tiny(vocab="bpe")
     out = tmp_path / "pb"
     t0 = time.perf_counter()
     subprocess.run(prove_cmd(model, out, "timing", *SOME), check=True, capture_output=True, timeout=300)
     full = time.perf_counter() - t0
     rng = np.random.default_rng(0)
+    lo, hi = 0.2, full * 1.1
     killed, complete_looking, completed = 0, 0, 0
-    for i in range(24):         # 12 runs, more while fewer than 6 were killed (a host slowed by other work during
-        if i >= 12 and killed >= 6:       # the timing run lets more runs finish before their kill time)
+    for i in range(2 * runs):       # a host slowed by other work during the timing run lets more runs finish early
+        if i >= runs and killed >= kills:
             break
         run_id = f"k{i}"
         p = subprocess.Popen(prove_cmd(model, out, run_id, *SOME), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(float(rng.uniform(0.2, full * 1.1)))
+        time.sleep(lo + (i % runs + float(rng.uniform())) * (hi - lo) / runs)
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
             killed += 1
@@ -58,7 +64,6 @@ def test_kill_9_at_random_points_leaves_nothing_that_looks_complete(tiny, tmp_pa
         complete_looking += len(looks_complete(out, run_id))
         existed = (out / run_id).exists()
         completed += existed
-        # the same run id works again afterwards (a complete one is refused, an interrupted one is redone)
         r = subprocess.run(prove_cmd(model, out, run_id, *SOME), capture_output=True, text=True, timeout=300)
         if existed:
             assert r.returncode == 2
@@ -68,7 +73,7 @@ def test_kill_9_at_random_points_leaves_nothing_that_looks_complete(tiny, tmp_pa
             assert (out / run_id / "manifest.json").exists()
     print(f"{killed} runs killed with SIGKILL, {completed} finished first, {complete_looking} bundles left "
           f"looking complete")
-    assert killed >= 6 and complete_looking == 0
+    assert killed >= kills and complete_looking == 0
 
 
 @pytest.mark.parametrize("runs", [4, pytest.param(20, marks=pytest.mark.slow)])
