@@ -107,7 +107,10 @@ def test_cli_weight_options(tiny, capsys):
 @pytest.mark.default_model
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("dtype,band_class", [("float16", "F16"), ("bfloat16", "BF16")])
-def test_reduced_storage_passes_its_own_bands_against_llamacpp(llamacpp, default_f32, dtype, band_class):
+def test_reduced_storage_passes_its_own_bands_against_llamacpp(llamacpp, default_f32, shared_llama_dumps, dtype,
+                                                               band_class):
+    """float16 and bfloat16 storage of the F32 copy against llama.cpp on the F32 copy (one dump for both:
+    shared_llama_dumps)."""
     from llorch_ref.harness.run import run_diff
     eng = llorch_ref.load(default_f32, weight_dtype=dtype)
     res = run_diff(eng, prompt=PROMPT, n_greedy=8)

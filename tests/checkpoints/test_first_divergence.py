@@ -49,7 +49,8 @@ def test_diff_names_the_changed_place(default_f32, changed_copies, llamacpp, cap
     assert {"checkpoint": fd["checkpoint"], "layer": fd["layer"]} == expected
 
 
-def test_diff_same_file_has_no_divergence(default_f32, llamacpp, capsys):
+def test_diff_same_file_has_no_divergence(default_f32, llamacpp, shared_llama_dumps, capsys):
+    """The F32 copy against itself (llama.cpp's dump of it shared with the planted runs': shared_llama_dumps)."""
     out, rc = diff_json(default_f32, default_f32, capsys)
     assert rc == 0 and out["first_divergence"] is None and out["passed"] is True
     assert out["band_class"] == "F32"
