@@ -30,6 +30,7 @@ class GenerationResult:
     seed: int | None = None             # the seed actually used (drawn when none was given)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    prompt_logits: object = None        # the prefill's last-row logits [1, V] (the backend's array)
 
 
 DEFAULT_CTX = 8192
@@ -188,7 +189,7 @@ class Engine:
             res.prefill_s, res.stop_reason = time.perf_counter() - t0, "cancelled"
             return
         decode = decode or self.backend.make_decoder(self, cache)
-        res.prefill_s = time.perf_counter() - t0
+        res.prefill_s, res.prompt_logits = time.perf_counter() - t0, logits
         t0 = time.perf_counter()
         yield from self._decode_tokens(res, logits, cache, decode, sampler, max_tokens, ignore_eos, cancel)
         res.decode_s = time.perf_counter() - t0

@@ -337,6 +337,33 @@ def test_llamacpp_s_captured_parts_give_their_disk_back_as_they_are_joined(llama
     assert not [sh for side, sh in shapes if side == "capture" and n_vocab in sh]  # result_output never read
 
 
+@pytest.mark.llamacpp
+def test_the_last_token_logits_come_from_the_greedy_run_s_prefill(llamacpp, q8, monkeypatch):
+    """cp9 (the prompt's last row alone) is the greedy run's own prefill on both sides, one prompt forward fewer,
+    and the same bits as a forward of its own: llama.cpp's eval_last, llorch-ref's forward(rows=[T-1])."""
+    from llorch_ref.references import llamacpp as LC
+    from llorch_ref.references.engines import dump_llamacpp
+
+    ids = llorch_ref.load(q8).tokenizer.encode(TEXT)
+    prefills, real_prefill = [], LC.LlamaCpp._prefill_last
+    monkeypatch.setattr(LC.LlamaCpp, "_prefill_last", lambda self, t: prefills.append(len(t)) or real_prefill(self, t))
+    theirs = dump_llamacpp(q8, token_ids=ids, n_greedy=3, n_ubatch=7)
+    assert prefills == [len(ids)]                                     # the greedy run's, cp9's too
+    ctx = LC.LlamaCpp(q8, n_ctx=256, kv_dtype="float32", n_ubatch=7)
+    try:
+        assert np.array_equal(theirs.tensors["cp9.logits"].ravel(), ctx.eval_last(ids))
+    finally:
+        ctx.close()
+    eng = llorch_ref.load(q8)
+    forwards, real_forward = [], eng.forward
+    monkeypatch.setattr(eng, "forward", lambda t, *a, **kw: forwards.append(len(t)) or real_forward(t, *a, **kw))
+    ours = record_engine(eng, ids, n_greedy=3)
+    assert forwards.count(len(ids)) == 3            # recorded, capture invariance, the greedy run (with cp9)
+    alone = np.asarray(real_forward(ids, eng.new_cache(), rows=[len(ids) - 1]))[-1]
+    assert np.array_equal(ours.tensors["cp9.logits"], alone)
+    assert len(ours.tensors["cp12.greedy_tokens"]) == 3 and len(theirs.tensors["cp12.greedy_tokens"]) == 3
+
+
 @pytest.fixture(scope="module")
 def long_tiny(tiny):
     return tiny(weight_type="F32", n_layers=2, vocab="bpe", context_length=512)

@@ -127,10 +127,14 @@ def dump_llamacpp(path, prompt=None, token_ids=None, n_greedy=32, kv_dtype="floa
         if wanted and not isinstance(logits, StoredRows):
             capture.put("cp8.logits", logits)
         del logits
-        if "9" in ids_of:
+        if "12" in ids_of and n_greedy > 0:            # cp9 from the greedy run's own prefill (eval_last's)
+            last_row = []
+            greedy = ref.greedy(ids, n_greedy, prompt_logits=last_row)
+            if "9" in ids_of:
+                capture.put("cp9.logits", last_row[0])
+            rec.add("cp12.greedy_tokens", np.array(greedy, dtype=np.int64))
+        elif "9" in ids_of:
             capture.put("cp9.logits", ref.eval_last(ids))
-        if "12" in ids_of and n_greedy > 0:
-            rec.add("cp12.greedy_tokens", np.array(ref.greedy(ids, n_greedy), dtype=np.int64))
     finally:
         if context is None:
             ref.close()

@@ -435,13 +435,16 @@ class LlamaCpp:
             out = self._decode(tokens[a:a + self.n_batch], a, None, all_logits=False)
         return out
 
-    def greedy(self, tokens, max_tokens: int, stop_ids=(), timing=None) -> list[int]:
+    def greedy(self, tokens, max_tokens: int, stop_ids=(), timing=None, prompt_logits=None) -> list[int]:
         """Greedy continuation (argmax of llama.cpp's logits = its temperature-0 sampler), token by token.
 
         timing: a dict; gets "decode_s", the time from the end of the prompt's forward to the last token
-        (as GenerationResult.decode_s measures llorch-ref's)."""
+        (as GenerationResult.decode_s measures llorch-ref's). prompt_logits: a list; gets the prompt's last-row
+        logits [V] (eval_last's, from the same prefill)."""
         tokens = [int(t) for t in tokens]
         logits = self._prefill_last(tokens)
+        if prompt_logits is not None:
+            prompt_logits.append(np.array(logits[-1], copy=True))
         t0 = time.perf_counter()
         out, pos = [], len(tokens)
         for _ in range(max_tokens):

@@ -6,6 +6,7 @@ import numpy as np
 
 from .. import __version__
 from ..dump import Recorder, capture_invariance, check_rows, invariance_figure, max_abs_diff
+from ..engine import GenerationResult
 from ..generate import sampling
 from ..model.attention_chunks import with_chunked_attention
 
@@ -84,10 +85,15 @@ def _record(engine, rec: Recorder, ids, prompt, n_greedy, decode_steps, decode_i
         del again, kept
     else:
         rec.extra["capture_invariance"] = _invariance(engine, rec, ids)
-    rec.add("cp9.logits", b.to_numpy(engine.forward(ids, engine.new_cache(), rows=[len(ids) - 1]))[-1])
+    # cp9: the prompt's last row alone, as a worker's prefill computes it: the greedy run's own prefill where there
+    # is one (the same forward: one prefill fewer), else a forward of its own
     if n_greedy > 0:
-        rec.add("cp12.greedy_tokens", np.array(list(engine.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True)),
-                                              dtype=np.int64))
+        res = GenerationResult()
+        greedy = list(engine.generate_ids(ids, max_tokens=n_greedy, ignore_eos=True, result=res))
+        rec.add("cp9.logits", b.to_numpy(res.prompt_logits)[-1])
+        rec.add("cp12.greedy_tokens", np.array(greedy, dtype=np.int64))
+    else:
+        rec.add("cp9.logits", b.to_numpy(engine.forward(ids, engine.new_cache(), rows=[len(ids) - 1]))[-1])
     return rec
 
 
