@@ -98,6 +98,7 @@ RECIPE_SCHEMA = {
         "n_greedy": {"type": "integer", "minimum": 0}, "rows": {"type": ["array", "null"], "items": _IDS["items"]},
         "checkpoints": {"type": ["array", "null"], "items": {"type": "string"}},
         "kv_dtype": {"type": "string"}, "n_ubatch": {"type": "integer", "minimum": 1},
+        "n_batch": {"type": "integer", "minimum": 1}, "n_gpu_layers": {"type": "integer", "minimum": 0},
         "backend": {"type": "string"}, "numerics": {"type": "string"}, "ggml_simd": _TEXT,
         "decode_ids": {"type": ["array", "null"], "items": _IDS["items"]}, "local": {"type": "boolean"},
         "backend_band": _NUMBERS, "require": {"type": ["string", "array", "null"], "items": {"type": "string"}}},
@@ -835,7 +836,7 @@ def _reference(recipe, path: Path, log):
     if kind == "llamacpp":
         d = dump_llamacpp(path, prompt=recipe.get("prompt"), token_ids=ids, n_greedy=recipe["n_greedy"],
                           kv_dtype=recipe["kv_dtype"], checkpoints=recipe.get("checkpoints"),
-                          n_ubatch=recipe.get("n_ubatch", 512), rows=recipe.get("rows"),
+                          n_ubatch=recipe.get("n_ubatch", 512), n_batch=recipe.get("n_batch"), rows=recipe.get("rows"),
                           n_gpu_layers=recipe.get("n_gpu_layers", 0))
         return d.to_dump(), None, gguf_config(path)
     if kind == "llorch":

@@ -226,7 +226,8 @@ def deep(n: int) -> str:
 
 
 @pytest.mark.parametrize("case", ["deep manifest", "no checkpoints", "recipe a string", "no model_sha256",
-                                  "files a list", "token id a string", "deep inside the recipe"])
+                                  "files a list", "token id a string", "deep inside the recipe",
+                                  "gpu layers a string", "no batch"])
 def test_a_malformed_manifest_is_one_error_line(bundle, tmp_path, capsys, case):
     run = copy(bundle, tmp_path)
     p = run / "manifest.json"
@@ -238,7 +239,9 @@ def test_a_malformed_manifest_is_one_error_line(bundle, tmp_path, capsys, case):
          "no model_sha256": lambda: man["recipe"].pop("model_sha256"),
          "files a list": lambda: man.update(files=list(man["files"])),
          "token id a string": lambda: man["recipe"]["token_ids"].__setitem__(0, "1"),
-         "deep inside the recipe": lambda: man["recipe"].update(rows=json.loads(deep(900)))}[case]()
+         "deep inside the recipe": lambda: man["recipe"].update(rows=json.loads(deep(900))),
+         "gpu layers a string": lambda: man["recipe"].update(n_gpu_layers="all"),
+         "no batch": lambda: man["recipe"].update(n_batch=0)}[case]()
         p.write_text(json.dumps(man))
     rc, out, err = verify(run, capsys=capsys)
     assert "manifest.json" in one_error(rc, err)
