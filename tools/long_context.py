@@ -46,7 +46,7 @@ def timed(cmd: list, out=None, env=None, every: float = 1.0) -> dict:
     """Run a command -> {"wall_s", "peak_rss_mb", "rc", "rss_trace"}; stdout to `out` if given. peak_rss_mb: the
     command's own maximum resident set (wait4's ru_maxrss, the figure /usr/bin/time prints, so no such program is
     needed); rss_trace: [seconds since the start, MB] every `every` s, the largest resident set among the
-    command and its children."""
+    command and its children; peak_tmp_mb: the most the run's temporary stores (tmp_mb) held on disk at a look."""
     import os
     import threading
     import time
@@ -64,7 +64,22 @@ def timed(cmd: list, out=None, env=None, every: float = 1.0) -> dict:
         sampler.join()
         proc.returncode = os.waitstatus_to_exitcode(status)      # reaped here: Popen must not wait again
     return {"wall_s": round(wall, 2), "peak_rss_mb": usage.ru_maxrss / 1024, "rc": proc.returncode,
-            "rss_trace": trace}
+            "peak_tmp_mb": max((d for _, _, d in trace), default=0.0), "rss_trace": [x[:2] for x in trace]}
+
+
+def tmp_mb() -> float:
+    """MB in the temporary folders llorch-ref's stores make (llorch-spill-*, llorch-capture-*) now."""
+    import os
+
+    total = 0
+    for d in Path(tempfile.gettempdir()).glob("llorch-*"):
+        for root, _, files in os.walk(d):
+            for f in files:
+                try:
+                    total += os.stat(os.path.join(root, f)).st_size
+                except OSError:
+                    pass                       # deleted between the listing and the look
+    return round(total / 2**20, 1)
 
 
 def _sample_rss(pid: int, trace: list, t0: float, every: float, done):
@@ -76,7 +91,7 @@ def _sample_rss(pid: int, trace: list, t0: float, every: float, done):
         try:
             me = psutil.Process(pid)
             mb = max(p.memory_info().rss for p in [me] + me.children(recursive=True)) / 2**20
-            trace.append([round(time.perf_counter() - t0, 1), round(mb, 1)])
+            trace.append([round(time.perf_counter() - t0, 1), round(mb, 1), tmp_mb()])
         except psutil.Error:
             pass
         done.wait(every)
@@ -95,10 +110,13 @@ def phase_peaks(trace: list, wall_s: float, timings: dict) -> dict:
 
 
 def blas_env(n):
-    """The environment of the measured command: OPENBLAS_NUM_THREADS=n where given."""
+    """The environment of the measured command where n is given: LLORCH_THREADS=n (the threads llorch-ref's backend
+    sets BLAS and numba to: OPENBLAS_NUM_THREADS alone is overridden by the numpy backend's own limit), and
+    OPENBLAS_NUM_THREADS and OMP_NUM_THREADS."""
     import os
 
-    return None if n is None else {**os.environ, "OPENBLAS_NUM_THREADS": str(n), "OMP_NUM_THREADS": str(n)}
+    return None if n is None else {**os.environ, "LLORCH_THREADS": str(n), "OPENBLAS_NUM_THREADS": str(n),
+                                   "OMP_NUM_THREADS": str(n)}
 
 
 def plot(bp: dict, path: Path, title: str):
@@ -142,7 +160,8 @@ def main():
     ap.add_argument("--out-dir", default=None, help="where the run's files go (required but with --redraw)")
     ap.add_argument("--memory-points", default=None, help="add this run's peak memory to FILE.json and redraw it")
     ap.add_argument("--blas-threads", type=int, default=None,
-                    help="OPENBLAS_NUM_THREADS for the run (1 on a machine whose cores other work holds)")
+                    help="the run's threads, as LLORCH_THREADS: llorch-ref's BLAS and numba, and llama.cpp's in a "
+                         "diff (1 on a machine whose cores other work holds)")
     ap.add_argument("--redraw", action="store_true",
                     help="draw --memory-points FILE.json's plot and table again from its points, running nothing")
     a = ap.parse_args()
@@ -235,6 +254,7 @@ def add_memory_point(pf: Path, a, path, n, res, steps):
     pts["points"] = [p for p in pts["points"] if {k: p.get(k) for k in key} != key]
     rows_held = len(res["by_position"]["positions"])
     pts["points"].append({**key, "model": path.name, "peak_rss_mb": round(t["peak_rss_mb"], 1),
+                          "peak_tmp_mb": t.get("peak_tmp_mb"),
                           "wall_s": round(t["wall_s"], 1), "rows_held": rows_held, "passed": res["passed"],
                           "first_divergence": res["first_divergence"], "commit": commit, "cpu": cpu_model(),
                           "command": f"python tools/long_context.py --tokens {a.tokens} --rows {a.rows} "
@@ -259,10 +279,11 @@ def draw_points(pf: Path, points, model_name: str):
              "peak RSS of the diff's process read from wait4 (what `/usr/bin/time` prints), one run at a time, niced, on a machine "
              "shared with other work. Points added by `--memory-points`; the command and commit of each are below.",
              "", f"![memory by prompt length]({pf.with_suffix('.png').name})", "",
-             "| tokens | rows | backend | peak RSS (MB) | wall (s) | rows held | passed | commit | CPU |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| tokens | rows | backend | peak RSS (MB) | temporary disk (MB) | wall (s) | rows held | passed | commit | CPU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for p in pts["points"]:
-        lines.append(f"| {p['tokens']} | {p['rows']} | {p['backend']} | {p['peak_rss_mb']:.0f} | {p['wall_s']:.0f} | "
+        disk = "-" if p.get("peak_tmp_mb") is None else f"{p['peak_tmp_mb']:.0f}"
+        lines.append(f"| {p['tokens']} | {p['rows']} | {p['backend']} | {p['peak_rss_mb']:.0f} | {disk} | {p['wall_s']:.0f} | "
                      f"{p['rows_held']} | {p['passed']} | {p['commit']} | {p['cpu']} |")
     lines += ["", "Commands:", ""] + [f"- `{p['command']}` (commit {p['commit']})" for p in pts["points"]]
     pf.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -302,6 +323,8 @@ def write_report(md: Path, a, path, n, res, steps, png, js):
              f"position. First divergence: {'none' if fd is None else fd}. Passed: {res['passed']}.", "",
              "| command | wall (s) | peak RSS (MB) | note |", "|---|---|---|---|"]
     lines += [f"| {what} | {t['wall_s']:.0f} | {t['peak_rss_mb']:.0f} | {note} |" for what, t, note in steps]
+    lines += ["", f"Temporary disk (llorch-ref's stores under {tempfile.gettempdir()}), most held at a 1 s look: "
+              f"{steps[-1][1]['peak_tmp_mb']:.0f} MB."]
     pk = res["rss"]["phase_peaks_mb"]
     if pk:
         lines += ["", "Peak resident set by phase (MB; a 1 s trace of the run's largest process, cut at the diff's "
