@@ -140,3 +140,16 @@ def bpe_engine(bpe_model):
     import llorch_ref
 
     return llorch_ref.load(bpe_model, weights="eager")
+
+
+@pytest.fixture
+def one_blas_thread(monkeypatch):
+    """NumPy's BLAS on one thread, engines loaded on one: a product's rows then give one call's bits wherever the
+    chunks start on BLAS's row unit (attention_chunks.row_unit); with several BLAS threads, OpenBLAS's Haswell
+    kernels split a call's rows among the threads at places that follow the row count, and no chunking is bit
+    for bit one call there."""
+    from threadpoolctl import threadpool_limits
+
+    monkeypatch.setenv("LLORCH_THREADS", "1")
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield

@@ -37,19 +37,6 @@ def qkv(t, s, h=9, kv=3, hd=64, seed=0):
     return q, k, v, mask, L.kv_head_of(np, h, kv)
 
 
-@pytest.fixture
-def one_blas_thread(monkeypatch):
-    """NumPy's BLAS on one thread, engines loaded on one: a product's rows then give one call's bits wherever the
-    chunks start on BLAS's row unit (attention_chunks.row_unit); with several BLAS threads, OpenBLAS's Haswell
-    kernels split a call's rows among the threads at places that follow the row count, and no chunking is bit
-    for bit one call there."""
-    from threadpoolctl import threadpool_limits
-
-    monkeypatch.setenv("LLORCH_THREADS", "1")
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
-
-
 @pytest.mark.parametrize("attention", [L.attention, make_attention("float32"), make_attention("float16")],
                          ids=["exact", "ggml-f32", "ggml-f16"])
 def test_attention_in_query_row_chunks_is_bit_equal_to_one_call(attention, one_blas_thread):

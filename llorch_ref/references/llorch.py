@@ -9,6 +9,7 @@ from ..dump import Recorder, capture_invariance, check_rows, invariance_figure, 
 from ..engine import GenerationResult
 from ..generate import sampling
 from ..model.attention_chunks import with_chunked_attention
+from ..model.ffn_chunks import with_chunked_ffn
 
 # run through the cache (then reset) before the recorded forward: a cache leaking state between sequences
 # then shows up as a divergence
@@ -36,14 +37,15 @@ def record_engine(engine, token_ids, prompt=None, n_greedy=32, decode_steps=0, d
     record (default all): a comparison records only what the subject holds. store: where the tensors go
     (a tensor_file.SpillStore: to disk as they are recorded); score_rows: the rows (among `rows`) whose
     attention scores are kept (default: the rows kept). Attention runs in query-row chunks wherever
-    H x T x S is large (model/attention_chunks.py: the same values), so no forward holds a long prompt's
-    scores whole."""
+    H x T x S is large (model/attention_chunks.py: the same values), and the FFN in spans of rows wherever
+    T x F is (model/ffn_chunks.py), so no forward holds a long prompt's scores or [T, F] products whole."""
     rec = _recorder(engine, token_ids, prompt, rows=check_rows(rows, len(token_ids)), store=store,
                     score_rows=score_rows)
     rec.keep = None if keep is None else {tuple(k) for k in keep}
     ops = engine.ops
     try:
-        engine.ops = with_chunked_attention(ops)        # a long forward's scores only where they are recorded
+        # a long forward's scores and FFN hidden only where they are recorded
+        engine.ops = with_chunked_ffn(with_chunked_attention(ops))
         return _record(engine, rec, list(token_ids), prompt, n_greedy, decode_steps, decode_ids, ops)
     finally:
         engine.ops = ops
@@ -60,7 +62,7 @@ def _record(engine, rec: Recorder, ids, prompt, n_greedy, decode_steps, decode_i
     b = engine.backend
     held = rec.score_rows if rec.score_rows is not None else rec.rows   # the query rows whose scores are kept
     plain = engine.ops
-    engine.ops = with_chunked_attention(ops, keep=held)
+    engine.ops = with_chunked_ffn(with_chunked_attention(ops, keep=held), keep=rec.rows, n_rows=len(ids))
     record = lambda n, l, a: rec(n, l, b.to_numpy(a))             # noqa: E731
     try:
         # the logits of the rows kept only (the last among them), as llama.cpp computes its output rows
