@@ -135,17 +135,14 @@ def _compute(config, eng):
 
 def _prompt(opt):
     from .errors import ParameterError
+    from .loaders.text_file import read_text_file
 
     f = opt("llorch_prompt_file")
     if f is None:
         return opt("llorch_prompt")
     if opt("llorch_prompt"):
         raise ParameterError("give --llorch-prompt or --llorch-prompt-file, not both")
-    try:
-        with open(f, encoding="utf-8") as fh:
-            return fh.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ParameterError(f"--llorch-prompt-file {f}: cannot read it as UTF-8 text ({e})") from None
+    return read_text_file(f, "--llorch-prompt-file")
 
 
 class CheckpointItem(pytest.Item):

@@ -172,7 +172,7 @@ def test_rows_and_prompt_file_options(bpe_model, tmp_path):
     d = load_dump(out)
     n = len(d.token_ids)
     assert d.manifest["prompt"] == TEXT and d.rows == sorted(set(range(0, n, 8)) | {n - 1})
-    for args, msg in [(("--prompt-file", tmp_path / "missing.txt"), "cannot read it"),
+    for args, msg in [(("--prompt-file", tmp_path / "missing.txt"), "no such file"),
                       (("--prompt-file", f, "--prompt", "hi"), "not both"),
                       (("--rows", "0-999"), "outside the prompt's rows")]:
         r = cli("dump", "--engine", "llorch", "--model", bpe_model, "--greedy", "0", "--out", tmp_path / "e.safetensors",

@@ -12,6 +12,7 @@ from ..backends import BACKENDS, available, backend_name
 from ..errors import ParameterError
 from ..generate.sampling import SamplingParams
 from ..harness.text_safety import for_terminal
+from ..loaders.text_file import read_text_file
 
 
 def log(msg):
@@ -82,15 +83,7 @@ def read_prompt(args):
         raise ParameterError("give --prompt or --prompt-file, not both")
     if getattr(args, "token_ids", None):
         raise ParameterError("give --token-ids or --prompt-file, not both")
-    try:
-        with open(f, encoding="utf-8") as fh:
-            args.prompt = fh.read(64 * 2**20 + 1)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ParameterError(f"--prompt-file {f}: cannot read it as UTF-8 text ({e})") from None
-    if len(args.prompt) > 64 * 2**20:
-        raise ParameterError(f"--prompt-file {f}: more than 64 MiB of text")
-    if not args.prompt.strip():
-        raise ParameterError(f"--prompt-file {f}: the file holds no text")
+    args.prompt = read_text_file(f, "--prompt-file")
 
 
 def api_token(args) -> str | None:
@@ -101,11 +94,7 @@ def api_token(args) -> str | None:
     if len(given) > 1:
         raise ParameterError("give --api-token or --api-token-file, not both")
     if args.api_token_file is not None:
-        try:
-            with open(args.api_token_file, encoding="utf-8") as f:
-                token = f.read(4097).strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ParameterError(f"--api-token-file {args.api_token_file}: cannot read it ({e})") from None
+        token = read_text_file(args.api_token_file, "--api-token-file", limit=4096, blank_ok=True).strip()
         where = f"--api-token-file {args.api_token_file}"
     elif args.api_token is not None:
         token, where = args.api_token, "--api-token"

