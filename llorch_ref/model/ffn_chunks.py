@@ -3,7 +3,7 @@ product: about 940 MB at 4,096 tokens of a Llama-3-8B-shaped model, F 14,336) ne
 
 Each row's FFN depends on that row alone, so any ops' `swiglu`, `geglu` or `gelu_mlp` run on rows a..b gives
 those rows' results; the spans fall on BLAS's row unit (attention_chunks.row_spans), so they are one call's
-bits on one BLAS thread, and on the numba kernels (rows computed alone) always: tests/test_long_memory.py.
+bits on one BLAS thread, and on the numba kernels (rows computed alone) always: tests/test_ffn_chunks.py.
 
     ffn_in_spans(xp, glu, x, *weights, keep=None, limit=None) -> (out [T, D], hidden)
     with_chunked_ffn(ops, keep="fit", n_rows=None) -> ops whose FFNs run so (the other functions are ops' own)
@@ -25,9 +25,12 @@ def hidden_width(w) -> int | None:
 def ffn_in_spans(xp, glu, x, *weights, keep=None, limit: int | None = None):
     """x: [T, D] -> (out [T, D], hidden): glu(xp, x[a:b], *weights) over spans of about limit / F rows (one call
     where T x F is within limit). keep: the rows (increasing indices into T) whose hidden [len(keep), F] comes
-    back; None: every row ([T, F]); an empty tuple: none (hidden None). limit: default SPAN_ELEMENTS."""
+    back; None: every row ([T, F]); an empty tuple: none (hidden None); "fit": every row where one call takes
+    them all, none beyond. limit: default SPAN_ELEMENTS."""
     t, f, limit = x.shape[0], hidden_width(weights[0]), limit or SPAN_ELEMENTS
     spans = row_spans(t, max(1, limit // f)) if f else [(0, t)]
+    if isinstance(keep, str):
+        keep = None if len(spans) == 1 else ()
     if len(spans) == 1:
         out, hidden = glu(xp, x, *weights)
         if keep is None:
@@ -52,8 +55,8 @@ def ffn_in_spans(xp, glu, x, *weights, keep=None, limit: int | None = None):
 class with_chunked_ffn:
     """ops (a module or namespace of layer functions) whose FFNs (GLUS) run ffn_in_spans over ops' own; every
     other name is ops' own. keep: the rows whose hidden comes back, of a forward over n_rows rows (an FFN over
-    other rows, a last layer's kept rows, returns all of its own); "fit" (default): every row where one call
-    takes them all, none beyond (a forward nobody records)."""
+    other rows, a last layer's kept rows, returns all of its own); "fit" (default): as ffn_in_spans (a forward
+    nobody records)."""
 
     def __init__(self, ops, keep="fit", n_rows: int | None = None, limit: int | None = None):
         self._ops, self._keep, self._n, self._limit = ops, keep, n_rows, limit
@@ -65,10 +68,7 @@ class with_chunked_ffn:
         return getattr(self._ops, name)
 
     def _spans(self, glu, xp, x, weights):
-        keep, limit = self._keep, self._limit or SPAN_ELEMENTS
-        if isinstance(keep, str):
-            f = hidden_width(weights[0])
-            keep = None if not f or x.shape[0] * f <= limit else ()
-        elif self._n is not None and x.shape[0] != self._n:
+        keep = self._keep
+        if not isinstance(keep, str) and self._n is not None and x.shape[0] != self._n:
             keep = None
-        return ffn_in_spans(xp, glu, x, *weights, keep=keep, limit=limit)
+        return ffn_in_spans(xp, glu, x, *weights, keep=keep, limit=self._limit)
