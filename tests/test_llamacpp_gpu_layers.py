@@ -112,10 +112,24 @@ def test_such_a_dump_is_judged_without_the_local_comparison(offloading, model, t
     res = harness_run.run_subject(eng, sub)
     v = res.verdict()
     assert res.local_declaration is None and v.compared > 20 and v.diverging == 0
+    assert res.band_class == "F32+cuda"                          # the bands measured on llama.cpp's GPU backend
     rec.extra["arithmetic"] = {k: v for k, v in rec.extra["arithmetic"].items() if k != "reproducible"}
     rec.save(tmp_path / "planted.safetensors")                  # the same dump declaring exact float32
     planted = harness_run.run_subject(eng, load_dump(tmp_path / "planted.safetensors"))
-    assert planted.local_declaration == "exact/float32"
+    assert planted.local_declaration == "exact/float32" and planted.band_class == "F32"
+
+
+def test_a_planted_weight_in_such_a_dump_fails_by_the_gpu_bands(offloading, model, tmp_path):
+    import llorch_ref
+    from llorch_ref.harness import run as harness_run
+    from llorch_ref.references.engines import dump_llamacpp
+    from llorch_ref.testing.plant import plant_scale
+    bad = plant_scale(model, tmp_path / "planted.gguf", "blk.1.ffn_up.weight", 1.05)
+    sub = dump_llamacpp(bad, token_ids=[1, 5, 9, 14, 2, 8], n_greedy=2, n_gpu_layers=99).to_dump()
+    res = harness_run.run_subject(llorch_ref.load(model), sub)
+    v = res.verdict()
+    assert res.band_class == "F32+cuda" and v.status == "FAIL", v.line()
+    assert (v.first_divergence["checkpoint"], v.first_divergence["layer"]) == ("6", 1), v.first_divergence
 
 
 def test_diff_subject_says_the_dump_is_judged_end_to_end(offloading, model, tmp_path):
@@ -135,6 +149,7 @@ def test_the_setting_reaches_llamacpp_from_eval_and_diff(offloading, model):
     SourceSpec("llamacpp", str(model), {"n_gpu_layers": 7}).build(64)
     res = run_diff(llorch_ref.load(model), token_ids=[1, 5, 9, 14], n_greedy=2, n_gpu_layers=7)
     assert offloading == [[7, True], [7, True]] and res.recipe["n_gpu_layers"] == 7
+    assert res.band_class == "F32+cuda"
 
 
 def test_a_negative_count_is_refused():

@@ -2,6 +2,13 @@
 
     python tools/calibrate_bands.py [--write] [--margin 10]
     python tools/calibrate_bands.py --blackbox [--write]     # checkpoints/blackbox_bands.json
+    python tools/calibrate_bands.py --gpu-layers 99 --save-measurements M.json     # on a GPU host
+    python tools/calibrate_bands.py --from-measurements M.json --write            # the '+cuda' bands, here
+    python tools/calibrate_bands.py --held-out [--gpu-layers 99 | --from-measurements H.json]   # false alarms
+
+--gpu-layers: llama.cpp (a llama-cpp-python built with its CUDA backend) runs the layers on the GPU; the bands are
+the classes' "+cuda" ones. --held-out: other prompts (HELD_OUT), nothing written: every comparison outside the
+bands in the checkout is a false alarm, counted per class.
 
 --blackbox: the black-box bands per arithmetic and subject kind, from clean engines' log-probabilities
 (tools/blackbox_figures.py calibrate: the runs it keeps in its cache are reused, their false alarms measured on
@@ -15,6 +22,7 @@ F32/F16. The measured values are stored next to the bands, with this command.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import sys
@@ -27,6 +35,28 @@ PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
     "<|im_start|>user\nWhat is 17 * 23? Think step by step.<|im_end|>\n<|im_start|>assistant\n",
     "In 1969, Apollo 11 landed on the Moon; 3.14159 is pi, and 1,000,000 is a million. Über-naïve café ☕ 日本語",
+]
+# the '+cuda' bands are measured on these too: llama.cpp's CUDA sums differ from the reference's more from prompt to
+# prompt than its CPU sums do (on 5 prompts, margin 10 left false alarms on 8 others)
+EXTRA = [
+    "The quick brown fox jumps over the lazy dog. Then the dog",
+    "Water boils at 100 degrees Celsius because",
+    "<|im_start|>user\nWrite a haiku about autumn.<|im_end|>\n<|im_start|>assistant\n",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+    "Les enfants jouent dans le jardin et",
+    "Step 1: preheat the oven to 180C. Step 2:",
+    "The mitochondria is the powerhouse of",
+    "Q: What is the tallest mountain on Earth?\nA:",
+]
+HELD_OUT = [                # measured against the bands, never used to make them
+    "My grandmother's recipe for apple pie starts with",
+    "SELECT name, age FROM users WHERE",
+    "<|im_start|>user\nTranslate 'good morning' into Spanish.<|im_end|>\n<|im_start|>assistant\n",
+    "The three primary colors are red,",
+    "Once the rain stopped, the children ran outside and",
+    "for (int i = 0; i < n; ++i) {\n    sum +=",
+    "Photosynthesis converts sunlight, water and carbon dioxide into",
+    "Dear hiring manager, I am writing to apply for",
 ]
 CLASSES = {"F32": "f32", "F16": "f16", "Q8_0": "q8_0", "K": "q4_k_m", "Q4_x": None}   # None: the original
 # storage classes: a copy loaded with --weight-dtype (dequantized weights stored reduced, math in float32)
@@ -42,6 +72,14 @@ def main():
     ap.add_argument("--classes", default=None,
                     help="comma list of band classes to measure (default: F32,F16,Q8_0,K,Q4_x); BF16 = the F32 "
                          "copy stored as bfloat16. Other classes' bands are kept.")
+    ap.add_argument("--gpu-layers", type=int, default=0,
+                    help="llama.cpp runs this many layers on its GPU backend (99: all): the classes' '+cuda' bands")
+    ap.add_argument("--save-measurements", type=Path, default=None,
+                    help="also write every comparison measured to this JSON file (measure where the GPU is)")
+    ap.add_argument("--from-measurements", type=Path, default=None,
+                    help="take the comparisons from such a file instead of running them (write the bands here)")
+    ap.add_argument("--held-out", action="store_true",
+                    help="the HELD_OUT prompts against the bands as they are: false alarms counted, nothing written")
     ap.add_argument("--ggml", action="store_true",
                     help="measure numerics='ggml' (F32/F16 K/V) instead and write the 'ggml' band class")
     ap.add_argument("--blackbox", action="store_true",
@@ -51,87 +89,157 @@ def main():
         return calibrate_blackbox(a)
     if a.ggml:
         return calibrate_ggml(a)
+    from llorch_ref.checkpoints import GPU, load_specs
+
+    want = a.classes.split(",") if a.classes else list(CLASSES)
+    unknown = [c for c in want if c not in CLASSES and c not in STORAGE]
+    if unknown:
+        raise SystemExit(f"unknown class(es) {unknown}; known: {list(CLASSES) + list(STORAGE)}")
+    prompts = HELD_OUT if a.held_out else PROMPTS + EXTRA if a.gpu_layers else PROMPTS
+    if a.from_measurements:
+        saved = json.loads(read_text(a.from_measurements))
+        runs, a.gpu_layers, a.greedy, prompts = saved["runs"], saved["gpu_layers"], saved["greedy"], saved["prompts"]
+    else:
+        runs = measure(want, a.greedy, a.gpu_layers, prompts)
+    if a.save_measurements:
+        write_text(a.save_measurements, json.dumps({"command": command(a, saved=False), "gpu_layers": a.gpu_layers,
+                                                    "greedy": a.greedy, "prompts": prompts, "runs": runs}) + "\n")
+    suffix = GPU if a.gpu_layers else ""
+    specs = load_specs()
+    if a.held_out:
+        return false_alarms(specs, runs, suffix)
+    measured = {s.id: {} for s in specs}
+    for cls, cls_runs in runs.items():
+        for cp, m in worst_of(cls_runs, a.gpu_layers).items():
+            measured[cp][cls + suffix] = m
+            print(f"{cls + suffix:10s} cp{cp:3s} nmse {m['worst_nmse']:.3e} max_abs {m['worst_max_abs']:.3e} "
+                  f"agree {m['min_agreement']:.3f}")
+    if a.write:
+        write_bands(specs, measured, a, prompts, keep_others=bool(a.classes or a.gpu_layers))
+    return 0
+
+
+def read_text(path: Path) -> str:
+    """A measurements file, gzip-compressed where its name ends in .gz."""
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+
+
+def write_text(path: Path, text: str):
+    path.write_bytes(gzip.compress(text.encode(), mtime=0) if path.suffix == ".gz" else text.encode())
+
+
+def command(a, saved=True) -> str:
+    cmd = "python tools/calibrate_bands.py --write --margin %g --greedy %d" % (a.margin, a.greedy)
+    if a.classes:
+        cmd += f" --classes {a.classes}"
+    if a.gpu_layers:
+        cmd += f" --gpu-layers {a.gpu_layers}"
+    if saved and a.from_measurements:
+        cmd += f" --from-measurements {a.from_measurements}"
+    return cmd
+
+
+def false_alarms(specs, runs, suffix) -> int:
+    """Every held-out comparison against its band in the checkout (NMSE, argmax agreement, greedy prefix)."""
+    by_id = {s.id: s for s in specs}
+    for cls, cls_runs in runs.items():
+        n = bad = 0
+        for run in cls_runs:
+            for r in run["rows"]:
+                band = by_id[r["cp"]].band(cls + suffix)
+                n += 1
+                over = (("nmse" in band and (r.get("nmse") or 0.0) > band["nmse"])
+                        or ("agreement" in band and r.get("agreement", 1.0) < band["agreement"])
+                        or ("equal_prefix" in band and r.get("equal_prefix", 10**9) < band["equal_prefix"]))
+                if over:
+                    bad += 1
+                    print(f"  {cls + suffix} false alarm: cp{r['cp']} layer {r['layer']} {r['tensor']} {r} "
+                          f"band {band} ({run['prompt'][:30]!r})")
+        print(f"{cls + suffix:10s} {bad} of {n} held-out comparisons outside their bands ({len(cls_runs)} prompts)")
+    return 0
+
+
+def measure(want, greedy, gpu_layers, prompts) -> dict:
+    """{class: [{prompt, model, rows: [{cp, layer, tensor, metric: value}]}]}: llorch-ref (numpy, exact) against
+    llama.cpp on each class's copy of the default model, every prompt."""
     sys.path.insert(0, str(Path(__file__).parent))
     from make_quant_copies import make_copies
 
     import llorch_ref
-    from llorch_ref.checkpoints import load_specs
     from llorch_ref.harness.run import run_diff
     from llorch_ref.loaders.default_model import default_model_path, home
 
     orig = default_model_path()
     copies = make_copies(orig, home() / "models", ["f32", "f16", "q8_0", "q4_k_m"])
-    specs = load_specs()
-    measured = {s.id: {} for s in specs}
-    want = a.classes.split(",") if a.classes else list(CLASSES)
-    unknown = [c for c in want if c not in CLASSES and c not in STORAGE]
-    if unknown:
-        raise SystemExit(f"unknown class(es) {unknown}; known: {list(CLASSES) + list(STORAGE)}")
+    runs = {}
     for cls in want:
         key, store = STORAGE[cls] if cls in STORAGE else (CLASSES[cls], "float32")
         path = orig if key is None else copies[key]
         eng = llorch_ref.load(path, weight_dtype=store)
-        worst = {}
-        for p in PROMPTS:
+        for p in prompts:
             t0 = time.perf_counter()
             # band_class F32 only selects which (placeholder) band is printed; we read the raw figures
-            r = run_diff(eng, prompt=p, n_greedy=a.greedy, band_class="F32")
-            for s in r.summary():
-                w = worst.setdefault(s["checkpoint"], {"nmse": 0.0, "max_abs": 0.0, "cosine": 1.0,
-                                                        "agreement": 1.0})
-                w["nmse"] = max(w["nmse"], s["worst_nmse"] or 0.0)
-                w["max_abs"] = max(w["max_abs"], s["worst_max_abs"] or 0.0)
-                w["cosine"] = min(w["cosine"], 1.0 if s["min_cosine"] is None else s["min_cosine"])
-            for row in r.rows:
-                if "agreement" in row.metrics:
-                    w = worst[row.checkpoint]
-                    w["agreement"] = min(w["agreement"], row.metrics["agreement"])
-                if "equal_prefix" in row.metrics:
-                    w = worst[row.checkpoint]
-                    w["equal_prefix"] = min(w.get("equal_prefix", 10**9), row.metrics["equal_prefix"])
+            r = run_diff(eng, prompt=p, n_greedy=greedy, band_class="F32", n_gpu_layers=gpu_layers)
+            rows = [{"cp": x.checkpoint, "layer": x.layer, "tensor": x.tensor,
+                     **{k: v for k, v in x.metrics.items() if isinstance(v, (int, float))}} for x in r.rows]
+            runs.setdefault(cls, []).append({"prompt": p, "model": path.name, "rows": rows,
+                                             **({"storage": store} if cls in STORAGE else {})})
             print(f"{cls:5s} {time.perf_counter() - t0:5.1f}s {p[:40]!r}", file=sys.stderr)
-        for cp, w in worst.items():
-            measured[cp][cls] = {"worst_nmse": w["nmse"], "worst_max_abs": w["max_abs"], "min_cosine": w["cosine"],
-                                 "min_agreement": w["agreement"], "model": path.name, "prompts": len(PROMPTS),
-                                 **({"storage": f"{store} (--weight-dtype {store} on the {key.upper()} copy)"}
-                                    if cls in STORAGE else {}),
-                                 **({"min_equal_prefix": w["equal_prefix"]} if "equal_prefix" in w else {})}
-            print(f"{cls:5s} cp{cp:3s} nmse {w['nmse']:.3e} max_abs {w['max_abs']:.3e} "
-                  f"cos {w['cosine']:.9f} agree {w['agreement']:.3f}")
-    if not a.write:
-        return 0
-    cmd = "python tools/calibrate_bands.py --write --margin %g --greedy %d" % (a.margin, a.greedy)
-    if a.classes:
-        cmd += f" --classes {a.classes}"
+    return runs
+
+
+def worst_of(cls_runs, gpu_layers) -> dict:
+    """Per checkpoint: the worst NMSE, max abs and cosine, the least argmax agreement and greedy equal prefix."""
+    worst = {}
+    for run in cls_runs:
+        for r in run["rows"]:
+            w = worst.setdefault(r["cp"], {"worst_nmse": 0.0, "worst_max_abs": 0.0, "min_cosine": 1.0,
+                                           "min_agreement": 1.0, "model": run["model"], "prompts": len(cls_runs)})
+            w["worst_nmse"] = max(w["worst_nmse"], r.get("nmse") or 0.0)
+            w["worst_max_abs"] = max(w["worst_max_abs"], r.get("max_abs") or 0.0)
+            w["min_cosine"] = min(w["min_cosine"], r.get("cosine", 1.0))
+            w["min_agreement"] = min(w["min_agreement"], r.get("agreement", 1.0))
+            if "equal_prefix" in r:
+                w["min_equal_prefix"] = min(w.get("min_equal_prefix", 10**9), r["equal_prefix"])
+            if "storage" in run:
+                w["storage"] = f"{run['storage']} (--weight-dtype {run['storage']} on the F32 copy)"
+            if gpu_layers:
+                w["gpu_layers"] = gpu_layers
+    return worst
+
+
+def write_bands(specs, measured, a, prompts, keep_others: bool):
+    """Each spec's bands of the measured classes: margin x the worst NMSE; argmax agreement and greedy prefix
+    exact (1.0) for F32/F16 on the CPU, else half the worst measured. keep_others: the other classes stay."""
+    cmd = command(a)
     for s in specs:
         d = json.loads(s.path.read_text())
-        bands = {k: v for k, v in d["bands"].items() if k != "ggml"} if a.classes else {}
+        bands = {k: v for k, v in d["bands"].items() if k != "ggml"} if keep_others else {}
         for cls, m in measured[s.id].items():
+            exact = cls in EXACT
             if s.id in ("0",):
                 bands[cls] = {"agreement": 1.0}
             elif s.id == "10":
-                exact = cls in EXACT
                 bands[cls] = {"agreement": 1.0 if exact else math.floor(m["min_agreement"] / 2 * 100) / 100}
             elif s.id == "12":
-                # exact classes: every token equal; quantized ones: half the shortest equal prefix measured
-                exact = cls in EXACT
-                bands[cls] = ({"agreement": 1.0} if exact else
-                              {"equal_prefix": int(m["min_equal_prefix"] // 2)})
+                bands[cls] = {"agreement": 1.0} if exact else {"equal_prefix": int(m["min_equal_prefix"] // 2)}
             else:
-                nm = m["worst_nmse"]
-                bands[cls] = {"nmse": float(f"{max(nm, 1e-15) * a.margin:.1e}")}
+                bands[cls] = {"nmse": float(f"{max(m['worst_nmse'], 1e-15) * a.margin:.1e}")}
         keep_ggml = {k: d.get(k, {}).get("ggml") for k in ("bands", "measured")}    # set by --ggml, kept
         d["bands"] = bands
-        by_class = {**(d.get("measured", {}).get("by_class", {}) if a.classes else {}), **measured[s.id]}
-        old_cmd = d.get("measured", {}).get("command")
-        d["measured"] = {"command": cmd if not a.classes or not old_cmd else f"{old_cmd}; then {cmd}",
-                         "margin": a.margin, "prompts": PROMPTS, "greedy_tokens": a.greedy, "by_class": by_class}
+        old = d.get("measured", {})
+        by_class = {**(old.get("by_class", {}) if keep_others else {}), **measured[s.id]}
+        old_cmd = old.get("command")
+        d["measured"] = {"command": cmd if not keep_others or not old_cmd or cmd in old_cmd else f"{old_cmd}; then {cmd}",
+                         "margin": a.margin, "prompts": old.get("prompts", prompts) if a.gpu_layers else prompts,
+                         "greedy_tokens": a.greedy, "by_class": by_class,
+                         **({"gpu_prompts": prompts} if a.gpu_layers else
+                            {"gpu_prompts": old["gpu_prompts"]} if keep_others and "gpu_prompts" in old else {})}
         for k, v in keep_ggml.items():
             if v is not None:
                 d[k]["ggml"] = v
         s.path.write_text(json.dumps(d, indent=2) + "\n")
     print("bands written to", specs[0].path.parent, file=sys.stderr)
-    return 0
 
 
 def calibrate_blackbox(a):

@@ -23,6 +23,12 @@ BAND_CLASS = {"F32": "F32", "F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0",
 CLASS_ORDER = ["F32", "F16", "BF16", "Q8_0", "K", "Q4_x"]       # coarser to the right
 # numerics="ggml" uses the band class "ggml" whatever the weight type: llama.cpp's arithmetic reproduced,
 # so the expected difference is zero.
+# llama.cpp with layers on its GPU backend sums in kernels of its own (CUDA: activations quantized for the
+# integer products, cuBLAS for float weights): the weight class's bands measured on that backend, class "<class>+cuda"
+# (tools/calibrate_bands.py --gpu-layers 99).
+GPU = "+cuda"
+GPU_CLASSES = ["F32", "F16", "Q8_0", "K", "Q4_x"]
+BAND_CLASSES = CLASS_ORDER + [c + GPU for c in GPU_CLASSES] + ["ggml"]      # what --band-class takes
 
 
 @dataclass
@@ -166,8 +172,15 @@ def engine_band_class(engine) -> str:
     return coarser(bc, STORAGE_CLASS.get(store, "F32"))
 
 
+def on_gpu(band_class: str) -> str:
+    """The band class of a comparison whose llama.cpp side ran its layers on the GPU backend."""
+    return band_class if band_class.endswith(GPU) else band_class + GPU
+
+
 def coarser(a: str, b: str) -> str:
-    return max(a, b, key=CLASS_ORDER.index)
+    """The coarser of two band classes; on the GPU backend where either is."""
+    base = max(a.removesuffix(GPU), b.removesuffix(GPU), key=CLASS_ORDER.index)
+    return on_gpu(base) if a.endswith(GPU) or b.endswith(GPU) else base
 
 
 # -- local (teacher-forced) bands: per declared arithmetic, calibrated (local_bands.json) -----

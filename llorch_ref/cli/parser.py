@@ -6,7 +6,7 @@ import argparse
 
 from .. import __version__
 from ..backends import BACKENDS
-from ..checkpoints import CLASS_ORDER
+from ..checkpoints import BAND_CLASSES
 from ..dtypes import KV_DTYPES
 from ..harness.blackbox_options import add_blackbox_options, add_timeout_option
 from ..harness.run import DEFAULT_PROMPT
@@ -360,9 +360,9 @@ def harness_args(sp):
     sp.add_argument("--decode-steps", type=int_in(1, 4096), default=32,
                     help="--subject openai:URL|mistralrs: greedy steps the engine runs (default 32)")
     add_blackbox_options(sp.add_argument, "--", count=int_in(1, 1 << 20))
-    sp.add_argument("--band-class", choices=CLASS_ORDER + ["ggml"], default=None,
+    sp.add_argument("--band-class", choices=BAND_CLASSES, default=None,
                     help="bands to apply with --subject / --reference transformers (default: from the "
-                         "weight types of --model)")
+                         "weight types of --model; CLASS+cuda for a dump of llama.cpp's GPU backend)")
     sp.add_argument("--require", default="auto", metavar="WHAT",
                     help="what must be compared for a PASS (else the verdict is INCOMPLETE, exit 3): auto (default: "
                          "every tensor the subject's engine kind can provide), all, or checkpoint ids, names and "

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from ..backends import available, cpu_threads
-from ..checkpoints import band_class_of, catalogue_path, coarser, engine_band_class, load_specs
+from ..checkpoints import band_class_of, catalogue_path, coarser, engine_band_class, load_specs, on_gpu
 from ..dump import Dump, catalogue, default_score_rows, expected_shape, load_dump, model_sha256
 from ..errors import DumpError, HarnessError, PromptError
 from ..loaders.gguf_file import open_reader
@@ -63,6 +63,8 @@ def run_diff(engine, prompt=DEFAULT_PROMPT, reference_model=None, checkpoints=No
         if reference_model is not None and band_class != "ggml":
             band_class = coarser(band_class, band_class_of({t.name: t.tensor_type.name
                                                             for t in open_reader(ref_path).tensors}))
+        if n_gpu_layers:
+            band_class = on_gpu(band_class)
     ids = engine.tokenizer.encode(prompt) if token_ids is None else list(token_ids)
     timings = {}
     t0 = time.perf_counter()
@@ -195,7 +197,7 @@ def run_subject(engine, sub: Dump, band_class: str | None = None, checkpoints=No
     default from the engine's weight types. require: what the verdict requires covered (harness/verdict.py)."""
     if as_declared:
         engine = declared_engine(engine, sub)
-    band_class = band_class or engine_band_class(engine)
+    band_class = band_class or dump_band_class(engine, sub)
     check_dump_fits(sub, engine.config)
     keep = held_keys(sub)
     check_memory(sub, engine, keep)                   # before anything runs
@@ -223,6 +225,14 @@ def run_subject(engine, sub: Dump, band_class: str | None = None, checkpoints=No
                         numerics=engine.numerics, kv_dtype=engine.kv_dtype, ggml_simd=engine.ggml_simd,
                         decode_ids=sub.decode_token_ids or None, local=True, require=require)
     return res
+
+
+def dump_band_class(engine, sub: Dump) -> str:
+    """The bands a dump is judged by: the reference's weight class, measured on llama.cpp's GPU backend where the
+    dump declares layers run there (settings.n_gpu_layers > 0, no reproducible arithmetic)."""
+    settings = (sub.arithmetic or {}).get("settings") or {}
+    gpu = not reproducible(sub) and int(settings.get("n_gpu_layers") or 0) > 0
+    return on_gpu(engine_band_class(engine)) if gpu else engine_band_class(engine)
 
 
 def reproducible(sub: Dump) -> bool:
