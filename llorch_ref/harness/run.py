@@ -230,9 +230,11 @@ def run_subject(engine, sub: Dump, band_class: str | None = None, checkpoints=No
 def dump_band_class(engine, sub: Dump) -> str:
     """The bands a dump is judged by: the reference's weight class, measured on llama.cpp's GPU backend where the
     dump declares layers run there (settings.n_gpu_layers > 0, no reproducible arithmetic)."""
-    settings = (sub.arithmetic or {}).get("settings") or {}
-    gpu = not reproducible(sub) and int(settings.get("n_gpu_layers") or 0) > 0
-    return on_gpu(engine_band_class(engine)) if gpu else engine_band_class(engine)
+    settings = (sub.arithmetic or {}).get("settings")
+    layers = settings.get("n_gpu_layers") if isinstance(settings, dict) else None      # a third party's file
+    gpu = not reproducible(sub) and isinstance(layers, int) and layers > 0
+    bc = engine_band_class(engine)
+    return on_gpu(bc) if gpu else bc
 
 
 def reproducible(sub: Dump) -> bool:
